@@ -1,0 +1,32 @@
+from kuberl.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PushAck(_message.Message):
+    __slots__ = ("accepted", "duplicates", "rejected", "last_accepted_seq", "high_water_seq")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCEPTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    rejected: int
+    last_accepted_seq: int
+    high_water_seq: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., last_accepted_seq: _Optional[int] = ..., high_water_seq: _Optional[int] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("learner_id", "algorithm", "batch_size", "max_batches")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    algorithm: _common_pb2.Algorithm
+    batch_size: int
+    max_batches: int
+    def __init__(self, learner_id: _Optional[str] = ..., algorithm: _Optional[_Union[_common_pb2.Algorithm, str]] = ..., batch_size: _Optional[int] = ..., max_batches: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,5 @@
+import sys
+
+from services.actor.main import main
+
+sys.exit(main())

@@ -1,0 +1,126 @@
+"""Actor wiring: config -> envs + policy (rollout.py) -> gRPC server -> push/weights loops -> shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import uuid
+from contextlib import asynccontextmanager
+
+from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from services.actor.push import Pusher
+from services.actor.rollout import Rollout, RolloutWorker
+from services.actor.servicer import ActorServicer
+from services.actor.subscribe import subscribe_weights
+from services.common.config import ExperimentConfig, load_config
+from services.common.grpcutil import MiB, make_channel, start_server
+from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.stats import Metrics
+
+# The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,
+# starving the event loop that pushes fragments and receives weights; hand it over sooner.
+SWITCH_INTERVAL_S = 0.0001
+
+log = logging.getLogger(__name__)
+SHUTDOWN_DEADLINE_S = 20.0
+
+
+async def _tick(metrics: Metrics) -> None:
+    while True:
+        metrics.tick()
+        await asyncio.sleep(1.0)
+
+
+async def _watch(worker_done: asyncio.Future) -> None:
+    """Re-raise, inside the TaskGroup, whatever ended the rollout thread (a crash ends the process)."""
+    await worker_done
+
+
+@asynccontextmanager
+async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: str,
+                  actor_id: str | None = None, actor_index: int = 0):
+    """Start an actor; yields its bound address. Leaving the context runs the shutdown sequence."""
+    actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    metrics = Metrics("actor")
+    loop = asyncio.get_running_loop()
+    # Envs are created before any channel is opened (fork safety for subprocess envs).
+    rollout = Rollout(cfg, actor_id, actor_index, metrics)
+    max_bytes = cfg.buffer.max_message_mb * MiB
+    srv = await start_server(listen, lambda s: actor_pb2_grpc.add_ActorServicer_to_server(
+        ActorServicer(rollout, metrics), s), [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name],
+        max_message_bytes=max_bytes)
+    buffer_ch, learner_ch = make_channel(buffer, max_bytes), make_channel(learner, max_bytes)
+    pusher = Pusher(buffer_pb2_grpc.BufferStub(buffer_ch), cfg.actor.queue_fragments,
+                    cfg.actor.push_ack_interval_s, metrics)
+    worker_done: asyncio.Future = loop.create_future()
+
+    def done(exc):
+        loop.call_soon_threadsafe(lambda: worker_done.done() or (
+            worker_done.set_exception(exc) if exc else worker_done.set_result(None)))
+
+    worker = RolloutWorker(rollout, lambda msg: loop.call_soon_threadsafe(pusher.enqueue, msg), done)
+    stopping = asyncio.Event()
+    log.info("actor %s: %s x%d, %s, buffer %s, learner %s", actor_id, cfg.env.id, cfg.env.num_envs,
+             cfg.algorithm, buffer, learner)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            push = tg.create_task(pusher.run(stopping), name="push")
+            side = [tg.create_task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id,
+                                                     rollout, metrics), name="weights"),
+                    tg.create_task(_tick(metrics), name="stats")]
+            watch = tg.create_task(_watch(worker_done), name="rollout-watch")
+            worker.start()
+            await srv.set_serving(True)
+            try:
+                yield srv.address
+            finally:
+                # Shutdown, in order, under one hard deadline so a hung drain cannot wedge a pod:
+                async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
+                    await srv.set_serving(False)           # 1. readiness goes NOT_SERVING
+                    worker.stop_event.set()                 # 2. stop stepping; the partial fragment
+                    await watch                             #    is flushed into the queue
+                    await asyncio.sleep(0)                  #    (let its enqueue callback run)
+                    stopping.set()                          # 3. drain: push what is queued, get acked
+                    try:
+                        await asyncio.wait_for(asyncio.shield(push), SHUTDOWN_DEADLINE_S / 2)
+                    except TimeoutError:
+                        log.warning("buffer unreachable at shutdown: %d fragments not delivered",
+                                    pusher.pending)
+                        metrics.inc("actor/fragments_dropped_total", pusher.pending)
+                        push.cancel()
+                    for task in side:
+                        task.cancel()
+                    await srv.server.stop(grace=1.0)       # 4. stop serving stats
+    finally:
+        await buffer_ch.close()                             # 5. close channels, release envs
+        await learner_ch.close()
+        rollout.close()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = base_parser("actor", 50053, "Steps environments and pushes trajectory fragments to a buffer.")
+    p.add_argument("--buffer", default=os.environ.get("KUBERL_BUFFER", "127.0.0.1:50051"),
+                   help="buffer address host:port (default $KUBERL_BUFFER or 127.0.0.1:50051)")
+    p.add_argument("--learner", default=os.environ.get("KUBERL_LEARNER", "127.0.0.1:50052"),
+                   help="learner address host:port (default $KUBERL_LEARNER or 127.0.0.1:50052)")
+    p.add_argument("--actor-id", default=None, help="unique actor id (default: host-pid-random)")
+    p.add_argument("--actor-index", type=int, default=0, help="index used to derive env seeds")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    cfg = load_config(args.config)
+    async with serving(cfg, listen=args.listen, buffer=args.buffer, learner=args.learner,
+                       actor_id=args.actor_id, actor_index=args.actor_index) as address:
+        write_ready_file(args.ready_file, address)
+        log.info("actor serving on %s", address)
+        await stop.wait()
+
+
+def main(argv=None) -> int:
+    return run_service("actor", parse_args(argv), serve)

@@ -1,0 +1,205 @@
+"""The actor's core: step a gymnasium vector env with the local policy and cut trajectory fragments.
+
+No gRPC and no asyncio here. `Rollout.collect` runs in the actor's worker thread; the only
+cross-thread inputs are `offer_weights` (a single-slot handoff, newest wins) and the stop flag.
+Weights are swapped in between fragments, so every action of a fragment comes from the one
+`policy_version` stamped on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from kuberl.v1 import common_pb2 as pb
+from services.common.config import ExperimentConfig
+from services.common.fragments import ALGORITHM_CODES, build_fragment
+from services.common.nets import build_network, env_spec, load_numpy
+from services.common.stats import Metrics
+
+log = logging.getLogger(__name__)
+EPISODES_KEPT = 4096
+
+
+def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
+    """Linear epsilon schedule (CleanRL's linear_schedule), by the actor's own env steps."""
+    return max(end, start + (end - start) * step / duration)
+
+
+class Pacer:
+    """Sleeps the calling thread to hold `rate` calls per second (0 = no limit); never bursts to catch up."""
+
+    def __init__(self, rate: float):
+        self.interval = 1.0 / rate if rate else 0.0
+        self._next = time.monotonic()
+
+    def step(self) -> None:
+        if not self.interval:
+            return
+        now = time.monotonic()
+        self._next = max(self._next + self.interval, now - self.interval)
+        if self._next > now:
+            time.sleep(self._next - now)
+
+
+class Rollout:
+    def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics):
+        torch.set_num_threads(cfg.actor.torch_threads)
+        self.cfg, self.actor_id, self.metrics = cfg, actor_id, metrics
+        self.algorithm = ALGORITHM_CODES[cfg.algorithm]
+        self.spec = env_spec(cfg.env.id, cfg.env.max_episode_steps)
+        n = cfg.env.num_envs
+        self.envs = gym.make_vec(cfg.env.id, num_envs=n, vectorization_mode="sync",
+                                 vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+                                 max_episode_steps=cfg.env.max_episode_steps)
+        seed = cfg.env.seed + 1000 * actor_index
+        self.obs, _ = self.envs.reset(seed=seed)
+        self.rng = np.random.default_rng(seed)
+        torch.manual_seed(seed)
+        self.net = build_network(cfg.algorithm, self.spec, cfg.hidden_sizes)
+        self.net.eval()
+        self.policy_version: int | None = None  # None until the learner's first weights arrive
+        self.have_weights = threading.Event()
+        self._pending: tuple[int, dict] | None = None
+        self.seq = 0
+        self.env_steps = 0
+        self.episode_count = 0
+        self.episodes: deque[pb.Episode] = deque(maxlen=EPISODES_KEPT)
+        self._ep_return = np.zeros(n)
+        self._ep_len = np.zeros(n, dtype=np.int64)
+        self._pace = Pacer(cfg.actor.max_env_steps_per_s / n if cfg.actor.max_env_steps_per_s else 0.0)
+        metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
+        metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
+
+    # -- weights (called from the event loop thread) --------------------------------------------
+    def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+        """Hand over new weights; they are loaded before the next fragment. Newest offer wins."""
+        self._pending = (version, arrays)  # one atomic reference assignment
+        self.have_weights.set()
+
+    def _swap_weights(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            version, arrays = pending
+            load_numpy(self.net, arrays)
+            self.policy_version = version
+            self.metrics.set("actor/policy_version", version)
+            self.metrics.inc("actor/weights_swapped_total")
+
+    # -- acting ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        x = torch.from_numpy(obs)
+        if self.cfg.algorithm == "ppo":
+            dist = self.net.dist(x)
+            action = dist.sample()
+            return action.numpy(), dist.log_prob(action).numpy()
+        d = self.cfg.dqn
+        eps = epsilon_at(self.env_steps, d.start_epsilon, d.end_epsilon, d.exploration_steps)
+        self.metrics.set("actor/epsilon", eps)
+        action = self.net(x).argmax(dim=1).numpy()
+        explore = self.rng.random(len(action)) < eps
+        action[explore] = self.rng.integers(0, self.spec.num_actions, int(explore.sum()))
+        return action, None
+
+    def collect(self, stop: threading.Event | None = None) -> pb.TrajectoryFragment | None:
+        """Step every env T times (fewer if `stop` is set meanwhile) and return the fragment.
+
+        Blocking; call from the worker thread. Returns None only if stopped before any step.
+        """
+        self._swap_weights()
+        T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
+        obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
+        actions = np.empty((T, N), dtype=np.int64)
+        rewards = np.empty((T, N), dtype=np.float32)
+        terminated = np.empty((T, N), dtype=bool)
+        truncated = np.empty((T, N), dtype=bool)
+        logprob = np.empty((T, N), dtype=np.float32) if self.cfg.algorithm == "ppo" else None
+        final_obs, final_index = [], []
+        obs_buf[0] = self.obs
+        t = 0
+        while t < T and not (stop is not None and stop.is_set()):
+            a, lp = self.act(self.obs)
+            obs, r, term, trunc, info = self.envs.step(a)
+            actions[t], rewards[t], terminated[t], truncated[t] = a, r, term, trunc
+            if logprob is not None:
+                logprob[t] = lp
+            self._ep_return += r
+            self._ep_len += 1
+            for i in np.flatnonzero(term | trunc):
+                final_obs.append(info["final_obs"][i])
+                final_index.append(t * N + i)
+                self._finish_episode(i)
+            obs_buf[t + 1] = obs
+            self.obs = obs
+            t += 1
+            self.env_steps += N
+            self.metrics.inc("actor/env_steps_total", N)
+            self._pace.step()
+        if t == 0:
+            return None
+        msg = build_fragment(
+            actor_id=self.actor_id, seq=self.seq, policy_version=self.policy_version or 0,
+            algorithm=self.algorithm, env_ids=range(N), obs=obs_buf[:t + 1], actions=actions[:t],
+            rewards=rewards[:t], terminated=terminated[:t], truncated=truncated[:t],
+            final_obs=(np.stack(final_obs) if final_obs
+                       else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
+            final_index=np.asarray(final_index, dtype=np.int64),
+            behaviour_logprob=None if logprob is None else logprob[:t])
+        self.seq += 1
+        self.metrics.inc("actor/fragments_total")
+        return msg
+
+    def _finish_episode(self, i: int) -> None:
+        self.episode_count += 1
+        self.episodes.append(pb.Episode(
+            index=self.episode_count, episode_return=float(self._ep_return[i]), length=int(self._ep_len[i]),
+            actor_env_steps=self.env_steps, policy_version=self.policy_version or 0, end_unix_s=time.time()))
+        self.metrics.inc("actor/episodes_total")
+        self.metrics.rolling("actor/episode_return", 100).add(self._ep_return[i])
+        self._ep_return[i] = 0.0
+        self._ep_len[i] = 0
+
+    def episodes_after(self, cursor: int) -> list[pb.Episode]:
+        return [e for e in list(self.episodes) if e.index > cursor]
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+class RolloutWorker(threading.Thread):
+    """Runs `Rollout.collect` in a loop, handing every fragment to `on_fragment` (thread-safe).
+
+    Waits once, at start, for the learner's first weights; after that it never waits on the network.
+    `done` (a callable) receives None on a clean stop or the exception that ended the thread.
+    """
+
+    def __init__(self, rollout: Rollout, on_fragment, done):
+        super().__init__(name="rollout", daemon=True)
+        self.rollout, self.on_fragment, self.done = rollout, on_fragment, done
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            waited = 0.0
+            while not self.rollout.have_weights.wait(timeout=0.5):
+                if self.stop_event.is_set():
+                    self.done(None)
+                    return
+                waited += 0.5
+                if waited % 10 == 0:
+                    log.info("waiting for the learner's first weights (%.0f s)", waited)
+            while not self.stop_event.is_set():
+                msg = self.rollout.collect(self.stop_event)
+                if msg is not None:
+                    self.on_fragment(msg)
+        except BaseException as exc:  # handed to the event loop, which ends the process loudly
+            self.done(exc)
+            return
+        self.done(None)

@@ -1,0 +1,1 @@
+"""The buffer service: stores experience and streams training batches. Never imports torch."""

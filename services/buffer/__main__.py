@@ -1,0 +1,5 @@
+import sys
+
+from services.buffer.main import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""Thin gRPC adapter of the buffer: PushTrajectories, StreamBatches, GetStats -> Store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from grpc._cython import cygrpc
+
+from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+from services.buffer.store import Outcome, Store
+from services.common.fragments import ALGORITHM_NAMES, MAX_ID_LEN
+from services.common.notify import Notifier
+from services.common.stats import Metrics
+from services.common.tensors import TensorError
+
+log = logging.getLogger(__name__)
+MAX_BATCH_SIZE = 1 << 20
+
+
+class BufferServicer(buffer_pb2_grpc.BufferServicer):
+    def __init__(self, store: Store, metrics: Metrics):
+        self.store, self.metrics = store, metrics
+        self.inserted = Notifier()
+        self.closing = False
+
+    async def PushTrajectories(self, request_iterator, context) -> buffer_pb2.PushAck:
+        ack = buffer_pb2.PushAck()
+        actor_id = None
+        async for msg in request_iterator:
+            if self.closing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "buffer is shutting down")
+            try:
+                outcome = self.store.insert(msg)
+            except TensorError as err:
+                self.metrics.inc("buffer/fragments_invalid_total")
+                log.warning("refused fragment seq %d from %r: %s", msg.seq, msg.actor_id[:MAX_ID_LEN], err)
+                md = [("kuberl-rejected-seq", str(msg.seq)), ("kuberl-accepted", str(ack.accepted))]
+                if ack.HasField("last_accepted_seq"):
+                    md.append(("kuberl-last-accepted-seq", str(ack.last_accepted_seq)))
+                context.set_trailing_metadata(md)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"fragment seq {msg.seq}: {err}")
+            actor_id = msg.actor_id
+            if outcome is Outcome.ACCEPTED:
+                ack.accepted += 1
+                ack.last_accepted_seq = max(msg.seq, ack.last_accepted_seq) if ack.HasField(
+                    "last_accepted_seq") else msg.seq
+                self.inserted.notify()
+            else:
+                ack.duplicates += 1
+        if actor_id is not None and (high := self.store.high_water(actor_id)) is not None:
+            ack.high_water_seq = high
+        return ack
+
+    async def StreamBatches(self, request: buffer_pb2.BatchRequest, context):
+        if not 0 < len(request.learner_id) <= MAX_ID_LEN:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner_id: must be 1..{MAX_ID_LEN} characters")
+        if request.algorithm != self.store.algorithm:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"algorithm: request is for {ALGORITHM_NAMES.get(request.algorithm, request.algorithm)}"
+                                f" but this buffer serves {ALGORITHM_NAMES[self.store.algorithm]}")
+        if not 0 < request.batch_size <= MAX_BATCH_SIZE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"batch_size: {request.batch_size} is outside 1..{MAX_BATCH_SIZE}")
+        log.info("learner %s streaming batches of %d", request.learner_id, request.batch_size)
+        sent = 0
+        while not self.closing and (request.max_batches == 0 or sent < request.max_batches):
+            batch = self.store.next_batch(request.batch_size)
+            if batch is None:
+                started = time.monotonic()
+                await self.inserted.wait(timeout=1.0)
+                if self.store.wait_reason == "paced":
+                    self.metrics.inc("buffer/paced_seconds_total", time.monotonic() - started)
+                continue
+            batch.batch_id = sent
+            try:
+                await context.write(batch)
+            except (asyncio.CancelledError, grpc.RpcError, cygrpc.UsageError, cygrpc.ExecuteBatchError) as err:
+                # The learner went away with this batch unsent: its samples are gone, so count them.
+                lost = self.store.batch_samples(batch)
+                self.metrics.inc("buffer/samples_lost_in_transit_total", lost)
+                log.info("learner %s went away; %d samples of batch %d were not delivered",
+                         request.learner_id, lost, sent)
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                return
+            sent += 1
+
+    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
+        metrics = self.metrics.snapshot()
+        metrics.update(self.store.gauges())
+        return pb.GetStatsResponse(role="buffer", instance_id=self.metrics.instance_id,
+                                   heartbeat_unix_s=time.time(), uptime_s=time.time() - self.metrics.started,
+                                   metrics=metrics)

@@ -1,0 +1,1 @@
+"""The `kuberl` command line: one subcommand per role, plus `up` (a whole local run) and `stats`."""

@@ -1,0 +1,42 @@
+"""`kuberl stats ADDR`: print any kuberl service's GetStats as JSON (it works out which service it is)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+
+STUBS = (buffer_pb2_grpc.BufferStub, learner_pb2_grpc.LearnerStub, actor_pb2_grpc.ActorStub)
+
+
+def get_stats(channel: grpc.Channel, timeout_s: float = 5.0, episodes_after: int = 0) -> pb.GetStatsResponse:
+    """GetStats from whichever kuberl service listens on `channel` (blocking)."""
+    last: grpc.RpcError | None = None
+    for stub in STUBS:
+        try:
+            return stub(channel).GetStats(pb.GetStatsRequest(episodes_after=episodes_after), timeout=timeout_s)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            last = err
+    raise last
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kuberl stats", description=__doc__)
+    p.add_argument("address", help="host:port of an actor, buffer or learner")
+    p.add_argument("--timeout", type=float, default=5.0)
+    args = p.parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            resp = get_stats(channel, args.timeout)
+        except grpc.RpcError as err:
+            print(f"kuberl stats: {args.address}: {err.code().name}: {err.details()}")
+            return 1
+    print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), indent=2, sort_keys=True))
+    return 0

@@ -1,0 +1,315 @@
+"""The experiment config: one YAML file, one frozen dataclass per concern, validated on load.
+
+Every role reads its part of the same file. `load_config` refuses unknown keys, wrong types and
+impossible values with a ConfigError that names the dotted key (e.g. `ppo.clip_coef`), the value
+and why it cannot work. Derived values are properties; nothing is mutated after parsing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid experiment config; the message starts with the dotted key at fault."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def _require(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(key, f"{value!r} is invalid: {why}")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Which environment actors step and how many copies each actor runs."""
+    id: str = "CartPole-v1"           # gymnasium id
+    num_envs: int = 8                 # env copies per actor (one vector env)
+    seed: int = 0                     # base seed; actor i uses seed + 1000 * i
+    max_episode_steps: int | None = None  # override the env's time limit
+
+    def __post_init__(self):
+        _require(bool(self.id), "id", self.id, "an env id is required")
+        _require(1 <= self.num_envs <= 4096, "num_envs", self.num_envs, "must be 1..4096")
+        _require(self.max_episode_steps is None or self.max_episode_steps > 0, "max_episode_steps",
+                 self.max_episode_steps, "must be positive")
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO (clipped objective, GAE), as in CleanRL's ppo.py; a batch is whole fragments."""
+    rollout_steps: int = 64           # T: steps per env in one fragment
+    batch_steps: int = 512            # steps per learner batch (whole fragments, at least this many)
+    num_epochs: int = 4               # passes over each batch
+    num_minibatches: int = 4          # minibatches per epoch
+    learning_rate: float = 1e-3
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    norm_adv: bool = True
+    hidden_sizes: tuple[int, ...] = (64, 64)
+
+    def __post_init__(self):
+        _require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
+        _require(self.batch_steps >= 1, "batch_steps", self.batch_steps, "must be >= 1")
+        _require(self.num_epochs >= 1, "num_epochs", self.num_epochs, "must be >= 1")
+        _require(1 <= self.num_minibatches <= self.batch_steps, "num_minibatches", self.num_minibatches,
+                 "must be 1..batch_steps, or minibatches would be empty")
+        _require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
+        _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        _require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        _require(self.clip_coef > 0, "clip_coef", self.clip_coef, "must be > 0")
+        _require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
+        _require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes,
+                 "every layer needs a positive width")
+
+
+@dataclass(frozen=True)
+class DQNConfig:
+    """Double DQN with a target network, as in CleanRL's dqn.py; uniform replay in the buffer."""
+    rollout_steps: int = 16           # T: steps per env in one fragment
+    buffer_size: int = 50_000         # replay capacity in transitions
+    batch_size: int = 128             # transitions per update
+    learning_rate: float = 1e-3
+    gamma: float = 0.99
+    target_update_interval: int = 250  # updates between target-network syncs
+    tau: float = 1.0                  # 1.0 = hard copy
+    learning_starts: int = 1000       # transitions stored before the buffer serves batches
+    # Transitions consumed per transition inserted; the buffer holds back batches above it.
+    # 0 = serve as fast as the learner reads.
+    max_replay_ratio: float = 8.0
+    start_epsilon: float = 1.0
+    end_epsilon: float = 0.05
+    exploration_steps: int = 10_000   # env steps (per actor) to anneal epsilon over
+    double_dqn: bool = True
+    max_grad_norm: float = 10.0
+    hidden_sizes: tuple[int, ...] = (128, 128)
+
+    def __post_init__(self):
+        _require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
+        _require(self.buffer_size >= self.batch_size, "buffer_size", self.buffer_size,
+                 f"must hold at least one batch ({self.batch_size})")
+        _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        _require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
+        _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        _require(self.target_update_interval >= 1, "target_update_interval", self.target_update_interval,
+                 "must be >= 1")
+        _require(0 < self.tau <= 1, "tau", self.tau, "must be in (0, 1]")
+        _require(self.batch_size <= self.learning_starts <= self.buffer_size, "learning_starts",
+                 self.learning_starts, f"must be between batch_size ({self.batch_size}) and buffer_size "
+                                       f"({self.buffer_size}), or the first batch could never be cut")
+        _require(self.max_replay_ratio >= 0, "max_replay_ratio", self.max_replay_ratio, "must be >= 0")
+        for name in ("start_epsilon", "end_epsilon"):
+            _require(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
+        _require(self.exploration_steps >= 1, "exploration_steps", self.exploration_steps, "must be >= 1")
+        _require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
+        _require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes,
+                 "every layer needs a positive width")
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """How many processes of each role `kuberl up` starts."""
+    actors: int = 1
+    learners: int = 1
+    buffers: int = 1
+
+    def __post_init__(self):
+        _require(1 <= self.actors <= 256, "actors", self.actors, "must be 1..256")
+        _require(self.learners == 1, "learners", self.learners,
+                 "only one learner per experiment is supported so far (no gradient all-reduce yet)")
+        _require(self.buffers == 1, "buffers", self.buffers,
+                 "only one buffer per experiment is supported so far (no sharding yet)")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """Actor process settings."""
+    queue_fragments: int = 64         # bounded send queue; the oldest fragment is dropped (and counted) when full
+    push_ack_interval_s: float = 2.0  # a push stream is half-closed and acknowledged this often
+    torch_threads: int = 1
+    # Cap on env steps per second (all of this actor's envs together); 0 = as fast as possible.
+    # Sleeping here frees the CPU for the learner on a shared machine; the actor never waits on the network.
+    max_env_steps_per_s: float = 0.0
+
+    def __post_init__(self):
+        _require(self.max_env_steps_per_s >= 0, "max_env_steps_per_s", self.max_env_steps_per_s, "must be >= 0")
+        _require(self.queue_fragments >= 1, "queue_fragments", self.queue_fragments, "must be >= 1")
+        _require(self.push_ack_interval_s > 0, "push_ack_interval_s", self.push_ack_interval_s, "must be > 0")
+        _require(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Buffer process settings."""
+    max_message_mb: int = 64          # largest fragment accepted / batch sent, MiB
+    fifo_capacity_steps: int = 8192   # PPO: steps held before the oldest fragment is evicted (counted)
+    batch_prefetch: int = 2           # batches cut ahead of the learner per stream
+
+    def __post_init__(self):
+        _require(1 <= self.max_message_mb <= 1024, "max_message_mb", self.max_message_mb, "must be 1..1024")
+        _require(self.fifo_capacity_steps >= 1, "fifo_capacity_steps", self.fifo_capacity_steps, "must be >= 1")
+        _require(self.batch_prefetch >= 1, "batch_prefetch", self.batch_prefetch, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Learner process settings."""
+    publish_interval_updates: int = 1  # K: publish weights every K updates
+    checkpoint_interval_s: float = 60.0  # T: also checkpoint on shutdown
+    keep_checkpoints: int = 3
+    torch_threads: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self):
+        _require(self.publish_interval_updates >= 1, "publish_interval_updates",
+                 self.publish_interval_updates, "must be >= 1")
+        _require(self.checkpoint_interval_s > 0, "checkpoint_interval_s", self.checkpoint_interval_s, "must be > 0")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _require(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
+                 "must be 'cpu' or 'cuda[:N]'")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """When `kuberl up` stops and where it writes."""
+    target_return: float | None = 475.0  # stop when the mean return over `return_window` episodes reaches it
+    return_window: int = 100
+    max_env_steps: int = 1_000_000    # stop after this many env steps (all actors together)
+    max_seconds: float | None = None  # stop after this much wall time
+    run_dir: str = "runs"             # parent directory of run directories
+    poll_interval_s: float = 1.0      # stats polling and progress period
+
+    def __post_init__(self):
+        _require(self.return_window >= 1, "return_window", self.return_window, "must be >= 1")
+        _require(self.max_env_steps >= 1, "max_env_steps", self.max_env_steps, "must be >= 1")
+        _require(self.max_seconds is None or self.max_seconds > 0, "max_seconds", self.max_seconds, "must be > 0")
+        _require(self.poll_interval_s > 0, "poll_interval_s", self.poll_interval_s, "must be > 0")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The whole experiment. `algorithm` picks which of `ppo` / `dqn` applies."""
+    algorithm: str = "ppo"
+    seed: int = 0
+    env: EnvConfig = field(default_factory=EnvConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    dqn: DQNConfig = field(default_factory=DQNConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        _require(self.algorithm in ("ppo", "dqn"), "algorithm", self.algorithm, "must be 'ppo' or 'dqn'")
+
+    @property
+    def rollout_steps(self) -> int:
+        return self.ppo.rollout_steps if self.algorithm == "ppo" else self.dqn.rollout_steps
+
+    @property
+    def hidden_sizes(self) -> tuple[int, ...]:
+        return self.ppo.hidden_sizes if self.algorithm == "ppo" else self.dqn.hidden_sizes
+
+    def to_dict(self) -> dict:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
+
+
+def _convert(tp, value, key: str):
+    """Check `value` against the annotation `tp` (strictly: no bool for int, no str for float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, key)
+    if dataclasses.is_dataclass(tp):
+        if value is None:  # `section:` with nothing under it means "all defaults"
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a mapping of settings, got {type(value).__name__}")
+        return _build(tp, value, key + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")
+        (item, _) = typing.get_args(tp)
+        return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+        return float(value)  # PyYAML (YAML 1.1) reads `1e-3` as a string; users mean the number
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise ConfigError(key, f"must be {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}", f"unknown key (known keys here: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if e.key.startswith(prefix) and prefix:
+            raise
+        raise ConfigError(f"{prefix}{e.key}", str(e).split(": ", 1)[1]) from None
+
+
+def config_from_dict(data: dict | None) -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from plain data; raises ConfigError naming the key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", f"the config must be a mapping, got {type(data).__name__}")
+    return _build(ExperimentConfig, data)
+
+
+def load_config(path: str | Path | None) -> ExperimentConfig:
+    """Load a YAML experiment config (None = all defaults: CartPole-v1 with PPO)."""
+    if path is None:
+        return ExperimentConfig()
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError("<file>", f"{path} is not valid YAML: {e}") from None
+    return config_from_dict(data)
+
+
+def dump_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    """Write the resolved config (every default filled in) as YAML."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,69 @@
+"""Process lifecycle shared by every service: argument parsing, logging, uvloop, signals, exit codes.
+
+`run_service` runs `serve(args, stop)` on uvloop; SIGTERM and SIGINT set `stop`, after which the
+service runs its own shutdown sequence. A crash in any background loop ends the process with
+exit code 1 (Kubernetes restarts it); a clean stop exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def base_parser(role: str, default_port: int, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"kuberl {role}", description=description)
+    p.add_argument("--config", default=os.environ.get("KUBERL_CONFIG"),
+                   help="experiment config YAML (default: $KUBERL_CONFIG, else built-in CartPole PPO)")
+    p.add_argument("--listen", default=f"0.0.0.0:{default_port}",
+                   help=f"host:port to serve gRPC on; port 0 picks a free one (default 0.0.0.0:{default_port})")
+    p.add_argument("--ready-file", default=None,
+                   help="write {address, pid} as JSON here once serving (used by `kuberl up`)")
+    p.add_argument("--log-level", default=os.environ.get("KUBERL_LOG_LEVEL", "INFO"))
+    return p
+
+
+def configure_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
+
+
+def write_ready_file(path: str | None, address: str) -> None:
+    if not path:
+        return
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+def run_service(role: str, args: argparse.Namespace,
+                serve: Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]) -> int:
+    """Run a service until SIGTERM/SIGINT; return the process exit code."""
+    configure_logging(args.log_level, role)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop)
+
+    import uvloop
+
+    try:
+        uvloop.run(main())
+    except Exception as exc:  # a background loop crashed: end loudly, let the supervisor restart us
+        for err in (exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]):
+            log.critical("%s failed: %s", role, err, exc_info=err)
+        return 1
+    log.info("%s stopped cleanly", role)
+    return 0

@@ -1,0 +1,107 @@
+"""Counters, gauges, EWMA rates and rolling distributions of one service (the GetStats payload).
+
+Names follow `<role>/<name>` with the unit in the name (`actor/env_steps_per_s`,
+`buffer/fragments_duplicate_total`). Counters may be incremented from one worker thread while the
+event loop reads snapshots; each counter has a single writer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections import defaultdict, deque
+
+import numpy as np
+
+
+class Ewma:
+    """Exponentially weighted rate of a monotonic counter, with half-life `halflife_s` seconds."""
+
+    def __init__(self, halflife_s: float = 5.0):
+        self.halflife_s = halflife_s
+        self.value = 0.0
+        self._last: tuple[float, float] | None = None  # (time, counter)
+
+    def update(self, counter: float, now: float) -> float:
+        if self._last is None:
+            self._last = (now, counter)
+            return self.value
+        t0, c0 = self._last
+        dt = now - t0
+        if dt <= 0:
+            return self.value
+        inst = (counter - c0) / dt
+        alpha = 1.0 - math.exp(-dt * math.log(2) / self.halflife_s)
+        # The first interval sets the rate directly so it does not ramp up from zero.
+        self.value = inst if self.value == 0.0 else self.value + alpha * (inst - self.value)
+        self._last = (now, counter)
+        return self.value
+
+
+class Rolling:
+    """The last `size` observations of a quantity; summarised as mean/p50/p95/max."""
+
+    def __init__(self, size: int = 4096):
+        self._values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self._values.append(float(value))
+
+    def extend(self, values) -> None:
+        self._values.extend(float(v) for v in values)
+
+    def summary(self, prefix: str) -> dict[str, float]:
+        if not self._values:
+            return {}
+        arr = np.fromiter(self._values, dtype=np.float64)
+        p50, p95 = np.percentile(arr, [50, 95])
+        return {f"{prefix}_mean": float(arr.mean()), f"{prefix}_p50": float(p50),
+                f"{prefix}_p95": float(p95), f"{prefix}_max": float(arr.max())}
+
+
+class Metrics:
+    """A service's metrics: `inc` counters, `set` gauges, rates derived from counters by `tick`."""
+
+    def __init__(self, role: str, halflife_s: float = 5.0, instance_id: str | None = None):
+        self.role = role
+        self.instance_id = instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.started = time.time()
+        self.counters: dict[str, float] = defaultdict(float)
+        self.gauges: dict[str, float] = {}
+        self.rollings: dict[str, Rolling] = {}
+        self._rates: dict[str, tuple[str, Ewma]] = {}
+        self._halflife_s = halflife_s
+
+    def inc(self, name: str, n: float = 1) -> None:
+        self.counters[name] += n
+
+    def set(self, name: str, value: float) -> None:
+        self.gauges[name] = float(value)
+
+    def rolling(self, name: str, size: int = 4096) -> Rolling:
+        if name not in self.rollings:
+            self.rollings[name] = Rolling(size)
+        return self.rollings[name]
+
+    def track_rate(self, rate_name: str, counter_name: str) -> None:
+        """Report `rate_name` as the EWMA per-second rate of counter `counter_name`."""
+        self._rates[rate_name] = (counter_name, Ewma(self._halflife_s))
+        self.counters[counter_name] += 0
+
+    def tick(self, now: float | None = None) -> None:
+        """Fold the counters' progress into the EWMA rates; call about once a second."""
+        now = time.monotonic() if now is None else now
+        for counter_name, ewma in self._rates.values():
+            ewma.update(self.counters[counter_name], now)
+
+    def snapshot(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in list(self.counters.items())}
+        out.update(self.gauges)
+        for rate_name, (_, ewma) in self._rates.items():
+            out[rate_name] = ewma.value
+        for name, rolling in list(self.rollings.items()):
+            out.update(rolling.summary(name))
+        out[f"{self.role}/uptime_s"] = time.time() - self.started
+        return out

@@ -1,0 +1,104 @@
+"""The one module that knows the Tensor wire encoding: dtype + shape + raw little-endian bytes.
+
+Decoding validates everything before touching the data (dtype whitelist, rank, non-negative dims,
+element limit, exact byte length) and raises TensorError naming the field, so a servicer can
+answer INVALID_ARGUMENT with a useful message. Decoded arrays are zero-copy, read-only views of the
+message bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kuberl.v1 import common_pb2 as pb
+
+MAX_RANK = 8
+DEFAULT_MAX_ELEMENTS = 256 * 1024 * 1024
+
+_TO_NUMPY: dict[int, np.dtype] = {
+    pb.DTYPE_UINT8: np.dtype("<u1"),
+    pb.DTYPE_INT8: np.dtype("<i1"),
+    pb.DTYPE_INT16: np.dtype("<i2"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+    pb.DTYPE_BOOL: np.dtype("?"),
+}
+# Keyed by (kind, itemsize) so that either byte order of a numpy dtype maps to its wire code.
+_FROM_NUMPY: dict[tuple[str, int], int] = {(dt.kind, dt.itemsize): code for code, dt in _TO_NUMPY.items()}
+
+
+class TensorError(ValueError):
+    """A tensor (or a message built of tensors) failed validation. `field` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """Wire code of a numpy dtype; raises TensorError for dtypes outside the whitelist."""
+    dt = np.dtype(dtype)
+    try:
+        return _FROM_NUMPY[(dt.kind, dt.itemsize)]
+    except KeyError:
+        raise TensorError("dtype", f"numpy dtype {np.dtype(dtype)} has no wire encoding") from None
+
+
+def numpy_dtype(code: int, field: str = "dtype") -> np.dtype:
+    """Numpy dtype of a wire code; raises TensorError naming `field` for unknown codes."""
+    try:
+        return _TO_NUMPY[code]
+    except KeyError:
+        what = "is unspecified" if code == pb.DTYPE_UNSPECIFIED else f"code {code} is unknown"
+        raise TensorError(field, f"dtype {what}") from None
+
+
+def encode(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
+    """Encode an array (any layout; copied to C order, little-endian) into a Tensor message."""
+    arr = np.asarray(array)
+    code = dtype_code(arr.dtype)
+    wire = _TO_NUMPY[code]
+    if arr.dtype != wire:
+        arr = arr.astype(wire)
+    msg = out if out is not None else pb.Tensor()
+    msg.dtype = code
+    msg.shape[:] = arr.shape
+    msg.data = np.ascontiguousarray(arr).tobytes()
+    return msg
+
+
+def check_shape(shape, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple[int, ...]:
+    """Validate a wire shape (rank, non-negative dims, element limit) and return it as a tuple."""
+    dims = tuple(int(d) for d in shape)
+    if len(dims) > MAX_RANK:
+        raise TensorError(field, f"rank {len(dims)} exceeds the limit of {MAX_RANK}")
+    for i, d in enumerate(dims):
+        if d < 0:
+            raise TensorError(field, f"dimension {i} is negative ({d})")
+    n = math.prod(dims)
+    if n > max_elements:
+        raise TensorError(field, f"{n} elements exceed the limit of {max_elements}")
+    return dims
+
+
+def decode(msg: pb.Tensor, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> np.ndarray:
+    """Validate a Tensor and return a read-only, zero-copy numpy view of its data.
+
+    Raises TensorError naming `field` for an unknown dtype, a bad shape, or a byte length that
+    does not match the shape.
+    """
+    dt = numpy_dtype(msg.dtype, f"{field}.dtype")
+    dims = check_shape(msg.shape, f"{field}.shape", max_elements)
+    expected = math.prod(dims) * dt.itemsize
+    if len(msg.data) != expected:
+        raise TensorError(f"{field}.data", f"has {len(msg.data)} bytes but shape {list(dims)} of "
+                                           f"{dt.name} needs {expected}")
+    arr = np.frombuffer(msg.data, dtype=dt).reshape(dims)
+    if dt == np.dtype("?") and arr.size and arr.view(np.uint8).max() > 1:
+        raise TensorError(f"{field}.data", "bool tensor holds a byte other than 0 or 1")
+    return arr

@@ -1,0 +1,1 @@
+"""The learner service: trains on streamed batches, checkpoints, publishes versioned weights."""

@@ -1,0 +1,5 @@
+import sys
+
+from services.learner.main import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""Double DQN with a target network (van Hasselt et al. 2016), after CleanRL's dqn.py.
+
+The learner's version is the number of gradient updates. Batches come from the buffer's uniform
+replay as numpy arrays (see TransitionBatch).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.common.config import DQNConfig
+from services.common.nets import EnvSpec, QNetwork
+
+
+def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
+              next_q_target: torch.Tensor, gamma: float, double: bool) -> torch.Tensor:
+    """y = r + gamma * (1 - terminated) * Q_target(s', a*), with a* = argmax_a Q_online(s', a) for
+    double DQN, or a* = argmax_a Q_target(s', a) for plain DQN."""
+    best = (next_q_online if double else next_q_target).argmax(dim=1, keepdim=True)
+    next_value = next_q_target.gather(1, best).squeeze(1)
+    return rewards + gamma * next_value * (1.0 - terminated.float())
+
+
+class DQN:
+    def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu"):
+        self.cfg, self.device = cfg, torch.device(device)
+        self.q = QNetwork(spec, cfg.hidden_sizes).to(self.device)
+        self.target = copy.deepcopy(self.q)
+        self.optimizer = torch.optim.Adam(self.q.parameters(), lr=cfg.learning_rate)
+        self.version = 0
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The module actors run."""
+        return self.q
+
+    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """One gradient step on a TransitionBatch (numpy arrays); returns scalar diagnostics."""
+        t = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}  # copies read-only wire arrays
+        with torch.no_grad():
+            next_q_target = self.target(t["next_obs"])
+            next_q_online = self.q(t["next_obs"]) if self.cfg.double_dqn else next_q_target
+            y = td_target(t["rewards"], t["terminated"], next_q_online, next_q_target,
+                          self.cfg.gamma, self.cfg.double_dqn)
+        q_sa = self.q(t["obs"]).gather(1, t["actions"].long().view(-1, 1)).squeeze(1)
+        loss = F.smooth_l1_loss(q_sa, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        if self.version % self.cfg.target_update_interval == 0:
+            with torch.no_grad():  # tau = 1 is the hard copy of the Nature DQN
+                for tp, p in zip(self.target.parameters(), self.q.parameters()):
+                    tp.lerp_(p, self.cfg.tau)
+        return {"loss": loss.item(), "q_mean": q_sa.mean().item(), "grad_norm": float(grad_norm)}
+
+    def state_dict(self) -> dict:
+        return {"q": self.q.state_dict(), "target": self.target.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.q.load_state_dict(state["q"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])

@@ -1,0 +1,102 @@
+"""Helpers for tests that start real services: as subprocesses (`Service`) or in-process configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from kuberl.v1 import common_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY_PPO = {
+    "algorithm": "ppo",
+    "env": {"id": "CartPole-v1", "num_envs": 2},
+    "ppo": {"rollout_steps": 8, "batch_steps": 16, "num_epochs": 1, "num_minibatches": 2, "hidden_sizes": [16]},
+    "learner": {"checkpoint_interval_s": 3600},
+    "actor": {"push_ack_interval_s": 0.2},
+}
+TINY_DQN = {
+    "algorithm": "dqn",
+    "env": {"id": "CartPole-v1", "num_envs": 2},
+    "dqn": {"rollout_steps": 8, "buffer_size": 512, "batch_size": 16, "learning_starts": 32, "hidden_sizes": [16]},
+    "learner": {"checkpoint_interval_s": 3600},
+    "actor": {"push_ack_interval_s": 0.2},
+}
+
+
+def write_config(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class Service:
+    """A service started as `python -m services.<role>` on 127.0.0.1 with a ready file."""
+
+    def __init__(self, role: str, tmp: Path, config: Path, *args: str, listen: str = "127.0.0.1:0",
+                 env: dict | None = None, python_args: tuple[str, ...] = (), module: bool = True):
+        self.role = role
+        tag = f"{role}-{time.monotonic_ns()}"
+        self.ready = tmp / f"{tag}.json"
+        self.log = tmp / f"{tag}.log"
+        entry = ["-m", f"services.{role}"] if module else []
+        cmd = [sys.executable, *python_args, *entry, "--config", str(config),
+               "--listen", listen, "--ready-file", str(self.ready), *args]
+        with open(self.log, "wb") as out:
+            self.popen = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **(env or {})})
+        self.address = ""
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.popen.poll() is not None:
+                raise AssertionError(f"{self.role} exited {self.popen.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.role} not ready after {timeout} s:\n{self.output()}")
+            time.sleep(0.05)
+        self.address = json.loads(self.ready.read_text())["address"]
+        return self.address
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            raise AssertionError(f"{self.role} ignored SIGTERM for {timeout} s:\n{self.output()}")
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):
+    """Poll `predicate` until it returns a truthy value (returned); AssertionError on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def stats(address: str, stub_cls, timeout: float = 5.0) -> dict[str, float]:
+    with grpc.insecure_channel(address) as ch:
+        return dict(stub_cls(ch).GetStats(pb.GetStatsRequest(), timeout=timeout).metrics)

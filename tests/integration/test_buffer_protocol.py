@@ -1,0 +1,152 @@
+"""The buffer's wire contract: acks, dedupe, every refusal and its status code, isolation of clients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+from services.buffer import main as buffer_main
+from services.common.config import config_from_dict
+from services.common.tensors import encode
+from tests.fragments import make_fragment
+from tests.helpers import TINY_DQN, TINY_PPO
+
+
+@pytest.fixture
+async def ppo_buffer():
+    async with buffer_main.serving(config_from_dict(TINY_PPO), listen="127.0.0.1:0") as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield buffer_pb2_grpc.BufferStub(channel)
+
+
+async def _push(stub, fragments) -> buffer_pb2.PushAck:
+    call = stub.PushTrajectories(timeout=10)
+    for f in fragments:
+        await call.write(f)
+    await call.done_writing()
+    return await call
+
+
+async def _stats(stub) -> dict[str, float]:
+    return dict((await stub.GetStats(pb.GetStatsRequest(), timeout=5)).metrics)
+
+
+async def test_ack_counts_and_duplicates_are_not_stored_twice(ppo_buffer):
+    ack = await _push(ppo_buffer, [make_fragment(seq=0), make_fragment(seq=1)])
+    assert (ack.accepted, ack.duplicates, ack.last_accepted_seq, ack.high_water_seq) == (2, 0, 1, 1)
+    again = await _push(ppo_buffer, [make_fragment(seq=1), make_fragment(seq=0), make_fragment(seq=2)])
+    assert (again.accepted, again.duplicates, again.last_accepted_seq) == (1, 2, 2)
+    s = await _stats(ppo_buffer)
+    assert s["buffer/fragments_received_total"] == 3
+    assert s["buffer/fragments_duplicate_total"] == 2
+    assert s["buffer/size_samples"] == 3 * 4 * 2
+
+
+def _bad(mutate):
+    msg = make_fragment(seq=1)
+    mutate(msg)
+    return msg
+
+
+MALFORMED = {
+    "unknown dtype": (lambda m: setattr(m.obs, "dtype", 42), "obs.dtype"),
+    "negative dim": (lambda m: m.rewards.shape.__setitem__(0, -4), "rewards.shape"),
+    "huge dims": (lambda m: m.obs.shape.extend([1 << 20, 1 << 20]), "obs.shape"),
+    "byte length": (lambda m: setattr(m.rewards, "data", m.rewards.data[:-1]), "rewards.data"),
+    "wrong algorithm": (lambda m: setattr(m, "algorithm", pb.ALGORITHM_DQN), "algorithm"),
+    "missing field": (lambda m: m.ClearField("actions"), "actions"),
+    "rewards dtype": (lambda m: m.rewards.CopyFrom(encode(np.ones((4, 2), np.float64))), "rewards.dtype"),
+    "empty actor id": (lambda m: setattr(m, "actor_id", ""), "actor_id"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=list(MALFORMED))
+async def test_malformed_fragment_is_refused_and_others_keep_working(ppo_buffer, case):
+    mutate, field = MALFORMED[case]
+    call = ppo_buffer.PushTrajectories(timeout=10)
+    await call.write(make_fragment(seq=0))
+    await call.write(_bad(mutate))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.done_writing()
+        await call
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details() and "seq 1" in err.value.details()
+    md = dict(err.value.trailing_metadata())
+    assert md["kuberl-rejected-seq"] == "1" and md["kuberl-accepted"] == "1"
+    # The good fragment before it was kept; a new stream and another client both work.
+    other = await _push(ppo_buffer, [make_fragment(actor_id="someone-else", seq=0)])
+    again = await _push(ppo_buffer, [make_fragment(seq=2)])
+    assert other.accepted == 1 and again.accepted == 1
+    s = await _stats(ppo_buffer)
+    assert s["buffer/fragments_received_total"] == 3 and s["buffer/fragments_invalid_total"] == 1
+
+
+async def test_concurrent_client_is_unaffected_by_a_bad_one(ppo_buffer):
+    async def good_client():
+        return await _push(ppo_buffer, [make_fragment(actor_id="good", seq=i) for i in range(20)])
+
+    async def bad_client():
+        call = ppo_buffer.PushTrajectories(timeout=10)
+        for i in range(5):
+            await call.write(_bad(MALFORMED["byte length"][0]) if i == 3 else make_fragment(actor_id="bad", seq=i))
+        await call.done_writing()
+        return await call
+
+    good, bad = await asyncio.gather(good_client(), bad_client(), return_exceptions=True)
+    assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert good.accepted == 20
+
+
+async def test_oversize_message_is_resource_exhausted():
+    cfg = config_from_dict({**TINY_PPO, "buffer": {"max_message_mb": 1}})
+    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as address:
+        async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            stub = buffer_pb2_grpc.BufferStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _push(stub, [make_fragment(T=4, N=2, obs_dim=40_000)])  # ~1.4 MB
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await _push(stub, [make_fragment(seq=5)])).accepted == 1  # still serving
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    ({"algorithm": pb.ALGORITHM_DQN, "batch_size": 8}, "algorithm"),
+    ({"algorithm": pb.ALGORITHM_PPO, "batch_size": 0}, "batch_size"),
+    ({"algorithm": pb.ALGORITHM_PPO, "batch_size": 8, "learner_id": ""}, "learner_id"),
+])
+async def test_bad_batch_request_is_invalid_argument(ppo_buffer, request_kwargs, field):
+    req = buffer_pb2.BatchRequest(**{"learner_id": "l", **request_kwargs})
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in ppo_buffer.StreamBatches(req, timeout=5):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+async def test_ppo_fragments_are_each_served_once_across_learners(ppo_buffer):
+    await _push(ppo_buffer, [make_fragment(seq=i) for i in range(8)])  # 8 fragments x 8 samples
+    req = buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_PPO, batch_size=16, max_batches=2)
+
+    async def learner():
+        return [f.seq for b in [b async for b in ppo_buffer.StreamBatches(req, timeout=10)]
+                for f in b.rollouts.fragments]
+
+    a, b = await asyncio.gather(learner(), learner())
+    assert sorted(a + b) == list(range(8))
+
+
+async def test_dqn_batches_have_the_requested_rows():
+    cfg = config_from_dict(TINY_DQN)
+    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as address:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = buffer_pb2_grpc.BufferStub(ch)
+            frags = [make_fragment(seq=i, T=8, algorithm=pb.ALGORITHM_DQN) for i in range(2)]  # 32 = learning_starts
+            assert (await _push(stub, frags)).accepted == 2
+            req = buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_DQN, batch_size=16, max_batches=3)
+            batches = [b async for b in stub.StreamBatches(req, timeout=10)]
+            assert [b.batch_id for b in batches] == [0, 1, 2]
+            for b in batches:
+                assert list(b.transitions.obs.shape) == [16, 4] and list(b.transitions.rewards.shape) == [16]

@@ -1,0 +1,282 @@
+"""services/buffer/store.py: dedupe, storage, batch cutting and accounting of the buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kuberl.v1 import common_pb2 as pb
+from services.buffer.store import SEQ_WINDOW, Outcome, SeqWindow, Store
+from services.common.config import config_from_dict
+from services.common.stats import Metrics
+from services.common.tensors import TensorError, decode
+from tests.unit.fragment_factory import DQN, PPO, make_msg
+
+T, N = 4, 2  # fragments of 8 samples
+
+
+def dqn_store(**dqn) -> Store:
+    cfg = config_from_dict({"algorithm": "dqn", "env": {"num_envs": N},
+                            "dqn": {"buffer_size": 256, "batch_size": 8, "learning_starts": 16,
+                                    "rollout_steps": T, **dqn}})
+    return Store(cfg, Metrics("buffer"))
+
+
+def ppo_store(fifo_capacity_steps: int = 1024) -> Store:
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"num_envs": N},
+                            "ppo": {"rollout_steps": T, "batch_steps": 8, "num_minibatches": 1},
+                            "buffer": {"fifo_capacity_steps": fifo_capacity_steps}})
+    return Store(cfg, Metrics("buffer"))
+
+
+def dqn_msg(seq=0, actor_id="actor-0", **kw):
+    return make_msg(T, N, algorithm=DQN, seq=seq, actor_id=actor_id, base=10 * seq, **kw)
+
+
+def ppo_msg(seq=0, actor_id="actor-0", **kw):
+    return make_msg(T, N, algorithm=PPO, seq=seq, actor_id=actor_id, base=10 * seq, **kw)
+
+
+def counter(store: Store, name: str) -> float:
+    return store.metrics.counters[f"buffer/{name}"]
+
+
+def transitions(batch: pb.TrainingBatch) -> dict[str, np.ndarray]:
+    return {f.name: decode(getattr(batch.transitions, f.name), f.name)
+            for f in pb.TransitionBatch.DESCRIPTOR.fields}
+
+
+# --- SeqWindow ----------------------------------------------------------------------------------
+
+def test_seq_window_exact_within_window():
+    w = SeqWindow()
+    assert w.high == -1
+    assert not w.seen(0)
+    for seq in (5, 3, 9):
+        w.add(seq)
+    assert w.high == 9
+    assert [s for s in range(12) if w.seen(s)] == [3, 5, 9]
+
+
+def test_seq_window_treats_seqs_far_below_high_water_as_seen():
+    w = SeqWindow()
+    high = 3 * SEQ_WINDOW
+    w.add(high)
+    assert w.seen(high - SEQ_WINDOW)
+    assert w.seen(0)
+    assert not w.seen(high - SEQ_WINDOW + 1)
+    assert not w.seen(high - 1)
+
+
+def test_seq_window_pruning_keeps_answers_consistent():
+    w = SeqWindow()
+    for seq in range(2 * SEQ_WINDOW + 10):
+        w.add(seq)
+    assert all(w.seen(s) for s in range(2 * SEQ_WINDOW + 10))
+    assert not w.seen(2 * SEQ_WINDOW + 10)
+
+
+# --- insert / dedupe ----------------------------------------------------------------------------
+
+def test_new_store_reports_zero_counters():
+    store = dqn_store()
+    for name in ("fragments_duplicate_total", "fragments_invalid_total", "fragments_evicted_total",
+                 "samples_lost_in_transit_total"):
+        assert store.metrics.snapshot()[f"buffer/{name}"] == 0.0
+    assert store.size == 0
+    assert store.high_water("actor-0") is None
+
+
+def test_accepted_fragment_is_counted():
+    store = dqn_store()
+    assert store.insert(dqn_msg(0, policy_version=4)) is Outcome.ACCEPTED
+    assert store.size == T * N
+    assert store.inserted_samples == T * N
+    assert counter(store, "fragments_received_total") == 1
+    assert counter(store, "samples_received_total") == T * N
+    assert store.metrics.gauges["buffer/policy_version_newest"] == 4
+
+
+@pytest.mark.parametrize("make_store,make", [(dqn_store, dqn_msg), (ppo_store, ppo_msg)])
+def test_duplicate_is_counted_and_not_stored_twice(make_store, make):
+    store = make_store()
+    assert store.insert(make(0)) is Outcome.ACCEPTED
+    assert store.insert(make(0)) is Outcome.DUPLICATE
+    assert counter(store, "fragments_duplicate_total") == 1
+    assert counter(store, "fragments_received_total") == 1
+    assert store.size == T * N
+    assert store.inserted_samples == T * N
+
+
+def test_same_seq_from_different_actors_is_stored_for_both():
+    store = ppo_store()
+    assert store.insert(ppo_msg(0, actor_id="a")) is Outcome.ACCEPTED
+    assert store.insert(ppo_msg(0, actor_id="b")) is Outcome.ACCEPTED
+    assert store.size == 2 * T * N
+    assert counter(store, "fragments_duplicate_total") == 0
+
+
+def test_seq_far_below_high_water_counts_as_duplicate():
+    store = dqn_store()
+    store.insert(dqn_msg(SEQ_WINDOW + 5))
+    assert store.insert(dqn_msg(3)) is Outcome.DUPLICATE
+    assert store.insert(dqn_msg(SEQ_WINDOW)) is Outcome.ACCEPTED  # still inside the exact window
+    assert counter(store, "fragments_duplicate_total") == 1
+
+
+def test_high_water_reports_highest_seq():
+    store = ppo_store()
+    assert store.high_water("a") is None
+    for seq in (3, 1, 7, 5):
+        store.insert(ppo_msg(seq, actor_id="a"))
+    store.insert(ppo_msg(7, actor_id="a"))  # duplicate
+    assert store.high_water("a") == 7
+    assert store.high_water("b") is None
+    store.insert(ppo_msg(0, actor_id="b"))
+    assert store.high_water("b") == 0
+
+
+def test_fragment_for_other_algorithm_is_refused():
+    store = dqn_store()
+    with pytest.raises(TensorError, match="fragment is for ppo but this receiver serves dqn") as e:
+        store.insert(ppo_msg(0))
+    assert e.value.field == "algorithm"
+    assert store.size == 0
+    assert store.high_water("actor-0") is None
+    assert counter(store, "fragments_received_total") == 0
+
+
+def test_refused_fragment_stores_nothing_and_its_seq_stays_free():
+    store = dqn_store()
+    store.insert(dqn_msg(0))
+    with pytest.raises(TensorError) as e:
+        store.insert(make_msg(T, N, obs_shape=(5,), algorithm=DQN, seq=1))
+    assert e.value.field == "obs"
+    assert store.size == T * N
+    assert store.high_water("actor-0") == 0
+    assert store.insert(dqn_msg(1)) is Outcome.ACCEPTED
+
+
+def test_malformed_fragment_is_refused():
+    store = ppo_store()
+    msg = ppo_msg(0)
+    msg.ClearField("behaviour_logprob")
+    with pytest.raises(TensorError) as e:
+        store.insert(msg)
+    assert e.value.field == "behaviour_logprob"
+    assert store.size == 0
+
+
+# --- DQN batches --------------------------------------------------------------------------------
+
+def test_dqn_warms_up_until_learning_starts():
+    store = dqn_store()
+    store.insert(dqn_msg(0))  # 8 < learning_starts = 16
+    assert store.next_batch(8) is None
+    assert store.wait_reason == "warming up"
+    store.insert(dqn_msg(1))
+    batch = store.next_batch(8)
+    assert batch is not None
+    assert batch.WhichOneof("kind") == "transitions"
+    assert batch.buffer_inserted_total == 16
+    assert batch.buffer_size == 16
+    rows = transitions(batch)
+    assert {k: v.shape for k, v in rows.items()} == {
+        "obs": (8, 3), "actions": (8,), "rewards": (8,), "next_obs": (8, 3), "terminated": (8,),
+        "policy_version": (8,)}
+    assert rows["obs"].dtype == np.float32 and rows["terminated"].dtype == np.bool_
+    inserted = set(range(8)) | set(range(10, 18))
+    assert set(rows["rewards"].tolist()) <= inserted
+    np.testing.assert_array_equal(rows["obs"][:, 0], rows["rewards"] * 10)
+    np.testing.assert_array_equal(rows["next_obs"], rows["obs"] + 10 * N)
+    assert store.served_samples == 8
+    assert counter(store, "samples_served_total") == 8
+    assert counter(store, "batches_served_total") == 1
+
+
+def test_dqn_waits_for_a_full_batch_even_past_learning_starts():
+    store = dqn_store()
+    store.insert(dqn_msg(0))
+    store.insert(dqn_msg(1))
+    assert store.next_batch(32) is None
+    assert store.wait_reason == "warming up"
+
+
+def test_dqn_paced_by_max_replay_ratio():
+    store = dqn_store(max_replay_ratio=1.0)
+    store.insert(dqn_msg(0))
+    store.insert(dqn_msg(1))  # 16 inserted: at ratio 1, two batches of 8
+    assert store.next_batch(8) is not None
+    assert store.next_batch(8) is not None
+    assert store.next_batch(8) is None
+    assert store.wait_reason == "paced"
+    assert store.served_samples == 16
+    store.insert(dqn_msg(2))
+    assert store.next_batch(8) is not None
+    assert store.next_batch(8) is None
+    assert store.wait_reason == "paced"
+
+
+def test_dqn_ratio_zero_serves_without_limit():
+    store = dqn_store(max_replay_ratio=0.0)
+    store.insert(dqn_msg(0))
+    store.insert(dqn_msg(1))
+    assert all(store.next_batch(8) is not None for _ in range(50))
+    assert store.served_samples == 400
+
+
+# --- PPO batches --------------------------------------------------------------------------------
+
+def served_seqs(batch: pb.TrainingBatch) -> list[int]:
+    assert batch.WhichOneof("kind") == "rollouts"
+    return [f.seq for f in batch.rollouts.fragments]
+
+
+def test_ppo_batches_are_whole_fragments_each_served_once():
+    store = ppo_store()
+    msgs = [ppo_msg(seq) for seq in range(3)]
+    for m in msgs:
+        store.insert(m)
+    batch = store.next_batch(12)
+    assert served_seqs(batch) == [0, 1]
+    assert list(batch.rollouts.fragments) == msgs[:2]
+    assert store.batch_samples(batch) == 16
+    assert batch.buffer_size == 8
+    assert batch.buffer_inserted_total == 24
+    assert store.next_batch(12) is None
+    assert store.wait_reason == "empty"
+    store.insert(ppo_msg(3))
+    assert served_seqs(store.next_batch(12)) == [2, 3]
+    assert store.next_batch(1) is None
+    assert store.served_samples == 32
+    assert counter(store, "samples_served_total") == 32
+
+
+def test_ppo_empty_store_waits():
+    store = ppo_store()
+    assert store.next_batch(8) is None
+    assert store.wait_reason == "empty"
+
+
+def test_ppo_fifo_eviction_is_counted():
+    store = ppo_store(fifo_capacity_steps=16)
+    for seq in range(3):
+        store.insert(ppo_msg(seq))
+    assert counter(store, "fragments_evicted_total") == 1
+    assert counter(store, "samples_evicted_total") == T * N
+    assert store.size == 16
+    assert served_seqs(store.next_batch(16)) == [1, 2]
+    # every sample accepted is stored, served or counted as evicted
+    assert store.inserted_samples == store.served_samples + store.size + counter(store, "samples_evicted_total")
+
+
+def test_gauges():
+    store = dqn_store()
+    assert store.gauges()["buffer/samples_per_insert"] == 0.0
+    store.insert(dqn_msg(0, actor_id="a"))
+    store.insert(dqn_msg(0, actor_id="b"))
+    store.next_batch(8)
+    g = store.gauges()
+    assert g["buffer/size_samples"] == 16
+    assert g["buffer/samples_per_insert"] == 0.5
+    assert g["buffer/actors_known"] == 2

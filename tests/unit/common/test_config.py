@@ -1,0 +1,223 @@
+"""services/common/config.py: loading, validating and dumping the experiment config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.config import (ConfigError, EnvConfig, DQNConfig, ExperimentConfig, PPOConfig, config_from_dict,
+                                    dump_config, load_config)
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def test_defaults_are_ppo_on_cartpole():
+    cfg = load_config(None)
+    assert cfg == ExperimentConfig()
+    assert cfg.algorithm == "ppo"
+    assert cfg.env.id == "CartPole-v1"
+    assert cfg.rollout_steps == cfg.ppo.rollout_steps
+    assert cfg.hidden_sizes == cfg.ppo.hidden_sizes
+
+
+def test_derived_properties_follow_algorithm():
+    cfg = config_from_dict({"algorithm": "dqn", "dqn": {"rollout_steps": 7, "hidden_sizes": [5]}})
+    assert cfg.rollout_steps == 7
+    assert cfg.hidden_sizes == (5,)
+
+
+def test_empty_mapping_and_none_give_defaults():
+    assert config_from_dict({}) == ExperimentConfig()
+    assert config_from_dict(None) == ExperimentConfig()
+
+
+def test_to_dict_is_plain_data():
+    d = ExperimentConfig().to_dict()
+    assert d["ppo"]["hidden_sizes"] == [64, 64]
+    assert isinstance(d["env"], dict)
+
+
+def test_from_dict_round_trips_through_to_dict():
+    cfg = config_from_dict({"algorithm": "dqn", "seed": 3, "env": {"num_envs": 2, "max_episode_steps": 50},
+                            "dqn": {"hidden_sizes": [16, 8, 4], "tau": 0.5}, "run": {"max_seconds": 12.5}})
+    again = config_from_dict(cfg.to_dict())
+    assert again == cfg
+    assert again.dqn.hidden_sizes == (16, 8, 4)
+
+
+def test_dump_then_load_gives_equal_config(tmp_path):
+    cfg = config_from_dict({"algorithm": "dqn", "env": {"id": "Acrobot-v1"}, "dqn": {"learning_rate": 2.5e-4},
+                            "run": {"target_return": None}})
+    path = tmp_path / "resolved.yaml"
+    dump_config(cfg, path)
+    assert load_config(path) == cfg
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("name,algorithm", [("cartpole_ppo.yaml", "ppo"), ("cartpole_dqn.yaml", "dqn")])
+def test_example_configs_load(name, algorithm):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.algorithm == algorithm
+    assert cfg.env.id == "CartPole-v1"
+
+
+def test_example_dqn_config_reads_lists_and_ints_as_their_field_types():
+    cfg = load_config(CONFIGS / "cartpole_dqn.yaml")
+    assert isinstance(cfg.dqn.hidden_sizes, tuple) and all(isinstance(h, int) for h in cfg.dqn.hidden_sizes)
+    assert isinstance(cfg.actor.max_env_steps_per_s, float)  # written as an int in the YAML
+    assert cfg.dqn.max_replay_ratio > 0  # the example is paced, as its comment says
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing but a comment\n")
+    assert load_config(path) == ExperimentConfig()
+
+
+def test_int_accepted_for_float_fields():
+    cfg = config_from_dict({"ppo": {"learning_rate": 1, "ent_coef": 0}, "run": {"target_return": 475}})
+    assert cfg.ppo.learning_rate == 1.0 and isinstance(cfg.ppo.learning_rate, float)
+    assert isinstance(cfg.ppo.ent_coef, float)
+    assert cfg.run.target_return == 475.0 and isinstance(cfg.run.target_return, float)
+
+
+def test_optional_fields_accept_null():
+    cfg = config_from_dict({"run": {"target_return": None, "max_seconds": None}, "env": {"max_episode_steps": None}})
+    assert cfg.run.target_return is None
+    assert cfg.env.max_episode_steps is None
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def error(data) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert str(e.value).startswith(f"{e.value.key}: ")
+    return e.value
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_unknown_top_level_key():
+    e = error({"algoritm": "ppo"})
+    assert e.key == "algoritm"
+    assert "unknown key" in str(e)
+    assert "algorithm" in str(e)
+
+
+def test_unknown_nested_key_lists_known_keys():
+    e = error({"ppo": {"clip_coeff": 0.1}})
+    assert e.key == "ppo.clip_coeff"
+    assert "unknown key" in str(e)
+    for known in ("clip_coef", "gae_lambda", "num_epochs"):
+        assert known in str(e)
+
+
+@pytest.mark.parametrize("data,key,match", [
+    ({"ppo": {"learning_rate": "fast"}}, "ppo.learning_rate", "must be float, got str 'fast'"),
+    ({"ppo": {"learning_rate": "1e3x"}}, "ppo.learning_rate", "must be float, got str"),
+    ({"ppo": {"gamma": True}}, "ppo.gamma", "must be float, got bool"),
+    ({"env": {"num_envs": True}}, "env.num_envs", "must be int, got bool True"),
+    ({"env": {"num_envs": 2.0}}, "env.num_envs", "must be int, got float"),
+    ({"env": {"id": 5}}, "env.id", "must be str, got int"),
+    ({"ppo": {"norm_adv": "yes"}}, "ppo.norm_adv", "must be bool, got str"),
+    ({"ppo": {"norm_adv": 1}}, "ppo.norm_adv", "must be bool, got int"),
+    ({"dqn": {"hidden_sizes": ["a", "b"]}}, "dqn.hidden_sizes[0]", "must be int, got str 'a'"),
+    ({"dqn": {"hidden_sizes": [64, 1.5]}}, "dqn.hidden_sizes[1]", "must be int, got float"),
+    ({"dqn": {"hidden_sizes": 64}}, "dqn.hidden_sizes", "must be a list, got int"),
+    ({"seed": "0"}, "seed", "must be int, got str"),
+    ({"env": {"max_episode_steps": "100"}}, "env.max_episode_steps", "must be int"),
+])
+def test_wrong_types(data, key, match):
+    e = error(data)
+    assert e.key == key
+    assert match in str(e)
+
+
+@pytest.mark.parametrize("data,key,match", [
+    ({"ppo": {"clip_coef": -1}}, "ppo.clip_coef", "-1.0 is invalid: must be > 0"),
+    ({"env": {"num_envs": 0}}, "env.num_envs", "0 is invalid: must be 1..4096"),
+    ({"env": {"id": ""}}, "env.id", "an env id is required"),
+    ({"dqn": {"buffer_size": 100, "batch_size": 32, "learning_starts": 200}}, "dqn.learning_starts",
+     "200 is invalid: must be between batch_size (32) and buffer_size (100)"),
+    ({"dqn": {"buffer_size": 10, "batch_size": 32, "learning_starts": 10}}, "dqn.buffer_size",
+     "must hold at least one batch"),
+    ({"dqn": {"tau": 0}}, "dqn.tau", "must be in (0, 1]"),
+    ({"ppo": {"gamma": 1.5}}, "ppo.gamma", "must be in [0, 1]"),
+    ({"ppo": {"hidden_sizes": [64, 0]}}, "ppo.hidden_sizes", "positive width"),
+    ({"ppo": {"batch_steps": 2, "num_minibatches": 4}}, "ppo.num_minibatches", "must be 1..batch_steps"),
+    ({"topology": {"learners": 2}}, "topology.learners", "only one learner"),
+    ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
+    ({"learner": {"device": "tpu"}}, "learner.device", "'cpu' or 'cuda[:N]'"),
+    ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be 'ppo' or 'dqn'"),
+])
+def test_impossible_values(data, key, match):
+    e = error(data)
+    assert e.key == key
+    assert match in str(e)
+
+
+def test_yaml11_exponent_strings_are_numbers(tmp_path):
+    """PyYAML reads `1e-3` (no dot) as a string; a float field takes it as the number it means."""
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  learning_rate: 1e-3\n  gamma: 9.9E-1\n")
+    cfg = load_config(path)
+    assert cfg.ppo.learning_rate == 1e-3 and cfg.ppo.gamma == 0.99
+
+
+def test_empty_section_means_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\nppo:\n  num_epochs: 2\n")
+    cfg = load_config(path)
+    assert cfg.env == EnvConfig() and cfg.ppo.num_epochs == 2
+
+
+@pytest.mark.parametrize("value,typename", [(3, "int"), ([1, 2], "list"), ("x", "str")])
+def test_section_that_is_not_a_mapping(value, typename):
+    e = error({"env": value})
+    assert e.key == "env"
+    assert f"must be a mapping of settings, got {typename}" in str(e)
+
+
+@pytest.mark.parametrize("data", [[1, 2], "ppo", 3])
+def test_top_level_must_be_a_mapping(data):
+    e = error(data)
+    assert e.key == "<root>"
+    assert "must be a mapping" in str(e)
+
+
+def test_yaml_top_level_list(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- algorithm: ppo\n- seed: 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping, got list") as e:
+        load_config(path)
+    assert e.value.key == "<root>"
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("env: [1, 2\nppo: {\n")
+    with pytest.raises(ConfigError, match="is not valid YAML") as e:
+        load_config(path)
+    assert e.value.key == "<file>"
+    assert str(path) in str(e.value)
+
+
+def test_error_from_yaml_file_names_nested_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("algorithm: dqn\ndqn:\n  gamma: 2\n")
+    with pytest.raises(ConfigError, match="must be in") as e:
+        load_config(path)
+    assert e.value.key == "dqn.gamma"
+
+
+def test_section_dataclasses_validate_when_built_directly():
+    with pytest.raises(ConfigError, match="must be > 0") as e:
+        PPOConfig(clip_coef=0)
+    assert e.value.key == "clip_coef"
+    with pytest.raises(ConfigError) as e:
+        DQNConfig(learning_starts=10, batch_size=20, buffer_size=100)
+    assert e.value.key == "learning_starts"
