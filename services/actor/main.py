@@ -19,7 +19,7 @@ from services.actor.subscribe import subscribe_weights
 from services.common.config import ExperimentConfig, load_config
 from services.common.grpcutil import MiB, make_channel, start_server
 from services.common.runtime import base_parser, run_service, write_ready_file
-from services.common.stats import Metrics
+from services.common.stats import Metrics, tick_forever
 
 # The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,
 # starving the event loop that pushes fragments and receives weights; hand it over sooner.
@@ -27,12 +27,6 @@ SWITCH_INTERVAL_S = 0.0001
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE_S = 20.0
-
-
-async def _tick(metrics: Metrics) -> None:
-    while True:
-        metrics.tick()
-        await asyncio.sleep(1.0)
 
 
 async def _watch(worker_done: asyncio.Future) -> None:
@@ -46,7 +40,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: s
     """Start an actor; yields its bound address. Leaving the context runs the shutdown sequence."""
     actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    metrics = Metrics("actor")
+    metrics = Metrics("actor", instance_id=actor_id)
     loop = asyncio.get_running_loop()
     # Envs are created before any channel is opened (fork safety for subprocess envs).
     rollout = Rollout(cfg, actor_id, actor_index, metrics)
@@ -72,7 +66,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: s
             push = tg.create_task(pusher.run(stopping), name="push")
             side = [tg.create_task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id,
                                                      rollout, metrics), name="weights"),
-                    tg.create_task(_tick(metrics), name="stats")]
+                    tg.create_task(tick_forever(metrics), name="stats")]
             watch = tg.create_task(_watch(worker_done), name="rollout-watch")
             worker.start()
             await srv.set_serving(True)

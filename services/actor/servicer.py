@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from kuberl.v1 import actor_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.actor.rollout import Rollout
@@ -15,7 +13,4 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         self.rollout, self.metrics = rollout, metrics
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return pb.GetStatsResponse(role="actor", instance_id=self.rollout.actor_id,
-                                   heartbeat_unix_s=time.time(), uptime_s=time.time() - self.metrics.started,
-                                   metrics=self.metrics.snapshot(),
-                                   episodes=self.rollout.episodes_after(request.episodes_after))
+        return self.metrics.response(episodes=self.rollout.episodes_after(request.episodes_after))

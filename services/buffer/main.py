@@ -13,16 +13,10 @@ from services.buffer.store import Store
 from services.common.config import ExperimentConfig, load_config
 from services.common.grpcutil import MiB, start_server
 from services.common.runtime import base_parser, run_service, write_ready_file
-from services.common.stats import Metrics
+from services.common.stats import Metrics, tick_forever
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE_S = 10.0
-
-
-async def _tick(metrics: Metrics) -> None:
-    while True:
-        metrics.tick()
-        await asyncio.sleep(1.0)
 
 
 @asynccontextmanager
@@ -38,7 +32,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str):
              f"replay of {cfg.dqn.buffer_size}" if cfg.algorithm == "dqn"
              else f"FIFO of {cfg.buffer.fifo_capacity_steps} steps")
     async with asyncio.TaskGroup() as tg:
-        tick = tg.create_task(_tick(metrics), name="stats")
+        tick = tg.create_task(tick_forever(metrics), name="stats")
         await srv.set_serving(True)
         try:
             yield srv.address

@@ -91,8 +91,4 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             sent += 1
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        metrics = self.metrics.snapshot()
-        metrics.update(self.store.gauges())
-        return pb.GetStatsResponse(role="buffer", instance_id=self.metrics.instance_id,
-                                   heartbeat_unix_s=time.time(), uptime_s=time.time() - self.metrics.started,
-                                   metrics=metrics)
+        return self.metrics.response(self.store.gauges())

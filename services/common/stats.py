@@ -7,6 +7,7 @@ event loop reads snapshots; each counter has a single writer.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import socket
@@ -14,6 +15,8 @@ import time
 from collections import defaultdict, deque
 
 import numpy as np
+
+from kuberl.v1 import common_pb2 as pb
 
 
 class Ewma:
@@ -105,3 +108,18 @@ class Metrics:
             out.update(rolling.summary(name))
         out[f"{self.role}/uptime_s"] = time.time() - self.started
         return out
+
+    def response(self, extra: dict[str, float] | None = None, episodes=()) -> pb.GetStatsResponse:
+        """The GetStats answer: this snapshot (plus `extra` gauges), a heartbeat and uptime."""
+        metrics = self.snapshot()
+        metrics.update(extra or {})
+        now = time.time()
+        return pb.GetStatsResponse(role=self.role, instance_id=self.instance_id, heartbeat_unix_s=now,
+                                   uptime_s=now - self.started, metrics=metrics, episodes=episodes)
+
+
+async def tick_forever(metrics: Metrics, period_s: float = 1.0) -> None:
+    """Fold counters into rates every `period_s` until cancelled (a service's "stats" task)."""
+    while True:
+        metrics.tick()
+        await asyncio.sleep(period_s)

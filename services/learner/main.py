@@ -17,7 +17,7 @@ from services.common.config import ExperimentConfig, load_config
 from services.common.fragments import ALGORITHM_CODES
 from services.common.grpcutil import Backoff, MiB, describe, make_channel, start_server
 from services.common.runtime import base_parser, run_service, write_ready_file
-from services.common.stats import Metrics
+from services.common.stats import Metrics, tick_forever
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
 from services.learner.trainer import Trainer
@@ -67,12 +67,6 @@ async def checkpoint_loop(trainer: Trainer, interval_s: float) -> None:
         await asyncio.to_thread(trainer.checkpoint)
 
 
-async def _tick(metrics: Metrics) -> None:
-    while True:
-        metrics.tick()
-        await asyncio.sleep(1.0)
-
-
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, checkpoint_dir: str,
                   learner_id: str | None = None):
@@ -97,7 +91,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, checkpoint
                                                  queue, metrics), name="fetch")
             train = tg.create_task(train_loop(trainer, queue, hub, cfg.learner.publish_interval_updates), name="train")
             side = [tg.create_task(checkpoint_loop(trainer, cfg.learner.checkpoint_interval_s), name="checkpoint"),
-                    tg.create_task(_tick(metrics), name="stats")]
+                    tg.create_task(tick_forever(metrics), name="stats")]
             await srv.set_serving(True)
             try:
                 yield srv.address

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 
@@ -36,6 +35,4 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
             self.metrics.inc("learner/weight_subscribers", -1)
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return pb.GetStatsResponse(role="learner", instance_id=self.metrics.instance_id,
-                                   heartbeat_unix_s=time.time(), uptime_s=time.time() - self.metrics.started,
-                                   metrics=self.metrics.snapshot())
+        return self.metrics.response()

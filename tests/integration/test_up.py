@@ -1,0 +1,48 @@
+"""`kuberl up` end to end: progress, the run directory, and a clean stop on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+from tests.helpers import ROOT, TINY_PPO, wait_for, write_config
+
+
+def test_ctrl_c_stops_every_process_cleanly(tmp_path):
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "topology": {"actors": 2},
+                                                "run": {"target_return": None, "poll_interval_s": 0.2}})
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
+                             "--name", "run"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        # Wait until progress shows env steps and learner updates, then press Ctrl-C.
+        def progressing():
+            line = proc.stdout.readline()
+            lines.append(line)
+            return "steps" in line and " v0 " not in line and "learner v-" not in line and "(0/s)" not in line
+        wait_for(progressing, timeout=120, interval=0, what="progress lines:\n" + "".join(lines))
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + out
+    assert "interrupted" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["reason"] == "interrupted"
+    assert summary["exit_codes"] == {"buffer-0": 0, "learner-0": 0, "actor-0": 0, "actor-1": 0}
+    assert summary["env_steps"] > 0
+    assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))  # the learner's shutdown checkpoint
+    for name in ("buffer-0", "learner-0", "actor-0", "actor-1"):
+        assert "stopped cleanly" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+
+
+def test_bad_config_is_refused_before_anything_starts(tmp_path):
+    config = write_config(tmp_path / "c.yaml", {"topology": {"actors": 0}})
+    out = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "topology.actors: 0 is invalid" in out.stderr
+    assert not any(tmp_path.glob("*/logs"))  # nothing was started
