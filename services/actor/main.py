@@ -54,8 +54,13 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: s
     worker_done: asyncio.Future = loop.create_future()
 
     def done(exc):
-        loop.call_soon_threadsafe(lambda: worker_done.done() or (
-            worker_done.set_exception(exc) if exc else worker_done.set_result(None)))
+        def settle():
+            if not worker_done.done():
+                worker_done.set_exception(exc) if exc else worker_done.set_result(None)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is already closed: the process is exiting anyway
+            pass
 
     worker = RolloutWorker(rollout, lambda msg: loop.call_soon_threadsafe(pusher.enqueue, msg), done)
     stopping = asyncio.Event()

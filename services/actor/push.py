@@ -23,6 +23,16 @@ from services.common.stats import Metrics
 log = logging.getLogger(__name__)
 
 
+async def _write(call, msg: pb.TrajectoryFragment) -> None:
+    """Write one message; if the RPC already ended (peer gone, or it refused the stream), raise the
+    AioRpcError carrying its real status instead of grpc.aio's bare InvalidStateError."""
+    try:
+        await call.write(msg)
+    except asyncio.InvalidStateError:
+        await call  # a finished call with a non-OK status raises AioRpcError here
+        raise
+
+
 class Pusher:
     def __init__(self, stub: buffer_pb2_grpc.BufferStub, capacity: int, ack_interval_s: float,
                  metrics: Metrics):
@@ -81,7 +91,7 @@ class Pusher:
         loop = asyncio.get_running_loop()
         call = self.stub.PushTrajectories(timeout=self.ack_interval_s + 30.0)
         for msg in list(self.unacked):  # whatever the last broken stream may not have delivered
-            await call.write(msg)
+            await _write(call, msg)
             self.metrics.inc("actor/fragments_resent_total")
         deadline = loop.time() + self.ack_interval_s
         while loop.time() < deadline and len(self.unacked) < self.capacity:
@@ -92,7 +102,7 @@ class Pusher:
                 continue
             msg = self.queue.popleft()
             self.unacked.append(msg)
-            await call.write(msg)
+            await _write(call, msg)
             self.metrics.inc("actor/fragments_pushed_total")
             self.metrics.inc("actor/samples_pushed_total", msg.num_steps * len(msg.env_ids))
         await call.done_writing()
