@@ -48,12 +48,13 @@ class Service:
         self.ready = tmp / f"{tag}.json"
         self.log = tmp / f"{tag}.log"
         entry = ["-m", f"services.{role}"] if module else []
-        cmd = [sys.executable, *python_args, *entry, "--config", str(config),
-               "--listen", listen, "--ready-file", str(self.ready), *args]
+        cmd = [sys.executable, *python_args, *entry, "--config", str(config), "--listen", listen,
+               "--metrics-listen", "127.0.0.1:0", "--ready-file", str(self.ready), *args]
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                           env={**os.environ, **(env or {})})
         self.address = ""
+        self.metrics: str | None = None
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
@@ -63,7 +64,8 @@ class Service:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.role} not ready after {timeout} s:\n{self.output()}")
             time.sleep(0.05)
-        self.address = json.loads(self.ready.read_text())["address"]
+        info = json.loads(self.ready.read_text())
+        self.address, self.metrics = info["address"], info["metrics"]
         return self.address
 
     def output(self) -> str:

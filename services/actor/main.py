@@ -18,7 +18,8 @@ from services.actor.servicer import ActorServicer
 from services.actor.subscribe import subscribe_weights
 from services.common.config import ExperimentConfig, load_config
 from services.common.grpcutil import MiB, make_channel, start_server
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.prometheus import serve_metrics
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 
 # The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,
@@ -35,9 +36,9 @@ async def _watch(worker_done: asyncio.Future) -> None:
 
 
 @asynccontextmanager
-async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: str,
+async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, learner: str,
                   actor_id: str | None = None, actor_index: int = 0):
-    """Start an actor; yields its bound address. Leaving the context runs the shutdown sequence."""
+    """Start an actor; yields its Endpoints. Leaving the context runs the shutdown sequence."""
     actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = Metrics("actor", instance_id=actor_id)
@@ -48,6 +49,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: s
     srv = await start_server(listen, lambda s: actor_pb2_grpc.add_ActorServicer_to_server(
         ActorServicer(rollout, metrics), s), [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name],
         max_message_bytes=max_bytes)
+    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     buffer_ch, learner_ch = make_channel(buffer, max_bytes), make_channel(learner, max_bytes)
     pusher = Pusher(buffer_pb2_grpc.BufferStub(buffer_ch), cfg.actor.queue_fragments,
                     cfg.actor.push_ack_interval_s, metrics)
@@ -76,7 +78,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: s
             worker.start()
             await srv.set_serving(True)
             try:
-                yield srv.address
+                yield Endpoints(srv.address, prom.address if prom else None)
             finally:
                 # Shutdown, in order, under one hard deadline so a hung drain cannot wedge a pod:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
@@ -95,7 +97,13 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, learner: s
                     for task in side:
                         task.cancel()
                     await srv.server.stop(grace=1.0)       # 4. stop serving stats
+                    c = metrics.counters
+                    log.info("actor %s stopped: %d fragments cut, %d acknowledged, %d dropped, %d rejected",
+                             actor_id, c["actor/fragments_total"], c["actor/fragments_acked_total"],
+                             c["actor/fragments_dropped_total"], c["actor/fragments_rejected_total"])
     finally:
+        if prom is not None:
+            prom.close()
         await buffer_ch.close()                             # 5. close channels, release envs
         await learner_ch.close()
         rollout.close()
@@ -114,10 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
-    async with serving(cfg, listen=args.listen, buffer=args.buffer, learner=args.learner,
-                       actor_id=args.actor_id, actor_index=args.actor_index) as address:
-        write_ready_file(args.ready_file, address)
-        log.info("actor serving on %s", address)
+    async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
+                       learner=args.learner, actor_id=args.actor_id, actor_index=args.actor_index) as endpoints:
+        write_ready_file(args.ready_file, endpoints)
+        log.info("actor serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
         await stop.wait()
 
 

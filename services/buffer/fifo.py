@@ -32,6 +32,18 @@ class RolloutFifo(Generic[Item]):
             evicted.append(old)
         return evicted
 
+    def remove_if(self, predicate) -> list[Item]:
+        """Remove (and return, oldest first) every item for which `predicate(item)` is true."""
+        kept, removed = deque(), []
+        for item, n in self._items:
+            if predicate(item):
+                removed.append(item)
+                self.steps -= n
+            else:
+                kept.append((item, n))
+        self._items = kept
+        return removed
+
     def take(self, min_steps: int) -> list[Item] | None:
         """Pop the oldest items until they hold >= min_steps steps; None (and pop nothing) if too few."""
         if self.steps < min_steps or not self._items:

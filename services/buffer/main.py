@@ -12,7 +12,8 @@ from services.buffer.servicer import BufferServicer
 from services.buffer.store import Store
 from services.common.config import ExperimentConfig, load_config
 from services.common.grpcutil import MiB, start_server
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.prometheus import serve_metrics
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 
 log = logging.getLogger(__name__)
@@ -20,31 +21,36 @@ SHUTDOWN_DEADLINE_S = 10.0
 
 
 @asynccontextmanager
-async def serving(cfg: ExperimentConfig, *, listen: str):
-    """Start a buffer; yields its bound address. Leaving the context runs the shutdown sequence."""
+async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None):
+    """Start a buffer; yields its Endpoints. Leaving the context runs the shutdown sequence."""
     metrics = Metrics("buffer")
     store = Store(cfg, metrics)
     servicer = BufferServicer(store, metrics)
     srv = await start_server(listen, lambda s: buffer_pb2_grpc.add_BufferServicer_to_server(servicer, s),
                              [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
                              max_message_bytes=cfg.buffer.max_message_mb * MiB)
+    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
              f"replay of {cfg.dqn.buffer_size}" if cfg.algorithm == "dqn"
              else f"FIFO of {cfg.buffer.fifo_capacity_steps} steps")
-    async with asyncio.TaskGroup() as tg:
-        tick = tg.create_task(tick_forever(metrics), name="stats")
-        await srv.set_serving(True)
-        try:
-            yield srv.address
-        finally:
-            async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
-                await srv.set_serving(False)      # 1. readiness goes NOT_SERVING
-                servicer.closing = True           # 2. refuse new pushes, end batch streams
-                servicer.inserted.notify()
-                await srv.server.stop(grace=2.0)  # 3. let in-flight calls finish
-                tick.cancel()
-            log.info("buffer stopped holding %d samples (%d received, %d served)", store.size,
-                     store.inserted_samples, store.served_samples)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tick = tg.create_task(tick_forever(metrics), name="stats")
+            await srv.set_serving(True)
+            try:
+                yield Endpoints(srv.address, prom.address if prom else None)
+            finally:
+                async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
+                    await srv.set_serving(False)      # 1. readiness goes NOT_SERVING
+                    servicer.closing = True           # 2. refuse new pushes, end batch streams
+                    servicer.inserted.notify()
+                    await srv.server.stop(grace=2.0)  # 3. let in-flight calls finish
+                    tick.cancel()
+                log.info("buffer stopped holding %d samples (%d received, %d served)", store.size,
+                         store.inserted_samples, store.served_samples)
+    finally:
+        if prom is not None:
+            prom.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,9 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
-    async with serving(cfg, listen=args.listen) as address:
-        write_ready_file(args.ready_file, address)
-        log.info("buffer serving on %s", address)
+    async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None) as endpoints:
+        write_ready_file(args.ready_file, endpoints)
+        log.info("buffer serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
         await stop.wait()
 
 

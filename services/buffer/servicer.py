@@ -12,7 +12,7 @@ from grpc._cython import cygrpc
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.store import Outcome, Store
-from services.common.fragments import ALGORITHM_NAMES, MAX_ID_LEN
+from services.common.fragments import ALGORITHM_NAMES, MAX_ID_LEN, batch_samples
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.common.tensors import TensorError
@@ -69,7 +69,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         log.info("learner %s streaming batches of %d", request.learner_id, request.batch_size)
         sent = 0
         while not self.closing and (request.max_batches == 0 or sent < request.max_batches):
-            batch = self.store.next_batch(request.batch_size)
+            batch = self.store.next_batch(request.batch_size, request.learner_id)
             if batch is None:
                 started = time.monotonic()
                 await self.inserted.wait(timeout=1.0)
@@ -81,8 +81,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 await context.write(batch)
             except (asyncio.CancelledError, grpc.RpcError, cygrpc.UsageError, cygrpc.ExecuteBatchError) as err:
                 # The learner went away with this batch unsent: its samples are gone, so count them.
-                lost = self.store.batch_samples(batch)
+                lost = batch_samples(batch)
                 self.metrics.inc("buffer/samples_lost_in_transit_total", lost)
+                self.store.unserve(request.learner_id)
                 log.info("learner %s went away; %d samples of batch %d were not delivered",
                          request.learner_id, lost, sent)
                 if isinstance(err, asyncio.CancelledError):
@@ -90,5 +91,12 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 return
             sent += 1
 
+    async def ReportProgress(self, request: buffer_pb2.LearnerProgress, context) -> buffer_pb2.ProgressAck:
+        if not 0 < len(request.learner_id) <= MAX_ID_LEN:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner_id: must be 1..{MAX_ID_LEN} characters")
+        self.store.report_progress(request.learner_id, request.policy_version, request.batches_consumed_total)
+        self.inserted.notify()  # a newer version may make queued fragments stale
+        return buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples)
+
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return self.metrics.response(self.store.gauges())
+        return self.metrics.response()

@@ -3,23 +3,32 @@
 Free of gRPC and asyncio. `insert` raises TensorError (naming the field) for a fragment it refuses
 and stores nothing of it; `next_batch` returns None when it cannot cut a batch yet and records why
 (`warming up`, `paced`, `empty`). Every sample accepted is either stored, served, or counted as
-evicted: none disappears silently.
+evicted or dropped (with its reason): none disappears silently.
+
+Staleness (DESIGN.md section 4) is measured against the newest policy version the learners report:
+- PPO: fragments more than `ppo.max_policy_lag` versions behind are dropped before serving
+  (`buffer/fragments_dropped_stale_total`), unless `ppo.stale_fragments` is "correct".
+- DQN: the paper's P = B_s / N_s (batch size over replay size) and the replay ratio (samples
+  served per sample inserted) are reported; batches are held back ("paced") while serving one more
+  would take the ratio above `dqn.replay_ratio`. Inserts are never blocked or refused for it.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.fifo import RolloutFifo
 from services.buffer.replay import ReplayRing
 from services.common.config import ExperimentConfig
-from services.common.fragments import ALGORITHM_CODES, decode_fragment
+from services.common.fragments import ALGORITHM_CODES, batch_samples, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import encode
 
 SEQ_WINDOW = 4096
+LEARNER_EXPIRY_S = 30.0
 MAX_ACTORS_TRACKED = 65536
 
 
@@ -57,12 +66,53 @@ class Store:
         self.inserted_samples = 0
         self.served_samples = 0
         self.wait_reason = "empty"
+        self.last_batch_size = 0
+        self._layout: dict | None = None
+        self._learners: dict[str, tuple[int, int, float]] = {}  # learner_id -> (version, batches consumed, when)
+        self._served_to: dict[str, int] = {}                    # learner_id -> batches served
+        self.staleness = metrics.histogram("buffer/staleness")
+        metrics.add_gauges(self.gauges)
         metrics.track_rate("buffer/samples_received_per_s", "buffer/samples_received_total")
         metrics.track_rate("buffer/samples_served_per_s", "buffer/samples_served_total")
         metrics.track_rate("buffer/fragments_received_per_s", "buffer/fragments_received_total")
-        for name in ("duplicate", "invalid", "evicted"):
+        for name in ("duplicate", "invalid", "evicted", "dropped_stale"):
             metrics.inc(f"buffer/fragments_{name}_total", 0)
+        metrics.inc("buffer/samples_dropped_stale_total", 0)
+        metrics.inc("buffer/paced_seconds_total", 0)
         metrics.inc("buffer/samples_lost_in_transit_total", 0)
+
+    def report_progress(self, learner_id: str, version: int, consumed_batches: int, now: float | None = None) -> None:
+        """Record a learner's current policy version and how many batches it has consumed (ReportProgress)."""
+        now = time.monotonic() if now is None else now
+        previous = self._learners.get(learner_id)
+        if previous is not None and consumed_batches < previous[1]:
+            # The learner restarted under the same id: what was in flight to it is gone.
+            self._served_to[learner_id] = consumed_batches
+        self._learners[learner_id] = (version, consumed_batches, now)
+
+    def in_flight(self, learner_id: str) -> int:
+        """Batches served to `learner_id` that it has not reported consuming (prefetched or in transit)."""
+        reported = self._learners.get(learner_id)
+        return max(0, self._served_to.get(learner_id, 0) - (reported[1] if reported else 0))
+
+    @property
+    def learner_version(self) -> int | None:
+        """The version at which what is served now will be consumed, or None before the first report.
+
+        That is the newest reported version plus one per batch already served to that learner but not
+        yet consumed (in its prefetch queue or in transit): each batch is one update. Judging
+        staleness by the current version alone would ship fragments the learner then has to drop.
+        Learners silent for LEARNER_EXPIRY_S are ignored (a restarted learner comes back under a new id).
+        """
+        now = time.monotonic()
+        live = [(lid, v) for lid, (v, _, seen) in self._learners.items() if now - seen <= LEARNER_EXPIRY_S]
+        if not live:
+            return None
+        return max(v + self.in_flight(lid) for lid, v in live)
+
+    def unserve(self, learner_id: str) -> None:
+        """A batch served to `learner_id` never left (its stream broke): it is not in flight."""
+        self._served_to[learner_id] = max(0, self._served_to.get(learner_id, 0) - 1)
 
     def high_water(self, actor_id: str) -> int | None:
         window = self._actors.get(actor_id)
@@ -78,6 +128,7 @@ class Store:
         if self.replay is not None:
             self.replay.add(frag)  # checks shapes against what is stored before writing anything
         else:
+            self._check_layout(frag)
             for old in self.fifo.put(msg, frag.num_samples):
                 self.metrics.inc("buffer/fragments_evicted_total")
                 self.metrics.inc("buffer/samples_evicted_total", old.num_steps * len(old.env_ids))
@@ -99,40 +150,75 @@ class Store:
         """Samples held: replay occupancy, or steps waiting in the FIFO."""
         return self.replay.size if self.replay is not None else self.fifo.steps
 
-    def next_batch(self, batch_size: int) -> pb.TrainingBatch | None:
-        """Cut one batch, or return None and set `wait_reason` when none can be cut yet."""
+    def next_batch(self, batch_size: int, learner_id: str = "") -> pb.TrainingBatch | None:
+        """Cut one batch for `learner_id`, or return None and set `wait_reason` when none can be cut yet."""
         batch = pb.TrainingBatch(buffer_inserted_total=self.inserted_samples)
+        self.last_batch_size = batch_size
+        version = self.learner_version
         if self.replay is not None:
             d = self.cfg.dqn
             if self.replay.size < max(d.learning_starts, batch_size):
                 self.wait_reason = "warming up"
                 return None
-            if d.max_replay_ratio and self.served_samples + batch_size > d.max_replay_ratio * self.inserted_samples:
+            if d.replay_ratio and self.served_samples + batch_size > d.replay_ratio * self.inserted_samples:
                 self.wait_reason = "paced"
                 return None
             rows = self.replay.sample(batch_size)
             for name, arr in rows.items():
                 encode(arr, getattr(batch.transitions, name))
+            if version is not None:
+                self.staleness.observe(version - rows["policy_version"])
         else:
+            self._drop_stale(version)
             frags = self.fifo.take(batch_size)
             if frags is None:
                 self.wait_reason = "empty"
                 return None
             batch.rollouts.fragments.extend(frags)
-        served = self.batch_samples(batch)
+            if version is not None:
+                self.staleness.observe([version - f.policy_version for f in frags],
+                                       [f.num_steps * len(f.env_ids) for f in frags])
+        served = batch_samples(batch)
         self.served_samples += served
+        self._served_to[learner_id] = self._served_to.get(learner_id, 0) + 1
         batch.buffer_size = self.size
         self.metrics.inc("buffer/samples_served_total", served)
         self.metrics.inc("buffer/batches_served_total")
         return batch
 
-    @staticmethod
-    def batch_samples(batch: pb.TrainingBatch) -> int:
-        if batch.HasField("transitions"):
-            return batch.transitions.rewards.shape[0]
-        return sum(f.num_steps * len(f.env_ids) for f in batch.rollouts.fragments)
+    def _check_layout(self, frag) -> None:
+        """PPO: every fragment must match the first one's per-step obs/action shapes and dtypes."""
+        layout = {"obs": (frag.obs.shape[2:], frag.obs.dtype), "actions": (frag.actions.shape[2:], frag.actions.dtype)}
+        if self._layout is None:
+            self._layout = layout
+            return
+        for name, (shape, dtype) in layout.items():
+            want_shape, want_dtype = self._layout[name]
+            if (shape, dtype) != (want_shape, want_dtype):
+                raise TensorError(name, f"{dtype.name} {list(shape)} per step differs from this buffer's "
+                                        f"{want_dtype.name} {list(want_shape)}")
+
+    def _drop_stale(self, version: int | None) -> None:
+        p = self.cfg.ppo
+        if version is None or p.max_policy_lag is None or p.stale_fragments != "drop":
+            return
+        for f in self.fifo.remove_if(lambda f: version - f.policy_version > p.max_policy_lag):
+            self.metrics.inc("buffer/fragments_dropped_stale_total")
+            self.metrics.inc("buffer/samples_dropped_stale_total", f.num_steps * len(f.env_ids))
 
     def gauges(self) -> dict[str, float]:
+        """Occupancy, replay ratio and staleness gauges for GetStats and /metrics."""
         ratio = self.served_samples / self.inserted_samples if self.inserted_samples else 0.0
-        return {"buffer/size_samples": self.size, "buffer/samples_per_insert": ratio,
-                "buffer/actors_known": len(self._actors)}
+        out = {"buffer/size_samples": self.size, "buffer/samples_per_insert": ratio,
+               "buffer/actors_known": len(self._actors)}
+        if self.learner_version is not None:
+            out["buffer/learner_version"] = self.learner_version
+        if self.replay is not None:
+            d = self.cfg.dqn
+            # The paper's staleness P = B_s / N_s: batch size over the number of samples stored.
+            out["buffer/staleness_p"] = self.last_batch_size / self.size if self.size else 0.0
+            if d.replay_ratio:
+                out["buffer/replay_ratio_target"] = d.replay_ratio
+                lo, hi = d.replay_ratio * (1 - d.replay_ratio_tolerance), d.replay_ratio * (1 + d.replay_ratio_tolerance)
+                out["buffer/replay_ratio_in_band"] = float(self.served_samples > 0 and lo <= ratio <= hi)
+        return out

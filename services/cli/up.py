@@ -61,6 +61,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     address: str = ""
+    metrics: str | None = None     # Prometheus endpoint host:port
     channel: grpc.Channel | None = None
     stub: object = None
     cursor: int = 0            # actors: last episode index read
@@ -94,7 +95,7 @@ class LocalRun:
         ready.unlink(missing_ok=True)
         log_path = self.dir / "logs" / f"{name}.log"
         cmd = [sys.executable, "-m", f"services.{role}", "--config", str(self.dir / "config.yaml"),
-               "--listen", listen, "--ready-file", str(ready), *extra]
+               "--listen", listen, "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready), *extra]
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=_die_with_parent)
@@ -112,12 +113,14 @@ class LocalRun:
                 raise RuntimeError(f"{proc.name} did not start serving within {READY_TIMEOUT_S:.0f} s:\n"
                                    f"{proc.log_tail()}")
             time.sleep(0.02)
-        proc.address = json.loads(ready.read_text())["address"]
+        ready_info = json.loads(ready.read_text())
+        proc.address, proc.metrics = ready_info["address"], ready_info.get("metrics")
         proc.channel = grpc.insecure_channel(proc.address)
         stub_cls = {"actor": actor_pb2_grpc.ActorStub, "buffer": buffer_pb2_grpc.BufferStub,
                     "learner": learner_pb2_grpc.LearnerStub}[proc.role]
         proc.stub = stub_cls(proc.channel)
-        log.info("%s serving on %s (pid %d, log %s)", proc.name, proc.address, proc.popen.pid, proc.log_path)
+        log.info("%s serving on %s, metrics on http://%s/metrics (pid %d, log %s)", proc.name, proc.address,
+                 proc.metrics, proc.popen.pid, proc.log_path)
 
     def start_all(self) -> None:
         """Start every process at once: start order does not matter (peers wait for each other), so
@@ -268,7 +271,8 @@ class LocalRun:
         summary = {"reason": reason, "error": error, "env_steps": self.env_steps, "episodes": self.episodes,
                    "mean_return": self.mean_return, "return_window": len(self.returns), "wall_s": round(wall, 3),
                    "policy_version": learner.get("learner/policy_version"),
-                   "exit_codes": {p.name: p.popen.returncode for p in self.procs}, "run_dir": str(self.dir)}
+                   "exit_codes": {p.name: p.popen.returncode for p in self.procs}, "run_dir": str(self.dir),
+                   "last_stats": {p.name: p.stats for p in self.procs}}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes, mean return "
               f"{'-' if self.mean_return is None else f'{self.mean_return:.1f}'} over the last {len(self.returns)}, "

@@ -63,8 +63,22 @@ class PPOConfig:
     max_grad_norm: float = 0.5
     norm_adv: bool = True
     hidden_sizes: tuple[int, ...] = (64, 64)
+    # Staleness bound (DESIGN.md section 4): a fragment whose policy_version is more than this many
+    # learner updates (batches) behind when it is consumed is stale. None = no bound.
+    max_policy_lag: int | None = 8
+    # What happens to stale fragments: "drop" (counted, never trained on) or "correct" (trained on
+    # with V-trace targets and truncated importance weights, Espeholt et al. 2018).
+    stale_fragments: str = "drop"
+    vtrace_rho_bar: float = 1.0       # truncation of the importance weight rho in V-trace
+    vtrace_c_bar: float = 1.0         # truncation of the trace-cutting weight c in V-trace
 
     def __post_init__(self):
+        _require(self.max_policy_lag is None or self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag,
+                 "must be >= 0 (0 = train only on fragments from the current policy), or null for no bound")
+        _require(self.stale_fragments in ("drop", "correct"), "stale_fragments", self.stale_fragments,
+                 "must be 'drop' or 'correct'")
+        _require(self.vtrace_rho_bar > 0 and self.vtrace_c_bar > 0, "vtrace_rho_bar",
+                 (self.vtrace_rho_bar, self.vtrace_c_bar), "V-trace truncation levels must be > 0")
         _require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
         _require(self.batch_steps >= 1, "batch_steps", self.batch_steps, "must be >= 1")
         _require(self.num_epochs >= 1, "num_epochs", self.num_epochs, "must be >= 1")
@@ -90,9 +104,11 @@ class DQNConfig:
     target_update_interval: int = 250  # updates between target-network syncs
     tau: float = 1.0                  # 1.0 = hard copy
     learning_starts: int = 1000       # transitions stored before the buffer serves batches
-    # Transitions consumed per transition inserted; the buffer holds back batches above it.
-    # 0 = serve as fast as the learner reads.
-    max_replay_ratio: float = 8.0
+    # Target replay ratio: transitions trained on per transition inserted. The buffer holds back
+    # batches from a learner that runs ahead of production (it never blocks inserts); a learner too
+    # slow for the target shows as a ratio below the band. 0 = serve as fast as the learner reads.
+    replay_ratio: float = 8.0
+    replay_ratio_tolerance: float = 0.1  # the band is target * (1 +- tolerance)
     start_epsilon: float = 1.0
     end_epsilon: float = 0.05
     exploration_steps: int = 10_000   # env steps (per actor) to anneal epsilon over
@@ -113,7 +129,9 @@ class DQNConfig:
         _require(self.batch_size <= self.learning_starts <= self.buffer_size, "learning_starts",
                  self.learning_starts, f"must be between batch_size ({self.batch_size}) and buffer_size "
                                        f"({self.buffer_size}), or the first batch could never be cut")
-        _require(self.max_replay_ratio >= 0, "max_replay_ratio", self.max_replay_ratio, "must be >= 0")
+        _require(self.replay_ratio >= 0, "replay_ratio", self.replay_ratio, "must be >= 0 (0 = unpaced)")
+        _require(0 < self.replay_ratio_tolerance < 1, "replay_ratio_tolerance", self.replay_ratio_tolerance,
+                 "must be in (0, 1)")
         for name in ("start_epsilon", "end_epsilon"):
             _require(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
         _require(self.exploration_steps >= 1, "exploration_steps", self.exploration_steps, "must be >= 1")

@@ -141,3 +141,11 @@ def decode_fragment(msg: pb.TrajectoryFragment, *, algorithm: int | None = None,
     return Fragment(actor_id=msg.actor_id, seq=msg.seq, policy_version=msg.policy_version,
                     algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
                     final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, **step_fields)
+
+
+def batch_samples(batch: pb.TrainingBatch) -> int:
+    """Samples in a TrainingBatch as its wire header says (transitions, or steps of all fragments)."""
+    if batch.HasField("transitions"):
+        shape = batch.transitions.rewards.shape
+        return int(shape[0]) if len(shape) else 0
+    return sum(f.num_steps * len(f.env_ids) for f in batch.rollouts.fragments)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,10 @@ def base_parser(role: str, default_port: int, description: str) -> argparse.Argu
                    help="experiment config YAML (default: $KUBERL_CONFIG, else built-in CartPole PPO)")
     p.add_argument("--listen", default=f"0.0.0.0:{default_port}",
                    help=f"host:port to serve gRPC on; port 0 picks a free one (default 0.0.0.0:{default_port})")
+    p.add_argument("--metrics-listen", default=os.environ.get("KUBERL_METRICS_LISTEN", "0.0.0.0:9400"),
+                   help="host:port for the Prometheus /metrics endpoint; '' turns it off (default 0.0.0.0:9400)")
     p.add_argument("--ready-file", default=None,
-                   help="write {address, pid} as JSON here once serving (used by `kuberl up`)")
+                   help="write {address, metrics, pid} as JSON here once serving (used by `kuberl up`)")
     p.add_argument("--log-level", default=os.environ.get("KUBERL_LOG_LEVEL", "INFO"))
     return p
 
@@ -37,11 +40,18 @@ def configure_logging(level: str, role: str) -> None:
                         format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
 
 
-def write_ready_file(path: str | None, address: str) -> None:
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a running service listens: gRPC, and the Prometheus /metrics endpoint (None if off)."""
+    grpc: str
+    metrics: str | None = None
+
+
+def write_ready_file(path: str | None, endpoints: Endpoints) -> None:
     if not path:
         return
     tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"address": endpoints.grpc, "metrics": endpoints.metrics, "pid": os.getpid()}))
     tmp.replace(path)
 
 

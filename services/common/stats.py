@@ -47,6 +47,7 @@ class Rolling:
     """The last `size` observations of a quantity; summarised as mean/p50/p95/max."""
 
     def __init__(self, size: int = 4096):
+        self.size = size
         self._values: deque[float] = deque(maxlen=size)
 
     def add(self, value: float) -> None:
@@ -64,6 +65,37 @@ class Rolling:
                 f"{prefix}_p95": float(p95), f"{prefix}_max": float(arr.max())}
 
 
+# Upper bounds (inclusive) of the staleness buckets, in policy versions.
+LAG_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+
+class Histogram:
+    """A distribution: cumulative counts per bucket since start (exported as a Prometheus histogram)
+    and a rolling window of recent values (summarised as mean/p50/p95/max)."""
+
+    def __init__(self, buckets=LAG_BUCKETS, window: int = 4096):
+        self.buckets = tuple(float(b) for b in buckets)
+        self.counts = np.zeros(len(self.buckets) + 1, dtype=np.int64)  # last: above every bound (+Inf)
+        self.sum = 0.0
+        self.count = 0
+        self.recent = Rolling(window)
+
+    def observe(self, values, weights=None) -> None:
+        """Record each value (`weights[i]` times, if given)."""
+        values = np.asarray(values, dtype=np.float64).reshape(-1)
+        w = np.ones(len(values), np.int64) if weights is None else np.asarray(weights, np.int64).reshape(-1)
+        np.add.at(self.counts, np.searchsorted(self.buckets, values, side="left"), w)
+        self.sum += float((values * w).sum())
+        self.count += int(w.sum())
+        keep = self.recent.size
+        self.recent.extend(np.repeat(values, w)[-keep:])
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, count of values <= it) pairs, ending with "+Inf" (Prometheus `le` buckets)."""
+        cum = np.cumsum(self.counts)
+        return [(f"{b:g}", int(c)) for b, c in zip(self.buckets, cum[:-1])] + [("+Inf", int(cum[-1]))]
+
+
 class Metrics:
     """A service's metrics: `inc` counters, `set` gauges, rates derived from counters by `tick`."""
 
@@ -74,8 +106,10 @@ class Metrics:
         self.counters: dict[str, float] = defaultdict(float)
         self.gauges: dict[str, float] = {}
         self.rollings: dict[str, Rolling] = {}
+        self.histograms: dict[str, Histogram] = {}
         self._rates: dict[str, tuple[str, Ewma]] = {}
         self._halflife_s = halflife_s
+        self._gauge_providers: list = []
 
     def inc(self, name: str, n: float = 1) -> None:
         self.counters[name] += n
@@ -87,6 +121,15 @@ class Metrics:
         if name not in self.rollings:
             self.rollings[name] = Rolling(size)
         return self.rollings[name]
+
+    def add_gauges(self, provider) -> None:
+        """Include `provider()` (a dict of gauges, computed on demand) in every snapshot."""
+        self._gauge_providers.append(provider)
+
+    def histogram(self, name: str, buckets=LAG_BUCKETS) -> Histogram:
+        if name not in self.histograms:
+            self.histograms[name] = Histogram(buckets)
+        return self.histograms[name]
 
     def track_rate(self, rate_name: str, counter_name: str) -> None:
         """Report `rate_name` as the EWMA per-second rate of counter `counter_name`."""
@@ -102,17 +145,20 @@ class Metrics:
     def snapshot(self) -> dict[str, float]:
         out = {k: float(v) for k, v in list(self.counters.items())}
         out.update(self.gauges)
+        for provider in self._gauge_providers:
+            out.update(provider())
         for rate_name, (_, ewma) in self._rates.items():
             out[rate_name] = ewma.value
         for name, rolling in list(self.rollings.items()):
             out.update(rolling.summary(name))
+        for name, hist in list(self.histograms.items()):
+            out.update(hist.recent.summary(name))
         out[f"{self.role}/uptime_s"] = time.time() - self.started
         return out
 
-    def response(self, extra: dict[str, float] | None = None, episodes=()) -> pb.GetStatsResponse:
-        """The GetStats answer: this snapshot (plus `extra` gauges), a heartbeat and uptime."""
+    def response(self, episodes=()) -> pb.GetStatsResponse:
+        """The GetStats answer: this snapshot, a heartbeat and uptime."""
         metrics = self.snapshot()
-        metrics.update(extra or {})
         now = time.time()
         return pb.GetStatsResponse(role=self.role, instance_id=self.instance_id, heartbeat_unix_s=now,
                                    uptime_s=now - self.started, metrics=metrics, episodes=episodes)

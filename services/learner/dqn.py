@@ -34,6 +34,10 @@ class DQN:
         self.version = 0
 
     @property
+    def gradient_steps(self) -> int:
+        return self.version  # one gradient step per update
+
+    @property
     def policy(self) -> torch.nn.Module:
         """The module actors run."""
         return self.q

@@ -16,7 +16,9 @@ from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.common.config import ExperimentConfig, load_config
 from services.common.fragments import ALGORITHM_CODES
 from services.common.grpcutil import Backoff, MiB, describe, make_channel, start_server
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.notify import Notifier
+from services.common.prometheus import serve_metrics
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
@@ -50,7 +52,8 @@ async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.Ba
         await backoff.sleep()
 
 
-async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int) -> None:
+async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
+                     progressed: Notifier) -> None:
     """Train on each batch as it arrives; publish when `every` updates have passed since the last."""
     published = trainer.version
     while True:
@@ -59,6 +62,26 @@ async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, ev
         if trainer.version - published >= every:
             hub.publish(await asyncio.to_thread(trainer.weights))
             published = trainer.version
+            progressed.notify()
+
+
+async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, trainer: Trainer,
+                          metrics: Metrics, progressed: Notifier) -> None:
+    """Tell the buffer the current version after each publication, and at least once a second."""
+    while True:
+        request = buffer_pb2.LearnerProgress(
+            learner_id=learner_id, policy_version=trainer.version,
+            samples_consumed_total=int(metrics.counters["learner/samples_consumed_total"]),
+            batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
+        try:
+            ack = await stub.ReportProgress(request, timeout=5.0)
+            inserted = ack.samples_inserted_total
+            if inserted:
+                metrics.set("learner/samples_per_insert", request.samples_consumed_total / inserted)
+        except grpc.aio.AioRpcError as err:
+            metrics.inc("learner/progress_report_errors_total")
+            log.debug("progress report to buffer failed: %s", describe(err))
+        await progressed.wait(timeout=1.0)
 
 
 async def checkpoint_loop(trainer: Trainer, interval_s: float) -> None:
@@ -68,9 +91,9 @@ async def checkpoint_loop(trainer: Trainer, interval_s: float) -> None:
 
 
 @asynccontextmanager
-async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, checkpoint_dir: str,
+async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, checkpoint_dir: str,
                   learner_id: str | None = None):
-    """Start a learner; yields its bound address. Leaving the context runs the shutdown sequence."""
+    """Start a learner; yields its Endpoints. Leaving the context runs the shutdown sequence."""
     learner_id = learner_id or f"learner-{socket.gethostname()}-{os.getpid()}"
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
@@ -81,6 +104,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, checkpoint
     srv = await start_server(listen, lambda s: learner_pb2_grpc.add_LearnerServicer_to_server(
         LearnerServicer(hub, metrics), s), [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
         max_message_bytes=max_bytes)
+    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024)
     queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
@@ -89,12 +113,16 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, checkpoint
         async with asyncio.TaskGroup() as tg:
             fetch = tg.create_task(fetch_batches(buffer_pb2_grpc.BufferStub(channel), batch_request(cfg, learner_id),
                                                  queue, metrics), name="fetch")
-            train = tg.create_task(train_loop(trainer, queue, hub, cfg.learner.publish_interval_updates), name="train")
+            progressed = Notifier()
+            stub = buffer_pb2_grpc.BufferStub(channel)
+            train = tg.create_task(train_loop(trainer, queue, hub, cfg.learner.publish_interval_updates, progressed),
+                                   name="train")
             side = [tg.create_task(checkpoint_loop(trainer, cfg.learner.checkpoint_interval_s), name="checkpoint"),
+                    tg.create_task(report_progress(stub, learner_id, trainer, metrics, progressed), name="progress"),
                     tg.create_task(tick_forever(metrics), name="stats")]
             await srv.set_serving(True)
             try:
-                yield srv.address
+                yield Endpoints(srv.address, prom.address if prom else None)
             finally:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
                     await srv.set_serving(False)  # 1. readiness goes NOT_SERVING
@@ -109,6 +137,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, buffer: str, checkpoint
                     hub.close()                    # 4. end weight streams, stop serving
                     await srv.server.stop(grace=1.0)
     finally:
+        if prom is not None:
+            prom.close()
         await channel.close()
 
 
@@ -124,10 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
-    async with serving(cfg, listen=args.listen, buffer=args.buffer, checkpoint_dir=args.checkpoint_dir,
-                       learner_id=args.learner_id) as address:
-        write_ready_file(args.ready_file, address)
-        log.info("learner serving on %s", address)
+    async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
+                       checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id) as endpoints:
+        write_ready_file(args.ready_file, endpoints)
+        log.info("learner serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
         await stop.wait()
 
 

@@ -2,7 +2,10 @@
 
 A batch is a list of whole fragments. Values (and so advantages) are recomputed with the current
 network at the start of each batch, which also gives the bootstrap values V(obs[T]) and V(final_obs)
-at truncations. The learner's version is the number of gradient updates (minibatch steps).
+at truncations. Fragments marked stale get V-trace targets instead of GAE (Espeholt et al. 2018):
+truncated importance weights between the current policy and the behaviour log-probs the actor
+recorded. The learner's version counts updates as CleanRL does: one per batch (num_epochs x
+num_minibatches gradient steps), so a policy lag of k means k batches behind.
 """
 
 from __future__ import annotations
@@ -33,12 +36,40 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, 
     return adv, adv + values
 
 
+def vtrace(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
+           dones: torch.Tensor, log_rhos: torch.Tensor, gamma: float, lam: float, rho_bar: float,
+           c_bar: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace over [T, N] tensors (Espeholt et al. 2018, eq. 1 and section 4.2), with lambda.
+
+    rho_t = min(rho_bar, pi/mu), c_t = lam * min(c_bar, pi/mu), log_rhos = log pi - log mu.
+    v_s = V(x_s) + sum_t gamma^(t-s) (prod_{i<t} c_i) rho_t delta_t, delta_t = r_t + gamma V(x_{t+1}) - V(x_t),
+    cut at episode ends. Returns (policy-gradient advantages rho_s (r_s + gamma v_{s+1} - V(x_s)), targets v_s).
+    """
+    rhos = log_rhos.exp()
+    clipped_rhos = rhos.clamp(max=rho_bar)
+    cs = lam * rhos.clamp(max=c_bar)
+    not_term = 1.0 - terminated.float()
+    not_done = 1.0 - dones.float()
+    deltas = clipped_rhos * (rewards + gamma * next_values * not_term - values)
+    vs_minus_v = torch.zeros_like(values)
+    acc = torch.zeros_like(values[0])
+    for t in reversed(range(rewards.shape[0])):
+        acc = deltas[t] + gamma * cs[t] * not_done[t] * acc
+        vs_minus_v[t] = acc
+    vs = values + vs_minus_v
+    # v_{s+1}: the next target inside an episode; the bootstrap value at its end or the fragment's.
+    next_vs = next_values.clone()
+    next_vs[:-1] = torch.where(dones[:-1].bool(), next_values[:-1], vs[1:])
+    return clipped_rhos * (rewards + gamma * next_vs * not_term - values), vs
+
+
 class PPO:
     def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu"):
         self.cfg, self.device = cfg, torch.device(device)
         self.net = ActorCritic(spec, cfg.hidden_sizes).to(self.device)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.version = 0
+        self.gradient_steps = 0
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -49,7 +80,8 @@ class PPO:
         return torch.tensor(arr, device=self.device)  # copies: wire arrays are read-only
 
     @torch.no_grad()
-    def _advantages(self, frag: Fragment):
+    def _advantages(self, frag: Fragment, correct: bool):
+        c = self.cfg
         T, N = frag.num_steps, frag.num_envs
         obs = self._tensor(frag.obs)
         values = self.net.value(obs.flatten(0, 1)).view(T + 1, N)
@@ -57,14 +89,23 @@ class PPO:
         if len(frag.final_index):
             next_values.view(-1)[self._tensor(frag.final_index)] = self.net.value(self._tensor(frag.final_obs))
         term, trunc = self._tensor(frag.terminated), self._tensor(frag.truncated)
-        adv, ret = gae(self._tensor(frag.rewards), values[:-1], next_values, term, term | trunc,
-                       self.cfg.gamma, self.cfg.gae_lambda)
+        rewards = self._tensor(frag.rewards)
+        if correct:
+            actions = self._tensor(frag.actions).reshape(T * N).long()
+            logprob = self.net.dist(obs[:-1].flatten(0, 1)).log_prob(actions).view(T, N)
+            log_rhos = logprob - self._tensor(frag.behaviour_logprob)
+            adv, ret = vtrace(rewards, values[:-1], next_values, term, term | trunc, log_rhos, c.gamma,
+                              c.gae_lambda, c.vtrace_rho_bar, c.vtrace_c_bar)
+        else:
+            adv, ret = gae(rewards, values[:-1], next_values, term, term | trunc, c.gamma, c.gae_lambda)
         return obs[:-1].flatten(0, 1), values[:-1].reshape(-1), adv.reshape(-1), ret.reshape(-1)
 
-    def update(self, fragments: list[Fragment]) -> dict[str, float]:
-        """num_epochs x num_minibatches gradient steps on the fragments; returns scalar diagnostics."""
+    def update(self, fragments: list[Fragment], correct: list[bool] | None = None) -> dict[str, float]:
+        """One update: num_epochs x num_minibatches gradient steps on the fragments. `correct[i]`
+        marks fragment i for V-trace targets instead of GAE. Returns scalar diagnostics."""
         c = self.cfg
-        parts = [self._advantages(f) for f in fragments]
+        correct = correct or [False] * len(fragments)
+        parts = [self._advantages(f, fix) for f, fix in zip(fragments, correct)]
         obs, values, adv, ret = (torch.cat(x) for x in zip(*parts))
         actions = torch.cat([self._tensor(f.actions).reshape(-1) for f in fragments]).long()
         old_logprob = torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments])
@@ -96,15 +137,18 @@ class PPO:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.max_grad_norm)
                 self.optimizer.step()
-                self.version += 1
+                self.gradient_steps += 1
+        self.version += 1
         stats.update(policy_loss=pg_loss.item(), value_loss=v_loss.item(), entropy=entropy.item(),
                      approx_kl=approx_kl.item(), clipfrac=float(np.mean(clipfracs)))
         return stats
 
     def state_dict(self) -> dict:
-        return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
+                "gradient_steps": self.gradient_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.net.load_state_dict(state["net"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self.gradient_steps = int(state.get("gradient_steps", 0))

@@ -15,10 +15,10 @@ import torch
 
 from kuberl.v1 import common_pb2 as pb
 from services.common.config import ExperimentConfig
-from services.common.fragments import TRANSITION_FIELDS, decode_fragment
+from services.common.fragments import TRANSITION_FIELDS, Fragment, batch_samples, decode_fragment
 from services.common.nets import env_spec, to_numpy
 from services.common.stats import Metrics
-from services.common.tensors import decode
+from services.common.tensors import TensorError, decode
 from services.common.weights import encode_weights
 from services.learner import checkpoint
 from services.learner.dqn import DQN
@@ -31,7 +31,7 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, metrics: Metrics, checkpoint_dir: str | Path):
         self.cfg, self.metrics, self.checkpoint_dir = cfg, metrics, Path(checkpoint_dir)
         torch.manual_seed(cfg.seed)
-        spec = env_spec(cfg.env.id, cfg.env.max_episode_steps)
+        self.spec = spec = env_spec(cfg.env.id, cfg.env.max_episode_steps)
         device = cfg.learner.device
         self.algo = DQN(cfg.dqn, spec, device) if cfg.algorithm == "dqn" else PPO(cfg.ppo, spec, device)
         self.lock = threading.Lock()
@@ -43,37 +43,82 @@ class Trainer:
         metrics.track_rate("learner/updates_per_s", "learner/updates_total")
         metrics.track_rate("learner/samples_per_s", "learner/samples_total")
         metrics.inc("learner/batches_invalid_total", 0)
+        for name in ("fragments_dropped_stale", "samples_dropped_stale", "fragments_corrected", "batches_skipped",
+                     "batches_consumed", "samples_consumed"):
+            metrics.inc(f"learner/{name}_total", 0)
+        self.lag = metrics.histogram("learner/policy_lag")
 
     @property
     def version(self) -> int:
         return self.algo.version
 
     def train(self, batch: pb.TrainingBatch) -> None:
-        """Decode, validate and train on one batch (blocking). A malformed batch is counted and skipped."""
+        """Decode, validate and train on one batch (blocking). A malformed batch is counted and skipped.
+
+        Every batch taken off the stream counts as consumed (`learner/batches_consumed_total`), trained
+        on or not: the buffer subtracts it from what it has in flight to this learner.
+        """
+        self.metrics.inc("learner/batches_consumed_total")
+        self.metrics.inc("learner/samples_consumed_total", batch_samples(batch))
         try:
             if self.cfg.algorithm == "dqn":
                 data = {f: decode(getattr(batch.transitions, f), f"transitions.{f}") for f in TRANSITION_FIELDS}
-                versions, samples = data.pop("policy_version"), len(data["rewards"])
+                versions = data.pop("policy_version")
+                self._check_fits(data["obs"], data["next_obs"], actions=data["actions"], rows=len(versions))
             else:
                 frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in batch.rollouts.fragments]
-                versions = np.concatenate([np.full(f.num_samples, f.policy_version) for f in frags])
-                samples, data = len(versions), frags
+                for f in frags:
+                    self._check_fits(f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions.reshape(-1))
         except (ValueError, KeyError) as err:
             self.metrics.inc("learner/batches_invalid_total")
             log.error("skipping malformed batch %d: %s", batch.batch_id, err)
             return
         with self.lock:
-            lag = self.version - versions
-            self.metrics.rolling("learner/policy_lag").extend(np.percentile(lag, [0, 25, 50, 75, 100]))
             before = self.version
-            stats = self.algo.update(data)
+            if self.cfg.algorithm == "dqn":
+                self.lag.observe(self.version - versions)
+                samples, stats = len(versions), self.algo.update(data)
+            else:
+                frags, correct = self._bound_staleness(frags)
+                if not frags:
+                    self.metrics.inc("learner/batches_skipped_total")
+                    return
+                samples, stats = sum(f.num_samples for f in frags), self.algo.update(frags, correct)
             self.metrics.inc("learner/updates_total", self.version - before)
+            self.metrics.set("learner/gradient_steps", self.algo.gradient_steps)
         self.metrics.inc("learner/samples_total", samples)
         self.metrics.inc("learner/batches_total")
         self.metrics.set("learner/policy_version", self.version)
         self.metrics.set("learner/buffer_size_samples", batch.buffer_size)
         for k, v in stats.items():
             self.metrics.set(f"learner/{k}", v)
+
+    def _check_fits(self, *observations: np.ndarray, actions: np.ndarray, rows: int | None = None) -> None:
+        """Raise TensorError unless the data fits this learner's env: observation shape, action range."""
+        for i, obs in enumerate(observations):
+            if obs.shape[1:] != self.spec.obs_shape:
+                raise TensorError("obs", f"per-step shape {list(obs.shape[1:])} does not match the env's "
+                                         f"{list(self.spec.obs_shape)}")
+            if rows is not None and len(obs) != rows:
+                raise TensorError("obs", f"{len(obs)} rows, expected {rows}")
+        if actions.ndim != 1 or (len(actions) and (actions.min() < 0 or actions.max() >= self.spec.num_actions)):
+            raise TensorError("actions", f"must be discrete actions in 0..{self.spec.num_actions - 1}")
+
+    def _bound_staleness(self, frags: list[Fragment]) -> tuple[list[Fragment], list[bool]]:
+        """Apply ppo.max_policy_lag at consumption, where the lag is exact: drop (counted) or mark for
+        V-trace correction every fragment more than max_policy_lag versions behind."""
+        p = self.cfg.ppo
+        lags = [self.version - f.policy_version for f in frags]
+        self.lag.observe(lags, [f.num_samples for f in frags])
+        stale = [p.max_policy_lag is not None and lag > p.max_policy_lag for lag in lags]
+        if p.stale_fragments == "correct":
+            self.metrics.inc("learner/fragments_corrected_total", sum(stale))
+            return frags, stale
+        for f, is_stale in zip(frags, stale):
+            if is_stale:
+                self.metrics.inc("learner/fragments_dropped_stale_total")
+                self.metrics.inc("learner/samples_dropped_stale_total", f.num_samples)
+        return [f for f, is_stale in zip(frags, stale) if not is_stale], [False] * (len(frags) - sum(stale))
 
     def weights(self) -> list[pb.Weights]:
         """The current policy as Weights chunks (blocking)."""

@@ -19,7 +19,8 @@ from tests.helpers import TINY_DQN, TINY_PPO
 
 @pytest.fixture
 async def ppo_buffer():
-    async with buffer_main.serving(config_from_dict(TINY_PPO), listen="127.0.0.1:0") as address:
+    async with buffer_main.serving(config_from_dict(TINY_PPO), listen="127.0.0.1:0") as endpoints:
+        address = endpoints.grpc
         async with grpc.aio.insecure_channel(address) as channel:
             yield buffer_pb2_grpc.BufferStub(channel)
 
@@ -104,7 +105,8 @@ async def test_concurrent_client_is_unaffected_by_a_bad_one(ppo_buffer):
 
 async def test_oversize_message_is_resource_exhausted():
     cfg = config_from_dict({**TINY_PPO, "buffer": {"max_message_mb": 1}})
-    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as address:
+    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as endpoints:
+        address = endpoints.grpc
         async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
             stub = buffer_pb2_grpc.BufferStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -140,7 +142,8 @@ async def test_ppo_fragments_are_each_served_once_across_learners(ppo_buffer):
 
 async def test_dqn_batches_have_the_requested_rows():
     cfg = config_from_dict(TINY_DQN)
-    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as address:
+    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as endpoints:
+        address = endpoints.grpc
         async with grpc.aio.insecure_channel(address) as ch:
             stub = buffer_pb2_grpc.BufferStub(ch)
             frags = [make_fragment(seq=i, T=8, algorithm=pb.ALGORITHM_DQN) for i in range(2)]  # 32 = learning_starts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -45,28 +46,35 @@ async def _health(address: str, service: str) -> int:
         return resp.status
 
 
+@contextlib.asynccontextmanager
+async def stack(cfg, ckpt, **actor_kwargs):
+    """A buffer, a learner and an actor in this event loop; yields their gRPC addresses."""
+    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as buffer:
+        async with learner_main.serving(cfg, listen="127.0.0.1:0", buffer=buffer.grpc,
+                                        checkpoint_dir=str(ckpt)) as learner:
+            async with actor_main.serving(cfg, listen="127.0.0.1:0", buffer=buffer.grpc, learner=learner.grpc,
+                                          **actor_kwargs) as actor:
+                yield buffer.grpc, learner.grpc, actor.grpc
+
+
 @pytest.mark.parametrize("algo", [TINY_PPO, TINY_DQN], ids=["ppo", "dqn"])
 async def test_push_batch_train_and_weights_reach_the_actor(tmp_path, algo):
     cfg = config_from_dict(algo)
-    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as buffer:
-        async with learner_main.serving(cfg, listen="127.0.0.1:0", buffer=buffer,
-                                        checkpoint_dir=str(tmp_path / "ckpt")) as learner:
-            async with actor_main.serving(cfg, listen="127.0.0.1:0", buffer=buffer, learner=learner,
-                                          actor_id="actor-pipeline") as actor:
-                # New weights, trained on this actor's own fragments, come back to it.
-                a = await _until(lambda: _stat_at_least(actor, actor_pb2_grpc.ActorStub, "actor/policy_version", 2))
-                b = await _stats(buffer, buffer_pb2_grpc.BufferStub)
-                lrn = await _stats(learner, learner_pb2_grpc.LearnerStub)
-                assert a["actor/fragments_pushed_total"] >= 1 and a["actor/env_steps_total"] > 0
-                assert b["buffer/fragments_received_total"] >= 1 and b["buffer/samples_served_total"] > 0
-                assert lrn["learner/updates_total"] >= 2 and lrn["learner/samples_total"] > 0
-                assert lrn["learner/weights_sent_total"] >= 1
-                assert b["buffer/fragments_invalid_total"] == 0 and a["actor/fragments_dropped_total"] == 0
-                for address, name in ((buffer, "kuberl.v1.Buffer"), (learner, "kuberl.v1.Learner"),
-                                      (actor, "kuberl.v1.Actor")):
-                    assert await _health(address, "") == health_pb2.HealthCheckResponse.SERVING
-                    assert await _health(address, name) == health_pb2.HealthCheckResponse.SERVING
-                    assert {name, "grpc.health.v1.Health"} <= await _services(address)
+    async with stack(cfg, tmp_path / "ckpt", actor_id="actor-pipeline") as (buffer, learner, actor):
+        # New weights, trained on this actor's own fragments, come back to it.
+        a = await _until(lambda: _stat_at_least(actor, actor_pb2_grpc.ActorStub, "actor/policy_version", 2))
+        b = await _stats(buffer, buffer_pb2_grpc.BufferStub)
+        lrn = await _stats(learner, learner_pb2_grpc.LearnerStub)
+        assert a["actor/fragments_pushed_total"] >= 1 and a["actor/env_steps_total"] > 0
+        assert b["buffer/fragments_received_total"] >= 1 and b["buffer/samples_served_total"] > 0
+        assert lrn["learner/updates_total"] >= 2 and lrn["learner/samples_total"] > 0
+        assert lrn["learner/weights_sent_total"] >= 1
+        assert b["buffer/fragments_invalid_total"] == 0 and a["actor/fragments_dropped_total"] == 0
+        for address, name in ((buffer, "kuberl.v1.Buffer"), (learner, "kuberl.v1.Learner"),
+                              (actor, "kuberl.v1.Actor")):
+            assert await _health(address, "") == health_pb2.HealthCheckResponse.SERVING
+            assert await _health(address, name) == health_pb2.HealthCheckResponse.SERVING
+            assert {name, "grpc.health.v1.Health"} <= await _services(address)
     # The learner wrote a checkpoint on the way out.
     assert list((tmp_path / "ckpt").glob("ckpt-*.pt"))
 
@@ -78,19 +86,16 @@ async def _stat_at_least(address, stub_cls, name, value):
 
 async def test_actor_episodes_feed_has_a_cursor(tmp_path):
     cfg = config_from_dict(TINY_PPO)
-    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as buffer:
-        async with learner_main.serving(cfg, listen="127.0.0.1:0", buffer=buffer,
-                                        checkpoint_dir=str(tmp_path)) as learner:
-            async with actor_main.serving(cfg, listen="127.0.0.1:0", buffer=buffer, learner=learner) as actor:
-                async with grpc.aio.insecure_channel(actor) as ch:
-                    stub = actor_pb2_grpc.ActorStub(ch)
+    async with stack(cfg, tmp_path) as (_, _, actor):
+        async with grpc.aio.insecure_channel(actor) as ch:
+            stub = actor_pb2_grpc.ActorStub(ch)
 
-                    async def episodes(after):
-                        return (await stub.GetStats(pb.GetStatsRequest(episodes_after=after), timeout=5)).episodes
+            async def episodes(after):
+                return (await stub.GetStats(pb.GetStatsRequest(episodes_after=after), timeout=5)).episodes
 
-                    first = await _until(lambda: episodes(0))
-                    indexes = [e.index for e in first]
-                    assert indexes == list(range(1, len(indexes) + 1))
-                    assert all(e.episode_return == e.length > 0 for e in first)  # CartPole: +1 per step
-                    later = await _until(lambda: episodes(indexes[-1]))
-                    assert later[0].index == indexes[-1] + 1
+            first = await _until(lambda: episodes(0))
+            indexes = [e.index for e in first]
+            assert indexes == list(range(1, len(indexes) + 1))
+            assert all(e.episode_return == e.length > 0 for e in first)  # CartPole: +1 per step
+            later = await _until(lambda: episodes(indexes[-1]))
+            assert later[0].index == indexes[-1] + 1

@@ -30,3 +30,21 @@ class BatchRequest(_message.Message):
     batch_size: int
     max_batches: int
     def __init__(self, learner_id: _Optional[str] = ..., algorithm: _Optional[_Union[_common_pb2.Algorithm, str]] = ..., batch_size: _Optional[int] = ..., max_batches: _Optional[int] = ...) -> None: ...
+
+class LearnerProgress(_message.Message):
+    __slots__ = ("learner_id", "policy_version", "samples_consumed_total", "batches_consumed_total")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_CONSUMED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_CONSUMED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    policy_version: int
+    samples_consumed_total: int
+    batches_consumed_total: int
+    def __init__(self, learner_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., samples_consumed_total: _Optional[int] = ..., batches_consumed_total: _Optional[int] = ...) -> None: ...
+
+class ProgressAck(_message.Message):
+    __slots__ = ("samples_inserted_total",)
+    SAMPLES_INSERTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    samples_inserted_total: int
+    def __init__(self, samples_inserted_total: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class BufferStub:
                 request_serializer=kuberl_dot_v1_dot_buffer__pb2.BatchRequest.SerializeToString,
                 response_deserializer=kuberl_dot_v1_dot_common__pb2.TrainingBatch.FromString,
                 _registered_method=True)
+        self.ReportProgress = channel.unary_unary(
+                '/kuberl.v1.Buffer/ReportProgress',
+                request_serializer=kuberl_dot_v1_dot_buffer__pb2.LearnerProgress.SerializeToString,
+                response_deserializer=kuberl_dot_v1_dot_buffer__pb2.ProgressAck.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kuberl.v1.Buffer/GetStats',
                 request_serializer=kuberl_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
@@ -78,6 +83,16 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportProgress(self, request, context):
+        """A learner's current policy version and consumption, sent after every update it publishes and
+        at least once a second. The buffer measures staleness against the newest version reported, and
+        (PPO) drops fragments older than the configured max policy lag before serving them. Idempotent.
+        Errors: INVALID_ARGUMENT for an empty or over-long learner_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Rates, counters and occupancy.
         """
@@ -97,6 +112,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.StreamBatches,
                     request_deserializer=kuberl_dot_v1_dot_buffer__pb2.BatchRequest.FromString,
                     response_serializer=kuberl_dot_v1_dot_common__pb2.TrainingBatch.SerializeToString,
+            ),
+            'ReportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProgress,
+                    request_deserializer=kuberl_dot_v1_dot_buffer__pb2.LearnerProgress.FromString,
+                    response_serializer=kuberl_dot_v1_dot_buffer__pb2.ProgressAck.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -158,6 +178,33 @@ class Buffer:
             '/kuberl.v1.Buffer/StreamBatches',
             kuberl_dot_v1_dot_buffer__pb2.BatchRequest.SerializeToString,
             kuberl_dot_v1_dot_common__pb2.TrainingBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kuberl.v1.Buffer/ReportProgress',
+            kuberl_dot_v1_dot_buffer__pb2.LearnerProgress.SerializeToString,
+            kuberl_dot_v1_dot_buffer__pb2.ProgressAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
+from services.common.fragments import batch_samples
 from services.buffer.store import SEQ_WINDOW, Outcome, SeqWindow, Store
 from services.common.config import config_from_dict
 from services.common.stats import Metrics
@@ -202,8 +203,8 @@ def test_dqn_waits_for_a_full_batch_even_past_learning_starts():
     assert store.wait_reason == "warming up"
 
 
-def test_dqn_paced_by_max_replay_ratio():
-    store = dqn_store(max_replay_ratio=1.0)
+def test_dqn_paced_by_replay_ratio():
+    store = dqn_store(replay_ratio=1.0)
     store.insert(dqn_msg(0))
     store.insert(dqn_msg(1))  # 16 inserted: at ratio 1, two batches of 8
     assert store.next_batch(8) is not None
@@ -218,7 +219,7 @@ def test_dqn_paced_by_max_replay_ratio():
 
 
 def test_dqn_ratio_zero_serves_without_limit():
-    store = dqn_store(max_replay_ratio=0.0)
+    store = dqn_store(replay_ratio=0.0)
     store.insert(dqn_msg(0))
     store.insert(dqn_msg(1))
     assert all(store.next_batch(8) is not None for _ in range(50))
@@ -240,7 +241,7 @@ def test_ppo_batches_are_whole_fragments_each_served_once():
     batch = store.next_batch(12)
     assert served_seqs(batch) == [0, 1]
     assert list(batch.rollouts.fragments) == msgs[:2]
-    assert store.batch_samples(batch) == 16
+    assert batch_samples(batch) == 16
     assert batch.buffer_size == 8
     assert batch.buffer_inserted_total == 24
     assert store.next_batch(12) is None

@@ -66,7 +66,7 @@ def test_example_dqn_config_reads_lists_and_ints_as_their_field_types():
     cfg = load_config(CONFIGS / "cartpole_dqn.yaml")
     assert isinstance(cfg.dqn.hidden_sizes, tuple) and all(isinstance(h, int) for h in cfg.dqn.hidden_sizes)
     assert isinstance(cfg.actor.max_env_steps_per_s, float)  # written as an int in the YAML
-    assert cfg.dqn.max_replay_ratio > 0  # the example is paced, as its comment says
+    assert cfg.dqn.replay_ratio > 0  # the example is paced, as its comment says
 
 
 def test_empty_yaml_file_gives_defaults(tmp_path):

@@ -201,7 +201,7 @@ def test_ppo_update_smoke():
     ppo = PPO(cfg, SPEC)
     before = params(ppo.net)
     stats = ppo.update(ppo_fragments(T=4, N=2, count=2))  # 16 samples
-    assert ppo.version == 3 * 2
+    assert ppo.version == 1 and ppo.gradient_steps == 3 * 2
     assert set(stats) == {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac"}
     assert all(math.isfinite(v) for v in stats.values())
     assert any(not torch.equal(a, b) for a, b in zip(before, ppo.net.parameters()))
@@ -212,11 +212,11 @@ def test_ppo_version_counts_across_updates():
     ppo = PPO(PPOConfig(num_epochs=2, num_minibatches=4, batch_steps=8, hidden_sizes=(8,)), SPEC)
     ppo.update(ppo_fragments(T=4, N=2))
     ppo.update(ppo_fragments(T=4, N=2))
-    assert ppo.version == 2 * (2 * 4)
+    assert ppo.version == 2 and ppo.gradient_steps == 2 * (2 * 4)
 
 
 def test_ppo_runs_num_minibatches_per_epoch_when_samples_do_not_divide():
     torch.manual_seed(0)
     ppo = PPO(PPOConfig(num_epochs=1, num_minibatches=4, batch_steps=8, hidden_sizes=(8,)), SPEC)
     ppo.update(ppo_fragments(T=5, N=2))  # 10 samples
-    assert ppo.version == 4
+    assert ppo.gradient_steps == 4

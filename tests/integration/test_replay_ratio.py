@@ -1,0 +1,63 @@
+"""DQN: the buffer holds the target replay ratio within its tolerance band while two actors at
+different speeds feed it and the learner could run faster, and it never blocks or drops an insert."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc
+from tests.helpers import TINY_DQN, Service, stats, wait_for, write_config
+
+TARGET, TOLERANCE = 4.0, 0.1
+
+
+def _config(tmp, name, steps_per_s):
+    data = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "batch_size": 32, "learning_starts": 64, "buffer_size": 4096,
+                                "replay_ratio": TARGET, "replay_ratio_tolerance": TOLERANCE},
+            "actor": {"push_ack_interval_s": 0.2, "max_env_steps_per_s": steps_per_s}}
+    return write_config(tmp / f"{name}.yaml", data)
+
+
+def test_replay_ratio_stays_in_band_and_inserts_are_never_blocked(tmp_path):
+    slow, fast = _config(tmp_path, "slow", 150), _config(tmp_path, "fast", 600)
+    buffer = Service("buffer", tmp_path, slow)
+    procs = [buffer]
+    try:
+        b = buffer.wait_ready()
+        procs.append(Service("learner", tmp_path, slow, "--buffer", b, "--checkpoint-dir", str(tmp_path / "ck")))
+        learner = procs[-1].wait_ready()
+        actors = [Service("actor", tmp_path, cfg, "--buffer", b, "--learner", learner, "--actor-index", str(i))
+                  for i, cfg in enumerate((slow, fast))]
+        procs += actors
+        for a in actors:
+            a.wait_ready()
+        stub = buffer_pb2_grpc.BufferStub
+        wait_for(lambda: stats(b, stub).get("buffer/samples_served_total", 0) > 0, what="training to start")
+        ratios = []
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline:  # sample the ratio across several seconds of training
+            s = stats(b, stub)
+            ratios.append(s["buffer/samples_per_insert"])
+            time.sleep(0.25)
+        settled = ratios[4:]  # the first second covers the end of the warm-up burst
+        assert all(TARGET * (1 - TOLERANCE) <= r <= TARGET * (1 + TOLERANCE) for r in settled), ratios
+        s = stats(b, stub)
+        assert s["buffer/replay_ratio_in_band"] == 1.0
+        assert s["buffer/paced_seconds_total"] > 0  # the learner ran ahead and was held back
+        produced = [stats(a.address, actor_pb2_grpc.ActorStub)["actor/env_steps_per_s"] for a in actors]
+        assert produced[1] > 2 * produced[0]  # the two actors really run at different speeds
+    finally:
+        for a in procs[2:]:  # actors first: they flush what they hold, then log their tally
+            assert a.terminate() == 0, a.output()
+        final = stats(buffer.address, buffer_pb2_grpc.BufferStub) if buffer.address else {}
+        for p in procs[:2][::-1]:
+            p.terminate()
+    # Nothing produced was dropped, refused or lost: every fragment cut was stored by the buffer.
+    tallies = [re.search(r"actor \S+ stopped: (\d+) fragments cut, (\d+) acknowledged, (\d+) dropped, "
+                         r"(\d+) rejected", a.output()) for a in procs[2:]]
+    assert all(tallies), [a.output()[-2000:] for a in procs[2:]]
+    cut, acked, dropped, rejected = (sum(int(t.group(i)) for t in tallies) for i in range(1, 5))
+    assert dropped == 0 and rejected == 0
+    assert cut == acked == final["buffer/fragments_received_total"]
+    assert final["buffer/fragments_duplicate_total"] >= 0 and final["buffer/fragments_invalid_total"] == 0
