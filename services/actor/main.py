@@ -1,4 +1,5 @@
-"""Actor wiring: config -> envs + policy (rollout.py) -> gRPC server -> push/weights loops -> shutdown."""
+"""Actor wiring: config -> envs + policy (rollout.py), or external sessions (sessions.py) -> gRPC server
+-> push/weights/inference loops -> shutdown."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import uuid
 from contextlib import asynccontextmanager
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from services.actor.inference import BatchedInference
+from services.actor.policy import Policy
 from services.actor.push import Pusher
 from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
+from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights
 from services.common.config import ExperimentConfig, load_config
 from services.common.grpcutil import MiB, make_channel, start_server
+from services.common.nets import spec_of
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
@@ -43,16 +48,27 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = Metrics("actor", instance_id=actor_id)
     loop = asyncio.get_running_loop()
-    # Envs are created before any channel is opened (fork safety for subprocess envs).
-    rollout = Rollout(cfg, actor_id, actor_index, metrics)
+    external = cfg.env.mode == "external"
     max_bytes = cfg.buffer.max_message_mb * MiB
-    srv = await start_server(listen, lambda s: actor_pb2_grpc.add_ActorServicer_to_server(
-        ActorServicer(rollout, metrics), s), [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name],
-        max_message_bytes=max_bytes)
-    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     buffer_ch, learner_ch = make_channel(buffer, max_bytes), make_channel(learner, max_bytes)
     pusher = Pusher(buffer_pb2_grpc.BufferStub(buffer_ch), cfg.actor.queue_fragments,
                     cfg.actor.push_ack_interval_s, metrics)
+    rollout = hub = inference = worker = None
+    if external:  # simulators connect over EnvSession and step themselves
+        spec = spec_of(cfg.env)
+        policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
+        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=pusher.enqueue)
+        inference = BatchedInference(policy, hub, metrics)
+        episodes_after = hub.episodes_after
+    else:
+        # Envs are created before any channel is used (fork safety for subprocess envs).
+        rollout = Rollout(cfg, actor_id, actor_index, metrics)
+        policy, episodes_after = rollout.policy, rollout.episodes_after
+    servicer = ActorServicer(metrics, episodes_after, hub, inference, cfg.actor.session_timeout_s)
+    srv = await start_server(listen, lambda s: actor_pb2_grpc.add_ActorServicer_to_server(servicer, s),
+                             [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
+                             max_connection_age_s=None)  # simulator sessions are long-lived streams
+    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     worker_done: asyncio.Future = loop.create_future()
 
     def done(exc):
@@ -64,18 +80,24 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         except RuntimeError:  # the loop is already closed: the process is exiting anyway
             pass
 
-    worker = RolloutWorker(rollout, lambda msg: loop.call_soon_threadsafe(pusher.enqueue, msg), done)
+    if rollout is not None:
+        worker = RolloutWorker(rollout, lambda msg: loop.call_soon_threadsafe(pusher.enqueue, msg), done)
+    else:
+        done(None)  # no rollout thread to watch
     stopping = asyncio.Event()
-    log.info("actor %s: %s x%d, %s, buffer %s, learner %s", actor_id, cfg.env.id, cfg.env.num_envs,
-             cfg.algorithm, buffer, learner)
+    log.info("actor %s: %s, %s, %s, buffer %s, learner %s", actor_id, cfg.env.id,
+             "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm, buffer, learner)
     try:
         async with asyncio.TaskGroup() as tg:
             push = tg.create_task(pusher.run(stopping), name="push")
             side = [tg.create_task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id,
-                                                     rollout, metrics), name="weights"),
+                                                     policy, metrics), name="weights"),
                     tg.create_task(tick_forever(metrics), name="stats")]
+            if inference is not None:
+                side.append(tg.create_task(inference.run(), name="inference"))
             watch = tg.create_task(_watch(worker_done), name="rollout-watch")
-            worker.start()
+            if worker is not None:
+                worker.start()
             await srv.set_serving(True)
             try:
                 yield Endpoints(srv.address, prom.address if prom else None)
@@ -83,9 +105,12 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                 # Shutdown, in order, under one hard deadline so a hung drain cannot wedge a pod:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
                     await srv.set_serving(False)           # 1. readiness goes NOT_SERVING
-                    worker.stop_event.set()                 # 2. stop stepping; the partial fragment
+                    if worker is not None:
+                        worker.stop_event.set()             # 2. stop stepping; the partial fragment
                     await watch                             #    is flushed into the queue
-                    await asyncio.sleep(0)                  #    (let its enqueue callback run)
+                    if hub is not None:                     #    (sessions: refuse new ones, flush
+                        hub.close_all()                     #    every open one's fragment)
+                    await asyncio.sleep(0)                  #    (let the enqueue callbacks run)
                     stopping.set()                          # 3. drain: push what is queued, get acked
                     try:
                         await asyncio.wait_for(asyncio.shield(push), SHUTDOWN_DEADLINE_S / 2)
@@ -96,7 +121,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                         push.cancel()
                     for task in side:
                         task.cancel()
-                    await srv.server.stop(grace=1.0)       # 4. stop serving stats
+                    await srv.server.stop(grace=1.0)       # 4. stop serving stats and sessions
                     c = metrics.counters
                     log.info("actor %s stopped: %d fragments cut, %d acknowledged, %d dropped, %d rejected",
                              actor_id, c["actor/fragments_total"], c["actor/fragments_acked_total"],
@@ -106,8 +131,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             prom.close()
         await buffer_ch.close()                             # 5. close channels, release envs
         await learner_ch.close()
-        rollout.close()
-
+        if rollout is not None:
+            rollout.close()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = base_parser("actor", 50053, "Steps environments and pushes trajectory fragments to a buffer.")

@@ -3,7 +3,7 @@
 No gRPC and no asyncio here. `Rollout.collect` runs in the actor's worker thread; the only
 cross-thread inputs are `offer_weights` (a single-slot handoff, newest wins) and the stop flag.
 Weights are swapped in between fragments, so every action of a fragment comes from the one
-`policy_version` stamped on it.
+`policy_version` stamped on it. The policy itself (weights handoff, action selection) is policy.py.
 """
 
 from __future__ import annotations
@@ -14,22 +14,18 @@ import time
 from collections import deque
 
 import gymnasium as gym
-import numpy as np
 import torch
+import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
 from services.common.config import ExperimentConfig
 from services.common.fragments import ALGORITHM_CODES, build_fragment
-from services.common.nets import build_network, env_spec, load_numpy
+from services.actor.policy import Policy
+from services.common.nets import env_spec
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 EPISODES_KEPT = 4096
-
-
-def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
-    """Linear epsilon schedule (CleanRL's linear_schedule), by the actor's own env steps."""
-    return max(end, start + (end - start) * step / duration)
 
 
 class Pacer:
@@ -60,13 +56,7 @@ class Rollout:
                                  max_episode_steps=cfg.env.max_episode_steps)
         seed = cfg.env.seed + 1000 * actor_index
         self.obs, _ = self.envs.reset(seed=seed)
-        self.rng = np.random.default_rng(seed)
-        torch.manual_seed(seed)
-        self.net = build_network(cfg.algorithm, self.spec, cfg.hidden_sizes)
-        self.net.eval()
-        self.policy_version: int | None = None  # None until the learner's first weights arrive
-        self.have_weights = threading.Event()
-        self._pending: tuple[int, dict] | None = None
+        self.policy = Policy(cfg, self.spec, seed, metrics)
         self.seq = 0
         self.env_steps = 0
         self.episode_count = 0
@@ -77,43 +67,16 @@ class Rollout:
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
         metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
 
-    # -- weights (called from the event loop thread) --------------------------------------------
-    def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
-        """Hand over new weights; they are loaded before the next fragment. Newest offer wins."""
-        self._pending = (version, arrays)  # one atomic reference assignment
-        self.have_weights.set()
-
-    def _swap_weights(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            version, arrays = pending
-            load_numpy(self.net, arrays)
-            self.policy_version = version
-            self.metrics.set("actor/policy_version", version)
-            self.metrics.inc("actor/weights_swapped_total")
-
-    # -- acting ----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        x = torch.from_numpy(obs)
-        if self.cfg.algorithm == "ppo":
-            dist = self.net.dist(x)
-            action = dist.sample()
-            return action.numpy(), dist.log_prob(action).numpy()
-        d = self.cfg.dqn
-        eps = epsilon_at(self.env_steps, d.start_epsilon, d.end_epsilon, d.exploration_steps)
-        self.metrics.set("actor/epsilon", eps)
-        action = self.net(x).argmax(dim=1).numpy()
-        explore = self.rng.random(len(action)) < eps
-        action[explore] = self.rng.integers(0, self.spec.num_actions, int(explore.sum()))
-        return action, None
+    @property
+    def policy_version(self) -> int | None:
+        return self.policy.version
 
     def collect(self, stop: threading.Event | None = None) -> pb.TrajectoryFragment | None:
         """Step every env T times (fewer if `stop` is set meanwhile) and return the fragment.
 
         Blocking; call from the worker thread. Returns None only if stopped before any step.
         """
-        self._swap_weights()
+        self.policy.swap()
         T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
         actions = np.empty((T, N), dtype=np.int64)
@@ -125,7 +88,7 @@ class Rollout:
         obs_buf[0] = self.obs
         t = 0
         while t < T and not (stop is not None and stop.is_set()):
-            a, lp = self.act(self.obs)
+            a, lp = self.policy.act(self.obs, self.env_steps)
             obs, r, term, trunc, info = self.envs.step(a)
             actions[t], rewards[t], terminated[t], truncated[t] = a, r, term, trunc
             if logprob is not None:
@@ -188,7 +151,7 @@ class RolloutWorker(threading.Thread):
     def run(self) -> None:
         try:
             waited = 0.0
-            while not self.rollout.have_weights.wait(timeout=0.5):
+            while not self.rollout.policy.have_weights.wait(timeout=0.5):
                 if self.stop_event.is_set():
                     self.done(None)
                     return

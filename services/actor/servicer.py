@@ -1,16 +1,72 @@
-"""Thin gRPC adapter of the actor: GetStats (rates, counters and the finished-episode feed)."""
+"""Thin gRPC adapter of the actor: GetStats, and EnvSession for external simulators."""
 
 from __future__ import annotations
 
-from kuberl.v1 import actor_pb2_grpc
+import asyncio
+import logging
+
+import grpc
+
+from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
-from services.actor.rollout import Rollout
+from services.actor.inference import BatchedInference
+from services.actor.sessions import SessionError, SessionHub
 from services.common.stats import Metrics
+from services.common.tensors import encode
+
+log = logging.getLogger(__name__)
 
 
 class ActorServicer(actor_pb2_grpc.ActorServicer):
-    def __init__(self, rollout: Rollout, metrics: Metrics):
-        self.rollout, self.metrics = rollout, metrics
+    def __init__(self, metrics: Metrics, episodes_after, hub: SessionHub | None = None,
+                 inference: BatchedInference | None = None, session_timeout_s: float = 30.0):
+        self.metrics, self.episodes_after = metrics, episodes_after
+        self.hub, self.inference, self.timeout_s = hub, inference, session_timeout_s
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return self.metrics.response(episodes=self.rollout.episodes_after(request.episodes_after))
+        return self.metrics.response(episodes=self.episodes_after(request.episodes_after))
+
+    async def EnvSession(self, request_iterator, context):
+        """One simulator's session; the protocol is documented on the RPC in actor.proto."""
+        if self.hub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this actor steps local envs; start one with env.mode: external for simulators")
+        session = None
+        try:
+            first = await self._read(context)
+            if first is None:
+                return
+            if first.WhichOneof("kind") != "hello":
+                raise SessionError("FAILED_PRECONDITION", "a session starts with hello")
+            session, resumed = self.hub.open(first.hello)
+            log.info("session %s (%s, %d envs) %s", session.session_id, first.hello.simulator[:128],
+                     session.num_envs, "resumed" if resumed else "opened")
+            await context.write(actor_pb2.ActorMessage(accepted=actor_pb2.SessionAccepted(
+                session_id=session.session_id, resumed=resumed, policy_version=self.inference.policy.version or 0,
+                session_timeout_ms=int(self.timeout_s * 1000))))
+            while (msg := await self._read(context)) is not None:
+                if msg.WhichOneof("kind") != "step":
+                    raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
+                obs = self.hub.observe(session, msg.step)
+                actions, logprob, version = await self.inference.act(obs)
+                self.hub.record_actions(session, actions, logprob, version)
+                await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
+                    step_id=msg.step.step_id, actions=encode(actions.astype("int64", copy=False)),
+                    policy_version=version)))
+        except SessionError as err:
+            if session is not None:
+                self.hub.close(session, "timeout" if err.code == "DEADLINE_EXCEEDED" else "error")
+            log.info("session %s ended: %s %s", session.session_id if session else "(no hello)", err.code, err)
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        finally:
+            if session is not None:
+                self.hub.close(session, "closed")  # no-op if already closed; flushes data otherwise
+
+    async def _read(self, context):
+        """The next message, None at half-close; SessionError after session_timeout_s of silence."""
+        try:
+            msg = await asyncio.wait_for(context.read(), self.timeout_s)
+        except TimeoutError:
+            raise SessionError("DEADLINE_EXCEEDED", f"no message for {self.timeout_s:g} s "
+                                                    f"(actor.session_timeout_s); session closed") from None
+        return None if msg is grpc.aio.EOF else msg

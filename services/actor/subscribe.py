@@ -12,7 +12,7 @@ import logging
 import grpc
 
 from kuberl.v1 import learner_pb2, learner_pb2_grpc
-from services.actor.rollout import Rollout
+from services.actor.policy import Policy
 from services.common.grpcutil import Backoff, describe
 from services.common.stats import Metrics
 from services.common.tensors import TensorError
@@ -21,9 +21,9 @@ from services.common.weights import WeightsAssembler
 log = logging.getLogger(__name__)
 
 
-async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: str, rollout: Rollout,
+async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: str, policy: Policy,
                             metrics: Metrics) -> None:
-    """Run until cancelled, offering each complete version to `rollout`."""
+    """Run until cancelled, offering each complete version to `policy`."""
     backoff = Backoff()
     latest: int | None = None
     while True:
@@ -42,7 +42,7 @@ async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: s
                     continue
                 if got is not None:
                     latest = got[0]
-                    rollout.offer_weights(*got)
+                    policy.offer_weights(*got)
                     metrics.inc("actor/weights_received_total")
                     backoff.reset()
         except grpc.aio.AioRpcError as err:

@@ -75,8 +75,10 @@ class Proc:
 
 
 class LocalRun:
-    def __init__(self, cfg: ExperimentConfig, root: str | Path, name: str | None = None, progress: bool = True):
-        self.cfg, self.progress = cfg, progress
+    def __init__(self, cfg: ExperimentConfig, root: str | Path, name: str | None = None, progress: bool = True,
+                 actor_port: int = 50053):
+        self.cfg, self.progress, self.actor_port = cfg, progress, actor_port
+        self.external = cfg.env.mode == "external"
         env = re.sub(r"[^A-Za-z0-9]+", "-", cfg.env.id).strip("-").lower()
         self.dir = Path(root) / (name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{env}")
         for sub in ("logs", "checkpoints", "tb", "ready"):
@@ -129,7 +131,9 @@ class LocalRun:
         self._spawn("buffer", "buffer-0", buffer, [])
         self._spawn("learner", "learner-0", learner, ["--buffer", buffer, "--checkpoint-dir", str(self.dir / "checkpoints")])
         for i in range(self.cfg.topology.actors):
-            self._spawn("actor", f"actor-{i}", "127.0.0.1:0", [
+            # External simulators need a known address: actor i listens on actor_port + i.
+            listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"
+            self._spawn("actor", f"actor-{i}", listen, [
                 "--buffer", buffer, "--learner", learner, "--actor-id", f"actor-{i}-{self.dir.name}",
                 "--actor-index", str(i)])
 
@@ -241,6 +245,10 @@ class LocalRun:
             self.tb = SummaryWriter(str(self.dir / "tb"))
             self._wait_all_ready()
             self.started = time.monotonic()
+            if self.external:
+                print("waiting for simulators: connect them over EnvSession to "
+                      + ", ".join(p.address for p in self._role("actor")) + " (see docs/external-simulators.md)",
+                      flush=True)
             while True:
                 time.sleep(self.cfg.run.poll_interval_s)
                 self.check_alive()
@@ -287,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", default=None, help="parent directory for the run (default: run.run_dir)")
     p.add_argument("--name", default=None, help="run directory name (default: <time>-<algorithm>-<env>)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--actor-port", type=int, default=50053,
+                   help="env.mode external: actor i listens on 127.0.0.1:(this + i) for simulators (default 50053)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s up: %(message)s")
     try:
@@ -294,6 +304,6 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as err:
         print(f"kuberl up: {args.config}: {err}", file=sys.stderr)
         return 2
-    run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet)
+    run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet, actor_port=args.actor_port)
     summary = run.run()
     return 1 if summary["reason"] == "failed" else 0

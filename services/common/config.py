@@ -33,13 +33,33 @@ def _require(cond: bool, key: str, value: Any, why: str) -> None:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """Which environment actors step and how many copies each actor runs."""
+    """Which environment actors step and how many copies each actor runs.
+
+    mode "local": each actor steps `num_envs` copies of the gymnasium env `id`.
+    mode "external": simulators connect to the actor over EnvSession and step themselves; the policy's
+    spaces come from `observation_shape` / `observation_dtype` / `num_actions` when given, else from
+    the gymnasium env `id` (e.g. CartPole-v1 for a CartPole written in another language).
+    """
     id: str = "CartPole-v1"           # gymnasium id
-    num_envs: int = 8                 # env copies per actor (one vector env)
+    num_envs: int = 8                 # env copies per actor (one vector env); local mode
     seed: int = 0                     # base seed; actor i uses seed + 1000 * i
     max_episode_steps: int | None = None  # override the env's time limit
+    mode: str = "local"               # "local" or "external"
+    observation_shape: tuple[int, ...] | None = None  # external envs not in gymnasium: declare the spaces
+    observation_dtype: str = "float32"
+    num_actions: int | None = None
 
     def __post_init__(self):
+        _require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
+        _require((self.observation_shape is None) == (self.num_actions is None), "observation_shape",
+                 self.observation_shape, "declare observation_shape and num_actions together (or neither)")
+        _require(self.observation_shape is None or self.mode == "external", "observation_shape",
+                 self.observation_shape, "declared spaces are for env.mode: external; local envs have their own")
+        _require(self.observation_shape is None or all(d >= 1 for d in self.observation_shape),
+                 "observation_shape", self.observation_shape, "every dimension must be >= 1")
+        _require(self.num_actions is None or self.num_actions >= 1, "num_actions", self.num_actions, "must be >= 1")
+        _require(self.observation_dtype in ("float32", "float64", "uint8", "int32", "int64"), "observation_dtype",
+                 self.observation_dtype, "must be float32, float64, uint8, int32 or int64")
         _require(bool(self.id), "id", self.id, "an env id is required")
         _require(1 <= self.num_envs <= 4096, "num_envs", self.num_envs, "must be 1..4096")
         _require(self.max_episode_steps is None or self.max_episode_steps > 0, "max_episode_steps",
@@ -164,8 +184,15 @@ class ActorConfig:
     # Cap on env steps per second (all of this actor's envs together); 0 = as fast as possible.
     # Sleeping here frees the CPU for the learner on a shared machine; the actor never waits on the network.
     max_env_steps_per_s: float = 0.0
+    # External simulators (env.mode: external):
+    max_sessions: int = 256            # concurrent EnvSession streams; more get RESOURCE_EXHAUSTED
+    session_timeout_s: float = 30.0    # a session silent this long is closed (DEADLINE_EXCEEDED)
+    session_resume_s: float = 300.0    # a session_id reconnecting within this resumes its episodes
 
     def __post_init__(self):
+        _require(self.max_sessions >= 1, "max_sessions", self.max_sessions, "must be >= 1")
+        _require(self.session_timeout_s > 0, "session_timeout_s", self.session_timeout_s, "must be > 0")
+        _require(self.session_resume_s >= 0, "session_resume_s", self.session_resume_s, "must be >= 0")
         _require(self.max_env_steps_per_s >= 0, "max_env_steps_per_s", self.max_env_steps_per_s, "must be >= 0")
         _require(self.queue_fragments >= 1, "queue_fragments", self.queue_fragments, "must be >= 1")
         _require(self.push_ack_interval_s > 0, "push_ack_interval_s", self.push_ack_interval_s, "must be > 0")

@@ -27,12 +27,15 @@ KEEPALIVE = [
 ]
 
 
-def server_options(max_message_bytes: int, max_connection_age_s: float = 300.0) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, max_connection_age_s: float | None = 300.0) -> list[tuple[str, int]]:
+    age = [] if max_connection_age_s is None else [
+        ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", 30_000),
+    ]
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
-        ("grpc.max_connection_age_grace_ms", 30_000),
+        *age,
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
@@ -53,13 +56,15 @@ class Serving:
 
 
 async def start_server(listen: str, register, service_names: list[str], *,
-                       max_message_bytes: int) -> Serving:
+                       max_message_bytes: int, max_connection_age_s: float | None = 300.0) -> Serving:
     """Create a server, let `register(server)` add servicers, add health + reflection, bind, start.
 
     `listen` is host:port; port 0 binds a free port (the returned address has the real one).
-    Health starts NOT_SERVING; the caller flips it when ready.
+    Health starts NOT_SERVING; the caller flips it when ready. `max_connection_age_s` (None = no limit)
+    makes clients reconnect, and so rebalance onto new pods; it also ends every stream on the
+    connection, so services whose clients hold long sessions (actors) pass None.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
     register(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -22,6 +22,13 @@ class EnvSpec:
     num_actions: int
 
 
+def spec_of(env_cfg) -> EnvSpec:
+    """The policy's spaces for an EnvConfig: declared ones (external simulators), else the gymnasium env's."""
+    if env_cfg.observation_shape is not None:
+        return EnvSpec(tuple(env_cfg.observation_shape), np.dtype(env_cfg.observation_dtype), env_cfg.num_actions)
+    return env_spec(env_cfg.id, env_cfg.max_episode_steps)
+
+
 def env_spec(env_id: str, max_episode_steps: int | None = None) -> EnvSpec:
     """Read the spaces of a gymnasium env (only Box observations and Discrete actions so far)."""
     import gymnasium as gym

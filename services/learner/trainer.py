@@ -16,7 +16,7 @@ import torch
 from kuberl.v1 import common_pb2 as pb
 from services.common.config import ExperimentConfig
 from services.common.fragments import TRANSITION_FIELDS, Fragment, batch_samples, decode_fragment
-from services.common.nets import env_spec, to_numpy
+from services.common.nets import spec_of, to_numpy
 from services.common.stats import Metrics
 from services.common.tensors import TensorError, decode
 from services.common.weights import encode_weights
@@ -31,7 +31,7 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, metrics: Metrics, checkpoint_dir: str | Path):
         self.cfg, self.metrics, self.checkpoint_dir = cfg, metrics, Path(checkpoint_dir)
         torch.manual_seed(cfg.seed)
-        self.spec = spec = env_spec(cfg.env.id, cfg.env.max_episode_steps)
+        self.spec = spec = spec_of(cfg.env)
         device = cfg.learner.device
         self.algo = DQN(cfg.dqn, spec, device) if cfg.algorithm == "dqn" else PPO(cfg.ppo, spec, device)
         self.lock = threading.Lock()

@@ -1,5 +1,98 @@
 from kuberl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
-from typing import ClassVar as _ClassVar
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class BoxSpace(_message.Message):
+    __slots__ = ("shape", "dtype")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: _common_pb2.DType
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+
+class DiscreteSpace(_message.Message):
+    __slots__ = ("n",)
+    N_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    def __init__(self, n: _Optional[int] = ...) -> None: ...
+
+class Space(_message.Message):
+    __slots__ = ("box", "discrete")
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    DISCRETE_FIELD_NUMBER: _ClassVar[int]
+    box: BoxSpace
+    discrete: DiscreteSpace
+    def __init__(self, box: _Optional[_Union[BoxSpace, _Mapping]] = ..., discrete: _Optional[_Union[DiscreteSpace, _Mapping]] = ...) -> None: ...
+
+class EnvHello(_message.Message):
+    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "simulator")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
+    SIMULATOR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    observation_space: Space
+    action_space: Space
+    num_envs: int
+    simulator: str
+    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ...) -> None: ...
+
+class EnvStep(_message.Message):
+    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    FINAL_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    observations: _common_pb2.Tensor
+    rewards: _common_pb2.Tensor
+    terminated: _common_pb2.Tensor
+    truncated: _common_pb2.Tensor
+    final_observations: _common_pb2.Tensor
+    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class EnvMessage(_message.Message):
+    __slots__ = ("hello", "step")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    hello: EnvHello
+    step: EnvStep
+    def __init__(self, hello: _Optional[_Union[EnvHello, _Mapping]] = ..., step: _Optional[_Union[EnvStep, _Mapping]] = ...) -> None: ...
+
+class SessionAccepted(_message.Message):
+    __slots__ = ("session_id", "resumed", "policy_version", "session_timeout_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    resumed: bool
+    policy_version: int
+    session_timeout_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., policy_version: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ActionReply(_message.Message):
+    __slots__ = ("step_id", "actions", "policy_version")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    actions: _common_pb2.Tensor
+    policy_version: int
+    def __init__(self, step_id: _Optional[int] = ..., actions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ActorMessage(_message.Message):
+    __slots__ = ("accepted", "actions")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    accepted: SessionAccepted
+    actions: ActionReply
+    def __init__(self, accepted: _Optional[_Union[SessionAccepted, _Mapping]] = ..., actions: _Optional[_Union[ActionReply, _Mapping]] = ...) -> None: ...

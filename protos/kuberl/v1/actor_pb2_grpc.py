@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from kuberl.v1 import actor_pb2 as kuberl_dot_v1_dot_actor__pb2
 from kuberl.v1 import common_pb2 as kuberl_dot_v1_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,11 @@ class ActorStub:
                 request_serializer=kuberl_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kuberl_dot_v1_dot_common__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.EnvSession = channel.stream_stream(
+                '/kuberl.v1.Actor/EnvSession',
+                request_serializer=kuberl_dot_v1_dot_actor__pb2.EnvMessage.SerializeToString,
+                response_deserializer=kuberl_dot_v1_dot_actor__pb2.ActorMessage.FromString,
+                _registered_method=True)
 
 
 class ActorServicer:
@@ -51,6 +57,45 @@ class ActorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EnvSession(self, request_iterator, context):
+        """One external simulator's session (bidirectional stream). The protocol, in order:
+
+        1. simulator -> EnvMessage{hello}: its spaces and how many env copies it steps in lockstep.
+        2. actor -> ActorMessage{accepted}: the session is on (or the stream ends with an error, below).
+        3. simulator -> EnvMessage{step} with step_id 0: the first observation of every env copy.
+        4. actor -> ActorMessage{actions} with the same step_id: one action per env copy.
+        5. simulator applies them, then -> EnvMessage{step} with step_id + 1: rewards for those actions,
+        terminated/truncated flags and the next observations (an env copy whose episode ended is
+        reset by the simulator; its step carries the reset observation and, in final_observations,
+        the true last one). Back to 4, until the simulator half-closes or the stream breaks.
+
+        Exactly one step is outstanding at a time: a simulator sends step N+1 only after it has
+        received the actions for step N. The actor batches inference across all sessions, cuts
+        trajectory fragments from each session exactly as for local envs, and pushes them to the buffer.
+
+        Errors (the stream ends with this status; other sessions are never affected):
+        INVALID_ARGUMENT     hello whose spaces do not match the actor's policy (the message names the
+        space, expected and got), num_envs out of range, or a step whose tensors
+        are malformed or do not match the declared spaces (names the field).
+        FAILED_PRECONDITION  a step before hello, a second hello, a step_id out of order, or this actor
+        runs local envs (env.mode is not "external").
+        RESOURCE_EXHAUSTED   the actor already holds actor.max_sessions sessions.
+        DEADLINE_EXCEEDED    no message for actor.session_timeout_s: the session is closed.
+        UNAVAILABLE          the actor is shutting down, or a newer stream with the same session_id took
+        this session over.
+        Rewards must be finite. The first actions are sent once the actor holds the learner's first
+        weights (at start-up only), so a simulator's first wait covers learner start-up.
+        When a session ends for any reason, the data of its unfinished fragment is pushed with the last
+        step marked truncated (bootstrapped, not terminal), so nothing collected is lost or mislabelled.
+        A simulator that reconnects with the same session_id within actor.session_resume_s resumes its
+        episodes (their returns keep accumulating) if it declares the same num_envs; it must start again
+        at step_id 0. A reconnect while the actor still holds the old, broken stream takes over from it.
+        The actor never ends a session for the age of its connection.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ActorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +103,11 @@ def add_ActorServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kuberl_dot_v1_dot_common__pb2.GetStatsRequest.FromString,
                     response_serializer=kuberl_dot_v1_dot_common__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'EnvSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.EnvSession,
+                    request_deserializer=kuberl_dot_v1_dot_actor__pb2.EnvMessage.FromString,
+                    response_serializer=kuberl_dot_v1_dot_actor__pb2.ActorMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +137,33 @@ class Actor:
             '/kuberl.v1.Actor/GetStats',
             kuberl_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
             kuberl_dot_v1_dot_common__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EnvSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kuberl.v1.Actor/EnvSession',
+            kuberl_dot_v1_dot_actor__pb2.EnvMessage.SerializeToString,
+            kuberl_dot_v1_dot_actor__pb2.ActorMessage.FromString,
             options,
             channel_credentials,
             insecure,

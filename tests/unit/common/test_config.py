@@ -55,7 +55,8 @@ def test_dump_then_load_gives_equal_config(tmp_path):
     assert load_config(str(path)) == cfg
 
 
-@pytest.mark.parametrize("name,algorithm", [("cartpole_ppo.yaml", "ppo"), ("cartpole_dqn.yaml", "dqn")])
+@pytest.mark.parametrize("name,algorithm", [("cartpole_ppo.yaml", "ppo"), ("cartpole_dqn.yaml", "dqn"),
+                                            ("cartpole_external.yaml", "ppo")])
 def test_example_configs_load(name, algorithm):
     cfg = load_config(CONFIGS / name)
     assert cfg.algorithm == algorithm

@@ -1,0 +1,376 @@
+"""A blocking client for one `Actor.EnvSession` stream: a simulator's side of the protocol.
+
+    with EnvSessionClient("actor:50053", session_id="sim-0", obs_shape=(4,), obs_dtype="float32",
+                          num_actions=2, num_envs=8) as client:
+        actions = client.reset(obs)                  # hello -> accepted -> step 0 -> actions
+        while running:
+            obs, rewards, term, trunc, final_obs = simulate(actions)
+            actions = client.step(obs, rewards, term, trunc, final_obs)
+    # leaving the block half-closes the stream and waits for the actor to end it
+
+The protocol (protos/kuberl/v1/actor.proto) keeps exactly one step outstanding, so the client is a
+plain request/reply loop over a gRPC bidirectional stream (synchronous grpc API): requests go to
+gRPC through an iterator fed from a queue.Queue; replies are read in the calling thread. Every wait
+has a timeout (`timeout_s`): a watchdog cancels the call when the actor does not answer in time.
+
+An error from the actor (the stream ends with a non-OK status) is raised as SessionError with the
+status code's name (e.g. "INVALID_ARGUMENT") and the actor's message; the session is then over
+(reconnect with the same session_id to resume its episodes). One client serves one thread.
+
+Imports only numpy, grpc, the kuberl.v1 stubs and services.common.tensors.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from kuberl.v1 import actor_pb2, actor_pb2_grpc
+from services.common.tensors import TensorError, decode, dtype_code, encode
+
+__all__ = ["EnvSessionClient", "SessionError", "SessionTimeout"]
+
+_END = object()          # queue sentinel: half-close the request stream
+_POLL_S = 1.0            # how often an idle request iterator / watchdog re-checks for shutdown
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class SessionError(Exception):
+    """The session ended with an error. `code` is the gRPC status code's name, `details` its message.
+
+    Codes the actor sends (actor.proto): INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
+    DEADLINE_EXCEEDED; transport failures arrive as UNAVAILABLE, CANCELLED, etc.
+    """
+
+    def __init__(self, code: str, details: str):
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
+
+
+class SessionTimeout(SessionError):
+    """The actor did not answer within the client's `timeout_s` (raised by the client, code DEADLINE_EXCEEDED)."""
+
+    def __init__(self, details: str):
+        super().__init__("DEADLINE_EXCEEDED", details)
+
+
+class _Watchdog(threading.Thread):
+    """Calls `expire()` once a deadline set by `arm` passes without `disarm`.
+
+    Arming is cheap (a lock, no thread wake-up while the watchdog is already waiting on an earlier
+    deadline: deadlines only move later, so it wakes up in time and re-checks).
+    """
+
+    def __init__(self, expire, name: str):
+        super().__init__(name=name, daemon=True)
+        self._expire = expire
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._idle = False
+        self._stopped = False
+
+    def arm(self, seconds: float) -> None:
+        with self._cond:
+            self._deadline = time.monotonic() + seconds
+            if self._idle:
+                self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                if self._deadline is None:
+                    self._idle = True
+                    self._cond.wait(_POLL_S)
+                    self._idle = False
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                self._deadline = None
+                self._cond.release()
+                try:
+                    self._expire()
+                finally:
+                    self._cond.acquire()
+
+
+class EnvSessionClient:
+    """One simulator session with an actor in env.mode "external".
+
+    obs_shape / obs_dtype: the observation space of ONE env copy (must equal the actor's policy input).
+    num_actions: the Discrete action space's n. num_envs: env copies stepped in lockstep (1..1024).
+    timeout_s: the longest wait for any answer from the actor (connecting included).
+
+    After `reset` / `step`: `step_id` (of the last step sent), `policy_version` (of the last actions),
+    and from the actor's acceptance `resumed`, `session_timeout_s`.
+    """
+
+    def __init__(self, address: str, *, session_id: str, obs_shape, obs_dtype, num_actions: int,
+                 num_envs: int, simulator: str = "python", timeout_s: float = 30.0,
+                 wait_for_ready: bool = True, channel_options: list | None = None):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.address, self.session_id = address, session_id
+        self.obs_shape = tuple(int(d) for d in obs_shape)
+        self.obs_dtype = np.dtype(obs_dtype)
+        self.num_actions, self.num_envs = int(num_actions), int(num_envs)
+        self.simulator, self.timeout_s, self.wait_for_ready = simulator, float(timeout_s), wait_for_ready
+        self._obs_code = dtype_code(self.obs_dtype)  # TensorError (a ValueError) for dtypes with no wire code
+        self._options = channel_options if channel_options is not None else [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self.step_id: int | None = None      # last step sent (None before reset)
+        self.resumed: bool | None = None     # from `accepted`
+        self.policy_version: int | None = None
+        self.session_timeout_s: float | None = None
+        self._channel: grpc.Channel | None = None
+        self._call = None
+        self._requests: queue.Queue = queue.Queue()
+        self._watchdog: _Watchdog | None = None
+        self._timed_out = False
+        self._shutdown = False               # the request iterator ends at the next poll
+        self._closed = False
+        self._error: SessionError | None = None
+        self._waiting = ""                   # what we wait for, for the timeout message
+
+    # -- public API ----------------------------------------------------------------------------
+    def hello(self) -> actor_pb2.SessionAccepted:
+        """Open the stream, send hello and wait for `accepted` (reset() calls this if needed)."""
+        self._check_usable()
+        if self._call is not None:
+            raise RuntimeError("hello was already sent on this session")
+        self._channel = grpc.insecure_channel(self.address, options=self._options)
+        self._watchdog = _Watchdog(self._expire, name=f"env-session-watchdog-{self.session_id}")
+        self._watchdog.start()
+        stub = actor_pb2_grpc.ActorStub(self._channel)
+        self._call = stub.EnvSession(self._request_iter(), wait_for_ready=self.wait_for_ready)
+        hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator)
+        hello.observation_space.box.shape[:] = self.obs_shape
+        hello.observation_space.box.dtype = self._obs_code
+        hello.action_space.discrete.n = self.num_actions
+        self._requests.put(actor_pb2.EnvMessage(hello=hello))
+        reply = self._receive("the actor's answer to hello")
+        if reply.WhichOneof("kind") != "accepted":
+            raise self._protocol_error(f"expected `accepted` after hello, got `{reply.WhichOneof('kind')}`")
+        acc = reply.accepted
+        self.resumed, self.policy_version = bool(acc.resumed), int(acc.policy_version)
+        self.session_timeout_s = acc.session_timeout_ms / 1000.0
+        return acc
+
+    def reset(self, observations) -> np.ndarray:
+        """Send hello (if not yet sent) and step 0 with the first observations; return the actions."""
+        self._check_usable()
+        if self.step_id is not None:
+            raise RuntimeError("reset() starts a session once; to resume, open a new client with the same session_id")
+        if self._call is None:
+            self.hello()
+        step = actor_pb2.EnvStep(step_id=0)
+        encode(self._observations(observations, "observations"), step.observations)
+        return self._exchange(step)
+
+    def step(self, observations, rewards, terminated, truncated, final_observations=None) -> np.ndarray:
+        """Send the next step (rewards, flags and next observations for the previous actions); return actions.
+
+        final_observations: [K, *obs_shape], the true last observation of each env whose episode ended
+        (terminated or truncated), in env order; required iff K > 0.
+        """
+        self._check_usable()
+        if self.step_id is None:
+            raise RuntimeError("call reset() before step()")
+        n = self.num_envs
+        step = actor_pb2.EnvStep(step_id=self.step_id + 1)
+        encode(self._observations(observations, "observations"), step.observations)
+        encode(self._per_env(rewards, np.float32, "rewards"), step.rewards)
+        term = self._per_env(terminated, np.bool_, "terminated")
+        trunc = self._per_env(truncated, np.bool_, "truncated")
+        encode(term, step.terminated)
+        encode(trunc, step.truncated)
+        k = int(np.count_nonzero(term | trunc))
+        if k:
+            if final_observations is None:
+                raise ValueError(f"final_observations: required, {k} of {n} envs ended this step")
+            fin = self._array(final_observations, "final_observations")
+            if fin.shape != (k, *self.obs_shape):
+                raise ValueError(f"final_observations: shape {fin.shape}, expected {(k, *self.obs_shape)} "
+                                 f"(one row per ended env, in env order)")
+            encode(fin, step.final_observations)
+        elif final_observations is not None and np.size(final_observations):
+            raise ValueError("final_observations: given, but no env ended this step")
+        return self._exchange(step)
+
+    def close(self) -> None:
+        """Half-close the stream and wait (at most timeout_s) for the actor to end it.
+
+        Raises SessionError if the actor ends the stream with an error. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        error = None
+        try:
+            if self._call is not None and self._error is None:
+                self._requests.put(_END)
+                self._waiting = "the actor to end the stream after half-close"
+                self._watchdog.arm(self.timeout_s)
+                try:
+                    for _ in self._call:  # nothing is outstanding; anything late is dropped
+                        pass
+                except grpc.RpcError as e:
+                    error = self._translate(e)
+                finally:
+                    self._watchdog.disarm()
+        finally:
+            self._release()
+        if error is not None:
+            self._error = error
+            raise error
+
+    def cancel(self) -> None:
+        """Abort the stream at once (the actor sees the simulator go away). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._call is not None:
+                self._call.cancel()
+        finally:
+            self._release()
+
+    def __enter__(self) -> EnvSessionClient:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+    def __del__(self):  # best effort: never leave a watchdog thread and a channel behind
+        try:
+            if not self._closed:
+                self.cancel()
+        except Exception:
+            pass
+
+    # -- internals -----------------------------------------------------------------------------
+    def _request_iter(self):
+        """Consumed by gRPC's request thread: messages from the queue until _END (half-close)."""
+        while True:
+            try:
+                item = self._requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._shutdown:
+                    return
+                continue
+            if item is _END:
+                return
+            yield item
+
+    def _exchange(self, step: actor_pb2.EnvStep) -> np.ndarray:
+        self._requests.put(actor_pb2.EnvMessage(step=step))
+        self.step_id = step.step_id
+        reply = self._receive(f"actions for step {step.step_id}")
+        if reply.WhichOneof("kind") != "actions":
+            raise self._protocol_error(f"expected `actions` for step {step.step_id}, got `{reply.WhichOneof('kind')}`")
+        ar = reply.actions
+        if ar.step_id != step.step_id:
+            raise self._protocol_error(f"actions answer step {ar.step_id}, expected {step.step_id}")
+        try:
+            actions = decode(ar.actions, "actions")
+        except TensorError as e:
+            raise self._protocol_error(f"malformed actions: {e}") from None
+        if actions.shape != (self.num_envs,) or actions.dtype != np.int64:
+            raise self._protocol_error(f"actions have shape {list(actions.shape)} of {actions.dtype}, expected "
+                                       f"[{self.num_envs}] int64")
+        self.policy_version = int(ar.policy_version)
+        return actions.copy()
+
+    def _receive(self, what: str):
+        self._waiting = what
+        self._watchdog.arm(self.timeout_s)
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise self._fail(SessionError("OK", f"the actor ended the stream while the client waited for {what}"))
+        except grpc.RpcError as e:
+            raise self._fail(self._translate(e)) from None
+        finally:
+            self._watchdog.disarm()
+
+    def _expire(self) -> None:
+        self._timed_out = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _translate(self, e: grpc.RpcError) -> SessionError:
+        if self._timed_out:
+            return SessionTimeout(f"no answer from the actor at {self.address} within {self.timeout_s:g} s "
+                                  f"(waiting for {self._waiting})")
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        return SessionError(code.name if code is not None else "UNKNOWN", details or "")
+
+    def _fail(self, error: SessionError) -> SessionError:
+        self._error = error
+        if self._call is not None:
+            self._call.cancel()
+        self._closed = True
+        self._release()
+        return error
+
+    def _protocol_error(self, message: str) -> SessionError:
+        return self._fail(SessionError("UNKNOWN", f"protocol violation by the actor: {message}"))
+
+    def _release(self) -> None:
+        self._shutdown = True
+        self._requests.put(_END)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._channel is not None:
+            self._channel.close()
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError("the session is closed")
+
+    def _array(self, value, field: str) -> np.ndarray:
+        arr = np.asarray(value)
+        if arr.dtype != self.obs_dtype:
+            if not np.can_cast(arr.dtype, self.obs_dtype, casting="same_kind"):
+                raise ValueError(f"{field}: dtype {arr.dtype} cannot be sent as the declared {self.obs_dtype}")
+            arr = arr.astype(self.obs_dtype)
+        return arr
+
+    def _observations(self, value, field: str) -> np.ndarray:
+        arr = self._array(value, field)
+        if self.num_envs == 1 and arr.shape == self.obs_shape:
+            arr = arr[None]
+        if arr.shape != (self.num_envs, *self.obs_shape):
+            raise ValueError(f"{field}: shape {arr.shape}, expected {(self.num_envs, *self.obs_shape)}")
+        return arr
+
+    def _per_env(self, value, dtype, field: str) -> np.ndarray:
+        arr = np.asarray(value)
+        if arr.size != self.num_envs or arr.ndim > 1:
+            raise ValueError(f"{field}: shape {arr.shape}, expected ({self.num_envs},)")
+        if dtype is np.bool_ and arr.dtype != np.bool_ and not np.isin(arr, (0, 1)).all():
+            raise ValueError(f"{field}: flags must be booleans (0 or 1)")
+        return arr.astype(dtype, copy=False).reshape(self.num_envs)

@@ -1,0 +1,55 @@
+"""Batched inference for external sessions: every pending step of every session in one forward pass.
+
+Sessions call `act(obs)` and await their slice of the batch. The loop takes whatever is pending when
+it comes round (no artificial delay), so the batch grows with load and latency stays one forward
+pass when idle. Torch runs in a worker thread; weights are swapped in only between batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from services.actor.policy import Policy
+from services.actor.sessions import SessionHub
+from services.common.stats import Metrics
+
+
+class BatchedInference:
+    def __init__(self, policy: Policy, hub: SessionHub, metrics: Metrics):
+        self.policy, self.hub, self.metrics = policy, hub, metrics
+        self._pending: list[tuple[np.ndarray, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+
+    async def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """Actions (and PPO log-probs) for one session's observations, and the policy version used."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((obs, future))
+        self._wake.set()
+        return await future
+
+    async def run(self) -> None:
+        """Serve batches until cancelled (the actor's "inference" task)."""
+        while not self.policy.have_weights.is_set():  # start-up only: the learner's first weights
+            await asyncio.sleep(0.05)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            batch = [(obs, fut) for obs, fut in batch if not fut.done()]  # a session that went away
+            if not batch:
+                continue
+            actions, logprob, version = await asyncio.to_thread(self._infer, np.concatenate([o for o, _ in batch]))
+            self.metrics.rolling("actor/inference_batch_envs").add(len(actions))
+            start = 0
+            for obs, fut in batch:
+                end = start + len(obs)
+                if not fut.done():
+                    fut.set_result((actions[start:end], None if logprob is None else logprob[start:end], version))
+                start = end
+
+    def _infer(self, obs: np.ndarray):
+        self.policy.swap()
+        actions, logprob = self.policy.act(obs, self.hub.env_steps)
+        return actions, logprob, self.policy.version

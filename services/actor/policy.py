@@ -1,0 +1,66 @@
+"""The actor's copy of the policy: a newest-wins weights handoff and batched action selection.
+
+Shared by local envs (rollout.py) and external simulator sessions (sessions.py). `offer_weights`
+may be called from any thread; `swap` and `act` run on the one thread that does inference, so a
+version is swapped in only between two `act` calls.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from services.common.config import ExperimentConfig
+from services.common.nets import EnvSpec, build_network, load_numpy
+from services.common.stats import Metrics
+
+
+def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
+    """Linear epsilon schedule (CleanRL's linear_schedule), by the actor's own env steps."""
+    return max(end, start + (end - start) * step / duration)
+
+
+class Policy:
+    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, seed: int, metrics: Metrics):
+        torch.manual_seed(seed)
+        self.cfg, self.spec, self.metrics = cfg, spec, metrics
+        self.net = build_network(cfg.algorithm, spec, cfg.hidden_sizes)
+        self.net.eval()
+        self.rng = np.random.default_rng(seed)
+        self.version: int | None = None  # None until the learner's first weights arrive
+        self.have_weights = threading.Event()
+        self._pending: tuple[int, dict] | None = None
+
+    def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+        """Hand over new weights (any thread); loaded at the next `swap`. Newest offer wins."""
+        self._pending = (version, arrays)  # one atomic reference assignment
+        self.have_weights.set()
+
+    def swap(self) -> None:
+        """Load the newest offered weights, if any (inference thread only)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            version, arrays = pending
+            load_numpy(self.net, arrays)
+            self.version = version
+            self.metrics.set("actor/policy_version", version)
+            self.metrics.inc("actor/weights_swapped_total")
+
+    @torch.inference_mode()
+    def act(self, obs: np.ndarray, env_steps: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """Actions for a batch of observations, and their log-probs (PPO) or None (DQN, epsilon-greedy
+        with epsilon annealed over `env_steps`)."""
+        x = torch.from_numpy(np.ascontiguousarray(obs))
+        if self.cfg.algorithm == "ppo":
+            dist = self.net.dist(x)
+            action = dist.sample()
+            return action.numpy(), dist.log_prob(action).numpy()
+        d = self.cfg.dqn
+        eps = epsilon_at(env_steps, d.start_epsilon, d.end_epsilon, d.exploration_steps)
+        self.metrics.set("actor/epsilon", eps)
+        action = self.net(x).argmax(dim=1).numpy()
+        explore = self.rng.random(len(action)) < eps
+        action[explore] = self.rng.integers(0, self.spec.num_actions, int(explore.sum()))
+        return action, None

@@ -1,0 +1,272 @@
+"""External simulator sessions: validate what simulators send, assemble their fragments, close them out.
+
+No gRPC and no asyncio here (servicer.py speaks the EnvSession protocol and batches inference).
+Each session steps `num_envs` env copies in lockstep; its transitions are cut into fragments of
+`rollout_steps` steps exactly as rollout.py does for local envs. A session that ends for any reason
+pushes its unfinished fragment with the last step of every still-running episode marked truncated,
+so the learner bootstraps there instead of seeing a false terminal state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kuberl.v1 import actor_pb2
+from kuberl.v1 import common_pb2 as pb
+from services.common.config import ExperimentConfig
+from services.common.fragments import ALGORITHM_CODES, MAX_ID_LEN, build_fragment
+from services.common.nets import EnvSpec
+from services.common.stats import Metrics
+from services.common.tensors import TensorError, decode, numpy_dtype
+
+MAX_ENVS = 1024
+EPISODES_KEPT = 4096
+
+
+class SessionError(Exception):
+    """A session must end with `code` (a grpc.StatusCode name) and this message."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Episodes:
+    """Running returns and lengths of a session's env copies (kept across a resume)."""
+    returns: np.ndarray
+    lengths: np.ndarray
+    closed_at: float | None = None
+
+
+@dataclass
+class Session:
+    session_id: str
+    num_envs: int
+    episodes: _Episodes
+    env_id_base: int
+    T: int
+    next_step: int = 0
+    t: int = 0                        # transitions recorded in the current fragment
+    buffers: dict = field(default_factory=dict)
+    final_obs: list = field(default_factory=list)
+    final_index: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class SessionHub:
+    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics, on_fragment):
+        self.cfg, self.spec, self.actor_id, self.metrics = cfg, spec, actor_id, metrics
+        self.on_fragment = on_fragment
+        self.algorithm = ALGORITHM_CODES[cfg.algorithm]
+        self.sessions: dict[str, Session] = {}
+        self._parked: dict[str, _Episodes] = {}  # closed sessions that may resume
+        self._next_env_id = 0
+        self.closing = False
+        self.seq = 0
+        self.env_steps = 0
+        self.episode_count = 0
+        self.episodes: deque[pb.Episode] = deque(maxlen=EPISODES_KEPT)
+        for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced"):
+            metrics.inc(f"actor/{name}_total", 0)
+        metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
+        metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
+
+    # -- hello -------------------------------------------------------------------------------------
+    def open(self, hello: actor_pb2.EnvHello) -> tuple[Session, bool]:
+        """Validate a hello against the policy's spaces and open (or resume) its session."""
+        if self.closing:
+            raise SessionError("UNAVAILABLE", "the actor is shutting down")
+        try:
+            self._check_hello(hello)
+        except SessionError:
+            self.metrics.inc("actor/sessions_refused_total")
+            raise
+        if (old := self.sessions.get(hello.session_id)) is not None:
+            # A reconnect that raced the end of its broken stream: the new stream takes over.
+            self.close(old, "replaced")
+            self.metrics.inc("actor/sessions_replaced_total")
+        if len(self.sessions) >= self.cfg.actor.max_sessions:
+            self.metrics.inc("actor/sessions_refused_total")
+            raise SessionError("RESOURCE_EXHAUSTED", f"this actor already holds {len(self.sessions)} sessions "
+                                                     f"(actor.max_sessions)")
+        self._expire_parked()
+        parked = self._parked.pop(hello.session_id, None)
+        resumed = parked is not None and len(parked.returns) == hello.num_envs
+        n = hello.num_envs
+        episodes = parked if resumed else _Episodes(np.zeros(n), np.zeros(n, np.int64))
+        episodes.closed_at = None
+        session = Session(hello.session_id, n, episodes, self._next_env_id, self.cfg.rollout_steps)
+        self._next_env_id += n
+        self._new_buffers(session)
+        self.sessions[session.session_id] = session
+        self.metrics.inc("actor/sessions_total")
+        self.metrics.inc("actor/sessions_resumed_total", int(resumed))
+        self.metrics.set("actor/sessions_active", len(self.sessions))
+        return session, resumed
+
+    def _check_hello(self, hello: actor_pb2.EnvHello) -> None:
+        if not 0 < len(hello.session_id) <= MAX_ID_LEN:
+            raise SessionError("INVALID_ARGUMENT", f"session_id: must be 1..{MAX_ID_LEN} characters")
+        if not 0 < hello.num_envs <= MAX_ENVS:
+            raise SessionError("INVALID_ARGUMENT", f"num_envs: {hello.num_envs} is outside 1..{MAX_ENVS}")
+        obs, act = hello.observation_space, hello.action_space
+        want_obs = f"Box{list(self.spec.obs_shape)} {self.spec.obs_dtype.name}"
+        if obs.WhichOneof("kind") != "box":
+            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want_obs}, got "
+                                                   f"{obs.WhichOneof('kind') or 'nothing'}")
+        try:
+            got_dtype = numpy_dtype(obs.box.dtype, "observation_space.box.dtype")
+        except TensorError as err:
+            raise SessionError("INVALID_ARGUMENT", str(err)) from None
+        if tuple(obs.box.shape) != self.spec.obs_shape or got_dtype != self.spec.obs_dtype:
+            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want_obs}, got "
+                                                   f"Box{list(obs.box.shape)} {got_dtype.name}")
+        if act.WhichOneof("kind") != "discrete" or act.discrete.n != self.spec.num_actions:
+            got = f"Discrete({act.discrete.n})" if act.WhichOneof("kind") == "discrete" else (
+                act.WhichOneof("kind") or "nothing")
+            raise SessionError("INVALID_ARGUMENT", f"action_space: expected Discrete({self.spec.num_actions}), "
+                                                   f"got {got}")
+
+    def _new_buffers(self, s: Session) -> None:
+        T, N, shape = s.T, s.num_envs, self.spec.obs_shape
+        s.buffers = {"obs": np.empty((T + 1, N, *shape), self.spec.obs_dtype),
+                     "actions": np.empty((T, N), np.int64), "rewards": np.empty((T, N), np.float32),
+                     "terminated": np.zeros((T, N), bool), "truncated": np.zeros((T, N), bool),
+                     "logprob": np.empty((T, N), np.float32)}
+        s.t, s.final_obs, s.final_index, s.versions = 0, [], [], []
+
+    # -- steps -------------------------------------------------------------------------------------
+    def observe(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
+        """Validate a step and record the outcome of the previous actions; return the observations
+        to act on. Raises SessionError (the session must end) for anything malformed."""
+        s.last_seen = time.monotonic()
+        if self.sessions.get(s.session_id) is not s:
+            raise SessionError("UNAVAILABLE", "the session was closed (a newer stream took it over, or the "
+                                              "actor is shutting down)")
+        if step.step_id != s.next_step:
+            raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {step.step_id} "
+                                                      f"(one step at a time, starting at 0)")
+        N = s.num_envs
+        try:
+            obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
+            if step.step_id == 0:
+                s.buffers["obs"][s.t] = obs
+                return obs
+            rewards = self._tensor(step, "rewards", (N,), np.dtype(np.float32))
+            if not np.isfinite(rewards).all():
+                raise TensorError("rewards", "holds NaN or infinity")
+            term = self._tensor(step, "terminated", (N,), np.dtype(bool))
+            trunc = self._tensor(step, "truncated", (N,), np.dtype(bool))
+            done = np.flatnonzero(term | trunc)
+            if len(done):
+                final = self._tensor(step, "final_observations", (len(done), *self.spec.obs_shape), self.spec.obs_dtype)
+            elif step.HasField("final_observations") and step.final_observations.shape and step.final_observations.shape[0]:
+                raise TensorError("final_observations", "given, but no env ended")
+        except TensorError as err:
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
+        b, t = s.buffers, s.t
+        b["rewards"][t], b["terminated"][t], b["truncated"][t] = rewards, term, trunc
+        b["obs"][t + 1] = obs
+        for k, i in enumerate(done):
+            s.final_obs.append(final[k])
+            s.final_index.append(t * N + i)
+        ep = s.episodes
+        ep.returns += rewards
+        ep.lengths += 1
+        for i in done:
+            self._finish_episode(ep, i)
+        s.t += 1
+        self.env_steps += N
+        self.metrics.inc("actor/env_steps_total", N)
+        if s.t == s.T:
+            self._emit(s, s.t)
+            b["obs"][0] = obs
+        return obs
+
+    def _tensor(self, step, name: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        if not step.HasField(name):
+            raise TensorError(name, "is required but missing")
+        arr = decode(getattr(step, name), name)
+        if arr.shape != shape or arr.dtype != dtype:
+            raise TensorError(name, f"must be {dtype.name} {list(shape)}, got {arr.dtype.name} {list(arr.shape)}")
+        return arr
+
+    def record_actions(self, s: Session, actions: np.ndarray, logprob: np.ndarray | None, version: int) -> None:
+        """Store the actions chosen for the session's current observations."""
+        s.buffers["actions"][s.t] = actions
+        if logprob is not None:
+            s.buffers["logprob"][s.t] = logprob
+        s.versions.append(version)
+        s.next_step += 1
+
+    def _finish_episode(self, ep: _Episodes, i: int) -> None:
+        self.episode_count += 1
+        self.episodes.append(pb.Episode(
+            index=self.episode_count, episode_return=float(ep.returns[i]), length=int(ep.lengths[i]),
+            actor_env_steps=self.env_steps, policy_version=int(self.metrics.gauges.get("actor/policy_version", 0)),
+            end_unix_s=time.time()))
+        self.metrics.inc("actor/episodes_total")
+        self.metrics.rolling("actor/episode_return", 100).add(ep.returns[i])
+        ep.returns[i], ep.lengths[i] = 0.0, 0
+
+    def _emit(self, s: Session, t: int) -> None:
+        """Push the session's first t transitions as a fragment and start a new one."""
+        b, N = s.buffers, s.num_envs
+        msg = build_fragment(
+            actor_id=self.actor_id, seq=self.seq, policy_version=min(s.versions[:t]), algorithm=self.algorithm,
+            env_ids=range(s.env_id_base, s.env_id_base + N), obs=b["obs"][:t + 1], actions=b["actions"][:t],
+            rewards=b["rewards"][:t], terminated=b["terminated"][:t], truncated=b["truncated"][:t],
+            final_obs=(np.stack(s.final_obs) if s.final_obs
+                       else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
+            final_index=np.asarray(s.final_index, np.int64),
+            behaviour_logprob=b["logprob"][:t] if self.cfg.algorithm == "ppo" else None)
+        self.seq += 1
+        self.metrics.inc("actor/fragments_total")
+        self.on_fragment(msg)
+        s.versions = s.versions[t:]
+        s.t, s.final_obs, s.final_index = 0, [], []
+        b["terminated"][:] = False
+        b["truncated"][:] = False
+
+    # -- the end -----------------------------------------------------------------------------------
+    def close(self, s: Session, reason: str) -> None:
+        """End a session: flush its unfinished fragment (still-running episodes truncated at the last
+        step, bootstrapped from the last observation) and park its episodes for a resume."""
+        if self.sessions.get(s.session_id) is not s:
+            return
+        del self.sessions[s.session_id]
+        if s.t > 0:
+            b, t, N = s.buffers, s.t, s.num_envs
+            running = ~(b["terminated"][t - 1] | b["truncated"][t - 1])
+            for i in np.flatnonzero(running):
+                b["truncated"][t - 1, i] = True
+                s.final_obs.append(b["obs"][t, i].copy())
+                s.final_index.append((t - 1) * N + i)
+            order = np.argsort(s.final_index, kind="stable")
+            s.final_obs = [s.final_obs[k] for k in order]
+            s.final_index = [s.final_index[k] for k in order]
+            self._emit(s, t)
+        s.episodes.closed_at = time.monotonic()
+        self._parked[s.session_id] = s.episodes
+        self.metrics.inc("actor/sessions_timed_out_total", int(reason == "timeout"))
+        self.metrics.set("actor/sessions_active", len(self.sessions))
+
+    def close_all(self) -> None:
+        """Shutdown: refuse new sessions and close (flush) every open one."""
+        self.closing = True
+        for s in list(self.sessions.values()):
+            self.close(s, "shutdown")
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        for sid in [k for k, ep in self._parked.items() if now - ep.closed_at > self.cfg.actor.session_resume_s]:
+            del self._parked[sid]
+
+    def episodes_after(self, cursor: int) -> list[pb.Episode]:
+        return [e for e in list(self.episodes) if e.index > cursor]

@@ -1,0 +1,156 @@
+"""A simulator in another language: examples/node-cartpole (CartPole-v1 written in JavaScript, speaking
+Actor.EnvSession through @grpc/grpc-js) trains through the whole stack: a real buffer, learner and an
+external-mode actor as processes, the Node.js simulator as a fourth.
+
+Skipped when `node` or `npm` is missing. The first test of a session runs `npm ci` in the example
+when its node_modules is absent (the npm registry must then be reachable).
+
+Learning is asserted on returns and step counts only, never on wall time. Measured on the
+development machine (2 cores, configs/cartpole_external.yaml, 16 envs, 4 seeds, also with two
+busy-looping processes competing for the cores): the mean return of the first 100 episodes is
+19-22 (the random initial policy), the mean of the last 100 crosses 100 after 1.2k-1.8k lockstep
+steps, 200 after 2.0k-2.6k, and is 416-500 after 20k. The assertion (last 100 at least 100 above the
+first 100 within 20k lockstep steps x 16 envs) leaves about 10x headroom in steps and 3x in return.
+The simulator ran at 700-850 lockstep steps/s (11-13k env steps/s), bound by the round trip to the
+actor (stepping and encoding 16 CartPoles takes about 3 us).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc
+from tests.helpers import ROOT, TINY_PPO, Service, stats, wait_for, write_config
+
+EXAMPLE = ROOT / "examples" / "node-cartpole"
+ENVS = 16
+STEPS = 20_000       # lockstep steps: 320k env steps
+MARGIN = 100.0       # mean return of the last 100 episodes minus that of the first 100, at least
+WAIT_S = 180.0       # upper bound for anything to happen on a loaded 2-core machine
+
+
+@pytest.fixture(scope="session")
+def node() -> str:
+    """The `node` executable, with the example's dependencies installed (`npm ci`) once per session."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("Node.js is not installed (`node` and `npm` must be on PATH) for the examples/node-cartpole "
+                    "simulator; install Node.js >= 18 to run these tests")
+    installed = all((EXAMPLE / "node_modules" / "@grpc" / pkg / "package.json").exists()
+                    for pkg in ("grpc-js", "proto-loader"))
+    if not installed:
+        out = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=EXAMPLE, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, f"npm ci in {EXAMPLE} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+    return node
+
+
+def _simulate(node: str, actor: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([node, "cartpole.js", "--actor", actor, "--reply-timeout", str(int(WAIT_S)), *args],
+                          cwd=EXAMPLE, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """Buffer, learner and an external-mode actor (configs/cartpole_external.yaml) as processes."""
+    cfg = yaml.safe_load((ROOT / "configs" / "cartpole_external.yaml").read_text())
+    assert cfg["env"]["mode"] == "external"
+    cfg["learner"]["checkpoint_interval_s"] = 3600  # a checkpoint at shutdown only
+    config = write_config(tmp_path / "c.yaml", cfg)
+    procs: dict[str, Service] = {}
+    try:
+        procs["buffer"] = Service("buffer", tmp_path, config)
+        buffer = procs["buffer"].wait_ready()
+        procs["learner"] = Service("learner", tmp_path, config, "--buffer", buffer,
+                                   "--checkpoint-dir", str(tmp_path / "ck"))
+        learner = procs["learner"].wait_ready()
+        procs["actor"] = Service("actor", tmp_path, config, "--buffer", buffer, "--learner", learner)
+        procs["actor"].wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.kill()
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(900)
+def test_node_cartpole_learns_through_env_session(node, stack):
+    actor = stack["actor"].address
+    run = _simulate(node, actor, "--envs", str(ENVS), "--steps", str(STEPS), "--session", "node-cartpole-test",
+                    timeout=780)
+    logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
+    assert run.returncode == 0, logs
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["steps"] == STEPS and result["env_steps"] == STEPS * ENVS, result
+    assert result["episodes"] >= 200, result  # two disjoint windows of 100
+    first, last = result["mean_return_first_100"], result["mean_return_last_100"]
+    assert first < 50, f"the first 100 episodes should be near-random (about 20): {result}"
+    assert last >= first + MARGIN, f"no learning: last 100 {last:.1f} vs first 100 {first:.1f}\n{logs}"
+    assert result["policy_version_last"] > result["policy_version_first"], result
+
+    # The actor saw the same episodes and steps as the simulator (terminated / truncated decoded as sent) ...
+    wait_for(lambda: stats(actor, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
+             timeout=WAIT_S, what="the session to close after the half-close")
+    a = stats(actor, actor_pb2_grpc.ActorStub)
+    assert a["actor/env_steps_total"] == STEPS * ENVS, a
+    assert a["actor/episodes_total"] == result["episodes"], (a, result)
+    assert a["actor/episode_return_mean"] == pytest.approx(last), (a, result)  # its window is the last 100 too
+    assert a["actor/sessions_refused_total"] == 0 and a["actor/sessions_timed_out_total"] == 0, a
+    # ... and every step reached the buffer, the partial last fragment included, none of it refused.
+    _assert_buffer_got_every_step(stack, STEPS * ENVS)
+    for role in ("actor", "learner", "buffer"):
+        assert stack[role].terminate() == 0, stack[role].output()
+
+
+def test_node_cartpole_hands_over_to_new_streams_and_the_actor_resumes_losing_nothing(node, stack):
+    """--reconnect-every: the simulator half-closes between receiving actions and applying them, and says
+    hello again with the same session_id on a new connection; the actor resumes the session (episode
+    returns keep accumulating) and the new stream starts again at step 0 with the same observations."""
+    actor, steps, envs = stack["actor"].address, 2000, 4
+    run = _simulate(node, actor, "--envs", str(envs), "--steps", str(steps), "--session", "node-handover",
+                    "--reconnect-every", "0.1", timeout=WAIT_S * 2)
+    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["sessions"] >= 2 and result["resumed"] == result["sessions"] - 1, result
+    wait_for(lambda: stats(actor, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
+             timeout=WAIT_S, what="the last session to close")
+    a = stats(actor, actor_pb2_grpc.ActorStub)
+    assert a["actor/sessions_total"] == result["sessions"], (a, result)
+    assert a["actor/sessions_resumed_total"] == result["resumed"], (a, result)
+    assert a["actor/env_steps_total"] == steps * envs, (a, result)  # the dropped actions were never steps
+    assert a["actor/episodes_total"] == result["episodes"], (a, result)
+    if result["episodes"]:
+        assert a["actor/episode_return_mean"] == pytest.approx(result["mean_return_last_100"]), (a, result)
+    _assert_buffer_got_every_step(stack, steps * envs)
+
+
+def _assert_buffer_got_every_step(stack, samples: int) -> None:
+    actor, buffer = stack["actor"].address, stack["buffer"].address
+
+    def received():
+        b = stats(buffer, buffer_pb2_grpc.BufferStub)
+        return b if b.get("buffer/samples_received_total", 0) >= samples else None
+    b = wait_for(received, timeout=WAIT_S, what="every sample to reach the buffer")
+    assert b["buffer/samples_received_total"] == samples, b
+    assert b["buffer/fragments_received_total"] > 0, b
+    assert b["buffer/fragments_invalid_total"] == 0, b
+    a = stats(actor, actor_pb2_grpc.ActorStub)
+    assert a["actor/fragments_rejected_total"] == 0 and a["actor/fragments_dropped_total"] == 0, a
+
+
+def test_node_cartpole_prints_the_status_and_exits_1_on_a_grpc_error(node, tmp_path):
+    """An actor that steps local envs refuses sessions with FAILED_PRECONDITION; no peers are needed."""
+    config = write_config(tmp_path / "c.yaml", TINY_PPO)
+    actor = Service("actor", tmp_path, config, "--buffer", "127.0.0.1:1", "--learner", "127.0.0.1:1")
+    try:
+        run = _simulate(node, actor.wait_ready(), "--envs", "2", "--steps", "10", timeout=WAIT_S)
+    finally:
+        actor.kill()
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "FAILED_PRECONDITION" in run.stderr, run.stderr
+    assert "external" in run.stderr, run.stderr  # the actor's message says why

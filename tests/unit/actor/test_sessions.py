@@ -1,0 +1,174 @@
+"""SessionHub: external simulator steps become fragments exactly like local envs' do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kuberl.v1 import actor_pb2
+from kuberl.v1 import common_pb2 as pb
+from services.actor.sessions import SessionError, SessionHub
+from services.common.config import config_from_dict
+from services.common.fragments import decode_fragment
+from services.common.nets import EnvSpec
+from services.common.stats import Metrics
+from services.common.tensors import encode
+
+SPEC = EnvSpec((3,), np.dtype(np.float32), 2)
+T, N = 4, 2
+
+
+def hub(**actor):
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": T},
+                            "actor": actor})
+    out = []
+    return SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), out.append), out
+
+
+def hello(sid="s", n=N, shape=(3,), dtype=pb.DTYPE_FLOAT32, actions=2):
+    return actor_pb2.EnvHello(session_id=sid, num_envs=n, observation_space=actor_pb2.Space(
+        box=actor_pb2.BoxSpace(shape=shape, dtype=dtype)), action_space=actor_pb2.Space(
+        discrete=actor_pb2.DiscreteSpace(n=actions)))
+
+
+def step(k, obs, rewards=None, term=None, trunc=None, final=None):
+    msg = actor_pb2.EnvStep(step_id=k, observations=encode(np.asarray(obs, np.float32)))
+    if rewards is not None:
+        msg.rewards.CopyFrom(encode(np.asarray(rewards, np.float32)))
+        msg.terminated.CopyFrom(encode(np.asarray(term, bool)))
+        msg.truncated.CopyFrom(encode(np.asarray(trunc, bool)))
+    if final is not None:
+        msg.final_observations.CopyFrom(encode(np.asarray(final, np.float32)))
+    return msg
+
+
+def obs_at(k):
+    return np.full((N, 3), k, np.float32) + np.arange(N, dtype=np.float32)[:, None] / 10
+
+
+def drive(h, s, steps, end_at=None):
+    """step 0..steps; env 0 terminates at step `end_at` (final obs -1)."""
+    h.observe(s, step(0, obs_at(0)))
+    h.record_actions(s, np.array([0, 1]), np.array([-0.5, -0.6], np.float32), version=3)
+    for k in range(1, steps + 1):
+        term = [k == end_at, False]
+        final = [np.full(3, -1.0)] if k == end_at else None
+        h.observe(s, step(k, obs_at(k), rewards=[1.0, 2.0], term=term, trunc=[False, False], final=final))
+        h.record_actions(s, np.array([1, 0]), np.array([-0.7, -0.8], np.float32), version=3 + k)
+
+
+def test_steps_become_valid_fragments_of_rollout_steps():
+    h, out = hub()
+    s, resumed = h.open(hello())
+    assert not resumed
+    drive(h, s, steps=2 * T, end_at=2)
+    assert len(out) == 2
+    frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in out]
+    first = frags[0]
+    assert first.num_steps == T and first.num_envs == N
+    np.testing.assert_array_equal(first.obs[:, 0, 0], [0, 1, 2, 3, 4])  # obs[t+1] is the next observation
+    assert first.terminated[1, 0] and first.final_index.tolist() == [1 * N + 0]
+    np.testing.assert_array_equal(first.next_obs()[1, 0], [-1, -1, -1])  # the true final observation
+    assert first.policy_version == 3 and frags[1].policy_version == 3 + T  # the oldest version used
+    assert [m.seq for m in out] == [0, 1] and list(out[1].env_ids) == [0, 1]
+    np.testing.assert_array_equal(first.rewards, [[1, 2]] * T)
+    assert h.episode_count == 1 and h.episodes[0].episode_return == 2.0 and h.episodes[0].length == 2
+
+
+def test_close_flushes_the_partial_fragment_with_running_episodes_truncated():
+    h, out = hub()
+    s, _ = h.open(hello())
+    drive(h, s, steps=3, end_at=3)  # env 0 terminates at the last step, env 1 is mid-episode
+    assert out == []
+    h.close(s, "timeout")
+    (frag,) = [decode_fragment(m) for m in out]
+    assert frag.num_steps == 3
+    assert frag.terminated[2].tolist() == [True, False] and frag.truncated[2].tolist() == [False, True]
+    np.testing.assert_array_equal(frag.next_obs()[2, 1], obs_at(3)[1])  # bootstrap from the last obs
+    assert h.metrics.counters["actor/sessions_timed_out_total"] == 1
+    h.close(s, "closed")  # idempotent
+    assert len(out) == 1
+
+
+def test_resume_keeps_episode_returns():
+    h, out = hub()
+    s, _ = h.open(hello("r"))
+    drive(h, s, steps=2)
+    h.close(s, "closed")
+    s2, resumed = h.open(hello("r"))
+    assert resumed and s2.episodes.returns.tolist() == [2.0, 4.0]
+    s3, resumed3 = h.open(hello("other"))
+    assert not resumed3
+
+
+@pytest.mark.parametrize("bad, field", [
+    (hello(shape=(4,)), "observation_space"), (hello(dtype=pb.DTYPE_FLOAT64), "observation_space"),
+    (hello(actions=3), "action_space"), (hello(n=0), "num_envs"), (hello(sid=""), "session_id"),
+    (hello(dtype=42), "observation_space.box.dtype"),
+])
+def test_hello_that_does_not_fit_the_policy_is_refused(bad, field):
+    h, _ = hub()
+    with pytest.raises(SessionError) as err:
+        h.open(bad)
+    assert err.value.code == "INVALID_ARGUMENT" and str(err.value).startswith(field)
+    assert h.metrics.counters["actor/sessions_refused_total"] == 1 and not h.sessions
+
+
+def test_session_limit():
+    h, _ = hub(max_sessions=1)
+    h.open(hello("a"))
+    with pytest.raises(SessionError) as full:
+        h.open(hello("b"))
+    assert full.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_reconnect_takes_over_the_older_stream():
+    h, out = hub()
+    old, _ = h.open(hello("a"))
+    drive(h, old, steps=2)
+    new, resumed = h.open(hello("a"))  # the old stream has not noticed its break yet
+    assert resumed and h.sessions["a"] is new and len(out) == 1  # the old one was flushed
+    with pytest.raises(SessionError) as err:
+        h.observe(old, step(3, obs_at(3), rewards=[1, 1], term=[0, 0], trunc=[0, 0]))
+    assert err.value.code == "UNAVAILABLE"
+    h.close(old, "closed")  # the old handler's cleanup must not close the new session
+    assert h.sessions["a"] is new
+
+
+@pytest.mark.parametrize("msg, code, text", [
+    (step(1, obs_at(1)), "FAILED_PRECONDITION", "step_id: expected 0"),
+    (step(0, np.zeros((N, 4))), "INVALID_ARGUMENT", "observations"),
+])
+def test_bad_first_step(msg, code, text):
+    h, _ = hub()
+    s, _ = h.open(hello())
+    with pytest.raises(SessionError) as err:
+        h.observe(s, msg)
+    assert err.value.code == code and text in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"rewards": [1.0, np.nan], "term": [0, 0], "trunc": [0, 0]}, "rewards"),
+    ({"rewards": [1.0, 1.0], "term": [1, 0], "trunc": [0, 0]}, "final_observations"),  # missing
+    ({"rewards": [1.0, 1.0], "term": [0, 0], "trunc": [0, 0], "final": [[1, 2, 3]]}, "no env ended"),
+    ({"rewards": [1.0], "term": [0, 0], "trunc": [0, 0]}, "rewards"),
+])
+def test_malformed_step_names_the_field(kwargs, text):
+    h, _ = hub()
+    s, _ = h.open(hello())
+    h.observe(s, step(0, obs_at(0)))
+    h.record_actions(s, np.array([0, 0]), np.zeros(2, np.float32), 1)
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(1, obs_at(1), **kwargs))
+    assert err.value.code == "INVALID_ARGUMENT" and text in str(err.value)
+
+
+def test_shutdown_refuses_new_sessions_and_flushes_open_ones():
+    h, out = hub()
+    s, _ = h.open(hello())
+    drive(h, s, steps=1)
+    h.close_all()
+    assert len(out) == 1 and not h.sessions
+    with pytest.raises(SessionError) as err:
+        h.open(hello("late"))
+    assert err.value.code == "UNAVAILABLE"
