@@ -86,9 +86,10 @@ class PPOConfig:
     # Staleness bound (DESIGN.md section 4): a fragment whose policy_version is more than this many
     # learner updates (batches) behind when it is consumed is stale. None = no bound.
     max_policy_lag: int | None = 8
-    # What happens to stale fragments: "drop" (counted, never trained on) or "correct" (trained on
-    # with V-trace targets and truncated importance weights, Espeholt et al. 2018).
-    stale_fragments: str = "drop"
+    # What happens to stale fragments: "correct" (trained on with V-trace targets and truncated
+    # importance weights, Espeholt et al. 2018) or "drop" (counted, never trained on). docs/staleness.md
+    # measured correct reaching a return of 475 on CartPole in 6.8 s against 9.8 s for drop.
+    stale_fragments: str = "correct"
     vtrace_rho_bar: float = 1.0       # truncation of the importance weight rho in V-trace
     vtrace_c_bar: float = 1.0         # truncation of the trace-cutting weight c in V-trace
 

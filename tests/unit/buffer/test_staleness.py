@@ -23,7 +23,8 @@ BATCH = 8        # one fragment per PPO batch
 
 def ppo_store(**ppo) -> Store:
     cfg = config_from_dict({"algorithm": "ppo", "env": {"num_envs": N},
-                            "ppo": {"max_policy_lag": 2, "batch_steps": BATCH, "rollout_steps": T, **ppo}})
+                            "ppo": {"max_policy_lag": 2, "stale_fragments": "drop", "batch_steps": BATCH,
+                                    "rollout_steps": T, **ppo}})
     return Store(cfg, Metrics("buffer"))
 
 

@@ -19,7 +19,8 @@ N = 2
 
 def ppo_config(**ppo):
     return config_from_dict({"algorithm": "ppo", "env": {"num_envs": N},
-                             "ppo": {"max_policy_lag": 1, "rollout_steps": 4, "batch_steps": 8, "num_epochs": 1,
+                             "ppo": {"max_policy_lag": 1, "stale_fragments": "drop", "rollout_steps": 4,
+                                     "batch_steps": 8, "num_epochs": 1,
                                      "num_minibatches": 2, "hidden_sizes": [8], **ppo}})
 
 
