@@ -59,12 +59,12 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
         hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=pusher.enqueue)
         inference = BatchedInference(policy, hub, metrics)
-        episodes_after = hub.episodes_after
+        episodes = hub.episodes
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
         rollout = Rollout(cfg, actor_id, actor_index, metrics)
-        policy, episodes_after = rollout.policy, rollout.episodes_after
-    servicer = ActorServicer(metrics, episodes_after, hub, inference, cfg.actor.session_timeout_s)
+        policy, episodes = rollout.policy, rollout.episodes
+    servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
     srv = await start_server(listen, lambda s: actor_pb2_grpc.add_ActorServicer_to_server(servicer, s),
                              [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
                              max_connection_age_s=None)  # simulator sessions are long-lived streams
@@ -113,7 +113,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     await asyncio.sleep(0)                  #    (let the enqueue callbacks run)
                     stopping.set()                          # 3. drain: push what is queued, get acked
                     try:
-                        await asyncio.wait_for(asyncio.shield(push), SHUTDOWN_DEADLINE_S / 2)
+                        async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):
+                            await asyncio.shield(push)
                     except TimeoutError:
                         log.warning("buffer unreachable at shutdown: %d fragments not delivered",
                                     pusher.pending)

@@ -17,7 +17,7 @@ import grpc
 
 from kuberl.v1 import buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
-from services.common.grpcutil import Backoff, describe
+from services.common.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class Pusher:
                 await self._stream(stopping)
                 backoff.reset()
             except grpc.aio.AioRpcError as err:
+                raise_if_cancelling(err)
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     self._rejected(err)
                 else:

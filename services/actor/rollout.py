@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 
 import gymnasium as gym
 import torch
@@ -20,12 +19,12 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services.common.config import ExperimentConfig
 from services.common.fragments import ALGORITHM_CODES, build_fragment
+from services.actor.episodes import EpisodeLog
 from services.actor.policy import Policy
 from services.common.nets import env_spec
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
-EPISODES_KEPT = 4096
 
 
 class Pacer:
@@ -59,8 +58,7 @@ class Rollout:
         self.policy = Policy(cfg, self.spec, seed, metrics)
         self.seq = 0
         self.env_steps = 0
-        self.episode_count = 0
-        self.episodes: deque[pb.Episode] = deque(maxlen=EPISODES_KEPT)
+        self.episodes = EpisodeLog(metrics)
         self._ep_return = np.zeros(n)
         self._ep_len = np.zeros(n, dtype=np.int64)
         self._pace = Pacer(cfg.actor.max_env_steps_per_s / n if cfg.actor.max_env_steps_per_s else 0.0)
@@ -120,17 +118,9 @@ class Rollout:
         return msg
 
     def _finish_episode(self, i: int) -> None:
-        self.episode_count += 1
-        self.episodes.append(pb.Episode(
-            index=self.episode_count, episode_return=float(self._ep_return[i]), length=int(self._ep_len[i]),
-            actor_env_steps=self.env_steps, policy_version=self.policy_version or 0, end_unix_s=time.time()))
-        self.metrics.inc("actor/episodes_total")
-        self.metrics.rolling("actor/episode_return", 100).add(self._ep_return[i])
+        self.episodes.finish(self._ep_return[i], self._ep_len[i], self.env_steps, self.policy.version)
         self._ep_return[i] = 0.0
         self._ep_len[i] = 0
-
-    def episodes_after(self, cursor: int) -> list[pb.Episode]:
-        return [e for e in list(self.episodes) if e.index > cursor]
 
     def close(self) -> None:
         self.envs.close()

@@ -9,6 +9,7 @@ import grpc
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
+from services.actor.episodes import EpisodeLog
 from services.actor.inference import BatchedInference
 from services.actor.sessions import SessionError, SessionHub
 from services.common.stats import Metrics
@@ -18,13 +19,13 @@ log = logging.getLogger(__name__)
 
 
 class ActorServicer(actor_pb2_grpc.ActorServicer):
-    def __init__(self, metrics: Metrics, episodes_after, hub: SessionHub | None = None,
+    def __init__(self, metrics: Metrics, episodes: EpisodeLog, hub: SessionHub | None = None,
                  inference: BatchedInference | None = None, session_timeout_s: float = 30.0):
-        self.metrics, self.episodes_after = metrics, episodes_after
+        self.metrics, self.episodes = metrics, episodes
         self.hub, self.inference, self.timeout_s = hub, inference, session_timeout_s
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return self.metrics.response(episodes=self.episodes_after(request.episodes_after))
+        return self.metrics.response(episodes=self.episodes.after(request.episodes_after))
 
     async def EnvSession(self, request_iterator, context):
         """One simulator's session; the protocol is documented on the RPC in actor.proto."""
@@ -65,7 +66,8 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
     async def _read(self, context):
         """The next message, None at half-close; SessionError after session_timeout_s of silence."""
         try:
-            msg = await asyncio.wait_for(context.read(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # (not wait_for: see services/common/notify.py)
+                msg = await context.read()
         except TimeoutError:
             raise SessionError("DEADLINE_EXCEEDED", f"no message for {self.timeout_s:g} s "
                                                     f"(actor.session_timeout_s); session closed") from None

@@ -10,13 +10,12 @@ so the learner bootstraps there instead of seeing a false terminal state.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kuberl.v1 import actor_pb2
-from kuberl.v1 import common_pb2 as pb
+from services.actor.episodes import EpisodeLog
 from services.common.config import ExperimentConfig
 from services.common.fragments import ALGORITHM_CODES, MAX_ID_LEN, build_fragment
 from services.common.nets import EnvSpec
@@ -24,7 +23,6 @@ from services.common.stats import Metrics
 from services.common.tensors import TensorError, decode, numpy_dtype
 
 MAX_ENVS = 1024
-EPISODES_KEPT = 4096
 
 
 class SessionError(Exception):
@@ -70,8 +68,7 @@ class SessionHub:
         self.closing = False
         self.seq = 0
         self.env_steps = 0
-        self.episode_count = 0
-        self.episodes: deque[pb.Episode] = deque(maxlen=EPISODES_KEPT)
+        self.episodes = EpisodeLog(metrics)
         for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced"):
             metrics.inc(f"actor/{name}_total", 0)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
@@ -206,13 +203,8 @@ class SessionHub:
         s.next_step += 1
 
     def _finish_episode(self, ep: _Episodes, i: int) -> None:
-        self.episode_count += 1
-        self.episodes.append(pb.Episode(
-            index=self.episode_count, episode_return=float(ep.returns[i]), length=int(ep.lengths[i]),
-            actor_env_steps=self.env_steps, policy_version=int(self.metrics.gauges.get("actor/policy_version", 0)),
-            end_unix_s=time.time()))
-        self.metrics.inc("actor/episodes_total")
-        self.metrics.rolling("actor/episode_return", 100).add(ep.returns[i])
+        self.episodes.finish(ep.returns[i], ep.lengths[i], self.env_steps,
+                             int(self.metrics.gauges.get("actor/policy_version", 0)))
         ep.returns[i], ep.lengths[i] = 0.0, 0
 
     def _emit(self, s: Session, t: int) -> None:
@@ -267,6 +259,3 @@ class SessionHub:
         now = time.monotonic()
         for sid in [k for k, ep in self._parked.items() if now - ep.closed_at > self.cfg.actor.session_resume_s]:
             del self._parked[sid]
-
-    def episodes_after(self, cursor: int) -> list[pb.Episode]:
-        return [e for e in list(self.episodes) if e.index > cursor]

@@ -13,7 +13,7 @@ import grpc
 
 from kuberl.v1 import learner_pb2, learner_pb2_grpc
 from services.actor.policy import Policy
-from services.common.grpcutil import Backoff, describe
+from services.common.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
 from services.common.tensors import TensorError
 from services.common.weights import WeightsAssembler
@@ -46,6 +46,7 @@ async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: s
                     metrics.inc("actor/weights_received_total")
                     backoff.reset()
         except grpc.aio.AioRpcError as err:
+            raise_if_cancelling(err)
             metrics.inc("actor/weights_stream_errors_total")
             log.log(logging.INFO if latest is None else logging.WARNING,
                     "weights stream from learner ended (%s); reconnecting", describe(err))

@@ -115,6 +115,14 @@ class Backoff:
         await asyncio.sleep(self._rng.uniform(0, delay))
 
 
+def raise_if_cancelling(err: grpc.aio.AioRpcError) -> None:
+    """In a retry loop's `except AioRpcError`: a call cut short because this task is being cancelled
+    can surface as CANCELLED; re-raise the cancellation instead of retrying, or shutdown would hang."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from err
+
+
 def describe(err: grpc.aio.AioRpcError) -> str:
     """A one-line summary of an RPC error for logs."""
     return f"{err.code().name}: {err.details()}"

@@ -14,9 +14,14 @@ class Notifier:
         event.set()
 
     async def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the next notify(); False on timeout."""
+        """Wait for the next notify(); False on timeout.
+
+        asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives
+        as the event fires, and a notifier fires often, so a task cancelled at shutdown could live on.
+        """
         try:
-            await asyncio.wait_for(self._event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
             return True
         except TimeoutError:
             return False

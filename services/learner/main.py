@@ -15,7 +15,7 @@ import torch
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.common.config import ExperimentConfig, load_config
 from services.common.fragments import ALGORITHM_CODES
-from services.common.grpcutil import Backoff, MiB, describe, make_channel, start_server
+from services.common.grpcutil import Backoff, MiB, describe, make_channel, raise_if_cancelling, start_server
 from services.common.notify import Notifier
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
@@ -44,6 +44,7 @@ async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.Ba
                 metrics.inc("learner/batches_received_total")
                 backoff.reset()
         except grpc.aio.AioRpcError as err:
+            raise_if_cancelling(err)
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise RuntimeError(f"the buffer refused this learner's batch request: {err.details()}") from err
             metrics.inc("learner/batch_stream_errors_total")
@@ -79,6 +80,7 @@ async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, tra
             if inserted:
                 metrics.set("learner/samples_per_insert", request.samples_consumed_total / inserted)
         except grpc.aio.AioRpcError as err:
+            raise_if_cancelling(err)
             metrics.inc("learner/progress_report_errors_total")
             log.debug("progress report to buffer failed: %s", describe(err))
         await progressed.wait(timeout=1.0)

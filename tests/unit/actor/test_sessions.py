@@ -72,7 +72,7 @@ def test_steps_become_valid_fragments_of_rollout_steps():
     assert first.policy_version == 3 and frags[1].policy_version == 3 + T  # the oldest version used
     assert [m.seq for m in out] == [0, 1] and list(out[1].env_ids) == [0, 1]
     np.testing.assert_array_equal(first.rewards, [[1, 2]] * T)
-    assert h.episode_count == 1 and h.episodes[0].episode_return == 2.0 and h.episodes[0].length == 2
+    assert h.episodes.count == 1 and h.episodes.episodes[0].episode_return == 2.0 and h.episodes.episodes[0].length == 2
 
 
 def test_close_flushes_the_partial_fragment_with_running_episodes_truncated():
