@@ -25,7 +25,7 @@ from services.buffer.replay import ReplayRing
 from services.common.config import ExperimentConfig
 from services.common.fragments import ALGORITHM_CODES, batch_samples, decode_fragment
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.tensors import TensorError, encode
 
 SEQ_WINDOW = 4096
 LEARNER_EXPIRY_S = 30.0

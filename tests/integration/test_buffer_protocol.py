@@ -153,3 +153,11 @@ async def test_dqn_batches_have_the_requested_rows():
             assert [b.batch_id for b in batches] == [0, 1, 2]
             for b in batches:
                 assert list(b.transitions.obs.shape) == [16, 4] and list(b.transitions.rewards.shape) == [16]
+
+
+async def test_ppo_fragment_with_another_layout_is_invalid_argument(ppo_buffer):
+    assert (await _push(ppo_buffer, [make_fragment(seq=0, obs_dim=4)])).accepted == 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _push(ppo_buffer, [make_fragment(seq=1, obs_dim=5)])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "obs" in err.value.details()
+    assert (await _push(ppo_buffer, [make_fragment(seq=2, obs_dim=4)])).accepted == 1
