@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import Service  # the same process starter the integration tests use
+
 HIDDEN = (64, 64)
 
 
@@ -49,54 +48,25 @@ def _config(train: bool) -> dict:
     }
 
 
-class _Service:
-    """`python -m services.<role>` on 127.0.0.1 with a ready file (as tests/helpers.py does)."""
-
-    def __init__(self, role: str, tmp: Path, config: Path, *args: str):
-        self.role, self.ready = role, tmp / f"{role}.json"
-        self.log = open(tmp / f"{role}.log", "wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", f"services.{role}", "--config", str(config), "--listen", "127.0.0.1:0",
-             "--metrics-listen", "", "--ready-file", str(self.ready), "--log-level", "WARNING", *args],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.role} did not start; see {self.log.name}")
-            time.sleep(0.05)
-        return json.loads(self.ready.read_text())["address"]
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self.log.close()
-
-
 class Stack:
     def __init__(self, tmp: Path, cfg: dict):
         config = tmp / "config.yaml"
         config.write_text(yaml.safe_dump(cfg))
-        self.services: list[_Service] = []
+        self.services: list[Service] = []
+        quiet = ("--log-level", "WARNING")
         try:
-            self.buffer = self._start(_Service("buffer", tmp, config))
-            self.learner = self._start(_Service("learner", tmp, config, "--buffer", self.buffer,
-                                                "--checkpoint-dir", str(tmp / "ck")))
-            self.actor = self._start(_Service("actor", tmp, config, "--buffer", self.buffer,
-                                              "--learner", self.learner))
+            self.buffer = self._start(Service("buffer", tmp, config, *quiet))
+            self.learner = self._start(Service("learner", tmp, config, *quiet, "--buffer", self.buffer,
+                                               "--checkpoint-dir", str(tmp / "ck")))
+            self.actor = self._start(Service("actor", tmp, config, *quiet, "--buffer", self.buffer,
+                                             "--learner", self.learner))
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, s: _Service) -> str:
+    def _start(self, s: Service) -> str:
         self.services.append(s)
-        return s.wait_ready()
+        return s.wait_ready(timeout=120.0)
 
     def updates(self) -> float:
         import grpc
@@ -109,7 +79,7 @@ class Stack:
 
     def stop(self) -> None:
         for s in reversed(self.services):  # actor, learner, buffer: the order `kuberl up` uses
-            s.stop()
+            s.terminate(timeout=30.0)
 
 
 def _summary(rtts: list[np.ndarray], steps: int, seconds: float) -> dict:

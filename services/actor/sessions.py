@@ -240,9 +240,6 @@ class SessionHub:
                 b["truncated"][t - 1, i] = True
                 s.final_obs.append(b["obs"][t, i].copy())
                 s.final_index.append((t - 1) * N + i)
-            order = np.argsort(s.final_index, kind="stable")
-            s.final_obs = [s.final_obs[k] for k in order]
-            s.final_index = [s.final_index[k] for k in order]
             self._emit(s, t)
         s.episodes.closed_at = time.monotonic()
         self._parked[s.session_id] = s.episodes

@@ -6,7 +6,6 @@ Chunks are verified (order, checksum) by WeightsAssembler; a bad version is skip
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc

@@ -13,7 +13,6 @@ import csv
 import ctypes
 import json
 import logging
-import os
 import re
 import signal
 import socket

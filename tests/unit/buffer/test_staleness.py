@@ -3,7 +3,6 @@ the buffer/staleness histogram, and the DQN staleness and replay-ratio gauges.""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
