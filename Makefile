@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: run test protos lint-imports clean
+.PHONY: run test protos lint-imports clean k8s-testenv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,10 @@ $(STAMP_DEV): pyproject.toml | $(PY)
 run: $(STAMP_RUN)
 	$(VENV)/bin/kuberl up $(CONFIG)
 
+# tests/k8s/provision.sh fetches and caches a real kube-apiserver, etcd and Helm (a cold build takes
+# about 12 minutes once per machine); where they cannot be had, the tests that need them skip and say why.
 test: $(STAMP_DEV)
+	bash tests/k8s/provision.sh
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -34,3 +37,6 @@ protos: $(STAMP_DEV)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+k8s-testenv:
+	bash tests/k8s/provision.sh

@@ -32,6 +32,47 @@ def _require(cond: bool, key: str, value: Any, why: str) -> None:
 
 
 @dataclass(frozen=True)
+class AtariConfig:
+    """Preprocessing of Atari games (env ids `ALE/<Game>-v5`), after Machado et al. 2018 and the
+    Nature DQN: frames are 84x84 grey uint8, the last `frame_stack` stacked, `frameskip` frames per
+    action (max-pooled over the last two), up to `noop_max` no-ops at reset. Observations stay uint8
+    all the way to the learner; the networks divide by 255 inside their forward pass.
+    """
+    # "ale_vector": ale-py's native, multi-threaded AtariVectorEnv (fast; the default);
+    # "gymnasium": gymnasium's ALE/*-v5 env per copy with AtariPreprocessing + FrameStackObservation.
+    backend: str = "ale_vector"
+    frame_stack: int = 4
+    frameskip: int = 4
+    screen_size: int = 84
+    noop_max: int = 30
+    # A lost life ends the episode for learning (terminated); the actor's episode log then records
+    # one entry per life. Off by default: CleanRL and SB3 use it, but Pong has no lives.
+    episodic_life: bool = False
+    # Rewards stored in fragments are sign(r) (Mnih et al. 2015); episode returns are logged unclipped.
+    clip_rewards: bool = True
+    # Sticky actions: 0.0 as in the NoFrameskip-v4 setting of CleanRL and the SB3 zoo (v5 defaults to 0.25).
+    repeat_action_probability: float = 0.0
+    full_action_space: bool = False
+    threads: int = 1                  # ale_vector worker threads per actor (0 = one per core)
+
+    def __post_init__(self):
+        _require(self.backend in ("ale_vector", "gymnasium"), "backend", self.backend,
+                 "must be 'ale_vector' or 'gymnasium'")
+        _require(1 <= self.frame_stack <= 16, "frame_stack", self.frame_stack, "must be 1..16")
+        _require(1 <= self.frameskip <= 16, "frameskip", self.frameskip, "must be 1..16")
+        _require(16 <= self.screen_size <= 256, "screen_size", self.screen_size, "must be 16..256")
+        _require(0 <= self.noop_max <= 1000, "noop_max", self.noop_max, "must be 0..1000")
+        _require(0.0 <= self.repeat_action_probability < 1.0, "repeat_action_probability",
+                 self.repeat_action_probability, "must be in [0, 1)")
+        _require(0 <= self.threads <= 256, "threads", self.threads, "must be 0..256 (0 = one per core)")
+
+
+def is_atari(env_id: str) -> bool:
+    """True for the Atari ids actors preprocess (`ALE/<Game>-v5`)."""
+    return env_id.startswith("ALE/")
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """Which environment actors step and how many copies each actor runs.
 
@@ -48,8 +89,11 @@ class EnvConfig:
     observation_shape: tuple[int, ...] | None = None  # external envs not in gymnasium: declare the spaces
     observation_dtype: str = "float32"
     num_actions: int | None = None
+    atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
 
     def __post_init__(self):
+        _require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",
+                 self.id, "Atari ids are ALE/<Game>-v5, e.g. ALE/Pong-v5")
         _require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
         _require((self.observation_shape is None) == (self.num_actions is None), "observation_shape",
                  self.observation_shape, "declare observation_shape and num_actions together (or neither)")
@@ -220,7 +264,7 @@ class LearnerConfig:
     checkpoint_interval_s: float = 60.0  # T: also checkpoint on shutdown
     keep_checkpoints: int = 3
     torch_threads: int = 1
-    device: str = "cpu"
+    device: str = "cpu"               # cpu | cuda | cuda:N | auto (cuda when torch sees a GPU, else cpu)
 
     def __post_init__(self):
         _require(self.publish_interval_updates >= 1, "publish_interval_updates",
@@ -228,8 +272,8 @@ class LearnerConfig:
         _require(self.checkpoint_interval_s > 0, "checkpoint_interval_s", self.checkpoint_interval_s, "must be > 0")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         _require(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")
-        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
-                 "must be 'cpu' or 'cuda[:N]'")
+        _require(self.device in ("cpu", "auto") or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
+                 "device", self.device, "must be 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available)")
 
 
 @dataclass(frozen=True)
@@ -250,6 +294,87 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class RolePlanConfig:
+    """The planner's bounds and step sizes for one scalable role (actor or learner)."""
+    min: int = 1
+    max: int = 8
+    cost: float = 1.0          # budget units one replica uses (cores locally, pods or cores in a cluster)
+    max_step_up: int = 2       # most replicas added by one decision
+    max_step_down: int = 1     # most replicas removed by one decision
+
+    def __post_init__(self):
+        _require(self.min >= 0, "min", self.min, "must be >= 0")
+        _require(self.max >= max(self.min, 1), "max", self.max, f"must be >= min ({self.min}) and >= 1")
+        _require(self.cost > 0, "cost", self.cost, "must be > 0")
+        _require(self.max_step_up >= 1, "max_step_up", self.max_step_up, "must be >= 1")
+        _require(self.max_step_down >= 1, "max_step_down", self.max_step_down, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class KubernetesPlannerConfig:
+    """Where the planner's Kubernetes backend finds and scales the roles (all in one namespace)."""
+    namespace: str = ""                     # "" = the pod's own namespace in a cluster, else the kubeconfig's
+    actor_deployment: str = "kuberl-actor"
+    learner_deployment: str = "kuberl-learner"
+    actor_service: str = "kuberl-actor"     # headless Services whose Endpoints list the replicas
+    learner_service: str = "kuberl-learner"
+    buffer_service: str = "kuberl-buffer"
+    grpc_port_name: str = "grpc"            # the Service port the planner reads GetStats on
+    field_manager: str = "kuberl-planner"
+    pause_annotation: str = "kuberl.io/planner-paused"  # "true" on a Deployment: the planner leaves it alone
+    leader_election: bool = True            # one active planner per namespace (a coordination.k8s.io Lease)
+    lease_name: str = "kuberl-planner"
+    lease_duration_s: float = 15.0
+    qps: float = 5.0                        # client-side rate limit on API writes and reads
+    burst: int = 10
+
+    def __post_init__(self):
+        _require(self.qps > 0, "qps", self.qps, "must be > 0")
+        _require(self.burst >= 1, "burst", self.burst, "must be >= 1")
+        _require(self.lease_duration_s >= 2, "lease_duration_s", self.lease_duration_s, "must be >= 2")
+        _require(bool(self.field_manager), "field_manager", self.field_manager, "must not be empty")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner: how it measures, when it acts and within which bounds (see docs/planner.md)."""
+    enabled: bool = True            # `kuberl up` runs the planner; false keeps topology.actors fixed
+    backend: str = "local"          # "local" (processes), "kubernetes" (Deployments) or "dry-run" (decide only)
+    interval_s: float = 5.0         # one decision this often
+    tolerance: float = 0.15         # act only when production/consumption is outside 1 +- tolerance
+    budget: float = 0.0             # total cost of actors + learners; 0 = only the per-role max bounds
+    rate_halflife_s: float = 10.0   # EWMA half-life of the per-replica rates
+    warmup_s: float = 10.0          # a replica's rates count only after it has reported this long
+    cooldown_s: float = 20.0        # no change within this long of the last one (must exceed warmup_s)
+    scale_down_window_s: float = 60.0  # scale down only to the largest target seen over this window
+    stale_after_s: float = 15.0     # metrics older than this are stale: no scale-down on them
+    converge_timeout_s: float = 120.0  # a change not converged by then is reported and no longer blocks
+    drain_timeout_s: float = 30.0   # local backend: an actor stopped by a scale-down gets this long to flush
+    actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))
+    learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
+    kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
+
+    def __post_init__(self):
+        _require(self.backend in ("local", "kubernetes", "dry-run"), "backend", self.backend,
+                 "must be 'local', 'kubernetes' or 'dry-run'")
+        _require(self.interval_s > 0, "interval_s", self.interval_s, "must be > 0")
+        _require(0 < self.tolerance < 1, "tolerance", self.tolerance, "must be in (0, 1)")
+        _require(self.budget >= 0, "budget", self.budget, "must be >= 0 (0 = no budget)")
+        _require(self.rate_halflife_s > 0, "rate_halflife_s", self.rate_halflife_s, "must be > 0")
+        _require(self.warmup_s >= 0, "warmup_s", self.warmup_s, "must be >= 0")
+        _require(self.cooldown_s > self.warmup_s, "cooldown_s", self.cooldown_s,
+                 f"must be longer than warmup_s ({self.warmup_s}): a change is judged only on warmed-up replicas")
+        _require(self.scale_down_window_s >= 0, "scale_down_window_s", self.scale_down_window_s, "must be >= 0")
+        _require(self.stale_after_s > 0, "stale_after_s", self.stale_after_s, "must be > 0")
+        _require(self.converge_timeout_s > 0, "converge_timeout_s", self.converge_timeout_s, "must be > 0")
+        _require(self.drain_timeout_s > 0, "drain_timeout_s", self.drain_timeout_s, "must be > 0")
+        _require(self.learner.max == 1, "learner.max", self.learner.max,
+                 "only one learner per experiment is supported so far (no gradient all-reduce yet)")
+        _require(self.budget == 0 or self.budget >= self.actor.min * self.actor.cost + self.learner.min * self.learner.cost,
+                 "budget", self.budget, "cannot fit the minimum replicas of every role")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment. `algorithm` picks which of `ppo` / `dqn` applies."""
     algorithm: str = "ppo"
@@ -262,9 +387,13 @@ class ExperimentConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self):
         _require(self.algorithm in ("ppo", "dqn"), "algorithm", self.algorithm, "must be 'ppo' or 'dqn'")
+        _require(self.planner.actor.min <= self.topology.actors <= self.planner.actor.max, "topology.actors",
+                 self.topology.actors, f"must lie within planner.actor.min..max "
+                 f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")
 
     @property
     def rollout_steps(self) -> int:

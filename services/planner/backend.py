@@ -1,0 +1,69 @@
+"""What a planner backend does: report the replicas it runs and where they serve, and set counts.
+
+Backends: `local` (a process supervisor), `kubernetes` (Deployments' scale subresource) and `dry-run`
+(decides, never applies). The planner core (services/planner/core.py) only talks to this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+ROLES = ("actor", "learner")   # the roles the planner scales; the buffer is fixed (no sharding yet)
+
+
+class Conflict(Exception):
+    """The replica count changed under us (HTTP 409 on the scale subresource): re-read and decide again."""
+
+
+class Refused(Exception):
+    """The backend will not manage a role (e.g. an HPA targets its Deployment); the message says why."""
+
+
+@dataclass
+class Replica:
+    """One running replica of a role, as the backend sees it."""
+    name: str
+    address: str          # host:port of its gRPC server ("" while it is not serving yet)
+    ready: bool = True
+
+
+@dataclass
+class RoleState:
+    """A role as the backend sees it now."""
+    desired: int                                    # the replica count currently set
+    replicas: list[Replica] = field(default_factory=list)  # the ones that exist (ready or not)
+    blocked: str = ""       # non-empty: the backend will not scale this role, and why (HPA, pause annotation)
+
+    @property
+    def ready(self) -> int:
+        return sum(1 for r in self.replicas if r.ready and r.address)
+
+
+@dataclass
+class ApplyResult:
+    applied: dict[str, int]               # role -> replica count now set (or that would be set, on dry run)
+    dry_run: bool = False
+    detail: str = ""
+
+
+class Backend(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Connect; start what runs in the background (local: the initial processes; kubernetes: the
+        leader-election loop)."""
+
+    @property
+    def leader(self) -> bool:
+        """Whether this planner may write now (kubernetes: holds the Lease; others: always)."""
+
+    async def observe(self) -> dict[str, RoleState]:
+        """Current state of every role in ROLES."""
+
+    async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
+        """Set replica counts (only the roles in `targets`). Raises Conflict on a concurrent change,
+        Refused when a role may not be managed; dry_run validates without changing anything."""
+
+    async def close(self) -> None:
+        """Stop what the backend runs (local: drains and stops its processes)."""
