@@ -12,16 +12,15 @@ import logging
 import threading
 import time
 
-import gymnasium as gym
-import torch
 import numpy as np
+import torch
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.config import ExperimentConfig
+from services.common.config import ExperimentConfig, is_atari
 from services.common.fragments import ALGORITHM_CODES, build_fragment
 from services.actor.episodes import EpisodeLog
 from services.actor.policy import Policy
-from services.common.nets import env_spec
+from services.common.envs import make_vector_env, spec_of
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -48,11 +47,11 @@ class Rollout:
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics = cfg, actor_id, metrics
         self.algorithm = ALGORITHM_CODES[cfg.algorithm]
-        self.spec = env_spec(cfg.env.id, cfg.env.max_episode_steps)
         n = cfg.env.num_envs
-        self.envs = gym.make_vec(cfg.env.id, num_envs=n, vectorization_mode="sync",
-                                 vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-                                 max_episode_steps=cfg.env.max_episode_steps)
+        self.envs = make_vector_env(cfg.env)
+        self.spec = spec_of(cfg.env)
+        # Atari: fragments carry sign(r) (Mnih et al. 2015); episode returns are logged unclipped.
+        self.clip_rewards = is_atari(cfg.env.id) and cfg.env.atari.clip_rewards
         seed = cfg.env.seed + 1000 * actor_index
         self.obs, _ = self.envs.reset(seed=seed)
         self.policy = Policy(cfg, self.spec, seed, metrics)
@@ -88,7 +87,8 @@ class Rollout:
         while t < T and not (stop is not None and stop.is_set()):
             a, lp = self.policy.act(self.obs, self.env_steps)
             obs, r, term, trunc, info = self.envs.step(a)
-            actions[t], rewards[t], terminated[t], truncated[t] = a, r, term, trunc
+            actions[t], terminated[t], truncated[t] = a, term, trunc
+            rewards[t] = np.sign(r) if self.clip_rewards else r
             if logprob is not None:
                 logprob[t] = lp
             self._ep_return += r

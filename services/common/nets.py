@@ -6,43 +6,36 @@ import-linter contract keeps the buffer and planner away from it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 from torch.distributions import Categorical
 
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """What the networks need to know about an environment."""
-    obs_shape: tuple[int, ...]
-    obs_dtype: np.dtype
-    num_actions: int
-
-
-def spec_of(env_cfg) -> EnvSpec:
-    """The policy's spaces for an EnvConfig: declared ones (external simulators), else the gymnasium env's."""
-    if env_cfg.observation_shape is not None:
-        return EnvSpec(tuple(env_cfg.observation_shape), np.dtype(env_cfg.observation_dtype), env_cfg.num_actions)
-    return env_spec(env_cfg.id, env_cfg.max_episode_steps)
+from services.common import envs
+from services.common.config import EnvConfig
+from services.common.envs import EnvSpec, spec_of  # noqa: F401  (re-exported: the networks' view of an env)
 
 
 def env_spec(env_id: str, max_episode_steps: int | None = None) -> EnvSpec:
-    """Read the spaces of a gymnasium env (only Box observations and Discrete actions so far)."""
-    import gymnasium as gym
+    """The spaces of env `env_id` with default preprocessing (see envs.env_spec)."""
+    return envs.env_spec(EnvConfig(id=env_id, max_episode_steps=max_episode_steps))
 
-    env = gym.make(env_id, max_episode_steps=max_episode_steps)
-    try:
-        obs, act = env.observation_space, env.action_space
-        if not isinstance(act, gym.spaces.Discrete):
-            raise ValueError(f"env.id: {env_id} has action space {act}; only Discrete is supported so far")
-        if not isinstance(obs, gym.spaces.Box):
-            raise ValueError(f"env.id: {env_id} has observation space {obs}; only Box is supported so far")
-        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), int(act.n))
-    finally:
-        env.close()
+
+def resolve_device(device: str) -> torch.device:
+    """`learner.device` as a torch device: "auto" is cuda when torch sees a GPU, else cpu.
+
+    Raises ValueError naming learner.device when cuda is asked for and none is available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"learner.device: {device!r} but torch sees no CUDA device "
+                             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); use cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"learner.device: {device!r} but only {torch.cuda.device_count()} CUDA devices exist")
+    return dev
 
 
 def _layer(inp: int, out: int, std: float = np.sqrt(2), bias: float = 0.0) -> nn.Linear:
@@ -61,31 +54,89 @@ def _mlp(inp: int, hidden: tuple[int, ...], out: int, act: type[nn.Module], out_
     return nn.Sequential(*layers)
 
 
+def is_image(spec: EnvSpec) -> bool:
+    """Observations the Nature CNN takes: [C, H, W] uint8 frames (Atari)."""
+    return len(spec.obs_shape) == 3 and spec.obs_dtype == np.uint8
+
+
+class NatureCNN(nn.Module):
+    """The Nature DQN torso (Mnih et al. 2015): 3 conv layers and a 512-unit layer, over uint8 frames.
+
+    Frames arrive as uint8 (they travel that way from the env) and are scaled to [0, 1] here, on the
+    device the network lives on, as in CleanRL's dqn_atari.py / ppo_atari.py.
+    """
+
+    def __init__(self, spec: EnvSpec, features: int = 512):
+        super().__init__()
+        c, h, w = spec.obs_shape
+        self.convs = nn.Sequential(
+            _conv(c, 32, 8, 4), nn.ReLU(), _conv(32, 64, 4, 2), nn.ReLU(), _conv(64, 64, 3, 1), nn.ReLU(),
+            nn.Flatten())
+        with torch.no_grad():
+            n_flat = self.convs(torch.zeros(1, c, h, w)).shape[1]
+        self.fc = nn.Sequential(_layer(n_flat, features), nn.ReLU())
+        self.features = features
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.convs(obs.float() / 255.0))
+
+
+def _conv(inp: int, out: int, kernel: int, stride: int) -> nn.Conv2d:
+    conv = nn.Conv2d(inp, out, kernel, stride)
+    nn.init.orthogonal_(conv.weight, np.sqrt(2))
+    nn.init.constant_(conv.bias, 0.0)
+    return conv
+
+
 class QNetwork(nn.Module):
-    """Q(s, .) for discrete actions."""
+    """Q(s, .) for discrete actions: an MLP over flat observations, or the Nature CNN over frames
+    (then `hidden` is unused: the CNN's 512-unit layer is the hidden layer)."""
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
-        self.q = _mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
+        if is_image(spec):
+            torso = NatureCNN(spec)
+            self.q = nn.Sequential(torso, _layer(torso.features, spec.num_actions, std=1.0))
+            self._flat = False
+        else:
+            self.q = _mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
+            self._flat = True
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.q(obs.flatten(1).float())
+        return self.q(obs.flatten(1).float() if self._flat else obs)
 
 
 class ActorCritic(nn.Module):
-    """Separate policy and value MLPs (tanh), CleanRL's PPO initialisation."""
+    """Policy and value heads. Flat observations: separate tanh MLPs (CleanRL's ppo.py). Frames: one
+    shared Nature CNN torso with a policy head (std 0.01) and a value head (std 1), as in CleanRL's
+    ppo_atari.py."""
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
-        n_in = int(np.prod(spec.obs_shape))
-        self.critic = _mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
-        self.actor = _mlp(n_in, hidden, spec.num_actions, nn.Tanh, out_std=0.01)
+        if is_image(spec):
+            self.torso = NatureCNN(spec)
+            self.critic = _layer(self.torso.features, 1, std=1.0)
+            self.actor = _layer(self.torso.features, spec.num_actions, std=0.01)
+        else:
+            n_in = int(np.prod(spec.obs_shape))
+            self.torso = nn.Flatten(1)
+            self.critic = _mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
+            self.actor = _mlp(n_in, hidden, spec.num_actions, nn.Tanh, out_std=0.01)
+        self._flat = not is_image(spec)
+
+    def _features(self, obs: torch.Tensor) -> torch.Tensor:
+        return obs.flatten(1).float() if self._flat else self.torso(obs)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs.flatten(1).float()).squeeze(-1)
+        return self.critic(self._features(obs)).squeeze(-1)
 
     def dist(self, obs: torch.Tensor) -> Categorical:
-        return Categorical(logits=self.actor(obs.flatten(1).float()))
+        return Categorical(logits=self.actor(self._features(obs)))
+
+    def dist_and_value(self, obs: torch.Tensor) -> tuple[Categorical, torch.Tensor]:
+        """Both heads from one pass through the torso (what the PPO update needs per minibatch)."""
+        x = self._features(obs)
+        return Categorical(logits=self.actor(x)), self.critic(x).squeeze(-1)
 
 
 def build_network(algorithm: str, spec: EnvSpec, hidden: tuple[int, ...]) -> nn.Module:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.config import DQNConfig
-from services.common.nets import EnvSpec, QNetwork
+from services.common.nets import EnvSpec, QNetwork, resolve_device
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
@@ -27,7 +27,7 @@ def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: to
 
 class DQN:
     def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu"):
-        self.cfg, self.device = cfg, torch.device(device)
+        self.cfg, self.device = cfg, resolve_device(device)
         self.q = QNetwork(spec, cfg.hidden_sizes).to(self.device)
         self.target = copy.deepcopy(self.q)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=cfg.learning_rate)

@@ -15,7 +15,7 @@ import torch
 
 from services.common.config import PPOConfig
 from services.common.fragments import Fragment
-from services.common.nets import ActorCritic, EnvSpec
+from services.common.nets import ActorCritic, EnvSpec, resolve_device
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
@@ -65,7 +65,7 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tenso
 
 class PPO:
     def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu"):
-        self.cfg, self.device = cfg, torch.device(device)
+        self.cfg, self.device = cfg, resolve_device(device)
         self.net = ActorCritic(spec, cfg.hidden_sizes).to(self.device)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.version = 0
@@ -114,7 +114,7 @@ class PPO:
         for _ in range(c.num_epochs):
             # Exactly num_minibatches per epoch, sizes differing by at most one, whatever n is.
             for mb in torch.tensor_split(torch.randperm(n, device=self.device), min(c.num_minibatches, n)):
-                dist = self.net.dist(obs[mb])
+                dist, new_value = self.net.dist_and_value(obs[mb])
                 logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
                 ratio = logratio.exp()
                 with torch.no_grad():
@@ -125,7 +125,6 @@ class PPO:
                     mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
                 pg_loss = torch.max(-mb_adv * ratio,
                                     -mb_adv * torch.clamp(ratio, 1 - c.clip_coef, 1 + c.clip_coef)).mean()
-                new_value = self.net.value(obs[mb])
                 if c.clip_vloss:
                     v_clipped = values[mb] + torch.clamp(new_value - values[mb], -c.clip_coef, c.clip_coef)
                     v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()

@@ -152,7 +152,7 @@ def test_wrong_types(data, key, match):
     ({"ppo": {"batch_steps": 2, "num_minibatches": 4}}, "ppo.num_minibatches", "must be 1..batch_steps"),
     ({"topology": {"learners": 2}}, "topology.learners", "only one learner"),
     ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
-    ({"learner": {"device": "tpu"}}, "learner.device", "'cpu' or 'cuda[:N]'"),
+    ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
     ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be 'ppo' or 'dqn'"),
 ])
 def test_impossible_values(data, key, match):

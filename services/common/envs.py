@@ -1,0 +1,120 @@
+"""Environments actors step, and the spaces the networks see: gymnasium ids and Atari (ALE/<Game>-v5).
+
+Atari games go through standard preprocessing (AtariConfig: 84x84 grey, frame stack, frameskip with
+max-pooling, no-op reset, optional episodic life), either with ale-py's native multi-threaded
+`AtariVectorEnv` (backend "ale_vector") or with gymnasium's `ALE/*-v5` envs wrapped in
+`AtariPreprocessing` + `FrameStackObservation` (backend "gymnasium"). Both give [N, stack, 84, 84]
+uint8 observations and autoreset in SAME_STEP mode with the true last observation in
+`info["final_obs"]`, which is what rollouts expect. Frames are never converted to float here.
+
+Imports gymnasium and ale-py (lazily): only actors and learners may import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.common.config import EnvConfig, is_atari
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What the networks need to know about an environment."""
+    obs_shape: tuple[int, ...]
+    obs_dtype: np.dtype
+    num_actions: int
+
+
+def atari_game(env_id: str) -> str:
+    """`ALE/Pong-v5` -> `pong`, the ROM name ale-py's vector env takes."""
+    name = env_id.split("/", 1)[1].rsplit("-", 1)[0]
+    # ROM ids are snake_case: SpaceInvaders -> space_invaders.
+    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+def _import_gym():
+    import gymnasium as gym
+
+    return gym
+
+
+def _import_ale():
+    try:
+        import ale_py
+    except ImportError as err:  # a clear message instead of gymnasium's NamespaceNotFound
+        raise ValueError("env.id: Atari envs need ale-py (pip install 'kuberl[actor]')") from err
+    return ale_py
+
+
+def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
+    """A vector env of `num_envs` (default cfg.num_envs) copies, SAME_STEP autoreset. Blocking.
+
+    Raises ValueError naming `env.id` for an unknown game.
+    """
+    gym = _import_gym()
+    n = cfg.num_envs if num_envs is None else num_envs
+    if not is_atari(cfg.id):
+        return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
+                            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+                            max_episode_steps=cfg.max_episode_steps)
+    ale_py = _import_ale()
+    a = cfg.atari
+    game = atari_game(cfg.id)
+    if game not in ale_py.roms.get_all_rom_ids():
+        raise ValueError(f"env.id: {cfg.id!r} is not an Atari game ale-py knows (ROM {game!r} not found)")
+    if a.backend == "ale_vector":
+        from ale_py.vector_env import AtariVectorEnv
+
+        frames = {} if cfg.max_episode_steps is None else {
+            "max_num_frames_per_episode": cfg.max_episode_steps * a.frameskip}
+        return AtariVectorEnv(
+            game, n, num_threads=a.threads or 0, autoreset_mode="SameStep", img_height=a.screen_size,
+            img_width=a.screen_size, grayscale=True, stack_num=a.frame_stack, frameskip=a.frameskip, maxpool=True,
+            noop_max=a.noop_max, episodic_life=a.episodic_life, reward_clipping=False,  # clipped by the actor
+            repeat_action_probability=a.repeat_action_probability, full_action_space=a.full_action_space,
+            use_fire_reset=True, **frames)
+    gym.register_envs(ale_py)
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    def wrap(env):
+        env = AtariPreprocessing(env, noop_max=a.noop_max, frame_skip=a.frameskip, screen_size=a.screen_size,
+                                 terminal_on_life_loss=a.episodic_life, grayscale_obs=True, scale_obs=False)
+        return FrameStackObservation(env, a.frame_stack)
+
+    # frameskip=1 in the base env: AtariPreprocessing skips (and max-pools) itself.
+    return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
+                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+                        wrappers=[wrap], frameskip=1, repeat_action_probability=a.repeat_action_probability,
+                        full_action_space=a.full_action_space, max_episode_steps=cfg.max_episode_steps)
+
+
+def env_spec(cfg: EnvConfig) -> EnvSpec:
+    """The observation and action spaces of the env actors step (after any preprocessing). Blocking."""
+    gym = _import_gym()
+    if is_atari(cfg.id):
+        a = cfg.atari
+        env = make_vector_env(cfg, num_envs=1)
+        try:
+            act = env.single_action_space
+            return EnvSpec((a.frame_stack, a.screen_size, a.screen_size), np.dtype(np.uint8), int(act.n))
+        finally:
+            env.close()
+    env = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps)
+    try:
+        obs, act = env.observation_space, env.action_space
+        if not isinstance(act, gym.spaces.Discrete):
+            raise ValueError(f"env.id: {cfg.id} has action space {act}; only Discrete is supported so far")
+        if not isinstance(obs, gym.spaces.Box):
+            raise ValueError(f"env.id: {cfg.id} has observation space {obs}; only Box is supported so far")
+        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), int(act.n))
+    finally:
+        env.close()
+
+
+def spec_of(cfg: EnvConfig) -> EnvSpec:
+    """The policy's spaces: declared ones (external simulators), else the local env's."""
+    if cfg.observation_shape is not None:
+        return EnvSpec(tuple(cfg.observation_shape), np.dtype(cfg.observation_dtype), cfg.num_actions)
+    return env_spec(cfg)
