@@ -6,6 +6,10 @@ import asyncio
 
 import pytest
 
+# A real kube-apiserver (+ etcd, kube-controller-manager) for the Kubernetes tests: fixtures k8s_cluster,
+# k8s_namespace, k8s_admin, k8s_controller_manager (see tests/k8s/cluster.py).
+pytest_plugins = ("tests.k8s.cluster",)
+
 
 @pytest.fixture(autouse=True)
 async def no_leaked_tasks():

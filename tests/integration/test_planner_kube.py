@@ -1,0 +1,421 @@
+"""The planner's Kubernetes backend against a real kube-apiserver + etcd (tests/k8s/cluster.py): scaling
+through deployments/scale, 409s, 403s under the minimal Role from services/planner/rbac.py, refusing to
+fight an HPA (with kube-controller-manager acting), the pause annotation, dry run, Endpoints discovery,
+Lease leader election, and the client-side rate limit and Retry-After handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from kubernetes import client
+
+from services.common.config import KubernetesPlannerConfig
+from services.planner import rbac
+from services.planner.backend import Conflict, Refused
+from services.planner.kube import ApiError, KubernetesBackend, TokenBucket
+from tests.k8s.cluster import TOKENS, expand, grant
+
+ACTOR, LEARNER = "kuberl-actor", "kuberl-learner"
+MERGE = "application/merge-patch+json"
+
+
+def deployment(name: str, replicas: int = 1, annotations: dict | None = None) -> dict:
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "annotations": annotations or {}},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {"containers": [
+                         {"name": "main", "image": "kuberl/test:0"}]}}}}
+
+
+def make_roles(api, ns: str, actors: int = 1, learners: int = 1, actor_annotations: dict | None = None) -> None:
+    apps = client.AppsV1Api(api)
+    apps.create_namespaced_deployment(ns, deployment(ACTOR, actors, actor_annotations))
+    apps.create_namespaced_deployment(ns, deployment(LEARNER, learners))
+
+
+def spec_replicas(api, ns: str, name: str = ACTOR) -> int:
+    return client.AppsV1Api(api).read_namespaced_deployment(name, ns).spec.replicas
+
+
+def resource_version(api, ns: str, name: str = ACTOR) -> str:
+    return client.AppsV1Api(api).read_namespaced_deployment(name, ns).metadata.resource_version
+
+
+@pytest.fixture
+async def backends(k8s_cluster):
+    """make(namespace, api=None, kubeconfig=None, **config) -> a started KubernetesBackend (admin identity and
+    leader election off unless told otherwise). Closes them all, and checks every call they made is one
+    services/planner/rbac.RULES grants."""
+    made, clients = [], []
+
+    async def make(ns, *, api=None, kubeconfig=None, identity=None, **overrides) -> KubernetesBackend:
+        cfg = KubernetesPlannerConfig(**{"leader_election": False, "qps": 100.0, "burst": 100, **overrides})
+        if api is None and kubeconfig is None:
+            api = k8s_cluster.admin()
+            clients.append(api)
+        b = KubernetesBackend(cfg, namespace=ns, api_client=api, kubeconfig=kubeconfig, identity=identity)
+        made.append(b)
+        await b.start()
+        return b
+
+    yield make
+    for b in made:
+        await b.close()
+    for api in clients:
+        api.close()
+    for b in made:
+        assert b.calls <= expand(rbac.RULES), b.calls - expand(rbac.RULES)
+
+
+async def test_scale_up_and_down_through_the_scale_subresource(k8s_admin, k8s_namespace, backends):
+    make_roles(k8s_admin, k8s_namespace, actors=1)
+    b = await backends(k8s_namespace)
+    state = await b.observe()
+    assert (state["actor"].desired, state["learner"].desired) == (1, 1)
+    assert not state["actor"].blocked and not state["learner"].blocked
+
+    result = await b.apply({"actor": 3})
+    assert result.applied == {"actor": 3} and not result.dry_run
+    assert spec_replicas(k8s_admin, k8s_namespace) == 3
+    assert spec_replicas(k8s_admin, k8s_namespace, LEARNER) == 1   # only the roles asked for
+    assert (await b.observe())["actor"].desired == 3
+
+    assert (await b.apply({"actor": 1})).applied == {"actor": 1}
+    assert spec_replicas(k8s_admin, k8s_namespace) == 1
+    # a second write without a fresh observe uses the resourceVersion of its own last write
+    assert (await b.apply({"actor": 2})).applied == {"actor": 2}
+    assert spec_replicas(k8s_admin, k8s_namespace) == 2
+    # the only write it ever makes is the scale subresource
+    assert {c for c in b.calls if c[2] not in ("get", "list", "watch")} == {("apps", "deployments/scale", "patch")}
+
+
+async def test_a_concurrent_change_is_a_conflict_and_a_fresh_read_then_succeeds(k8s_admin, k8s_namespace, backends):
+    make_roles(k8s_admin, k8s_namespace, actors=2)
+    b = await backends(k8s_namespace)
+    assert (await b.observe())["actor"].desired == 2
+    # someone else (a person with kubectl scale) changes it between observe and apply
+    client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale(
+        ACTOR, k8s_namespace, {"spec": {"replicas": 5}}, _content_type=MERGE)
+    with pytest.raises(Conflict, match="changed since it was read"):
+        await b.apply({"actor": 3})
+    assert spec_replicas(k8s_admin, k8s_namespace) == 5   # their change stands
+    assert (await b.observe())["actor"].desired == 5      # the core re-reads and decides again
+    assert (await b.apply({"actor": 3})).applied == {"actor": 3}
+    assert spec_replicas(k8s_admin, k8s_namespace) == 3
+
+
+async def test_minimal_role_scales_deployments_and_is_forbidden_everything_else(k8s_cluster, k8s_admin, k8s_namespace,
+                                                                                 backends, tmp_path):
+    """The planner as a token-auth user bound to a Role built from rbac.RULES, through a kubeconfig."""
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns, actors=1)
+    client.AppsV1Api(k8s_admin).create_namespaced_stateful_set(ns, {
+        "metadata": {"name": "other"}, "spec": {"replicas": 1, "serviceName": "other", "selector": {"matchLabels": {"app": "o"}},
+                                               "template": {"metadata": {"labels": {"app": "o"}},
+                                                            "spec": {"containers": [{"name": "m", "image": "x"}]}}}})
+    client.CoreV1Api(k8s_admin).create_namespaced_secret(ns, {"metadata": {"name": "s"}, "stringData": {"k": "v"}})
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner")
+
+    kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "planner.kubeconfig", user="kuberl-planner", namespace=ns)
+    b = await backends(None, kubeconfig=str(kubeconfig), leader_election=True, lease_duration_s=5)
+    assert b.namespace == ns            # from the kubeconfig's context
+    assert b.leader                     # leases: get/create/update are granted
+    await b.observe()
+    assert (await b.apply({"actor": 2})).applied == {"actor": 2}
+    assert spec_replicas(k8s_admin, ns) == 2
+
+    with k8s_cluster.client(TOKENS["kuberl-planner"]) as planner:
+        apps, core = client.AppsV1Api(planner), client.CoreV1Api(planner)
+        forbidden = {
+            "patch the Deployment spec": lambda: apps.patch_namespaced_deployment(
+                ACTOR, ns, {"spec": {"template": {"spec": {"containers": [{"name": "main", "image": "evil"}]}}}},
+                _content_type=MERGE),
+            "create a Pod": lambda: core.create_namespaced_pod(ns, {
+                "metadata": {"name": "p"}, "spec": {"containers": [{"name": "m", "image": "x"}]}}),
+            "read a Secret": lambda: core.read_namespaced_secret("s", ns),
+            "list Secrets": lambda: core.list_namespaced_secret(ns),
+            "scale a StatefulSet": lambda: apps.patch_namespaced_stateful_set_scale(
+                "other", ns, {"spec": {"replicas": 3}}, _content_type=MERGE),
+            "delete the Deployment": lambda: apps.delete_namespaced_deployment(ACTOR, ns),
+        }
+        for what, call in forbidden.items():
+            with pytest.raises(client.ApiException) as e:
+                call()
+            assert e.value.status == 403, what
+    assert spec_replicas(k8s_admin, ns) == 2
+    assert client.AppsV1Api(k8s_admin).read_namespaced_stateful_set("other", ns).spec.replicas == 1
+
+
+async def test_a_missing_permission_is_a_clear_error_naming_verb_and_resource(k8s_cluster, k8s_admin, k8s_namespace, backends):
+    """A Role without the scale write (a broken manifest): the planner still observes, and apply says what it
+    lacked; the planner identity here is a ServiceAccount (impersonated)."""
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns)
+    rules = [(g, r, tuple(v for v in verbs if not (r == "deployments/scale" and v == "patch"))) for g, r, verbs in rbac.RULES]
+    grant(k8s_admin, ns, "planner-without-scale", rules, service_account="kuberl-planner")
+    with k8s_cluster.as_service_account(ns, "kuberl-planner") as api:
+        b = await backends(ns, api=api)
+        assert (await b.observe())["actor"].desired == 1
+        with pytest.raises(ApiError) as e:
+            await b.apply({"actor": 2})
+        assert e.value.status == 403
+        message = str(e.value)
+        assert f"patch apps/deployments/scale '{ACTOR}' in namespace '{ns}'" in message
+        assert "HTTP 403 Forbidden" in message and "system:serviceaccount" in message and "rbac.py" in message
+    assert spec_replicas(k8s_admin, ns) == 1
+
+
+async def test_a_call_not_in_the_rbac_rules_is_a_bug(k8s_admin, k8s_namespace, backends):
+    make_roles(k8s_admin, k8s_namespace)
+    b = await backends(k8s_namespace)
+    apps = client.AppsV1Api(k8s_admin)
+    with pytest.raises(RuntimeError, match="bug: the planner tried to delete apps/deployments"):
+        await b._call("delete", "apps", "deployments", ACTOR, apps.delete_namespaced_deployment, ACTOR, k8s_namespace)
+    assert spec_replicas(k8s_admin, k8s_namespace) == 1   # never sent
+    assert ("apps", "deployments", "delete") not in b.calls
+
+
+async def test_refuses_to_fight_an_hpa(k8s_controller_manager, k8s_admin, k8s_namespace, backends):
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns, actors=4)
+    client.AutoscalingV1Api(k8s_admin).create_namespaced_horizontal_pod_autoscaler(ns, {
+        "metadata": {"name": "actor-hpa"},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": ACTOR},
+                 "minReplicas": 4, "maxReplicas": 6, "targetCPUUtilizationPercentage": 50}})
+    # what would happen without the refusal: a scale to 2 is undone by the HPA within a sync or two
+    client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale(ACTOR, ns, {"spec": {"replicas": 2}}, _content_type=MERGE)
+    deadline = time.monotonic() + 30
+    while spec_replicas(k8s_admin, ns) != 4:
+        assert time.monotonic() < deadline, "the HPA did not restore its minimum"
+        await asyncio.sleep(0.3)
+
+    b = await backends(ns)
+    state = await b.observe()
+    assert "HorizontalPodAutoscaler 'actor-hpa'" in state["actor"].blocked
+    assert state["learner"].blocked == ""
+    with pytest.raises(Refused, match="'actor-hpa' targets Deployment 'kuberl-actor'"):
+        await b.apply({"actor": 2})
+    with pytest.raises(Refused, match="actor-hpa"):
+        await b.apply({"actor": 2}, dry_run=True)
+    with pytest.raises(Refused, match="actor-hpa"):   # nothing is written when any role is refused
+        await b.apply({"learner": 1, "actor": 5})
+    assert spec_replicas(k8s_admin, ns) == 4
+    assert ("apps", "deployments/scale", "patch") not in b.calls
+    # the role no HPA targets is still the planner's (retry: the controllers bump resourceVersions)
+    for _ in range(5):
+        await b.observe()
+        try:
+            assert (await b.apply({"learner": 1})).applied == {"learner": 1}
+            break
+        except Conflict:
+            continue
+    else:
+        pytest.fail("learner never applied")
+
+
+async def test_pause_annotation(k8s_admin, k8s_namespace, backends):
+    ns = k8s_namespace
+    key = KubernetesPlannerConfig().pause_annotation
+    make_roles(k8s_admin, ns, actors=2, actor_annotations={key: "true"})
+    b = await backends(ns)
+    state = await b.observe()
+    assert key in state["actor"].blocked and state["actor"].desired == 2
+    with pytest.raises(Refused, match="paused"):
+        await b.apply({"actor": 3})
+    assert spec_replicas(k8s_admin, ns) == 2
+
+    apps = client.AppsV1Api(k8s_admin)
+    apps.patch_namespaced_deployment(ACTOR, ns, {"metadata": {"annotations": {key: "false"}}}, _content_type=MERGE)
+    assert (await b.observe())["actor"].blocked == ""
+    # paused by hand between observe and apply: the write is conditional, so it cannot slip through
+    apps.patch_namespaced_deployment(ACTOR, ns, {"metadata": {"annotations": {key: "true"}}}, _content_type=MERGE)
+    with pytest.raises(Conflict):
+        await b.apply({"actor": 3})
+    assert key in (await b.observe())["actor"].blocked
+    assert spec_replicas(k8s_admin, ns) == 2
+
+    apps.patch_namespaced_deployment(ACTOR, ns, {"metadata": {"annotations": {key: None}}}, _content_type=MERGE)
+    await b.observe()
+    assert (await b.apply({"actor": 3})).applied == {"actor": 3}
+    assert spec_replicas(k8s_admin, ns) == 3
+
+
+async def test_dry_run_changes_nothing(k8s_admin, k8s_namespace, backends):
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns, actors=1)
+    b = await backends(ns)
+    await b.observe()
+    before = resource_version(k8s_admin, ns)
+    result = await b.apply({"actor": 5, "learner": 1}, dry_run=True)
+    assert result.dry_run and result.applied == {"actor": 5, "learner": 1}
+    assert spec_replicas(k8s_admin, ns) == 1 and resource_version(k8s_admin, ns) == before
+    with pytest.raises(ApiError) as e:   # the server validates it for real: a negative count is 422
+        await b._call("patch", "apps", "deployments/scale", ACTOR, client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale,
+                      ACTOR, ns, {"spec": {"replicas": -1}}, dry_run="All", _content_type=MERGE)
+    assert e.value.status == 422
+    # a dry run still applies the resourceVersion precondition
+    client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale(ACTOR, ns, {"spec": {"replicas": 2}}, _content_type=MERGE)
+    with pytest.raises(Conflict):
+        await b.apply({"actor": 5}, dry_run=True)
+    assert spec_replicas(k8s_admin, ns) == 2
+
+
+async def test_replicas_come_from_the_endpoints_of_the_headless_services(k8s_admin, k8s_namespace, backends):
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns, actors=3)
+    core = client.CoreV1Api(k8s_admin)
+    for svc in (ACTOR, LEARNER):
+        core.create_namespaced_service(ns, {"metadata": {"name": svc}, "spec": {
+            "clusterIP": "None", "selector": {"app": svc},
+            "ports": [{"name": "metrics", "port": 9000}, {"name": "grpc", "port": 50053}]}})
+    # no kubelet and no endpoints controller here: write the Endpoints the controller would
+    pod = lambda name: {"kind": "Pod", "name": name, "namespace": ns}   # noqa: E731
+    core.create_namespaced_endpoints(ns, {"metadata": {"name": ACTOR}, "subsets": [{
+        "addresses": [{"ip": "10.1.0.1", "targetRef": pod("actor-a")}, {"ip": "10.1.0.2", "targetRef": pod("actor-b")}],
+        "notReadyAddresses": [{"ip": "10.1.0.3", "targetRef": pod("actor-c")}],
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "grpc", "port": 50053}]}]})
+    core.create_namespaced_endpoints(ns, {"metadata": {"name": LEARNER}, "subsets": [{
+        "addresses": [{"ip": "10.1.0.9"}], "ports": [{"name": "metrics", "port": 9000}]}]})
+
+    b = await backends(ns)
+    state = await b.observe()
+    actor = sorted(state["actor"].replicas, key=lambda r: r.name)
+    assert [(r.name, r.address, r.ready) for r in actor] == [
+        ("actor-a", "10.1.0.1:50053", True), ("actor-b", "10.1.0.2:50053", True), ("actor-c", "10.1.0.3:50053", False)]
+    assert state["actor"].desired == 3 and state["actor"].ready == 2
+    # an Endpoints without the grpc port: the replica exists but has no address to read stats from
+    assert [(r.name, r.address) for r in state["learner"].replicas] == [("10.1.0.9", "")]
+    assert state["learner"].ready == 0
+
+    core.delete_namespaced_endpoints(LEARNER, ns)   # no Endpoints yet: no replicas, not an error
+    assert (await b.observe())["learner"].replicas == []
+
+
+async def test_a_missing_deployment_blocks_the_role_with_a_reason(k8s_admin, k8s_namespace, backends):
+    client.AppsV1Api(k8s_admin).create_namespaced_deployment(k8s_namespace, deployment(ACTOR, 1))
+    b = await backends(k8s_namespace)
+    state = await b.observe()
+    assert state["actor"].blocked == "" and state["actor"].desired == 1
+    assert state["learner"].blocked == f"Deployment '{LEARNER}' not found in namespace '{k8s_namespace}'"
+
+
+async def test_leader_election_one_leads_and_another_takes_over(k8s_admin, k8s_namespace, backends):
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns)
+    lease = dict(leader_election=True, lease_duration_s=2.0)
+    a = await backends(ns, identity="planner-a", **lease)
+    b = await backends(ns, identity="planner-b", **lease)
+    assert a.leader and not b.leader
+    coordination = client.CoordinationV1Api(k8s_admin)
+    assert coordination.read_namespaced_lease("kuberl-planner", ns).spec.holder_identity == "planner-a"
+    for _ in range(10):            # a renews (for longer than the lease lasts); b never gets in
+        assert a.leader and not b.leader
+        await asyncio.sleep(0.3)
+    with pytest.raises(Refused, match="not the leader"):
+        await b.apply({"actor": 2})
+    assert spec_replicas(k8s_admin, ns) == 1
+    await b.observe()
+    assert (await b.apply({"actor": 2}, dry_run=True)).applied == {"actor": 2}   # previews need no lease
+
+    await a.close(release=False)   # a crashes: it stops renewing and does not hand the lease back
+    stopped = time.monotonic()
+    while not b.leader:
+        assert not a.leader
+        assert time.monotonic() - stopped < 6, "b did not take over an expired lease"
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - stopped
+    assert took >= 1.5, f"b took over a live lease after {took:.2f} s (duration 2 s)"
+    assert coordination.read_namespaced_lease("kuberl-planner", ns).spec.holder_identity == "planner-b"
+    await b.observe()
+    assert (await b.apply({"actor": 2})).applied == {"actor": 2}
+
+    await b.close()                # a clean stop hands the lease back: the next planner leads at once
+    c = await backends(ns, identity="planner-c", **lease)
+    assert c.leader
+    spec = coordination.read_namespaced_lease("kuberl-planner", ns).spec
+    assert spec.holder_identity == "planner-c" and spec.lease_transitions == 2
+
+
+def test_token_bucket_allows_a_burst_then_qps():
+    now = [100.0]
+    bucket = TokenBucket(qps=2.0, burst=3, clock=lambda: now[0])
+    assert [bucket.reserve() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.reserve() == pytest.approx(0.5)
+    assert bucket.reserve() == pytest.approx(1.0)
+    now[0] += 1.0            # two tokens accrued, both already promised
+    assert bucket.reserve() == pytest.approx(0.5)
+    now[0] += 60.0           # a long idle spell saves up no more than the burst
+    assert [bucket.reserve() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.reserve() == pytest.approx(0.5)
+
+
+async def test_calls_are_rate_limited(k8s_admin, k8s_namespace, backends):
+    make_roles(k8s_admin, k8s_namespace)
+    b = await backends(k8s_namespace, qps=10.0, burst=1)
+    started = time.monotonic()
+    await b.observe()        # 7 calls: the HPA list, then Deployment, scale and Endpoints per role
+    assert time.monotonic() - started >= 0.55
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    """An API server stand-in for what a real one cannot be made to do on cue: answer 429 with Retry-After,
+    then 503, before the real answer."""
+    script: dict[str, list[tuple[int, dict, dict]]] = {}
+    seen: list[tuple[float, str]] = []
+
+    def do_GET(self):
+        self.seen.append((time.monotonic(), self.path))
+        path = self.path.split("?")[0]
+        steps = self.script.get(path, [])
+        status, headers, body = steps.pop(0) if len(steps) > 1 else steps[0] if steps else (404, {}, {
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
+            "message": f"{path} not found"})
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+async def test_429_waits_for_retry_after_and_5xx_is_retried(tmp_path, backends):
+    ns = "flaky"
+    hpas = f"/apis/autoscaling/v1/namespaces/{ns}/horizontalpodautoscalers"
+    dep = f"/apis/apps/v1/namespaces/{ns}/deployments/{ACTOR}"
+    too_many = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "TooManyRequests", "code": 429,
+                "message": "too many requests"}
+    _Flaky.seen, _Flaky.script = [], {
+        hpas: [(429, {"Retry-After": "1"}, too_many),
+               (200, {}, {"kind": "HorizontalPodAutoscalerList", "apiVersion": "autoscaling/v1", "metadata": {}, "items": []})],
+        dep: [(503, {}, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 503, "message": "busy"}),
+              (404, {}, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
+                         "message": "deployments.apps \"kuberl-actor\" not found"})]}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": ns}}]}))
+        b = await backends(None, kubeconfig=str(kubeconfig))
+        state = await b.observe()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert "not found" in state["actor"].blocked and "not found" in state["learner"].blocked
+    hpa_times = [t for t, p in _Flaky.seen if p.startswith(hpas)]
+    assert len(hpa_times) == 2 and hpa_times[1] - hpa_times[0] >= 1.0, "Retry-After: 1 was not honoured"
+    assert sum(p.startswith(dep) for _, p in _Flaky.seen) == 2   # the 503 was retried once, then 404 stood
