@@ -13,6 +13,11 @@ class Notifier:
         event, self._event = self._event, asyncio.Event()
         event.set()
 
+    def waiter(self) -> asyncio.Event:
+        """The event the next notify() sets: take it before checking state, then await its wait(), and
+        a notify() that lands in between is not missed."""
+        return self._event
+
     async def wait(self, timeout: float | None = None) -> bool:
         """Wait for the next notify(); False on timeout.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ class Trainer:
         metrics.track_rate("learner/samples_per_s", "learner/samples_total")
         metrics.inc("learner/batches_invalid_total", 0)
         for name in ("fragments_dropped_stale", "samples_dropped_stale", "fragments_corrected", "batches_skipped",
-                     "batches_consumed", "samples_consumed"):
+                     "batches_consumed", "samples_consumed", "samples", "train_seconds"):
             metrics.inc(f"learner/{name}_total", 0)
         self.lag = metrics.histogram("learner/policy_lag")
 
@@ -58,6 +59,15 @@ class Trainer:
         Every batch taken off the stream counts as consumed (`learner/batches_consumed_total`), trained
         on or not: the buffer subtracts it from what it has in flight to this learner.
         """
+        started = time.perf_counter()
+        try:
+            self._train(batch)
+        finally:
+            # Busy time: samples_total / train_seconds_total is what this learner could consume if it
+            # never waited for data (the planner's per-learner rate TR_L).
+            self.metrics.inc("learner/train_seconds_total", time.perf_counter() - started)
+
+    def _train(self, batch: pb.TrainingBatch) -> None:
         self.metrics.inc("learner/batches_consumed_total")
         self.metrics.inc("learner/samples_consumed_total", batch_samples(batch))
         try:

@@ -67,3 +67,28 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Stop what the backend runs (local: drains and stops its processes)."""
+
+
+class DryRunBackend:
+    """Decisions only: observes through another backend and never changes anything (every apply is
+    a dry run, which the Kubernetes backend still validates server-side)."""
+    name = "dry-run"
+
+    def __init__(self, inner: Backend):
+        self.inner = inner
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    @property
+    def leader(self) -> bool:
+        return self.inner.leader
+
+    async def observe(self) -> dict[str, RoleState]:
+        return await self.inner.observe()
+
+    async def apply(self, targets: dict[str, int], *, dry_run: bool = True) -> ApplyResult:
+        return await self.inner.apply(targets, dry_run=True)
+
+    async def close(self) -> None:
+        await self.inner.close()

@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import os
+from contextlib import asynccontextmanager
+from pathlib import Path
 
-from services.common.runtime import base_parser
+from kuberl.v1 import planner_pb2, planner_pb2_grpc
+from services.common.config import ExperimentConfig, load_config
+from services.common.grpcutil import MiB, start_server
+from services.common.prometheus import serve_metrics
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
+from services.common.stats import Metrics, tick_forever
+from services.planner.backend import DryRunBackend
+from services.planner.core import Planner
+from services.planner.local import LocalBackend
+from services.planner.servicer import PlannerServicer
+
+log = logging.getLogger(__name__)
 
 PORT = 50054
 
@@ -32,3 +47,69 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def make_backend(cfg: ExperimentConfig, args: argparse.Namespace, metrics: Metrics):
+    """The backend named by --backend (else planner.backend). dry-run observes through the Kubernetes
+    backend when it can reach a cluster (in a pod, or with --kubeconfig), else through the local one
+    (which then starts the configured topology and never changes it)."""
+    kind = args.backend or cfg.planner.backend
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    if kind == "kubernetes" or (kind == "dry-run" and (in_cluster or args.kubeconfig)):
+        from services.planner.kube import KubernetesBackend
+
+        inner = KubernetesBackend(cfg.planner.kubernetes, namespace=args.namespace, kubeconfig=args.kubeconfig)
+    else:
+        if args.config is None:
+            raise SystemExit("the local backend starts processes with the same config: pass --config FILE")
+        inner = LocalBackend(cfg, config_path=Path(args.config), run_dir=Path(args.run_dir), buffer=args.buffer,
+                             actor_port=args.actor_port, metrics=metrics)
+    return DryRunBackend(inner) if kind == "dry-run" else inner
+
+
+@asynccontextmanager
+async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen: str | None = None,
+                  metrics: Metrics | None = None):
+    """Start the planner on `backend`; yields (Endpoints, Planner). Leaving stops the backend's processes."""
+    metrics = metrics or Metrics("planner")
+    planner = Planner(cfg, backend, metrics)
+    servicer = PlannerServicer(planner, metrics)
+    srv = await start_server(listen, lambda s: planner_pb2_grpc.add_PlannerServicer_to_server(servicer, s),
+                             [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
+                             max_message_bytes=4 * MiB)
+    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
+    try:
+        await backend.start()
+        async with asyncio.TaskGroup() as tg:
+            tick = tg.create_task(tick_forever(metrics), name="stats")
+            loop = tg.create_task(planner.run_forever() if cfg.planner.enabled else asyncio.Event().wait(),
+                                  name="decide")
+            await srv.set_serving(True)
+            try:
+                yield Endpoints(srv.address, prom.address if prom else None), planner
+            finally:
+                await srv.set_serving(False)          # 1. readiness goes NOT_SERVING
+                loop.cancel()                         # 2. no more decisions
+                await planner.close()                 # 3. end watch streams
+                await srv.server.stop(grace=1.0)
+                tick.cancel()
+    finally:
+        await backend.close()                         # 4. drain actors, stop learners (local)
+        if prom is not None:
+            prom.close()
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    cfg = load_config(args.config)
+    metrics = Metrics("planner")
+    backend = make_backend(cfg, args, metrics)
+    async with serving(cfg, backend, listen=args.listen, metrics_listen=args.metrics_listen or None,
+                       metrics=metrics) as (endpoints, _):
+        write_ready_file(args.ready_file, endpoints)
+        log.info("planner (%s backend) serving gRPC on %s, metrics on %s", backend.name, endpoints.grpc,
+                 endpoints.metrics)
+        await stop.wait()
+
+
+def main(argv=None) -> int:
+    return run_service("planner", parse_args(argv), serve)

@@ -1,0 +1,336 @@
+"""The planner core: measure per-replica rates, decide, apply through a backend, record every decision.
+
+Rates (DESIGN.md section 4): TR_A, an actor's env steps per second (`actor/env_steps_total` over wall
+time), and TR_L, what a learner can consume when it never waits: `learner/samples_total` over
+`learner/train_seconds_total` (its busy time). Both are EWMAs per replica, counted only after the
+replica has reported for `warmup_s`; the role's rate is the mean over its warmed-up, fresh replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from kuberl.v1 import actor_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+from kuberl.v1 import planner_pb2 as ppb
+from services.common.config import ExperimentConfig
+from services.common.notify import Notifier
+from services.common.stats import Metrics
+from services.planner.backend import ROLES, Backend, Conflict, Refused, RoleState
+from services.planner.decide import Decision, Inputs, Policy, RoleBounds, RoleInputs, decide
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 3.0
+MAX_RECORDED = 1000
+CONFLICT_RETRIES = 3
+ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
+           "suppressed": ppb.DECISION_ACTION_SUPPRESSED}
+COUNTERS = {"actor": ("actor/env_steps_total", None),
+            "learner": ("learner/samples_total", "learner/train_seconds_total")}
+
+
+def policy_from_config(cfg: ExperimentConfig) -> Policy:
+    p = cfg.planner
+
+    def bounds(r):
+        return RoleBounds(r.min, r.max, r.cost, r.max_step_up, r.max_step_down)
+
+    return Policy(actor=bounds(p.actor), learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
+                  replay_ratio=cfg.dqn.replay_ratio if cfg.algorithm == "dqn" else 1.0,
+                  cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
+                  converge_timeout_s=p.converge_timeout_s)
+
+
+class ReplicaRate:
+    """EWMA rate of one replica from its monotonic counters (and, for learners, its busy seconds)."""
+
+    def __init__(self, halflife_s: float, warmup_s: float, now: float):
+        self.halflife_s, self.warmup_s = halflife_s, warmup_s
+        self.first_ok: float | None = None
+        self.last_ok: float | None = None
+        self.created = now
+        self.warm = False
+        self.rate: float | None = None
+        self._last: tuple[float, float, float | None] | None = None
+
+    def update(self, now: float, count: float, busy: float | None) -> None:
+        if self.first_ok is None:
+            self.first_ok = now
+        self.last_ok = now
+        if not self.warm and now - self.first_ok >= self.warmup_s:
+            self.warm, self.rate = True, None   # what was measured while warming up does not count
+        last, self._last = self._last, (now, count, busy)
+        if last is None:
+            return
+        t0, c0, b0 = last
+        if count < c0:  # the process restarted under the same name: start over
+            self.rate, self.warm, self.first_ok = None, False, now
+            return
+        dt = now - t0
+        denom = dt if busy is None else (busy - (b0 or 0.0))
+        if dt <= 0 or denom <= 1e-6:
+            return  # a learner that did no work in this interval says nothing about its capacity
+        inst = (count - c0) / denom
+        alpha = 1.0 - math.exp(-dt * math.log(2) / self.halflife_s)
+        self.rate = inst if self.rate is None else self.rate + alpha * (inst - self.rate)
+
+    def usable(self, now: float, stale_after_s: float) -> bool:
+        return self.warm and self.rate is not None and self.last_ok is not None and now - self.last_ok <= stale_after_s
+
+    def stale(self, now: float, stale_after_s: float) -> bool:
+        seen = self.last_ok if self.last_ok is not None else self.created
+        return now - seen > stale_after_s
+
+
+@dataclass
+class OverrideState:
+    replicas: int
+    expires_unix_s: float
+
+
+class Planner:
+    def __init__(self, cfg: ExperimentConfig, backend: Backend, metrics: Metrics | None = None,
+                 clock=time.monotonic, wall=time.time):
+        self.cfg, self.backend, self.clock, self.wall = cfg, backend, clock, wall
+        self.policy = policy_from_config(cfg)
+        self.metrics = metrics or Metrics("planner")
+        self.rates: dict[str, dict[str, ReplicaRate]] = {r: {} for r in ROLES}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.states: dict[str, RoleState] = {}
+        self.paused, self.pause_reason = False, ""
+        self.overrides: dict[str, OverrideState] = {}
+        self.last_change_at: float | None = None
+        self.observing_since = clock()
+        self.proposals: deque[tuple[float, dict[str, int]]] = deque()
+        self.decisions: deque[ppb.Decision] = deque(maxlen=MAX_RECORDED)
+        self.next_id = 1
+        self.recorded = Notifier()
+        self.closing = False
+        self.lock = asyncio.Lock()  # one decision at a time (loop, Apply, SetReplicas)
+        for action in ACTIONS:
+            self.metrics.inc(f"planner/decisions_{action}_total", 0)
+        self.metrics.inc("planner/apply_errors_total", 0)
+        self.metrics.inc("planner/conflicts_total", 0)
+        self.metrics.inc("planner/stats_errors_total", 0)
+
+    # -- measuring -------------------------------------------------------------------------------
+    def _stub(self, role: str, address: str):
+        ch = self.channels.get(address)
+        if ch is None:
+            ch = self.channels[address] = grpc.aio.insecure_channel(address)
+        return (actor_pb2_grpc.ActorStub if role == "actor" else learner_pb2_grpc.LearnerStub)(ch)
+
+    async def _read(self, role: str, name: str, address: str, tracker: ReplicaRate) -> None:
+        try:
+            resp = await self._stub(role, address).GetStats(pb.GetStatsRequest(episodes_after=2**63),
+                                                            timeout=STATS_TIMEOUT_S)
+        except grpc.RpcError as err:
+            self.metrics.inc("planner/stats_errors_total")
+            log.debug("stats from %s %s (%s) failed: %s", role, name, address, err.code().name)
+            return
+        count_key, busy_key = COUNTERS[role]
+        m = resp.metrics
+        if count_key not in m or (busy_key is not None and busy_key not in m):
+            return
+        tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None)
+
+    async def measure(self) -> dict[str, RoleState]:
+        """Observe the backend and read every serving replica's stats once."""
+        self.states = await self.backend.observe()
+        now = self.clock()
+        reads = []
+        for role in ROLES:
+            known = self.rates[role]
+            names = {r.name for r in self.states[role].replicas}
+            for gone in set(known) - names:
+                del known[gone]
+            for rep in self.states[role].replicas:
+                tracker = known.setdefault(rep.name, ReplicaRate(self.cfg.planner.rate_halflife_s,
+                                                                 self.cfg.planner.warmup_s, now))
+                if rep.ready and rep.address:
+                    reads.append(self._read(role, rep.name, rep.address, tracker))
+        await asyncio.gather(*reads)
+        live = {rep.address for s in self.states.values() for rep in s.replicas}
+        for addr in set(self.channels) - live:
+            await self.channels.pop(addr).close()
+        return self.states
+
+    def role_inputs(self, role: str, now: float) -> RoleInputs:
+        state = self.states[role]
+        p = self.cfg.planner
+        trackers = [self.rates[role][r.name] for r in state.replicas if r.name in self.rates[role]]
+        usable = [t for t in trackers if t.usable(now, p.stale_after_s)]
+        stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
+        override = self.overrides.get(role)
+        return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable),
+                          rate=(sum(t.rate for t in usable) / len(usable)) if usable else None,
+                          stale=stale, blocked=state.blocked,
+                          override=override.replicas if override else None)
+
+    def inputs(self) -> Inputs:
+        now = self.clock()
+        wall = self.wall()
+        for role, o in list(self.overrides.items()):
+            if o.expires_unix_s <= wall:
+                log.info("override of %s (%d replicas) expired; the planner takes it back", role, o.replicas)
+                del self.overrides[role]
+        while self.proposals and now - self.proposals[0][0] > self.policy.scale_down_window_s:
+            self.proposals.popleft()
+        return Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
+                      paused=self.paused, last_change_at=self.last_change_at,
+                      observing_since=self.observing_since, recent_proposals=tuple(self.proposals))
+
+    # -- deciding and applying -------------------------------------------------------------------
+    async def step(self, trigger: str = "interval", apply: bool = True) -> ppb.Decision:
+        """Measure, decide and (unless `apply` is false) apply; records the decision unless previewing."""
+        async with self.lock:
+            error, applied, dry = "", False, not apply or self.backend.name == "dry-run"
+            for attempt in range(CONFLICT_RETRIES + 1):
+                await self.measure()
+                inp = self.inputs()
+                d = decide(self.policy, inp)
+                if d.action != "scale":
+                    break
+                if not self.backend.leader:
+                    d = Decision("suppressed", f"not the leader: another planner holds the lease; {d.reason}",
+                                 d.current, d.current, d.proposed, d.production, d.consumption, d.ratio,
+                                 d.planned_throughput)
+                    break
+                try:
+                    await self.backend.apply(d.changes, dry_run=dry)
+                    applied, error = not dry, ""
+                    break
+                except Conflict as err:
+                    self.metrics.inc("planner/conflicts_total")
+                    error = f"conflict: {err}"
+                    log.info("replica count changed under us (%s); re-reading (attempt %d)", err, attempt + 1)
+                    continue
+                except Refused as err:
+                    error = f"refused: {err}"
+                    break
+                except Exception as err:  # a backend error must not end the planner: record it, retry later
+                    error = f"{type(err).__name__}: {err}"
+                    log.warning("applying %s failed: %s", d.changes, error)
+                    break
+            if apply:
+                self.proposals.append((inp.now, d.proposed))
+            if applied:
+                self.last_change_at = self.clock()
+            if error:
+                self.metrics.inc("planner/apply_errors_total")
+            msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error)
+            if apply:
+                self.record(msg, d.action)
+            return msg
+
+    def record(self, msg: ppb.Decision, action: str) -> None:
+        msg.id = self.next_id
+        self.next_id += 1
+        self.decisions.append(msg)
+        self.metrics.inc(f"planner/decisions_{action}_total")
+        for role in msg.roles:
+            self.metrics.set(f"planner/{role.role}_replicas", role.target if msg.applied else role.current)
+            self.metrics.set(f"planner/{role.role}_rate_per_replica", role.rate_per_replica)
+        if msg.ratio:
+            self.metrics.set("planner/production_consumption_ratio", msg.ratio)
+        level = logging.INFO if msg.action == ppb.DECISION_ACTION_SCALE or msg.error else logging.DEBUG
+        log.log(level, "decision %d (%s, %s%s): %s", msg.id, action, "applied" if msg.applied else "not applied",
+                f", error {msg.error}" if msg.error else "", msg.reason)
+        self.recorded.notify()
+
+    def to_proto(self, d: Decision, inp: Inputs, *, trigger: str, applied: bool, dry_run: bool,
+                 error: str = "") -> ppb.Decision:
+        roles = []
+        for r in ROLES:
+            ri = inp.role(r)
+            rd = ppb.RoleDecision(role=r, current=d.current[r], target=d.targets[r], proposed=d.proposed[r],
+                                  ready=ri.ready, reporting=ri.reporting, rate_per_replica=ri.rate or 0.0,
+                                  stale=ri.stale, blocked=ri.blocked)
+            if ri.override is not None:
+                rd.override = ri.override
+            roles.append(rd)
+        return ppb.Decision(unix_s=self.wall(), action=ACTIONS[d.action], applied=applied, dry_run=dry_run,
+                            reason=d.reason, roles=roles, production=d.production or 0.0,
+                            consumption=d.consumption or 0.0, ratio=d.ratio or 0.0,
+                            planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.policy.replay_ratio,
+                            tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
+                            error=error, backend=self.backend.name)
+
+    def validate_replicas(self, role: str, replicas: int) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join(ROLES)}")
+        b = self.policy.bounds(role)
+        if not b.min <= replicas <= b.max:
+            raise ValueError(f"replicas: {replicas} is outside planner.{role}.min..max ({b.min}..{b.max})")
+
+    async def set_override(self, role: str, replicas: int, ttl_s: float) -> ppb.Decision:
+        """Hold `role` at `replicas` until the override expires; applied at once."""
+        self.validate_replicas(role, replicas)
+        self.overrides[role] = OverrideState(replicas, self.wall() + ttl_s)
+        async with self.lock:
+            await self.measure()
+            inp = self.inputs()
+            current = {r: inp.role(r).desired for r in ROLES}
+            targets = {**current, role: replicas}
+            error, applied = "", False
+            if not self.backend.leader:
+                error = "not the leader: another planner holds the lease"
+            else:
+                try:
+                    await self.backend.apply({role: replicas}, dry_run=self.backend.name == "dry-run")
+                    applied = self.backend.name != "dry-run"
+                except (Conflict, Refused, Exception) as err:  # recorded; the decision loop retries the override
+                    error = f"{type(err).__name__}: {err}"
+            if applied:
+                self.last_change_at = self.clock()
+            d = Decision("scale" if targets != current else "hold",
+                         f"manual override: {role} set to {replicas} for {ttl_s:.0f} s", current, targets, targets)
+            msg = self.to_proto(d, inp, trigger="override", applied=applied,
+                                dry_run=self.backend.name == "dry-run", error=error)
+            self.record(msg, d.action)
+            return msg
+
+    def clear_override(self, role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join(ROLES)}")
+        self.overrides.pop(role, None)
+
+    def status(self) -> ppb.PlannerStatus:
+        st = ppb.PlannerStatus(paused=self.paused, pause_reason=self.pause_reason, backend=self.backend.name,
+                               leader=self.backend.leader)
+        for role, o in self.overrides.items():
+            st.overrides.add(role=role, replicas=o.replicas, expires_unix_s=o.expires_unix_s)
+        if self.decisions:
+            st.last_decision.CopyFrom(self.decisions[-1])
+        for role, state in self.states.items():
+            for rep in state.replicas:
+                st.replicas.add(role=role, name=rep.name, address=rep.address, ready=rep.ready)
+        return st
+
+    async def run_forever(self) -> None:
+        """Decide every `planner.interval_s`; measuring in between keeps the EWMAs smooth."""
+        interval = self.cfg.planner.interval_s
+        tick = min(1.0, interval)
+        next_decision = self.clock() + interval
+        while True:
+            await asyncio.sleep(tick)
+            if self.clock() >= next_decision:
+                next_decision = self.clock() + interval
+                await self.step("interval")
+            else:
+                async with self.lock:
+                    await self.measure()
+
+    async def close(self) -> None:
+        self.closing = True
+        self.recorded.notify()
+        for ch in self.channels.values():
+            await ch.close()
+        self.channels.clear()

@@ -1,0 +1,225 @@
+"""The planner's decision: a pure function of measured rates, current replicas and policy. No I/O.
+
+Balance (DESIGN.md section 4, TianJi eqs. 2-4): an actor produces `a` samples/s, a learner can consume
+`l` samples/s when it never waits, and the algorithm wants each produced sample consumed `R` times
+(DQN: the replay ratio; PPO: 1). With n_A actors and n_L learners the run moves
+
+    min(n_A * a, n_L * l / R)   fresh samples per second,
+
+and production/consumption = (n_A * a) / (n_L * l / R) is 1 at balance. `solve` picks the counts that
+maximise that rate within per-role bounds and the budget (sum of n * cost); among counts within 1% of
+the best it takes the cheapest, then the best balanced.
+
+`decide` wraps the solve in the rules that keep a controller from flapping: act only outside the
+tolerance band; scale up at once, but down only to the largest target proposed over a trailing window;
+move each role by a bounded step; wait a cooldown (longer than warm-up) after a change; never stack a
+change on one that has not converged; never scale down on stale or missing metrics. Every call returns
+a Decision that says what it would set and why, including when it does nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ROLES = ("actor", "learner")
+NEAR_BEST = 0.99   # throughputs within 1% of the best count as equal; the cheaper plan wins
+
+
+@dataclass(frozen=True)
+class RoleBounds:
+    min: int = 1
+    max: int = 8
+    cost: float = 1.0
+    max_step_up: int = 2
+    max_step_down: int = 1
+
+
+@dataclass(frozen=True)
+class Policy:
+    actor: RoleBounds = field(default_factory=RoleBounds)
+    learner: RoleBounds = field(default_factory=lambda: RoleBounds(max=1))
+    budget: float = 0.0              # 0: only the per-role bounds
+    tolerance: float = 0.15          # band around production/consumption = 1
+    replay_ratio: float = 1.0        # R: consumptions wanted per produced sample
+    cooldown_s: float = 20.0
+    scale_down_window_s: float = 60.0
+    converge_timeout_s: float = 120.0
+
+    def bounds(self, role: str) -> RoleBounds:
+        return self.actor if role == "actor" else self.learner
+
+    def cost(self, counts: dict[str, int]) -> float:
+        return sum(counts[r] * self.bounds(r).cost for r in ROLES)
+
+    def fits(self, counts: dict[str, int]) -> bool:
+        return self.budget <= 0 or self.cost(counts) <= self.budget + 1e-9
+
+
+@dataclass(frozen=True)
+class RoleInputs:
+    """What the planner knows about one role at decision time."""
+    desired: int                 # replica count set now
+    ready: int = -1              # replicas serving (-1: same as desired)
+    reporting: int = -1          # replicas with warmed-up, fresh metrics (-1: same as desired)
+    rate: float | None = None    # EWMA samples/s per replica (actor: produced; learner: consumable); None = unknown
+    stale: bool = False          # some replica's metrics are stale or missing
+    blocked: str = ""            # the backend will not scale this role, and why
+    override: int | None = None  # a manual replica count in force
+
+    def __post_init__(self):
+        if self.ready < 0:
+            object.__setattr__(self, "ready", self.desired)
+        if self.reporting < 0:
+            object.__setattr__(self, "reporting", self.desired)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    now: float
+    actor: RoleInputs
+    learner: RoleInputs
+    paused: bool = False
+    last_change_at: float | None = None       # when the last change was applied
+    observing_since: float = -math.inf         # when the planner started observing (for the down window)
+    # Targets proposed by earlier decisions: (time, {role: n}); the down window reads these.
+    recent_proposals: tuple[tuple[float, dict[str, int]], ...] = ()
+
+    def role(self, role: str) -> RoleInputs:
+        return self.actor if role == "actor" else self.learner
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str                   # "scale" (change targets), "hold" (nothing to do) or "suppressed" (should, must not)
+    reason: str
+    current: dict[str, int]
+    targets: dict[str, int]       # what to set now (== current unless action == "scale")
+    proposed: dict[str, int]      # the unconstrained-by-hysteresis optimum (== current when unknown)
+    production: float | None = None    # samples/s the current counts produce
+    consumption: float | None = None   # fresh samples/s the current counts can consume (learner rate / R)
+    ratio: float | None = None         # production / consumption
+    planned_throughput: float | None = None  # min(production, consumption) at `proposed`
+
+    @property
+    def changes(self) -> dict[str, int]:
+        return {r: n for r, n in self.targets.items() if n != self.current[r]}
+
+
+def solve(policy: Policy, actor_rate: float, learner_rate: float) -> tuple[dict[str, int], float]:
+    """The (n_actors, n_learners) maximising min(n_A*a, n_L*l/R) within bounds and budget."""
+    a, c = actor_rate, learner_rate / policy.replay_ratio
+    plans = []
+    for na in range(policy.actor.min, policy.actor.max + 1):
+        for nl in range(policy.learner.min, policy.learner.max + 1):
+            counts = {"actor": na, "learner": nl}
+            if not policy.fits(counts):
+                continue
+            thr = min(na * a, nl * c)
+            imbalance = abs(math.log(max(na * a, 1e-12) / max(nl * c, 1e-12)))
+            plans.append((thr, policy.cost(counts), imbalance, counts))
+    if not plans:  # config validation guarantees the minimums fit; guard anyway
+        counts = {"actor": policy.actor.min, "learner": policy.learner.min}
+        return counts, min(counts["actor"] * a, counts["learner"] * c)
+    best = max(p[0] for p in plans)
+    near = [p for p in plans if p[0] >= NEAR_BEST * best]
+    thr, _, _, counts = min(near, key=lambda p: (p[1], p[2]))
+    return counts, thr
+
+
+def decide(policy: Policy, inp: Inputs) -> Decision:
+    current = {r: inp.role(r).desired for r in ROLES}
+
+    def out(action: str, reason: str, targets=None, proposed=None, **rates) -> Decision:
+        return Decision(action, reason, current, dict(targets or current), dict(proposed or current), **rates)
+
+    # Manual overrides are applied as they are, before anything else (bounds were checked when set).
+    overrides = {r: inp.role(r).override for r in ROLES if inp.role(r).override is not None}
+
+    a, l = inp.actor.rate, inp.learner.rate
+    if a is None or l is None or a <= 0 or l <= 0:
+        missing = [r for r, v in (("actor", a), ("learner", l)) if v is None or v <= 0]
+        targets = {**current, **overrides}
+        if overrides and targets != current:
+            return out("scale", f"manual override {overrides}; no usable rates for {', '.join(missing)}", targets)
+        return out("suppressed", f"no usable metrics for {', '.join(missing)} (no warmed-up replica has reported a "
+                                 "rate): nothing is decided on missing data")
+
+    production = current["actor"] * a
+    consumption = current["learner"] * l / policy.replay_ratio
+    ratio = production / consumption
+    proposed, thr = solve(policy, a, l)
+    rates = dict(production=production, consumption=consumption, ratio=ratio, planned_throughput=thr)
+    band = f"production/consumption {ratio:.2f} (band {1 - policy.tolerance:.2f}..{1 + policy.tolerance:.2f})"
+
+    if inp.paused:
+        return out("suppressed", f"paused; would aim for {proposed} at {band}", proposed=proposed, **rates)
+
+    # A change in flight is judged only once every new replica serves and has warmed-up metrics.
+    if inp.last_change_at is not None and inp.now - inp.last_change_at < policy.converge_timeout_s:
+        pending = [f"{r} {inp.role(r).reporting}/{current[r]} reporting" for r in ROLES
+                   if inp.role(r).ready != current[r] or inp.role(r).reporting < current[r]]
+        if pending:
+            return out("suppressed", f"previous change has not converged ({', '.join(pending)}); "
+                                     "not stacking another on it", proposed=proposed, **rates)
+    if inp.last_change_at is not None and inp.now - inp.last_change_at < policy.cooldown_s:
+        left = policy.cooldown_s - (inp.now - inp.last_change_at)
+        return out("suppressed", f"cooldown: {left:.0f} s left after the last change; {band}",
+                   proposed=proposed, **rates)
+
+    in_band = abs(ratio - 1.0) <= policy.tolerance
+    targets = dict(current)
+    notes: list[str] = []
+    any_stale = [r for r in ROLES if inp.role(r).stale]
+    for r in ROLES:
+        b, cur, want = policy.bounds(r), current[r], proposed[r]
+        if r in overrides:
+            targets[r] = overrides[r]
+            if overrides[r] != cur:
+                notes.append(f"{r} {cur}->{overrides[r]} (manual override)")
+            continue
+        if inp.role(r).blocked:
+            if want != cur:
+                notes.append(f"{r} left at {cur}: {inp.role(r).blocked}")
+            continue
+        if in_band or want == cur:
+            continue
+        if want > cur:
+            step = min(want, cur + b.max_step_up)
+            targets[r] = step
+            notes.append(f"{r} {cur}->{step} (scale up{'; step-bounded, aiming for ' + str(want) if step < want else ''})")
+        else:
+            if any_stale:
+                notes.append(f"{r} not scaled down to {want}: stale or missing metrics from {', '.join(any_stale)}")
+                continue
+            if inp.now - inp.observing_since < policy.scale_down_window_s:
+                notes.append(f"{r} not scaled down to {want}: observed for less than the "
+                             f"{policy.scale_down_window_s:.0f} s scale-down window")
+                continue
+            window = [p[r] for t, p in inp.recent_proposals if inp.now - t <= policy.scale_down_window_s]
+            floor = max([want, *window])
+            if floor >= cur:
+                notes.append(f"{r} not scaled down to {want}: {floor} was proposed within the last "
+                             f"{policy.scale_down_window_s:.0f} s")
+                continue
+            step = max(floor, cur - b.max_step_down)
+            targets[r] = step
+            notes.append(f"{r} {cur}->{step} (scale down; lowest target held over the window: {floor})")
+
+    # Scale-ups held back elsewhere (a blocked or stale role) must not break the budget.
+    while not policy.fits(targets):
+        grown = [r for r in ROLES if targets[r] > current[r] and r not in overrides]
+        if not grown:
+            break
+        r = max(grown, key=lambda r: targets[r] - current[r])
+        targets[r] -= 1
+        notes.append(f"{r} reduced to {targets[r]} to stay within the budget {policy.budget:g}")
+
+    if targets != current:
+        return out("scale", f"{band}: " + "; ".join(notes), targets, proposed, **rates)
+    if in_band:
+        return out("hold", f"in band: {band}", proposed=proposed, **rates)
+    if notes:
+        return out("suppressed", f"{band}: " + "; ".join(notes), proposed=proposed, **rates)
+    return out("hold", f"{band}, but {proposed} is already the best plan within the bounds and budget",
+               proposed=proposed, **rates)

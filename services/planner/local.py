@@ -1,0 +1,157 @@
+"""The local backend: a supervisor that runs actors and learners as processes on this machine.
+
+Scale-up starts processes at once (each picks a free loopback port, or `actor_port + index` for
+external simulators). Scale-down stops the newest actors with SIGTERM: an actor's shutdown stops
+stepping, flushes its partial fragment and waits until the buffer has acknowledged everything queued
+(see services/actor/main.py), so its in-flight fragments reach the buffer before it exits. A process
+that dies on its own is restarted with exponential backoff, like a Deployment's pod, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from services.common.config import ExperimentConfig
+from services.common.procs import ServiceProcess, free_port, spawn
+from services.common.stats import Metrics
+from services.planner.backend import ROLES, ApplyResult, Refused, Replica, RoleState
+
+log = logging.getLogger(__name__)
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+STOP_TIMEOUT_S = 45.0
+
+
+class LocalBackend:
+    name = "local"
+    leader = True
+
+    def __init__(self, cfg: ExperimentConfig, *, config_path: Path, run_dir: Path, buffer: str,
+                 actor_port: int = 50053, metrics: Metrics | None = None):
+        self.cfg, self.config_path, self.run_dir, self.buffer = cfg, Path(config_path), Path(run_dir), buffer
+        self.actor_port = actor_port
+        self.external = cfg.env.mode == "external"
+        self.metrics = metrics or Metrics("planner")
+        self.procs: dict[str, dict[int, ServiceProcess]] = {r: {} for r in ROLES}  # role -> index -> process
+        self.restarts: dict[str, int] = {}
+        self.next_restart: dict[str, float] = {}
+        self.draining: set[asyncio.Task] = set()
+        self.exit_codes: dict[str, int] = {}
+        # The learner listens on a port picked here, so actors can be told its address before it serves.
+        self.learner_address = f"127.0.0.1:{free_port()}"
+        (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.metrics.inc("planner/replica_restarts_total", 0)
+        self.metrics.inc("planner/replicas_drained_total", 0)
+
+    # -- processes -------------------------------------------------------------------------------
+    def _start(self, role: str, index: int) -> ServiceProcess:
+        name = f"{role}-{index}"
+        if role == "learner":
+            proc = spawn("learner", name, self.run_dir, self.config_path, self.learner_address,
+                         ["--buffer", self.buffer, "--checkpoint-dir", str(self.run_dir / "checkpoints")])
+        else:
+            # Actors start with the learner and retry its address until it serves.
+            listen = f"127.0.0.1:{self.actor_port + index}" if self.external else "127.0.0.1:0"
+            proc = spawn("actor", name, self.run_dir, self.config_path, listen, [
+                "--buffer", self.buffer, "--learner", self.learner_address,
+                "--actor-id", f"{name}-{self.run_dir.name}", "--actor-index", str(index)])
+        self.procs[role][index] = proc
+        log.info("started %s (pid %d, log %s)", name, proc.popen.pid, proc.log_path)
+        return proc
+
+    async def start(self) -> None:
+        """Start the learner and topology.actors actors at once (nobody waits for another's imports)."""
+        self._start("learner", 0)
+        for i in range(self.cfg.topology.actors):
+            self._start("actor", i)
+
+    def _supervise(self) -> None:
+        """Restart processes that exited on their own (not the ones being drained)."""
+        now = time.monotonic()
+        for role in ROLES:
+            for index, proc in list(self.procs[role].items()):
+                if proc.alive:
+                    continue
+                if proc.name not in self.next_restart:
+                    n = self.restarts.get(proc.name, 0)
+                    delay = RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
+                    self.next_restart[proc.name] = now + delay
+                    self.exit_codes[proc.name] = proc.popen.returncode
+                    log.error("%s exited unexpectedly with code %s; restarting in %.0f s:\n%s", proc.name,
+                              proc.popen.returncode, delay, proc.log_tail())
+                elif now >= self.next_restart[proc.name]:
+                    del self.next_restart[proc.name]
+                    self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
+                    self.metrics.inc("planner/replica_restarts_total")
+                    self._start(role, index)
+
+    async def observe(self) -> dict[str, RoleState]:
+        self._supervise()
+        states = {}
+        for role in ROLES:
+            replicas = []
+            for proc in self.procs[role].values():
+                ready = proc.alive and proc.poll_ready()
+                replicas.append(Replica(proc.name, proc.address if ready else "", ready))
+            states[role] = RoleState(desired=len(self.procs[role]), replicas=replicas)
+        return states
+
+    async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
+        for role, n in targets.items():
+            if role == "learner" and n != len(self.procs["learner"]):
+                raise Refused("the local backend runs exactly one learner (no gradient all-reduce yet)")
+            if role not in ROLES or n < 0:
+                raise ValueError(f"cannot set {role} to {n}")
+        if dry_run:
+            return ApplyResult(dict(targets), dry_run=True, detail="local backend: nothing started or stopped")
+        detail = []
+        actors = self.procs["actor"]
+        n = targets.get("actor", len(actors))
+        while len(actors) < n:  # the lowest free index: external simulators find actor i at actor_port + i
+            index = next(i for i in range(len(actors) + 1) if i not in actors)
+            self._start("actor", index)
+            detail.append(f"started actor-{index}")
+        while len(actors) > n:
+            index = max(actors)
+            proc = actors.pop(index)
+            self.next_restart.pop(proc.name, None)
+            task = asyncio.create_task(self._drain(proc), name=f"drain {proc.name}")
+            self.draining.add(task)
+            task.add_done_callback(self.draining.discard)
+            detail.append(f"draining actor-{index}")
+        return ApplyResult({r: len(self.procs[r]) for r in ROLES}, detail=", ".join(detail))
+
+    async def _drain(self, proc: ServiceProcess) -> None:
+        """Stop one actor: SIGTERM, then wait while it flushes its fragments to the buffer."""
+        proc.terminate()
+        timeout = self.cfg.planner.drain_timeout_s
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(proc.popen.wait), timeout)
+        except TimeoutError:
+            log.warning("%s did not drain within %.0f s; killing it (its unsent fragments are lost and "
+                        "counted in its log)", proc.name, timeout)
+            proc.popen.kill()
+            code = await asyncio.to_thread(proc.popen.wait)
+        self.exit_codes[proc.name] = code
+        self.metrics.inc("planner/replicas_drained_total")
+        log.info("%s drained and exited with code %s", proc.name, code)
+
+    async def close(self) -> None:
+        """Actors first (they flush to the buffer), then the learner (final checkpoint)."""
+        for role in ROLES:
+            group = list(self.procs[role].values())
+            self.procs[role].clear()
+            for p in group:
+                p.terminate()
+            for p in group:
+                try:
+                    code = await asyncio.wait_for(asyncio.to_thread(p.popen.wait), STOP_TIMEOUT_S)
+                except TimeoutError:
+                    log.warning("%s did not stop within %.0f s; killing it", p.name, STOP_TIMEOUT_S)
+                    p.popen.kill()
+                    code = await asyncio.to_thread(p.popen.wait)
+                self.exit_codes[p.name] = code
+            if role == "actor" and self.draining:
+                await asyncio.gather(*self.draining, return_exceptions=True)

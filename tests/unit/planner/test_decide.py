@@ -1,0 +1,159 @@
+"""Decision tables for the planner's pure decision module."""
+
+import math
+
+import pytest
+
+from services.planner.decide import Inputs, Policy, RoleBounds, RoleInputs, decide, solve
+
+POLICY = Policy(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
+                learner=RoleBounds(min=1, max=1),
+                tolerance=0.15, replay_ratio=1.0, cooldown_s=20, scale_down_window_s=60)
+# Several learners and a budget of 6 cores: the budget, not the bounds, limits the plan.
+BUDGETED = Policy(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
+                  learner=RoleBounds(min=1, max=4, max_step_up=2, max_step_down=1),
+                  budget=6, tolerance=0.15, cooldown_s=20, scale_down_window_s=60)
+LONG_AGO = -1000.0
+
+
+def inputs(na, nl, a, l, **kw):
+    role_kw = {k: kw.pop(k) for k in list(kw) if k.startswith(("actor_", "learner_"))}
+    actor = RoleInputs(desired=na, rate=a, **{k[6:]: v for k, v in role_kw.items() if k.startswith("actor_")})
+    learner = RoleInputs(desired=nl, rate=l, **{k[8:]: v for k, v in role_kw.items() if k.startswith("learner_")})
+    kw.setdefault("observing_since", LONG_AGO)
+    return Inputs(now=0.0, actor=actor, learner=learner, **kw)
+
+
+@pytest.mark.parametrize("policy,a,l,R,expect", [
+    (POLICY, 100, 400, 1.0, {"actor": 4, "learner": 1}),      # one learner: as many actors as it can consume
+    (POLICY, 100, 1600, 4.0, {"actor": 4, "learner": 1}),     # DQN: a learner consumes l/R fresh samples/s
+    (POLICY, 100, 5000, 1.0, {"actor": 8, "learner": 1}),     # actor max reached
+    (BUDGETED, 100, 200, 1.0, {"actor": 4, "learner": 2}),    # 4 + 2 = 6 cores: 400 samples/s
+    (BUDGETED, 100, 800, 1.0, {"actor": 5, "learner": 1}),    # a second learner would buy nothing
+])
+def test_solve_maximises_min_rate_then_cheapest(policy, a, l, R, expect):
+    policy = Policy(actor=policy.actor, learner=policy.learner, budget=policy.budget, replay_ratio=R)
+    counts, thr = solve(policy, a, l)
+    assert counts == expect
+    assert thr == pytest.approx(min(counts["actor"] * a, counts["learner"] * l / R))
+
+
+def test_solve_respects_budget():
+    policy = Policy(actor=RoleBounds(min=1, max=8, cost=1.0), learner=RoleBounds(min=1, max=4, cost=2.0), budget=6)
+    counts, thr = solve(policy, 100, 1000)
+    assert counts == {"actor": 4, "learner": 1}   # 4*1 + 1*2 = 6: more actors would break the budget
+    assert policy.cost(counts) <= 6 and thr == 400
+
+
+def test_balanced_holds():
+    d = decide(POLICY, inputs(4, 1, 100, 420))
+    assert d.action == "hold" and d.targets == d.current and "in band" in d.reason
+    assert d.ratio == pytest.approx(400 / 420)
+
+
+def test_actor_bound_scales_up_at_once_with_a_bounded_step():
+    d = decide(POLICY, inputs(1, 1, 100, 600))
+    assert d.action == "scale"
+    assert d.proposed == {"actor": 6, "learner": 1}
+    assert d.targets == {"actor": 3, "learner": 1}     # +2 per decision
+    assert "step-bounded" in d.reason and d.ratio == pytest.approx(100 / 600)
+
+
+def test_learner_bound_adds_learners_and_sheds_actors_within_the_budget():
+    d = decide(BUDGETED, inputs(5, 1, 100, 200))
+    assert d.proposed == {"actor": 4, "learner": 2}
+    assert d.action == "scale" and d.targets == {"actor": 4, "learner": 2}
+    assert BUDGETED.cost(d.targets) <= 6
+
+
+def test_scale_up_is_cut_back_to_the_budget_when_a_scale_down_is_held():
+    # The learner should grow and the actors shrink, but the actors' scale-down is held by the window:
+    # the learner's growth is cut so the total stays within 6.
+    d = decide(BUDGETED, inputs(5, 1, 100, 200, observing_since=-10.0))
+    assert d.targets["actor"] == 5 and BUDGETED.cost(d.targets) <= 6 and "budget" in d.reason
+
+
+def test_budget_bound_caps_scale_up():
+    policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(min=1, max=1), budget=4)
+    d = decide(policy, inputs(1, 1, 100, 1000))
+    assert d.targets == {"actor": 3, "learner": 1}
+    assert policy.cost(d.targets) <= 4
+
+
+def test_at_bounds_holds_and_says_so():
+    policy = Policy(actor=RoleBounds(min=1, max=2), learner=RoleBounds(min=1, max=1))
+    d = decide(policy, inputs(2, 1, 100, 1000))
+    assert d.action == "hold" and "already the best plan" in d.reason
+
+
+def test_missing_metrics_suppress_everything():
+    d = decide(POLICY, inputs(1, 1, 100, None))
+    assert d.action == "suppressed" and "learner" in d.reason and d.targets == d.current
+    d = decide(POLICY, inputs(1, 1, 0.0, 500))
+    assert d.action == "suppressed" and "actor" in d.reason
+
+
+def test_noisy_metrics_within_band_do_nothing():
+    for l in (360, 400, 450, 470):   # production 400 against +-15%
+        assert decide(POLICY, inputs(4, 1, 100, l)).action == "hold"
+
+
+def test_stale_metrics_never_scale_down_but_may_scale_up():
+    down = decide(POLICY, inputs(8, 1, 100, 400, learner_stale=True))
+    assert down.targets["actor"] == 8 and "stale" in down.reason
+    up = decide(POLICY, inputs(1, 1, 100, 400, actor_stale=True))
+    assert up.targets["actor"] == 3 and up.action == "scale"
+
+
+def test_scale_down_waits_for_the_window_and_takes_its_largest_proposal():
+    young = decide(POLICY, inputs(8, 1, 100, 400, observing_since=-10.0))
+    assert young.targets["actor"] == 8 and "window" in young.reason
+    held = decide(POLICY, inputs(8, 1, 100, 400, recent_proposals=((-30.0, {"actor": 8, "learner": 1}),)))
+    assert held.targets["actor"] == 8 and "proposed within" in held.reason
+    old = decide(POLICY, inputs(8, 1, 100, 400, recent_proposals=((-90.0, {"actor": 8, "learner": 1}),
+                                                                   (-20.0, {"actor": 6, "learner": 1}))))
+    assert old.action == "scale" and old.targets["actor"] == 7    # one step down toward max(4, 6) = 6
+
+
+def test_cooldown_suppresses_and_names_the_time_left():
+    d = decide(POLICY, inputs(1, 1, 100, 600, last_change_at=-5.0))
+    assert d.action == "suppressed" and "cooldown" in d.reason and "15 s" in d.reason
+    assert d.proposed == {"actor": 6, "learner": 1}
+    assert decide(POLICY, inputs(1, 1, 100, 600, last_change_at=-25.0)).action == "scale"
+
+
+def test_no_stacking_on_an_unconverged_change():
+    d = decide(POLICY, inputs(3, 1, 100, 600, actor_ready=2, actor_reporting=1, last_change_at=-50.0))
+    assert d.action == "suppressed" and "not converged" in d.reason and "actor 1/3" in d.reason
+    # after converge_timeout_s the stuck change no longer blocks
+    late = decide(POLICY, inputs(3, 1, 100, 600, actor_ready=2, actor_reporting=1, last_change_at=-500.0))
+    assert late.action == "scale"
+
+
+def test_pause_suppresses_but_records_the_plan():
+    d = decide(POLICY, inputs(1, 1, 100, 600, paused=True))
+    assert d.action == "suppressed" and "paused" in d.reason and d.proposed["actor"] == 6
+
+
+def test_blocked_role_is_left_alone():
+    d = decide(POLICY, inputs(1, 1, 100, 600, actor_blocked="HPA kuberl-actor targets it"))
+    assert d.targets["actor"] == 1 and "HPA" in d.reason and d.action == "suppressed"
+
+
+def test_override_wins_even_without_rates():
+    d = decide(POLICY, inputs(1, 1, None, None, actor_override=5))
+    assert d.action == "scale" and d.targets["actor"] == 5 and "override" in d.reason
+    d = decide(POLICY, inputs(6, 1, 100, 600, actor_override=2))
+    assert d.targets["actor"] == 2
+
+
+def test_never_outside_bounds():
+    for na in range(1, 9):
+        for a in (1.0, 10.0, 100.0, 1e4):
+            for l in (1.0, 100.0, 1e5):
+                d = decide(POLICY, inputs(na, 1, a, l))
+                for r in ("actor", "learner"):
+                    b = POLICY.bounds(r)
+                    assert b.min <= d.targets[r] <= b.max
+                    assert abs(d.targets[r] - d.current[r]) <= max(b.max_step_up, b.max_step_down)
+                assert not math.isnan(d.ratio)
