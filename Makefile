@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: run test protos lint-imports clean k8s-testenv
+.PHONY: run test protos lint-imports clean k8s-testenv images
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,16 @@ clean:
 
 k8s-testenv:
 	bash tests/k8s/provision.sh
+
+# One image per role (docker/<role>.Dockerfile), plus the learner's CUDA variant (PyPI's default Linux
+# torch is a CUDA build). Tags match k8s/ and the Helm chart: $(IMAGE_PREFIX)<role>:<version>.
+DOCKER ?= docker
+IMAGE_PREFIX ?= kuberl/
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+ROLES := actor buffer learner planner
+
+images:
+	for role in $(ROLES); do \
+	  $(DOCKER) build -f docker/$$role.Dockerfile -t $(IMAGE_PREFIX)$$role:$(IMAGE_TAG) . || exit 1; \
+	done
+	$(DOCKER) build -f docker/learner.Dockerfile --build-arg TORCH_INDEX_URL= -t $(IMAGE_PREFIX)learner:$(IMAGE_TAG)-cuda .

@@ -1,0 +1,29 @@
+# syntax=docker/dockerfile:1
+# kuberl planner: Balances actor and learner replicas through the Kubernetes API. No torch, no gymnasium.
+# Build from the repository root (or `make images`):
+#   docker build -f docker/planner.Dockerfile -t kuberl/planner:0.1.0 .
+# The build stage runs docker/install.sh, the same script tests/deploy/test_role_install.py runs.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY services services
+COPY kuberl_client kuberl_client
+COPY docker docker
+RUN sh docker/install.sh planner /src /opt/kuberl
+
+FROM ${PYTHON_IMAGE}
+RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kuberl --create-home --shell /usr/sbin/nologin kuberl
+COPY --from=build /opt/kuberl /opt/kuberl
+ENV PATH=/opt/kuberl/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+WORKDIR /var/lib/kuberl
+USER 10001:10001
+EXPOSE 50054 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["kuberl-healthcheck", "--service", "kuberl.v1.Planner", "127.0.0.1:50054"]
+ENTRYPOINT ["python", "-m", "services.planner"]
+# Flags come from the config file (--config, or $KUBERL_CONFIG) and the command line; see `--help`.
+CMD ["--listen", "0.0.0.0:50054"]

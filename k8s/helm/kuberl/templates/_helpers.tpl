@@ -1,0 +1,164 @@
+{{/* The prefix of every object name: <name>-actor, <name>-buffer, ... */}}
+{{- define "kuberl.name" -}}
+{{- default "kuberl" .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* gRPC port and health service of each role: the services' defaults (tests/deploy checks them). */}}
+{{- define "kuberl.roles" -}}
+actor: {port: 50053, service: kuberl.v1.Actor}
+buffer: {port: 50051, service: kuberl.v1.Buffer}
+learner: {port: 50052, service: kuberl.v1.Learner}
+planner: {port: 50054, service: kuberl.v1.Planner}
+{{- end -}}
+
+{{- define "kuberl.metricsPort" -}}9400{{- end -}}
+
+{{/* Labels of one role's objects; the selector is the first two. Call with (dict "ctx" $ "role" "actor"). */}}
+{{- define "kuberl.selectorLabels" -}}
+app.kubernetes.io/name: kuberl
+app.kubernetes.io/component: {{ .role }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- end -}}
+
+{{- define "kuberl.labels" -}}
+{{ include "kuberl.selectorLabels" . }}
+app.kubernetes.io/part-of: kuberl
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
+{{- end -}}
+
+{{- define "kuberl.image" -}}
+{{- $tag := default .ctx.Chart.AppVersion .ctx.Values.image.tag -}}
+{{- if and (eq .role "learner") .ctx.Values.learner.gpu.enabled -}}{{- $tag = printf "%s-cuda" $tag -}}{{- end -}}
+{{ printf "%s/%s:%s" .ctx.Values.image.repository .role $tag }}
+{{- end -}}
+
+{{/* The experiment config with the planner's Kubernetes names filled in from this release's objects. */}}
+{{- define "kuberl.config" -}}
+{{- $name := include "kuberl.name" . -}}
+{{- $cfg := deepCopy .Values.config -}}
+{{- $planner := get $cfg "planner" | default dict -}}
+{{- $k8s := get $planner "kubernetes" | default dict -}}
+{{- $_ := set $k8s "actor_deployment" (printf "%s-actor" $name) -}}
+{{- $_ = set $k8s "learner_deployment" (printf "%s-learner" $name) -}}
+{{- $_ = set $k8s "actor_service" (printf "%s-actor" $name) -}}
+{{- $_ = set $k8s "learner_service" (printf "%s-learner" $name) -}}
+{{- $_ = set $k8s "buffer_service" (printf "%s-buffer" $name) -}}
+{{- $_ = set $k8s "grpc_port_name" "grpc" -}}
+{{- $_ = set $k8s "lease_name" (printf "%s-planner" $name) -}}
+{{- $_ = set $planner "kubernetes" $k8s -}}
+{{- $_ = set $planner "backend" "kubernetes" -}}
+{{- $_ = set $cfg "planner" $planner -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/*
+The pod template shared by every role. Call with (dict "ctx" $ "role" "learner" "args" (list ...)
+"env" (list ...) "mounts" (list ...) "volumes" (list ...) "token" false).
+*/}}
+{{- define "kuberl.podTemplate" -}}
+{{- $r := index (include "kuberl.roles" . | fromYaml) .role -}}
+{{- $v := index .ctx.Values .role -}}
+metadata:
+  labels:
+    {{- include "kuberl.labels" . | nindent 4 }}
+  annotations:
+    prometheus.io/scrape: "true"
+    prometheus.io/port: "{{ include "kuberl.metricsPort" . }}"
+    prometheus.io/path: /metrics
+    checksum/config: {{ include "kuberl.config" .ctx | sha256sum }}
+spec:
+  serviceAccountName: {{ include "kuberl.name" .ctx }}-{{ .role }}
+  automountServiceAccountToken: {{ .token }}
+  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 10001
+    runAsGroup: 10001
+    {{- if eq .role "learner" }}
+    fsGroup: 10001
+    {{- end }}
+    seccompProfile: {type: RuntimeDefault}
+  {{- with .ctx.Values.image.pullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - name: {{ . }}
+    {{- end }}
+  {{- end }}
+  {{- with $v.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- $tolerations := $v.tolerations | default list }}
+  {{- if and (eq .role "learner") .ctx.Values.learner.gpu.enabled }}
+  {{- $tolerations = append $tolerations (dict "key" .ctx.Values.learner.gpu.resourceName "operator" "Exists" "effect" "NoSchedule") }}
+  {{- end }}
+  {{- with $tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .role }}
+      image: {{ include "kuberl.image" . }}
+      imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+      args:
+        - --config=/etc/kuberl/config.yaml
+        - --listen=0.0.0.0:{{ $r.port }}
+        - --metrics-listen=0.0.0.0:{{ include "kuberl.metricsPort" . }}
+        {{- range .args }}
+        - {{ . }}
+        {{- end }}
+      {{- with .env }}
+      env:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      ports:
+        - {name: grpc, containerPort: {{ $r.port }}, protocol: TCP}
+        - {name: metrics, containerPort: {{ include "kuberl.metricsPort" . }}, protocol: TCP}
+      # Native gRPC probes (grpc.health.v1, numeric port). Readiness asks for the role's service,
+      # which turns NOT_SERVING as soon as shutdown starts.
+      startupProbe:
+        grpc: {port: {{ $r.port }}, service: {{ $r.service }}}
+        periodSeconds: 2
+        failureThreshold: {{ ternary 30 (ternary 60 90 (eq .role "buffer")) (eq .role "planner") }}
+      readinessProbe:
+        grpc: {port: {{ $r.port }}, service: {{ $r.service }}}
+        periodSeconds: 5
+        failureThreshold: 1
+      livenessProbe:
+        grpc: {port: {{ $r.port }}}
+        periodSeconds: 10
+        timeoutSeconds: 5
+        failureThreshold: 3
+      resources:
+        {{- $res := deepCopy $v.resources }}
+        {{- if and (eq .role "learner") .ctx.Values.learner.gpu.enabled }}
+        {{- $limits := get $res "limits" | default dict }}
+        {{- $_ := set $limits .ctx.Values.learner.gpu.resourceName .ctx.Values.learner.gpu.count }}
+        {{- $_ = set $res "limits" $limits }}
+        {{- end }}
+        {{- toYaml $res | nindent 8 }}
+      securityContext:
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities: {drop: [ALL]}
+      volumeMounts:
+        - {name: config, mountPath: /etc/kuberl, readOnly: true}
+        {{- range .mounts }}
+        - {{ toJson . }}
+        {{- end }}
+        - {name: tmp, mountPath: /tmp}
+  volumes:
+    - name: config
+      configMap: {name: {{ include "kuberl.name" .ctx }}-config}
+    {{- range .volumes }}
+    - {{ toJson . }}
+    {{- end }}
+    - name: tmp
+      emptyDir: {}
+{{- end -}}
