@@ -404,7 +404,7 @@ class KubernetesBackend:
                 err = ApiError(verb, group, resource, name, self.namespace, 0, "", f"connection failed: {e}")
             if not (err.status in (0, 429) or err.status >= 500) or attempt == MAX_ATTEMPTS - 1:
                 raise err
-            delay = None
+            delay = err.retry_after
             if delay is None:
                 delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.0)
             log.info("%s; retrying in %.2f s (attempt %d of %d)", err, delay, attempt + 2, MAX_ATTEMPTS)

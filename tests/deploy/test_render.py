@@ -1,0 +1,82 @@
+"""Every kustomize overlay and the Helm chart render, and what they render is valid Kubernetes.
+
+Validation is strict (unknown fields are errors) against the schemas of SCHEMA_VERSIONS, offline.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.deploy.render import (CHART, OVERLAYS, RenderError, helm, helm_template, index, kustomize, of_kind,
+                                 validate)
+
+HELM_VARIANTS = {
+    "defaults": [],
+    "gpu+servicemonitor": ["--set", "learner.gpu.enabled=true", "--set", "serviceMonitor.enabled=true",
+                           "--set", "serviceMonitor.labels.release=prometheus"],
+    "renamed+no-persistence+no-netpol": ["--set", "nameOverride=rl", "--set", "learner.persistence.enabled=false",
+                                         "--set", "networkPolicy.enabled=false"],
+}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_validates_strictly(overlay):
+    objects = kustomize(overlay)
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "StatefulSet", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+            "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim"} <= kinds
+    assert validate(objects) == []
+
+
+def test_validation_is_strict_and_catches_mistakes():
+    """The validator is not a rubber stamp: a misspelt field, a wrong type and a named gRPC probe port fail."""
+    deployment = index(kustomize("base"))[("Deployment", "kuberl-actor")]
+    broken = []
+    for mutate in (lambda c: c.update(containerPorts=c.pop("ports")),            # unknown field
+                   lambda c: c["resources"]["requests"].update(cpu=[1]),         # wrong type
+                   lambda c: c["readinessProbe"]["grpc"].update(port="grpc")):    # gRPC probes need a number
+        d = copy.deepcopy(deployment)
+        mutate(d["spec"]["template"]["spec"]["containers"][0])
+        broken.append(d)
+    errors = validate(broken)
+    assert len(errors) == 3 * 2, errors   # each one, under each schema version
+
+
+@pytest.mark.parametrize("variant", HELM_VARIANTS)
+def test_helm_template_validates_strictly(variant):
+    objects = helm_template(*HELM_VARIANTS[variant])
+    assert validate(objects) == []
+    monitors = of_kind(objects, "ServiceMonitor")
+    if variant == "gpu+servicemonitor":
+        (monitor,) = monitors
+        assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        services = [s for s in of_kind(objects, "Service")
+                    if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())]
+        assert len(services) == 4   # it selects every role's Service
+    else:
+        assert monitors == []
+
+
+def test_helm_lint_strict():
+    out = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in out
+    out = helm("lint", "--strict", str(CHART), "--set", "learner.gpu.enabled=true", "--set", "serviceMonitor.enabled=true")
+    assert "0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("values, message", [
+    (["--set", "actor.replicas=3"], "replicas"),                              # the planner is the only writer
+    (["--set", "config.planner.learner.max=2"], "max"),                        # one learner so far
+    (["--set", "config.planner.backend=local"], "backend"),                    # in a cluster: kubernetes
+    (["--set", "buffer.resources.requests=null"], "requests"),             # requests everywhere
+    (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+    (["--set", "nameOverride=Not_A_Name"], "nameOverride"),
+])
+def test_values_schema_rejects_bad_values(values, message):
+    with pytest.raises(RenderError) as err:
+        helm_template(*values)
+    assert "values don't meet the specifications of the schema" in str(err.value)
+    assert message in str(err.value)
