@@ -387,7 +387,7 @@ class _Flaky(BaseHTTPRequestHandler):
         pass
 
 
-async def test_429_waits_for_retry_after_and_5xx_is_retried(tmp_path, backends):
+async def test_429_waits_for_retry_after_and_5xx_is_retried(tmp_path):
     ns = "flaky"
     hpas = f"/apis/autoscaling/v1/namespaces/{ns}/horizontalpodautoscalers"
     dep = f"/apis/apps/v1/namespaces/{ns}/deployments/{ACTOR}"
@@ -409,8 +409,13 @@ async def test_429_waits_for_retry_after_and_5xx_is_retried(tmp_path, backends):
             "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
             "users": [{"name": "u", "user": {"token": "t"}}],
             "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": ns}}]}))
-        b = await backends(None, kubeconfig=str(kubeconfig))
-        state = await b.observe()
+        b = KubernetesBackend(KubernetesPlannerConfig(leader_election=False, qps=100.0, burst=100), kubeconfig=str(kubeconfig))
+        await b.start()
+        try:
+            assert b.namespace == ns
+            state = await b.observe()
+        finally:
+            await b.close()
     finally:
         server.shutdown()
         server.server_close()
