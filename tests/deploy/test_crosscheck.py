@@ -1,0 +1,362 @@
+"""Cross-checks that catch drift between the deployment artefacts and the code they deploy.
+
+Every render (each kustomize overlay, the Helm chart with several value sets) is checked against what
+the services actually serve and accept: each container's args parse with the role's own argument
+parser; ports, probe ports and probe health-service names are the services' own; peers are addressed
+through headless Services that exist and select the right pods; grace periods outlast each role's
+shutdown deadline; the config in the ConfigMap loads with the strict loader and names the objects the
+planner scales; the planner's Role grants exactly services/planner/rbac.py RULES; the NetworkPolicies
+allow exactly the flows in DESIGN.md; and the Dockerfiles and `make images` agree with all of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from services.common.config import load_config
+from services.planner.rbac import RULES
+from tests.deploy.render import (ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
+                                 role_of, workloads)
+
+HEALTH_NAMES = {"actor": "kuberl.v1.Actor", "buffer": "kuberl.v1.Buffer", "learner": "kuberl.v1.Learner",
+                "planner": "kuberl.v1.Planner"}
+RENDERS = {
+    "kustomize base": lambda: kustomize("base"),
+    "kustomize dev": lambda: kustomize("overlays/dev"),
+    "kustomize gpu": lambda: kustomize("overlays/gpu"),
+    "helm defaults": lambda: helm_template(),
+    "helm gpu": lambda: helm_template("--set", "learner.gpu.enabled=true"),
+    "helm renamed": lambda: helm_template("--set", "nameOverride=rl", "--set", "learner.persistence.enabled=false"),
+}
+
+
+@pytest.fixture(scope="module", params=list(RENDERS))
+def render(request):
+    return RENDERS[request.param]()
+
+
+def health_names_in_protos() -> dict[str, str]:
+    """role -> the full gRPC service name its server registers for health (from the descriptors)."""
+    from kuberl.v1 import actor_pb2, buffer_pb2, learner_pb2, planner_pb2
+    mods = {"actor": (actor_pb2, "Actor"), "buffer": (buffer_pb2, "Buffer"), "learner": (learner_pb2, "Learner"),
+            "planner": (planner_pb2, "Planner")}
+    return {role: m.DESCRIPTOR.services_by_name[name].full_name for role, (m, name) in mods.items()}
+
+
+def parser_of(role: str):
+    main = importlib.import_module(f"services.{role}.main")
+    return main.build_parser().parse_args if hasattr(main, "build_parser") else main.parse_args
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def named_port(c: dict, name: str) -> int:
+    (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == name]
+    return port
+
+
+def parsed_args(workload: dict):
+    """The container's args, $(VAR)-expanded from its env, parsed by the role's own parser."""
+    c = container(workload)
+    env = {e["name"]: f"value-of-{e['name']}" for e in c.get("env", [])}
+    args = [expand_vars(a, env) for a in c["args"]]
+    try:
+        return parser_of(role_of(workload))(args)
+    except SystemExit:
+        pytest.fail(f"{role_of(workload)}: the role's parser rejects the manifest's args {args}")
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def pod_labels(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def config_of(render, tmp_path) -> tuple[object, str]:
+    (cm,) = [o for o in of_kind(render, "ConfigMap") if "config.yaml" in o.get("data", {})]
+    path = tmp_path / "config.yaml"
+    path.write_text(cm["data"]["config.yaml"])
+    return load_config(str(path)), cm["metadata"]["name"]
+
+
+def test_health_names_are_the_registered_services():
+    assert health_names_in_protos() == HEALTH_NAMES
+
+
+def test_planner_role_grants_exactly_the_rbac_rules(render):
+    (role,) = of_kind(render, "Role")
+    assert not of_kind(render, "ClusterRole") and not of_kind(render, "ClusterRoleBinding")
+    granted = []
+    for rule in role["rules"]:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, f"unexpected keys in {rule}"
+        granted += [(g, r, tuple(rule["verbs"])) for g in rule["apiGroups"] for r in rule["resources"]]
+    assert sorted(granted) == sorted(RULES)
+    (binding,) = of_kind(render, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    planner = workloads(render)["planner"]
+    (subject,) = binding["subjects"]
+    assert subject["kind"] == "ServiceAccount"
+    assert subject["name"] == planner["spec"]["template"]["spec"]["serviceAccountName"]
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_container_matches_what_the_service_serves_and_accepts(render, role):
+    w = workloads(render)[role]
+    c, pod = container(w), w["spec"]["template"]["spec"]
+    args = parsed_args(w)
+    default_port = port_of(parser_of(role)([]).listen)
+    # gRPC: the service's default port everywhere (the images EXPOSE it too; see test_dockerfiles).
+    assert port_of(args.listen) == named_port(c, "grpc") == default_port
+    # Native gRPC probes: numeric port, the role's own health name for startup/readiness, the whole
+    # server ("") for liveness.
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": default_port, "service": HEALTH_NAMES[role]}, probe
+    assert c["livenessProbe"]["grpc"].get("service", "") == "" and c["livenessProbe"]["grpc"]["port"] == default_port
+    # Metrics: --metrics-listen, the container port and the scrape annotation agree.
+    annotations = w["spec"]["template"]["metadata"]["annotations"]
+    assert port_of(args.metrics_listen) == named_port(c, "metrics") == int(annotations["prometheus.io/port"])
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    # --config is the ConfigMap's config.yaml, mounted read-only.
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (config_vol,) = [n for n, v in volumes.items() if "configMap" in v]
+    assert args.config == mounts[config_vol]["mountPath"] + "/config.yaml" and mounts[config_vol]["readOnly"]
+    cm = index(render)[("ConfigMap", volumes[config_vol]["configMap"]["name"])]
+    assert "config.yaml" in cm["data"]
+    # Requests on every container; SIGKILL only after the role's shutdown deadline.
+    assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+    deadline = getattr(importlib.import_module(f"services.{role}.main"), "SHUTDOWN_DEADLINE_S", None)
+    if role != "planner":
+        assert deadline is not None, f"services.{role}.main.SHUTDOWN_DEADLINE_S is gone: check the grace period"
+    assert pod["terminationGracePeriodSeconds"] > (deadline or 0) + 5
+    # Only the planner gets an API token; each role runs as its own ServiceAccount.
+    sa = index(render)[("ServiceAccount", pod["serviceAccountName"])]
+    assert role_of(sa) == role
+    assert pod["automountServiceAccountToken"] is sa["automountServiceAccountToken"] is (role == "planner")
+    # Non-root, as the images' USER.
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_peers_are_headless_services_that_select_the_right_pods(render):
+    ws = workloads(render)
+    services = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}
+    peers = {"actor": {"buffer": parsed_args(ws["actor"]).buffer, "learner": parsed_args(ws["actor"]).learner},
+             "learner": {"buffer": parsed_args(ws["learner"]).buffer}}
+    for role, targets in peers.items():
+        for peer, target in targets.items():
+            # dns:/// + round_robin (services/common/grpcutil.make_channel) balances over every pod.
+            assert target.startswith("dns:///"), f"{role} --{peer}={target}: use dns:/// for per-pod balancing"
+            host, port = urlparse(target).path.lstrip("/").rsplit(":", 1)
+            svc = services[host]
+            assert selects(svc["spec"]["selector"], pod_labels(ws[peer]))
+            (grpc,) = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+            assert grpc["port"] == int(port) == named_port(container(ws[peer]), "grpc")
+    for name, svc in services.items():
+        spec = svc["spec"]
+        assert spec["clusterIP"] == "None", f"Service {name} must be headless"
+        (target,) = [w for w in ws.values() if selects(spec["selector"], pod_labels(w))]
+        names = {p["name"] for p in container(target)["ports"]}
+        for p in spec["ports"]:
+            assert p["targetPort"] in names
+            assert p["appProtocol"] == ("grpc" if p["name"] == "grpc" else "http")
+    if "StatefulSet" in {w["kind"] for w in ws.values()}:
+        assert services[ws["buffer"]["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+
+
+def test_planner_managed_counts_are_not_in_the_templates(render, tmp_path):
+    cfg, _ = config_of(render, tmp_path)
+    k = cfg.planner.kubernetes
+    deployments = {d["metadata"]["name"]: d for d in of_kind(render, "Deployment")}
+    for role, name in (("actor", k.actor_deployment), ("learner", k.learner_deployment)):
+        assert role_of(deployments[name]) == role
+        assert "replicas" not in deployments[name]["spec"], f"{name}: the planner is the only writer of replicas"
+    buffer = workloads(render)["buffer"]
+    assert buffer["kind"] == "StatefulSet" and buffer["spec"]["replicas"] == 1   # out of the planner Role's reach
+
+
+def test_config_map_loads_and_names_the_objects_the_planner_uses(render, tmp_path):
+    cfg, _ = config_of(render, tmp_path)
+    assert cfg.planner.backend == "kubernetes"
+    assert cfg.planner.learner.max == 1
+    k = cfg.planner.kubernetes
+    ws = workloads(render)
+    services = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}
+    for role, name in (("actor", k.actor_service), ("learner", k.learner_service), ("buffer", k.buffer_service)):
+        svc = services[name]
+        assert selects(svc["spec"]["selector"], pod_labels(ws[role]))
+        assert k.grpc_port_name in {p["name"] for p in svc["spec"]["ports"]}
+    assert parsed_args(ws["planner"]).backend == "kubernetes"
+    assert not k.namespace, "the planner must use its own namespace ($POD_NAMESPACE) in a cluster"
+    env = {e["name"]: e for e in container(ws["planner"])["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
+def test_learner_checkpoints_are_on_a_volume(render):
+    w = workloads(render)["learner"]
+    args = parsed_args(w)
+    mounts = {m["mountPath"]: m["name"] for m in container(w)["volumeMounts"]}
+    volume = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}[mounts[args.checkpoint_dir]]
+    if "persistentVolumeClaim" in volume:
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert index(render)[("PersistentVolumeClaim", claim)]["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert w["spec"]["strategy"]["type"] == "Recreate"   # a RWO volume cannot follow a rolling update
+    else:
+        assert "emptyDir" in volume    # helm learner.persistence.enabled=false
+
+
+def test_every_role_has_a_disruption_budget(render):
+    ws = workloads(render)
+    pdbs = of_kind(render, "PodDisruptionBudget")
+    assert {p["apiVersion"] for p in pdbs} == {"policy/v1"}
+    covered = sorted(role for p in pdbs for role, w in ws.items() if selects(p["spec"]["selector"]["matchLabels"], pod_labels(w)))
+    assert covered == sorted(ROLES)
+
+
+# ---- NetworkPolicy: evaluate the policies and compare with the flows in DESIGN.md ----------------------------
+# Entities: the four roles (namespace "app"), another pod in that namespace, Prometheus (namespace
+# "monitoring"), cluster DNS, an external simulator and the kube-apiserver (outside the pod network).
+OTHERS = {
+    "client": {"namespace": "app", "labels": {"run": "kuberl-cli"}, "ports": {}},
+    "prometheus": {"namespace": "monitoring", "labels": {"app": "prometheus"}, "ports": {}},
+    "kube-dns": {"namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}, "ports": {"dns-udp": (53, "UDP"), "dns-tcp": (53, "TCP")}},
+    "simulator": {"namespace": None, "labels": {}, "ports": {}},
+    "apiserver": {"namespace": None, "labels": {}, "ports": {"https": (443, "TCP"), "https-alt": (6443, "TCP")}},
+}
+_IN_CLUSTER = [name for name, e in OTHERS.items() if e["namespace"] is not None]
+EXPECTED_FLOWS = {
+    ("actor", "buffer", "grpc"), ("learner", "buffer", "grpc"), ("actor", "learner", "grpc"),
+    ("planner", "actor", "grpc"), ("planner", "buffer", "grpc"), ("planner", "learner", "grpc"),
+    ("planner", "apiserver", "https"), ("planner", "apiserver", "https-alt"),
+    *{(role, "kube-dns", port) for role in ROLES for port in ("dns-udp", "dns-tcp")},
+    # External simulators connect to actors from anywhere, inside the cluster or out.
+    *{(other, "actor", "grpc") for other in OTHERS},
+    # The planner's API: from pods in its own namespace (docs/deploy.md).
+    ("client", "planner", "grpc"),
+    # Metrics: Prometheus may run in any namespace, so any pod outside the kuberl roles may scrape
+    # (the Helm value networkPolicy.metricsFrom narrows it).
+    *{(other, role, "metrics") for other in _IN_CLUSTER for role in ROLES},
+}
+
+
+def _peer_matches(peer: dict, src: dict) -> bool:
+    if src["namespace"] is None:          # outside the pod network: only an ipBlock could match
+        return "ipBlock" in peer
+    if "ipBlock" in peer:
+        return False
+    ns_ok = ("namespaceSelector" not in peer and src["namespace"] == "app") or (
+        "namespaceSelector" in peer and selects(peer["namespaceSelector"].get("matchLabels", {}),
+                                                {"kubernetes.io/metadata.name": src["namespace"]}))
+    pod_ok = "podSelector" not in peer or selects(peer["podSelector"].get("matchLabels", {}), src["labels"])
+    return ns_ok and pod_ok
+
+
+def _port_matches(rule_ports: list | None, dst: dict, port_name: str) -> bool:
+    if not rule_ports:
+        return True
+    number, protocol = dst["ports"][port_name]
+    return any(p.get("protocol", "TCP") == protocol and p["port"] in (port_name, number) for p in rule_ports)
+
+
+def _allowed(policies: list[dict], target: dict, direction: str, peer: dict, dst: dict, port_name: str) -> bool:
+    """Whether `target`'s policies let traffic through in `direction` (ingress from peer / egress to peer)."""
+    mine = [p for p in policies if target["namespace"] == "app" and selects(p["spec"]["podSelector"].get("matchLabels", {}), target["labels"])
+            and direction.capitalize() in p["spec"]["policyTypes"]]
+    if not mine:
+        return True                        # not isolated in this direction
+    key, peers_key = ("ingress", "from") if direction == "ingress" else ("egress", "to")
+    return any(_port_matches(rule.get("ports"), dst, port_name)
+               and (peers_key not in rule or any(_peer_matches(q, peer) for q in rule[peers_key]))
+               for p in mine for rule in p["spec"].get(key, []))
+
+
+def test_network_policies_allow_exactly_the_design_flows(render):
+    policies = of_kind(render, "NetworkPolicy")
+    if not policies:
+        pytest.skip("this render turns NetworkPolicies off (networkPolicy.enabled=false)")
+    ws = workloads(render)
+    entities = dict(OTHERS)
+    for role, w in ws.items():
+        c = container(w)
+        entities[role] = {"namespace": "app", "labels": pod_labels(w),
+                          "ports": {p["name"]: (p["containerPort"], p.get("protocol", "TCP")) for p in c["ports"]}}
+    flows = {(s, d, port) for s, src in entities.items() for d, dst in entities.items()
+             if s != d and (s in ws or d in ws) for port in dst["ports"]
+             if _allowed(policies, src, "egress", dst, dst, port) and _allowed(policies, dst, "ingress", src, dst, port)}
+    assert flows == EXPECTED_FLOWS, (f"allowed but not in DESIGN.md: {sorted(flows - EXPECTED_FLOWS)}; "
+                                     f"in DESIGN.md but blocked: {sorted(EXPECTED_FLOWS - flows)}")
+
+
+# ---- Dockerfiles and `make images` ---------------------------------------------------------------------------
+def dockerfile(role: str) -> dict:
+    """The instructions of docker/<role>.Dockerfile by stage: {"build": [...], "runtime": [...]}, each (OP, rest)."""
+    text = (ROOT / "docker" / f"{role}.Dockerfile").read_text().replace("\\\n", " ")
+    stages, current = {}, None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        op, _, rest = line.partition(" ")
+        if op.upper() == "FROM":
+            current = "build" if " AS build" in rest else "runtime"
+            stages[current] = []
+        elif current is not None:
+            stages[current].append((op.upper(), rest.strip()))
+    return stages
+
+
+def make_images() -> list[str]:
+    """The `docker build` commands `make images` runs (with DOCKER=echo, so nothing is built)."""
+    out = subprocess.run(["make", "-s", "images", "DOCKER=echo"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [line for line in out.stdout.splitlines() if line.startswith("build ")]
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_dockerfile_runs_the_role_as_deployed(role):
+    stages = dockerfile(role)
+    build = [rest for op, rest in stages["build"] if op == "RUN"]
+    assert build == [f"sh docker/install.sh {role} /src /opt/kuberl"]   # what tests/deploy/test_role_install.py runs
+    has_torch_arg = any(op == "ARG" and rest.startswith("TORCH_INDEX_URL=") for op, rest in stages["build"])
+    assert has_torch_arg == (role in ("actor", "learner"))
+    runtime = dict(stages["runtime"][i] for i in range(len(stages["runtime"])) if stages["runtime"][i][0] != "ENV")
+    assert yaml.safe_load(runtime["ENTRYPOINT"]) == ["python", "-m", f"services.{role}"]
+    port = port_of(parser_of(role)([]).listen)
+    assert set(runtime["EXPOSE"].split()) == {str(port), "9400"}
+    health = yaml.safe_load(re.sub(r"^.*?CMD ", "", runtime["HEALTHCHECK"]))
+    assert health == ["kuberl-healthcheck", "--service", HEALTH_NAMES[role], f"127.0.0.1:{port}"]
+    assert runtime["USER"] == "10001:10001"
+    assert yaml.safe_load(runtime["CMD"]) == ["--listen", f"0.0.0.0:{port}"]
+
+
+def test_dockerignore_lets_in_what_the_dockerfiles_copy():
+    allowed = {line.strip("!/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    for role in ROLES:
+        for op, rest in dockerfile(role)["build"]:
+            if op == "COPY":
+                sources = rest.split()[:-1]
+                assert set(sources) <= allowed, f"{role}.Dockerfile copies {sources}; .dockerignore lets in {allowed}"
+
+
+def test_manifests_run_the_images_make_builds():
+    builds = make_images()
+    tags = {line.split(" -t ")[1].split()[0]: line for line in builds}
+    version = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert set(tags) == {f"kuberl/{r}:{version}" for r in ROLES} | {f"kuberl/learner:{version}-cuda"}
+    assert "--build-arg TORCH_INDEX_URL= " in tags[f"kuberl/learner:{version}-cuda"]   # PyPI's CUDA torch
+    for name, render in RENDERS.items():
+        for role, w in workloads(render()).items():
+            image = container(w)["image"]
+            assert image in tags, f"{name}: {role} runs {image}, which `make images` does not build"
+            assert f"-f docker/{role}.Dockerfile " in tags[image]
+            assert image.endswith("-cuda") == (name in ("kustomize gpu", "helm gpu") and role == "learner")
