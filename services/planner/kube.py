@@ -29,7 +29,7 @@ import random
 import socket
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import urllib3
 from kubernetes import client, config
@@ -97,7 +97,7 @@ def _retry_after(headers) -> float | None:
         seconds = float(value)
     except ValueError:
         try:
-            seconds = (email.utils.parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds()
+            seconds = (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds()
         except (TypeError, ValueError):
             return None
     return min(max(seconds, 0.0), RETRY_AFTER_CAP_S)
@@ -112,7 +112,7 @@ def _status_message(e: ApiException) -> str:
 
 def _micro_time(dt: datetime | None = None) -> str:
     """RFC 3339 with microseconds, as a MicroTime field wants it."""
-    return (dt or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return (dt or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class KubernetesBackend:
@@ -198,7 +198,7 @@ class KubernetesBackend:
     async def _observe_role(self, role: str, hpas: dict[str, str]) -> RoleState:
         dep = self._deployments[role]
         try:
-            desired, rv, paused = await self._read_deployment(role)
+            desired, _, paused = await self._read_deployment(role)
         except ApiError as e:
             if e.status != 404:
                 raise

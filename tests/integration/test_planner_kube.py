@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 from kubernetes import client
@@ -275,7 +276,9 @@ async def test_replicas_come_from_the_endpoints_of_the_headless_services(k8s_adm
             "clusterIP": "None", "selector": {"app": svc},
             "ports": [{"name": "metrics", "port": 9000}, {"name": "grpc", "port": 50053}]}})
     # no kubelet and no endpoints controller here: write the Endpoints the controller would
-    pod = lambda name: {"kind": "Pod", "name": name, "namespace": ns}   # noqa: E731
+    def pod(name):
+        return {"kind": "Pod", "name": name, "namespace": ns}
+
     core.create_namespaced_endpoints(ns, {"metadata": {"name": ACTOR}, "subsets": [{
         "addresses": [{"ip": "10.1.0.1", "targetRef": pod("actor-a")}, {"ip": "10.1.0.2", "targetRef": pod("actor-b")}],
         "notReadyAddresses": [{"ip": "10.1.0.3", "targetRef": pod("actor-c")}],
@@ -308,7 +311,7 @@ async def test_a_missing_deployment_blocks_the_role_with_a_reason(k8s_admin, k8s
 async def test_leader_election_one_leads_and_another_takes_over(k8s_admin, k8s_namespace, backends):
     ns = k8s_namespace
     make_roles(k8s_admin, ns)
-    lease = dict(leader_election=True, lease_duration_s=2.0)
+    lease = {"leader_election": True, "lease_duration_s": 2.0}
     a = await backends(ns, identity="planner-a", **lease)
     b = await backends(ns, identity="planner-b", **lease)
     assert a.leader and not b.leader
@@ -366,8 +369,8 @@ async def test_calls_are_rate_limited(k8s_admin, k8s_namespace, backends):
 class _Flaky(BaseHTTPRequestHandler):
     """An API server stand-in for what a real one cannot be made to do on cue: answer 429 with Retry-After,
     then 503, before the real answer."""
-    script: dict[str, list[tuple[int, dict, dict]]] = {}
-    seen: list[tuple[float, str]] = []
+    script: ClassVar[dict[str, list[tuple[int, dict, dict]]]] = {}
+    seen: ClassVar[list[tuple[float, str]]] = []
 
     def do_GET(self):
         self.seen.append((time.monotonic(), self.path))

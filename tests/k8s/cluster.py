@@ -143,12 +143,9 @@ class Cluster:
 
     # ---- start / stop ----------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "ab")
-        try:
+        with open(self.workdir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
-        finally:
-            log.close()
         self._procs[name] = proc
         return proc
 
@@ -282,7 +279,7 @@ class Cluster:
         kubectl = binaries("KUBECTL")["KUBECTL"]
         kubeconfig = self.write_kubeconfig(self.workdir / f"{user}.kubeconfig", user=user)
         return subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", *args], input=input, capture_output=True,
-                              text=True, timeout=timeout_s)
+                              text=True, timeout=timeout_s, check=False)
 
     def create_namespace(self, prefix: str = "t") -> str:
         from kubernetes import client
@@ -360,9 +357,8 @@ def k8s_namespace(k8s_cluster, request):
     from kubernetes import client
     name = k8s_cluster.create_namespace("t-" + "".join(c if c.isalnum() else "-" for c in request.node.name))
     yield name
-    with k8s_cluster.admin() as api:
-        with contextlib.suppress(client.ApiException):
-            client.CoreV1Api(api).delete_namespace(name)
+    with k8s_cluster.admin() as api, contextlib.suppress(client.ApiException):
+        client.CoreV1Api(api).delete_namespace(name)
 
 
 @pytest.fixture
