@@ -345,6 +345,38 @@ async def test_leader_election_one_leads_and_another_takes_over(k8s_admin, k8s_n
     assert spec.holder_identity == "planner-c" and spec.lease_transitions == 2
 
 
+async def test_a_leader_that_cannot_renew_stops_leading_before_another_takes_over(k8s_cluster, k8s_admin, k8s_namespace,
+                                                                                 backends):
+    """Leadership is judged by time since the last successful renewal: when a's renewals start failing (its
+    RoleBinding is deleted: 403), a stops calling itself leader before b can take the expired lease."""
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns)
+    for sa in ("planner-a", "planner-b"):
+        grant(k8s_admin, ns, sa, rbac.RULES, service_account=sa)
+    lease = {"leader_election": True, "lease_duration_s": 3.0}
+    with k8s_cluster.as_service_account(ns, "planner-a") as api_a, k8s_cluster.as_service_account(ns, "planner-b") as api_b:
+        a = await backends(ns, api=api_a, identity="planner-a", **lease)
+        b = await backends(ns, api=api_b, identity="planner-b", **lease)
+        assert a.leader and not b.leader
+        client.RbacAuthorizationV1Api(k8s_admin).delete_namespaced_role_binding("planner-a", ns)
+        revoked = time.monotonic()
+        a_stopped = None
+        while not b.leader:
+            assert not (a.leader and b.leader)
+            if a_stopped is None and not a.leader:
+                a_stopped = time.monotonic() - revoked
+            assert time.monotonic() - revoked < 10, "b never took over"
+            await asyncio.sleep(0.05)
+        assert a_stopped is not None and a_stopped <= 3.0 * 2 / 3 + 0.5
+        assert not a.leader
+        with pytest.raises(Refused, match="not the leader"):
+            await a.apply({"actor": 2})
+        await b.observe()
+        assert (await b.apply({"actor": 2})).applied == {"actor": 2}
+        await a.close()
+        await b.close()
+
+
 def test_token_bucket_allows_a_burst_then_qps():
     now = [100.0]
     bucket = TokenBucket(qps=2.0, burst=3, clock=lambda: now[0])
