@@ -12,11 +12,21 @@ commands:
   buffer        run a buffer service
   learner       run a learner service
   actor         run an actor service
+  planner       run the planner service (balances actors and learners)
   stats ADDR    print a service's GetStats as JSON
+
+planner API (--planner ADDR, default $KUBERL_PLANNER or 127.0.0.1:50054):
+  plan [--apply]       preview the planner's decision now (or take and apply it)
+  scale ROLE N         hold ROLE (actor|learner) at N replicas (--ttl seconds, default 3600)
+  unscale ROLE         end that override; the planner takes the role back
+  pause / resume       stop / restart applying decisions (they are still recorded)
+  status               pause state, overrides, replicas, last decision
+  decisions [-f]       the recorded decisions (follow new ones with -f)
 
 `kuberl <command> --help` describes each command's flags.
 """
-ROLES = ("actor", "buffer", "learner")
+ROLES = ("actor", "buffer", "learner", "planner")
+PLANNER_COMMANDS = ("plan", "scale", "unscale", "pause", "resume", "status", "decisions")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "up":
         from services.cli.up import main as up
         return up(rest)
+    if cmd in PLANNER_COMMANDS:
+        from services.cli.plan import main as plan
+        return plan(cmd, rest)
     if cmd == "stats":
         from services.cli.stats import main as stats
         return stats(rest)

@@ -8,10 +8,11 @@ import json
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 
-STUBS = (buffer_pb2_grpc.BufferStub, learner_pb2_grpc.LearnerStub, actor_pb2_grpc.ActorStub)
+STUBS = (buffer_pb2_grpc.BufferStub, learner_pb2_grpc.LearnerStub, actor_pb2_grpc.ActorStub,
+         planner_pb2_grpc.PlannerStub)
 
 
 def get_stats(channel: grpc.Channel, timeout_s: float = 5.0, episodes_after: int = 0) -> pb.GetStatsResponse:
@@ -29,7 +30,7 @@ def get_stats(channel: grpc.Channel, timeout_s: float = 5.0, episodes_after: int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kuberl stats", description=__doc__)
-    p.add_argument("address", help="host:port of an actor, buffer or learner")
+    p.add_argument("address", help="host:port of an actor, buffer, learner or planner")
     p.add_argument("--timeout", type=float, default=5.0)
     args = p.parse_args(argv)
     with grpc.insecure_channel(args.address) as channel:

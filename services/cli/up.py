@@ -1,20 +1,20 @@
 """`kuberl up [CONFIG]`: a whole training run on this machine, every role a local process.
 
-Starts a buffer, a learner and N actors on free loopback ports (each writes its bound address to a
-ready file), polls their stats, shows progress, and stops at the target return, the step budget or
-Ctrl-C. The run directory holds the resolved config, metrics.csv, TensorBoard scalars (tb/),
-checkpoints/, one log per process (logs/) and summary.json.
+Starts a buffer and the planner on free loopback ports; the planner's local backend starts the learner
+and `topology.actors` actors and rescales the actors as it measures their rates (with `planner.enabled:
+false`, `kuberl up` starts a fixed topology itself). It polls every process's stats, shows progress and
+the planner's decisions, and stops at the target return, the step budget or Ctrl-C. The run directory
+holds the resolved config, metrics.csv, TensorBoard scalars (tb/), checkpoints/, one log per process
+(logs/), the planner's decisions.jsonl and summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import json
 import logging
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,9 +25,11 @@ from pathlib import Path
 
 import grpc
 
-from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
+from kuberl.v1 import planner_pb2 as ppb
 from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
+from services.common.procs import ServiceProcess, free_port, spawn
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
@@ -35,99 +37,95 @@ STOP_TIMEOUT_S = 45.0
 CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "return_mean", "actor_env_steps_per_s",
                "actor_fragments_dropped_total", "buffer_size_samples", "buffer_samples_per_insert",
                "learner_updates_per_s", "learner_samples_per_s", "learner_policy_version",
-               "learner_policy_lag_mean"]
+               "learner_policy_lag_mean", "actors", "planner_ratio"]
 
 
-def _free_port() -> int:
-    """A loopback port free right now. Another process could take it before the service binds it;
-    the service then fails to start with a bind error, which `kuberl up` reports."""
+def _port_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 @dataclass
-class Proc:
+class Member:
+    """A process of the run: one `kuberl up` started itself (buffer, planner; every role when the
+    planner is off), or an actor/learner the planner's local backend runs (found through its status)."""
     role: str
     name: str
-    popen: subprocess.Popen
-    log_path: Path
+    proc: ServiceProcess | None = None
     address: str = ""
-    metrics: str | None = None     # Prometheus endpoint host:port
     channel: grpc.Channel | None = None
     stub: object = None
     cursor: int = 0            # actors: last episode index read
     stats: dict = field(default_factory=dict)
 
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+    def connect(self, address: str) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = STUBS[self.role](self.channel)
+
+
+STUBS = {"actor": actor_pb2_grpc.ActorStub, "buffer": buffer_pb2_grpc.BufferStub,
+         "learner": learner_pb2_grpc.LearnerStub, "planner": planner_pb2_grpc.PlannerStub}
 
 
 class LocalRun:
     def __init__(self, cfg: ExperimentConfig, root: str | Path, name: str | None = None, progress: bool = True,
-                 actor_port: int = 50053):
-        self.cfg, self.progress, self.actor_port = cfg, progress, actor_port
+                 actor_port: int = 50053, planner_port: int = 50054):
+        self.cfg, self.progress, self.actor_port, self.planner_port = cfg, progress, actor_port, planner_port
         self.external = cfg.env.mode == "external"
+        self.planned = cfg.planner.enabled
         env = re.sub(r"[^A-Za-z0-9]+", "-", cfg.env.id).strip("-").lower()
         self.dir = Path(root) / (name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{env}")
         for sub in ("logs", "checkpoints", "tb", "ready"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.dir / "config.yaml")
-        self.procs: list[Proc] = []
+        self.members: list[Member] = []   # live
+        self.retired: list[Member] = []   # actors the planner stopped: their counters still count
         self.returns: deque[float] = deque(maxlen=cfg.run.return_window)
         self.episodes = 0
         self.env_steps = 0
         self.started = time.monotonic()
         self.reached: dict | None = None
+        self.last_decision_id = 0
 
     # -- processes -------------------------------------------------------------------------------
-    def _spawn(self, role: str, name: str, listen: str, extra: list[str]) -> Proc:
-        ready = self.dir / "ready" / f"{name}.json"
-        ready.unlink(missing_ok=True)
-        log_path = self.dir / "logs" / f"{name}.log"
-        cmd = [sys.executable, "-m", f"services.{role}", "--config", str(self.dir / "config.yaml"),
-               "--listen", listen, "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready), *extra]
-        with open(log_path, "ab") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        proc = Proc(role, name, popen, log_path)
-        self.procs.append(proc)
-        return proc
+    def _spawn(self, role: str, name: str, listen: str, extra: list[str]) -> Member:
+        m = Member(role, name, spawn(role, name, self.dir, self.dir / "config.yaml", listen, extra))
+        self.members.append(m)
+        return m
 
-    def _wait_ready(self, proc: Proc, deadline: float) -> None:
-        ready = self.dir / "ready" / f"{proc.name}.json"
-        while not ready.exists():
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with code {proc.popen.returncode} before serving:\n"
-                                   f"{proc.log_tail()}")
+    def _wait_ready(self, m: Member, deadline: float) -> None:
+        while not m.proc.poll_ready():
+            if not m.proc.alive:
+                raise RuntimeError(f"{m.name} exited with code {m.proc.popen.returncode} before serving:\n"
+                                   f"{m.proc.log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.name} did not start serving within {READY_TIMEOUT_S:.0f} s:\n"
-                                   f"{proc.log_tail()}")
+                raise RuntimeError(f"{m.name} did not start serving within {READY_TIMEOUT_S:.0f} s:\n"
+                                   f"{m.proc.log_tail()}")
             time.sleep(0.02)
-        ready_info = json.loads(ready.read_text())
-        proc.address, proc.metrics = ready_info["address"], ready_info.get("metrics")
-        proc.channel = grpc.insecure_channel(proc.address)
-        stub_cls = {"actor": actor_pb2_grpc.ActorStub, "buffer": buffer_pb2_grpc.BufferStub,
-                    "learner": learner_pb2_grpc.LearnerStub}[proc.role]
-        proc.stub = stub_cls(proc.channel)
-        log.info("%s serving on %s, metrics on http://%s/metrics (pid %d, log %s)", proc.name, proc.address,
-                 proc.metrics, proc.popen.pid, proc.log_path)
+        m.connect(m.proc.address)
+        log.info("%s serving on %s, metrics on http://%s/metrics (pid %d, log %s)", m.name, m.address,
+                 m.proc.metrics, m.proc.popen.pid, m.proc.log_path)
 
     def start_all(self) -> None:
         """Start every process at once: start order does not matter (peers wait for each other), so
-        the buffer and learner listen on ports picked here and nobody waits for another's imports."""
-        buffer, learner = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+        the buffer and learner listen on ports picked here and nobody waits for another's imports.
+        With the planner on, its local backend starts (and later rescales) the learner and actors."""
+        buffer = f"127.0.0.1:{free_port()}"
         self._spawn("buffer", "buffer-0", buffer, [])
+        if self.planned:
+            port = self.planner_port if _port_free(self.planner_port) else free_port()
+            self._spawn("planner", "planner-0", f"127.0.0.1:{port}", [
+                "--backend", self.cfg.planner.backend if self.cfg.planner.backend != "kubernetes" else "local",
+                "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
+            return
+        learner = f"127.0.0.1:{free_port()}"
         self._spawn("learner", "learner-0", learner, ["--buffer", buffer, "--checkpoint-dir", str(self.dir / "checkpoints")])
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
@@ -138,30 +136,70 @@ class LocalRun:
 
     def _wait_all_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for proc in self.procs:
-            self._wait_ready(proc, deadline)
+        for m in self.members:
+            self._wait_ready(m, deadline)
+        if self.planned:  # wait until the planner's learner and actors serve too
+            while True:
+                self._sync_planned()
+                if all(self._role(r) for r in ("learner", "actor")):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the planner's learner and actors did not start serving within "
+                                       f"{READY_TIMEOUT_S:.0f} s; see {self.dir / 'logs'}")
+                self.check_alive()
+                time.sleep(0.05)
+
+    def _sync_planned(self) -> None:
+        """Follow the replicas the planner runs: add new ones, retire the ones it stopped."""
+        planner = self._role("planner")[0]
+        try:
+            status = planner.stub.GetStatus(ppb.GetStatusRequest(), timeout=5.0)
+        except grpc.RpcError as err:
+            log.debug("planner status failed: %s", err.code().name)
+            return
+        live = {(r.role, r.name): r.address for r in status.replicas if r.ready and r.address}
+        for m in [m for m in self.members if m.proc is None]:
+            address = live.pop((m.role, m.name), None)
+            if address is None:
+                self.members.remove(m)
+                self.retired.append(m)
+            elif address != m.address:  # restarted by the planner
+                m.connect(address)
+        for (role, name), address in live.items():
+            m = Member(role, name)
+            m.connect(address)
+            self.members.append(m)
+        d = status.last_decision
+        if d.id > self.last_decision_id:
+            self.last_decision_id = d.id
+            if d.action == ppb.DECISION_ACTION_SCALE or d.error:
+                print(f"planner: {'applied' if d.applied else 'not applied'}: {d.reason}"
+                      + (f" (error: {d.error})" if d.error else ""), flush=True)
 
     def stop_all(self) -> None:
-        """Actors first (they flush fragments to the buffer), then the learner (final checkpoint), then the buffer."""
-        for role in ("actor", "learner", "buffer"):
-            group = [p for p in self.procs if p.role == role and p.popen.poll() is None]
+        """Actors first (they flush fragments to the buffer), then the learner (final checkpoint), then
+        the buffer. With the planner on, stopping the planner stops its actors and learner in that order."""
+        for role in ("planner", "actor", "learner", "buffer"):
+            group = [m.proc for m in self.members if m.role == role and m.proc is not None and m.proc.alive]
             for p in group:
-                p.popen.send_signal(signal.SIGTERM)
+                p.terminate()
             for p in group:
                 try:
-                    p.popen.wait(STOP_TIMEOUT_S)
+                    p.popen.wait(STOP_TIMEOUT_S + (60 if role == "planner" else 0))
                 except subprocess.TimeoutExpired:
                     log.warning("%s did not stop within %.0f s; killing it", p.name, STOP_TIMEOUT_S)
                     p.popen.kill()
                     p.popen.wait()
-        for p in self.procs:
-            if p.channel is not None:
-                p.channel.close()
+        for m in self.members + self.retired:
+            if m.channel is not None:
+                m.channel.close()
 
     # -- monitoring ------------------------------------------------------------------------------
     def poll(self) -> None:
+        if self.planned:
+            self._sync_planned()
         new_eps: list[pb.Episode] = []
-        for p in self.procs:
+        for p in self.members:
             try:
                 resp = p.stub.GetStats(pb.GetStatsRequest(episodes_after=p.cursor), timeout=5.0)
             except grpc.RpcError as err:
@@ -171,15 +209,16 @@ class LocalRun:
             if resp.episodes:
                 p.cursor = resp.episodes[-1].index
                 new_eps.extend(resp.episodes)
-        self.env_steps = int(sum(p.stats.get("actor/env_steps_total", 0) for p in self._role("actor")))
+        self.env_steps = int(sum(p.stats.get("actor/env_steps_total", 0)
+                                 for p in self._role("actor") + [m for m in self.retired if m.role == "actor"]))
         for ep in sorted(new_eps, key=lambda e: e.end_unix_s):
             self.returns.append(ep.episode_return)
             self.episodes += 1
             self.tb.add_scalar("charts/episodic_return", ep.episode_return, self.env_steps)
             self.tb.add_scalar("charts/episodic_length", ep.length, self.env_steps)
 
-    def _role(self, role: str) -> list[Proc]:
-        return [p for p in self.procs if p.role == role]
+    def _role(self, role: str) -> list[Member]:
+        return [p for p in self.members if p.role == role]
 
     def _sum(self, role: str, name: str) -> float:
         return float(sum(p.stats.get(name, 0.0) for p in self._role(role)))
@@ -191,6 +230,7 @@ class LocalRun:
     def row(self) -> dict:
         learner = self._role("learner")[0].stats if self._role("learner") else {}
         buffer = self._role("buffer")[0].stats if self._role("buffer") else {}
+        planner = self._role("planner")[0].stats if self._role("planner") else {}
         return {
             "wall_s": round(time.monotonic() - self.started, 3), "env_steps": self.env_steps,
             "episodes": self.episodes, "return_mean": self.mean_return,
@@ -202,12 +242,15 @@ class LocalRun:
             "learner_samples_per_s": learner.get("learner/samples_per_s"),
             "learner_policy_version": learner.get("learner/policy_version"),
             "learner_policy_lag_mean": learner.get("learner/policy_lag_mean"),
+            "actors": len(self._role("actor")),
+            "planner_ratio": planner.get("planner/production_consumption_ratio"),
         }
 
     def show(self, row: dict) -> None:
         def f(v, spec=",.0f"):
             return "-" if v is None else format(v, spec)
-        line = (f"[{row['wall_s']:7.1f}s] steps {row['env_steps']:>10,} ({f(row['actor_env_steps_per_s'])}/s)"
+        line = (f"[{row['wall_s']:7.1f}s] steps {row['env_steps']:>10,} ({f(row['actor_env_steps_per_s'])}/s,"
+                f" {row['actors']} actor{'s' if row['actors'] != 1 else ''})"
                 f" | episodes {row['episodes']:>6,} | return {f(row['return_mean'], '.1f')}"
                 f" (last {len(self.returns)}) | learner v{f(row['learner_policy_version'])}"
                 f" {f(row['learner_updates_per_s'], ',.1f')} upd/s {f(row['learner_samples_per_s'])} smp/s"
@@ -216,9 +259,11 @@ class LocalRun:
         print(line, flush=True)
 
     def check_alive(self) -> None:
-        for p in self.procs:
-            if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited unexpectedly with code {p.popen.returncode}:\n{p.log_tail()}")
+        """The processes `kuberl up` started must live (the planner restarts the ones it runs)."""
+        for m in self.members:
+            if m.proc is not None and not m.proc.alive:
+                raise RuntimeError(f"{m.name} exited unexpectedly with code {m.proc.popen.returncode}:\n"
+                                   f"{m.proc.log_tail()}")
 
     def stop_reason(self) -> str | None:
         run = self.cfg.run
@@ -230,6 +275,25 @@ class LocalRun:
         if run.max_seconds is not None and time.monotonic() - self.started >= run.max_seconds:
             return "max_seconds"
         return None
+
+    def exit_codes(self) -> dict[str, int | None]:
+        codes = {m.name: m.proc.popen.returncode for m in self.members if m.proc is not None}
+        path = self.dir / "planner-exit-codes.json"  # written by the planner's local backend as it stops
+        if self.planned and path.exists():
+            codes.update(json.loads(path.read_text()))
+        return codes
+
+    def decisions(self) -> list[dict]:
+        """The planner's applied decisions (and failed applies), from its journal."""
+        path = self.dir / "decisions.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            if d.get("applied") or d.get("error"):
+                out.append(d)
+        return out
 
     def run(self) -> dict:
         reason, error = "interrupted", None
@@ -244,6 +308,11 @@ class LocalRun:
             self.tb = SummaryWriter(str(self.dir / "tb"))
             self._wait_all_ready()
             self.started = time.monotonic()
+            if self.planned:
+                planner = self._role("planner")[0].address
+                print(f"planner API on {planner} ({self.cfg.planner.backend} backend): e.g. "
+                      f"`kuberl decisions -f --planner {planner}`, `kuberl scale actor 2 --planner {planner}`",
+                      flush=True)
             if self.external:
                 print("waiting for simulators: connect them over EnvSession to "
                       + ", ".join(p.address for p in self._role("actor")) + " (see docs/external-simulators.md)",
@@ -278,8 +347,9 @@ class LocalRun:
         summary = {"reason": reason, "error": error, "env_steps": self.env_steps, "episodes": self.episodes,
                    "mean_return": self.mean_return, "return_window": len(self.returns), "wall_s": round(wall, 3),
                    "policy_version": learner.get("learner/policy_version"),
-                   "exit_codes": {p.name: p.popen.returncode for p in self.procs}, "run_dir": str(self.dir),
-                   "last_stats": {p.name: p.stats for p in self.procs}}
+                   "exit_codes": self.exit_codes(), "run_dir": str(self.dir),
+                   "last_stats": {p.name: p.stats for p in self.members + self.retired if p.role != "planner"},
+                   "decisions": self.decisions()}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes, mean return "
               f"{'-' if self.mean_return is None else f'{self.mean_return:.1f}'} over the last {len(self.returns)}, "
@@ -296,6 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--actor-port", type=int, default=50053,
                    help="env.mode external: actor i listens on 127.0.0.1:(this + i) for simulators (default 50053)")
+    p.add_argument("--planner-port", type=int, default=50054,
+                   help="the planner's API listens on 127.0.0.1:(this), or a free port if it is taken (default 50054)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s up: %(message)s")
     try:
@@ -303,6 +375,7 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as err:
         print(f"kuberl up: {args.config}: {err}", file=sys.stderr)
         return 2
-    run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet, actor_port=args.actor_port)
+    run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet, actor_port=args.actor_port,
+                   planner_port=args.planner_port)
     summary = run.run()
     return 1 if summary["reason"] == "failed" else 0

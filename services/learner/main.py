@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from contextlib import asynccontextmanager
 
 import grpc
@@ -57,8 +58,12 @@ async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, ev
                      progressed: Notifier) -> None:
     """Train on each batch as it arrives; publish when `every` updates have passed since the last."""
     published = trainer.version
+    trainer.metrics.inc("learner/starved_seconds_total", 0)
     while True:
+        waited = time.perf_counter()
         batch = await queue.get()
+        # Time with nothing to train on: the planner's TR_L is samples / (wall time - this).
+        trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - waited)
         await asyncio.to_thread(trainer.train, batch)
         if trainer.version - published >= every:
             hub.publish(await asyncio.to_thread(trainer.weights))

@@ -1,21 +1,26 @@
 """The planner core: measure per-replica rates, decide, apply through a backend, record every decision.
 
 Rates (DESIGN.md section 4): TR_A, an actor's env steps per second (`actor/env_steps_total` over wall
-time), and TR_L, what a learner can consume when it never waits: `learner/samples_total` over
-`learner/train_seconds_total` (its busy time). Both are EWMAs per replica, counted only after the
+time), and TR_L, what a learner can consume when it never waits for data: `learner/samples_total` over
+wall time minus `learner/starved_seconds_total` (so publishing weights and sharing the CPU count
+against it, waiting for batches does not). Both are EWMAs per replica, counted only after the
 replica has reported for `warmup_s`; the role's rate is the mean over its warmed-up, fresh replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import grpc
+from google.protobuf import json_format
 
 from kuberl.v1 import actor_pb2_grpc, learner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
@@ -33,7 +38,7 @@ CONFLICT_RETRIES = 3
 ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
            "suppressed": ppb.DECISION_ACTION_SUPPRESSED}
 COUNTERS = {"actor": ("actor/env_steps_total", None),
-            "learner": ("learner/samples_total", "learner/train_seconds_total")}
+            "learner": ("learner/samples_total", "learner/starved_seconds_total")}
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
@@ -49,34 +54,38 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
 
 
 class ReplicaRate:
-    """EWMA rate of one replica from its monotonic counters (and, for learners, its busy seconds)."""
+    """EWMA rate of one replica from its monotonic counters (and, for learners, its starved seconds)."""
 
     def __init__(self, halflife_s: float, warmup_s: float, now: float):
         self.halflife_s, self.warmup_s = halflife_s, warmup_s
-        self.first_ok: float | None = None
+        self.first_progress: float | None = None
         self.last_ok: float | None = None
         self.created = now
         self.warm = False
         self.rate: float | None = None
         self._last: tuple[float, float, float | None] | None = None
 
-    def update(self, now: float, count: float, busy: float | None) -> None:
-        if self.first_ok is None:
-            self.first_ok = now
+    def update(self, now: float, count: float, starved: float | None) -> None:
         self.last_ok = now
-        if not self.warm and now - self.first_ok >= self.warmup_s:
-            self.warm, self.rate = True, None   # what was measured while warming up does not count
-        last, self._last = self._last, (now, count, busy)
+        last, self._last = self._last, (now, count, starved)
         if last is None:
             return
         t0, c0, b0 = last
         if count < c0:  # the process restarted under the same name: start over
-            self.rate, self.warm, self.first_ok = None, False, now
+            self.rate, self.warm, self.first_progress = None, False, None
             return
+        if count > c0 and self.first_progress is None:
+            self.first_progress = now  # warm-up runs from the first work done, not from start-up
+        if self.first_progress is None:
+            return
+        if not self.warm:
+            if now - self.first_progress < self.warmup_s:
+                return
+            self.warm, self.rate = True, None   # what was measured while warming up does not count
         dt = now - t0
-        denom = dt if busy is None else (busy - (b0 or 0.0))
-        if dt <= 0 or denom <= 1e-6:
-            return  # a learner that did no work in this interval says nothing about its capacity
+        denom = dt if starved is None else dt - (starved - (b0 or 0.0))
+        if dt <= 0 or denom <= 0.05 * dt:
+            return  # a learner starved nearly all this interval says little about its capacity
         inst = (count - c0) / denom
         alpha = 1.0 - math.exp(-dt * math.log(2) / self.halflife_s)
         self.rate = inst if self.rate is None else self.rate + alpha * (inst - self.rate)
@@ -97,8 +106,9 @@ class OverrideState:
 
 class Planner:
     def __init__(self, cfg: ExperimentConfig, backend: Backend, metrics: Metrics | None = None,
-                 clock=time.monotonic, wall=time.time):
+                 clock=time.monotonic, wall=time.time, journal: Path | None = None):
         self.cfg, self.backend, self.clock, self.wall = cfg, backend, clock, wall
+        self.journal = journal  # every recorded decision is appended here as one JSON line
         self.policy = policy_from_config(cfg)
         self.metrics = metrics or Metrics("planner")
         self.rates: dict[str, dict[str, ReplicaRate]] = {r: {} for r in ROLES}
@@ -243,6 +253,9 @@ class Planner:
         level = logging.INFO if msg.action == ppb.DECISION_ACTION_SCALE or msg.error else logging.DEBUG
         log.log(level, "decision %d (%s, %s%s): %s", msg.id, action, "applied" if msg.applied else "not applied",
                 f", error {msg.error}" if msg.error else "", msg.reason)
+        if self.journal is not None:
+            with open(self.journal, "a") as f:
+                f.write(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True)) + "\n")
         self.recorded.notify()
 
     def to_proto(self, d: Decision, inp: Inputs, *, trigger: str, applied: bool, dry_run: bool,

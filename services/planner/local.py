@@ -10,6 +10,7 @@ that dies on its own is restarted with exponential backoff, like a Deployment's 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -155,3 +156,5 @@ class LocalBackend:
                 self.exit_codes[p.name] = code
             if role == "actor" and self.draining:
                 await asyncio.gather(*self.draining, return_exceptions=True)
+        # `kuberl up` reports these in its summary.
+        (self.run_dir / "planner-exit-codes.json").write_text(json.dumps(self.exit_codes))

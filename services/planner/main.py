@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local backend: directory for the started processes' logs/, ready/ and checkpoints/")
     p.add_argument("--actor-port", type=int, default=50053,
                    help="local backend, env.mode external: actor i listens on 127.0.0.1:(this + i) (default 50053)")
+    p.add_argument("--journal", default=None,
+                   help="append every decision as a JSON line to this file (default: <run-dir>/decisions.jsonl "
+                        "with the local backend, none otherwise)")
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE"),
                    help="kubernetes backend: namespace of the managed Deployments (default $POD_NAMESPACE, "
                         "else planner.kubernetes.namespace, else the kubeconfig's)")
@@ -69,10 +72,10 @@ def make_backend(cfg: ExperimentConfig, args: argparse.Namespace, metrics: Metri
 
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen: str | None = None,
-                  metrics: Metrics | None = None):
+                  metrics: Metrics | None = None, journal: Path | None = None):
     """Start the planner on `backend`; yields (Endpoints, Planner). Leaving stops the backend's processes."""
     metrics = metrics or Metrics("planner")
-    planner = Planner(cfg, backend, metrics)
+    planner = Planner(cfg, backend, metrics, journal=journal)
     servicer = PlannerServicer(planner, metrics)
     srv = await start_server(listen, lambda s: planner_pb2_grpc.add_PlannerServicer_to_server(servicer, s),
                              [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
@@ -103,8 +106,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
     metrics = Metrics("planner")
     backend = make_backend(cfg, args, metrics)
+    journal = args.journal or (Path(args.run_dir) / "decisions.jsonl" if isinstance(
+        getattr(backend, "inner", backend), LocalBackend) else None)
     async with serving(cfg, backend, listen=args.listen, metrics_listen=args.metrics_listen or None,
-                       metrics=metrics) as (endpoints, _):
+                       metrics=metrics, journal=journal) as (endpoints, _):
         write_ready_file(args.ready_file, endpoints)
         log.info("planner (%s backend) serving gRPC on %s, metrics on %s", backend.name, endpoints.grpc,
                  endpoints.metrics)

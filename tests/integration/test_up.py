@@ -7,11 +7,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, TINY_PPO, wait_for, write_config
 
 
-def test_ctrl_c_stops_every_process_cleanly(tmp_path):
+@pytest.mark.parametrize("planner", [True, False], ids=["planner", "fixed-topology"])
+def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner):
     config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "topology": {"actors": 2},
+                                                "planner": {"enabled": planner},
                                                 "run": {"target_return": None, "poll_interval_s": 0.2}})
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
                              "--name", "run"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -32,10 +36,11 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path):
     assert "interrupted" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reason"] == "interrupted"
-    assert summary["exit_codes"] == {"buffer-0": 0, "learner-0": 0, "actor-0": 0, "actor-1": 0}
+    names = ["buffer-0", "learner-0", "actor-0", "actor-1"] + (["planner-0"] if planner else [])
+    assert summary["exit_codes"] == {name: 0 for name in names}
     assert summary["env_steps"] > 0
     assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))  # the learner's shutdown checkpoint
-    for name in ("buffer-0", "learner-0", "actor-0", "actor-1"):
+    for name in names:
         assert "stopped cleanly" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
 
 

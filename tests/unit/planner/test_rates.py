@@ -1,0 +1,49 @@
+"""Per-replica rates: warm-up from the first work done, learner capacity net of starved time, restarts."""
+
+import pytest
+
+from services.planner.core import ReplicaRate
+
+
+def test_actor_rate_counts_only_after_warm_up_from_first_progress():
+    r = ReplicaRate(halflife_s=5.0, warmup_s=3.0, now=0.0)
+    for t in range(0, 5):          # serving, but no env steps yet (imports, env creation)
+        r.update(float(t), 0.0, None)
+    assert r.first_progress is None and not r.usable(4.0, 15.0)
+    r.update(5.0, 10.0, None)       # a slow first second...
+    r.update(7.0, 20.0, None)
+    assert not r.warm
+    for t in range(8, 20):          # ...then 100 steps/s
+        r.update(float(t), 20.0 + 100.0 * (t - 7), None)
+    assert r.warm and r.usable(19.0, 15.0)
+    assert r.rate == pytest.approx(100.0)
+
+
+def test_learner_capacity_excludes_time_starved_of_batches():
+    r = ReplicaRate(halflife_s=5.0, warmup_s=0.0, now=0.0)
+    r.update(0.0, 0.0, 0.0)
+    # Each second: 1,000 samples trained, 0.75 s spent waiting for a batch -> 4,000 samples/s capacity.
+    for t in range(1, 10):
+        r.update(float(t), 1000.0 * t, 0.75 * t)
+    assert r.rate == pytest.approx(4000.0)
+    # A second with 99% starvation says nothing about capacity and leaves the estimate alone.
+    r.update(10.0, 9010.0, 0.75 * 9 + 0.99)
+    assert r.rate == pytest.approx(4000.0)
+
+
+def test_restart_under_the_same_name_starts_over():
+    r = ReplicaRate(halflife_s=5.0, warmup_s=1.0, now=0.0)
+    for t in range(6):
+        r.update(float(t), 100.0 * t, None)
+    assert r.usable(5.0, 15.0)
+    r.update(6.0, 3.0, None)
+    assert not r.warm and r.rate is None and not r.usable(6.0, 15.0)
+
+
+def test_stale_after_silence_or_never_reporting():
+    r = ReplicaRate(halflife_s=5.0, warmup_s=0.0, now=0.0)
+    assert not r.stale(10.0, 15.0) and r.stale(16.0, 15.0)   # never answered for 16 s
+    r.update(20.0, 0.0, None)
+    r.update(21.0, 50.0, None)
+    r.update(22.0, 100.0, None)
+    assert r.usable(30.0, 15.0) and not r.usable(40.0, 15.0) and r.stale(40.0, 15.0)
