@@ -63,7 +63,7 @@ def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
                 raise AssertionError(f"kuberl up ended early:\n{proc.stdout.read()}")
             journal = _journal(tmp_path)
             scaled = [d for d in journal if d.get("applied")]
-            return scaled and any(d["id"] > scaled[-1]["id"] and d.get("ratio") and abs(d["ratio"] - 1) <= tol
+            return scaled and any(int(d["id"]) > int(scaled[-1]["id"]) and d.get("ratio") and abs(d["ratio"] - 1) <= tol
                                   and d["action"] == "DECISION_ACTION_HOLD" for d in journal)
         wait_for(balanced, timeout=200, interval=1.0, what="a decision in band after the planner scaled")
     finally:

@@ -1,0 +1,116 @@
+"""The planner process end to end on Kubernetes: `python -m services.planner --backend kubernetes` with
+only the minimal Role of services/planner/rbac.py, discovering a real actor and learner through the
+Endpoints of headless Services, reading their GetStats, and scaling the actor Deployment through the
+scale subresource of a real kube-apiserver (no kubelet runs: the Deployment's pods never start, so the
+new replicas never report and the planner must not stack a second change on the first)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import grpc
+import pytest
+from kubernetes import client
+
+from kuberl.v1 import planner_pb2 as ppb
+from kuberl.v1 import planner_pb2_grpc
+from services.planner import rbac
+from tests.helpers import TINY_DQN, Service, wait_for, write_config
+from tests.k8s.cluster import grant
+from tests.integration.test_planner_kube import ACTOR, LEARNER, make_roles, spec_replicas
+
+
+def host_ip() -> str | None:
+    """A non-loopback IPv4 address of this machine (Endpoints may not hold loopback addresses)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent; this only picks the outgoing interface
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def endpoints(core, ns: str, name: str, ip: str, port: int, pod: str) -> None:
+    core.create_namespaced_service(ns, {"metadata": {"name": name}, "spec": {
+        "clusterIP": "None", "selector": {"app": name}, "ports": [{"name": "grpc", "port": port}]}})
+    core.create_namespaced_endpoints(ns, {"metadata": {"name": name}, "subsets": [{
+        "addresses": [{"ip": ip, "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}],
+        "ports": [{"name": "grpc", "port": port}]}]})
+
+
+def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_cluster, k8s_admin, k8s_namespace):
+    ip = host_ip()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address here: Kubernetes Endpoints cannot point at loopback")
+    ns = k8s_namespace
+    config = write_config(tmp_path / "c.yaml", {
+        **TINY_DQN, "dqn": {**TINY_DQN["dqn"], "replay_ratio": 8.0},
+        "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 50},
+        "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
+                    "actor": {"max": 4, "max_step_up": 2},
+                    "kubernetes": {"namespace": ns, "lease_duration_s": 4}}})
+    make_roles(k8s_admin, ns, actors=1)
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner")
+    kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "kubeconfig", user="kuberl-planner", namespace=ns)
+
+    procs = []
+    try:
+        buffer = Service("buffer", tmp_path, config)
+        procs.append(buffer)
+        baddr = buffer.wait_ready()
+        learner = Service("learner", tmp_path, config, "--buffer", baddr, "--checkpoint-dir", str(tmp_path / "ck"),
+                          listen="0.0.0.0:0")
+        procs.append(learner)
+        laddr = learner.wait_ready()
+        actor = Service("actor", tmp_path, config, "--buffer", baddr, "--learner", laddr, listen="0.0.0.0:0")
+        procs.append(actor)
+        aaddr = actor.wait_ready()
+        core = client.CoreV1Api(k8s_admin)
+        endpoints(core, ns, ACTOR, ip, int(aaddr.rsplit(":", 1)[1]), "actor-pod-0")
+        endpoints(core, ns, LEARNER, ip, int(laddr.rsplit(":", 1)[1]), "learner-pod-0")
+
+        planner = Service("planner", tmp_path, config, "--kubeconfig", str(kubeconfig), "--journal",
+                          str(tmp_path / "decisions.jsonl"))
+        procs.append(planner)
+        paddr = planner.wait_ready()
+        with grpc.insecure_channel(paddr) as ch:
+            stub = planner_pb2_grpc.PlannerStub(ch)
+            status = stub.GetStatus(ppb.GetStatusRequest(), timeout=10)
+            assert status.backend == "kubernetes"
+            wait_for(lambda: stub.GetStatus(ppb.GetStatusRequest(), timeout=10).leader, timeout=30,
+                     what="the planner to take the Lease")
+
+            # The planner measures the real actor (50 steps/s) against the learner's capacity and scales up.
+            wait_for(lambda: spec_replicas(k8s_admin, ns) > 1, timeout=120, interval=0.5,
+                     what=f"the actor Deployment scaled up; planner log:\n{planner.output()[-3000:]}")
+            assert spec_replicas(k8s_admin, ns) == 3                      # one step of +2
+            assert spec_replicas(k8s_admin, ns, LEARNER) == 1             # the learner stays at its max of 1
+            journal = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+            scaled = [d for d in journal if d.get("applied")]
+            assert len(scaled) == 1 and scaled[0]["backend"] == "kubernetes" and scaled[0]["ratio"] < 0.85
+            actor_role = {r["role"]: r for r in scaled[0]["roles"]}["actor"]
+            assert actor_role["rate_per_replica"] == pytest.approx(50, rel=0.3)
+
+            # No kubelet: the two new pods never report, so nothing more is stacked on the change.
+            first = int(scaled[0]["id"])  # uint64 is a string in proto JSON
+            wait_for(lambda: stub.GetStatus(ppb.GetStatusRequest(), timeout=10).last_decision.id > first + 2,
+                     timeout=30, what="more decisions")
+            last = stub.GetStatus(ppb.GetStatusRequest(), timeout=10).last_decision
+            assert last.action == ppb.DECISION_ACTION_SUPPRESSED and "not converged" in last.reason
+            assert spec_replicas(k8s_admin, ns) == 3
+
+            # Preview asks the apiserver for a dry run and changes nothing.
+            preview = stub.Preview(ppb.PreviewRequest(), timeout=30)
+            assert preview.dry_run and not preview.applied and spec_replicas(k8s_admin, ns) == 3
+
+            # A manual override goes through the same subresource.
+            d = stub.SetReplicas(ppb.SetReplicasRequest(role="actor", replicas=1, ttl_s=60), timeout=30)
+            assert d.applied and not d.error, d
+            assert spec_replicas(k8s_admin, ns) == 1
+        assert planner.terminate() == 0
+        assert "stopped cleanly" in planner.output()
+    finally:
+        for p in reversed(procs):
+            p.kill()
