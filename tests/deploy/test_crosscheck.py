@@ -360,3 +360,34 @@ def test_manifests_run_the_images_make_builds():
             assert image in tags, f"{name}: {role} runs {image}, which `make images` does not build"
             assert f"-f docker/{role}.Dockerfile " in tags[image]
             assert image.endswith("-cuda") == (name in ("kustomize gpu", "helm gpu") and role == "learner")
+
+
+# ---- the Helm chart and the kustomize base make the same objects ------------------------------------------
+def _comparable(objects: list[dict], tmp_path) -> dict:
+    """What must agree between the two: object kinds and names (the ConfigMap without kustomize's hash),
+    each container's args, ports, probes, resources, env and mounts, each pod's grace period, accounts and
+    security context, each Service's ports, the Role's rules, the PDB budgets and the loaded config."""
+    names = sorted((o["kind"], re.sub(r"^(kuberl-config)-[a-z0-9]+$", r"\1", o["metadata"]["name"])) for o in objects)
+    pods = {}
+    for role, w in workloads(objects).items():
+        spec = w["spec"]["template"]["spec"]
+        c = dict(container(w))
+        c.pop("image"), c.pop("imagePullPolicy")
+        pods[role] = {"kind": w["kind"], "replicas": w["spec"].get("replicas"), "strategy": w["spec"].get("strategy"),
+                      "container": c, **{k: spec[k] for k in ("terminationGracePeriodSeconds", "serviceAccountName",
+                                                              "automountServiceAccountToken", "securityContext")},
+                      "volumes": sorted(v["name"] for v in spec["volumes"])}
+    services = {s["metadata"]["name"]: s["spec"]["ports"] for s in of_kind(objects, "Service")}
+    (role,) = of_kind(objects, "Role")
+    pdbs = {p["metadata"]["name"]: {k: v for k, v in p["spec"].items() if k != "selector"}
+            for p in of_kind(objects, "PodDisruptionBudget")}
+    cfg, _ = config_of(objects, tmp_path)
+    return {"names": names, "pods": pods, "services": services, "rules": role["rules"], "pdbs": pdbs,
+            "config": cfg.to_dict()}
+
+
+def test_helm_chart_and_kustomize_base_agree(tmp_path):
+    base = _comparable(kustomize("base"), tmp_path)
+    chart = _comparable(helm_template(), tmp_path)
+    for key in base:
+        assert chart[key] == base[key], key
