@@ -355,7 +355,11 @@ def test_manifests_run_the_images_make_builds():
     assert set(tags) == {f"kuberl/{r}:{version}" for r in ROLES} | {f"kuberl/learner:{version}-cuda"}
     assert "--build-arg TORCH_INDEX_URL= " in tags[f"kuberl/learner:{version}-cuda"]   # PyPI's CUDA torch
     for name, render in RENDERS.items():
-        for role, w in workloads(render()).items():
+        try:
+            objects = render()
+        except pytest.skip.Exception:    # no Helm here: check the kustomize renders alone
+            continue
+        for role, w in workloads(objects).items():
             image = container(w)["image"]
             assert image in tags, f"{name}: {role} runs {image}, which `make images` does not build"
             assert f"-f docker/{role}.Dockerfile " in tags[image]
