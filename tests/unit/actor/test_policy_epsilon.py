@@ -1,0 +1,39 @@
+"""DQN exploration follows the run's progress, so an actor the planner adds late does not start random."""
+
+import numpy as np
+import pytest
+
+from services.actor.policy import Policy, epsilon_at, run_env_steps
+from services.common.config import config_from_dict
+from services.common.nets import env_spec
+from services.common.stats import Metrics
+
+CFG = config_from_dict({"algorithm": "dqn", "dqn": {"batch_size": 32, "learning_starts": 1000, "replay_ratio": 8.0,
+                                                     "exploration_steps": 10000, "start_epsilon": 1.0,
+                                                     "end_epsilon": 0.05, "hidden_sizes": [8]}})
+
+
+def test_run_env_steps_from_the_policy_version():
+    assert run_env_steps(None, 1000, 32, 8.0) == 0
+    assert run_env_steps(0, 1000, 32, 8.0) == 0
+    assert run_env_steps(1000, 1000, 32, 8.0) == 1000 + 1000 * 4   # 4 samples inserted per gradient step
+
+
+def test_a_late_actor_explores_as_little_as_the_run_and_an_early_one_as_its_own_steps():
+    policy = Policy(CFG, env_spec("CartPole-v1"), seed=0, metrics=Metrics("actor"))
+    obs = np.zeros((4096, 4), np.float32)
+    net_action = policy.net(__import__("torch").from_numpy(obs[:1])).argmax(1).item()
+
+    def explored(env_steps):
+        actions, _ = policy.act(obs, env_steps=env_steps)
+        return policy.metrics.gauges["actor/epsilon"], float(np.mean(actions != net_action))
+
+    eps, _ = explored(0)
+    assert eps == 1.0                                    # no weights yet: the configured start
+    policy.offer_weights(5000, {k: v.numpy() for k, v in policy.net.state_dict().items()})
+    policy.swap()
+    eps, frac = explored(0)                              # a new actor in a run 21,000 steps in
+    assert eps == pytest.approx(epsilon_at(21000, 1.0, 0.05, 10000)) == 0.05
+    assert frac < 0.1                                    # ~eps/2 of actions differ from the greedy one
+    eps, _ = explored(50000)                             # its own steps count when larger
+    assert eps == 0.05
