@@ -10,9 +10,10 @@ import os
 import socket
 import sys
 import uuid
+import zlib
 from contextlib import asynccontextmanager
 
-from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2, actor_pb2_grpc, learner_pb2_grpc
 from services.actor.inference import BatchedInference
 from services.actor.policy import Policy
 from services.actor.push import Pusher
@@ -40,19 +41,25 @@ async def _watch(worker_done: asyncio.Future) -> None:
     await worker_done
 
 
+def seed_index(actor_id: str, actor_index: int | None) -> int:
+    """The index env seeds derive from: as given, else (replicas of a Deployment get no ordinal) a
+    stable hash of the unique actor id, so no two replicas step identically seeded envs."""
+    return actor_index if actor_index is not None else zlib.crc32(actor_id.encode()) % 100_000
+
+
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, learner: str,
-                  actor_id: str | None = None, actor_index: int = 0):
+                  actor_id: str | None = None, actor_index: int | None = None):
     """Start an actor; yields its Endpoints. Leaving the context runs the shutdown sequence."""
     actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    actor_index = seed_index(actor_id, actor_index)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = Metrics("actor", instance_id=actor_id)
     loop = asyncio.get_running_loop()
     external = cfg.env.mode == "external"
     max_bytes = cfg.buffer.max_message_mb * MiB
     buffer_ch, learner_ch = make_channel(buffer, max_bytes), make_channel(learner, max_bytes)
-    pusher = Pusher(buffer_pb2_grpc.BufferStub(buffer_ch), cfg.actor.queue_fragments,
-                    cfg.actor.push_ack_interval_s, metrics)
+    pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics)
     rollout = hub = inference = worker = None
     if external:  # simulators connect over EnvSession and step themselves
         spec = spec_of(cfg.env)
@@ -81,7 +88,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             pass
 
     if rollout is not None:
-        worker = RolloutWorker(rollout, lambda msg: loop.call_soon_threadsafe(pusher.enqueue, msg), done)
+        # Fragments come serialized from the rollout thread; the event loop only writes bytes.
+        worker = RolloutWorker(rollout, lambda frag: loop.call_soon_threadsafe(pusher.enqueue, frag), done)
     else:
         done(None)  # no rollout thread to watch
     stopping = asyncio.Event()
@@ -142,7 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learner", default=os.environ.get("KUBERL_LEARNER", "127.0.0.1:50052"),
                    help="learner address host:port (default $KUBERL_LEARNER or 127.0.0.1:50052)")
     p.add_argument("--actor-id", default=None, help="unique actor id (default: host-pid-random)")
-    p.add_argument("--actor-index", type=int, default=0, help="index used to derive env seeds")
+    p.add_argument("--actor-index", type=int, default=None,
+                   help="index used to derive env seeds (seed + 1000 * index; default: from a hash of the actor id, "
+                        "so replicas of a Deployment step differently seeded envs)")
     return p.parse_args(argv)
 
 

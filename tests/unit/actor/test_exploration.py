@@ -1,4 +1,5 @@
-"""DQN exploration follows the run's progress, so an actor the planner adds late does not start random."""
+"""Exploration across replicas: DQN epsilon follows the run's progress (an actor the planner adds late does
+not start random), and replicas without an index step differently seeded envs."""
 
 import numpy as np
 import pytest
@@ -37,3 +38,12 @@ def test_a_late_actor_explores_as_little_as_the_run_and_an_early_one_as_its_own_
     assert frac < 0.1                                    # ~eps/2 of actions differ from the greedy one
     eps, _ = explored(50000)                             # its own steps count when larger
     assert eps == 0.05
+
+
+def test_actors_without_an_index_get_distinct_stable_seeds():
+    from services.actor.main import parse_args, seed_index
+
+    assert parse_args([]).actor_index is None
+    assert seed_index("actor-a", 3) == 3
+    assert seed_index("pod-x-1-abc", None) == seed_index("pod-x-1-abc", None)
+    assert len({seed_index(f"kuberl-actor-7d9f-{i}", None) for i in range(50)}) == 50
