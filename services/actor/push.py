@@ -5,6 +5,9 @@ Delivery: each stream is half-closed to receive a PushAck every `ack_interval_s`
 `unacked` and are re-sent on the next stream after a failure (the buffer's (actor_id, seq) dedupe
 makes that safe). When `capacity` fragments wait unsent, the oldest unsent one is dropped and counted
 in `actor/fragments_dropped_total`: the actor never waits for the network.
+
+Fragments travel as bytes serialized once, by whoever cut them (the rollout thread, with
+`encode_fragment`), and are written to the stream as they are: the event loop never re-encodes a payload.
 """
 
 from __future__ import annotations
@@ -15,33 +18,40 @@ from collections import deque
 
 import grpc
 
-from kuberl.v1 import buffer_pb2_grpc
+from kuberl.v1 import buffer_pb2
 from kuberl.v1 import common_pb2 as pb
+from services.common.fragments import EncodedFragment
 from services.common.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
 
-async def _write(call, msg: pb.TrajectoryFragment) -> None:
+PUSH_METHOD = "/kuberl.v1.Buffer/PushTrajectories"
+
+
+async def _write(call, item: EncodedFragment) -> None:
     """Write one message; if the RPC already ended (peer gone, or it refused the stream), raise the
     AioRpcError carrying its real status instead of grpc.aio's bare InvalidStateError."""
     try:
-        await call.write(msg)
+        await call.write(item.payload)
     except asyncio.InvalidStateError:
         await call  # a finished call with a non-OK status raises AioRpcError here
         raise
 
 
 class Pusher:
-    def __init__(self, stub: buffer_pb2_grpc.BufferStub, capacity: int, ack_interval_s: float,
-                 metrics: Metrics):
-        self.stub, self.capacity, self.ack_interval_s, self.metrics = stub, capacity, ack_interval_s, metrics
-        self.queue: deque[pb.TrajectoryFragment] = deque()
-        self.unacked: deque[pb.TrajectoryFragment] = deque()
+    def __init__(self, channel: grpc.aio.Channel, capacity: int, ack_interval_s: float, metrics: Metrics):
+        # PushTrajectories with the payload already serialized (no request serializer).
+        self.push = channel.stream_unary(PUSH_METHOD, request_serializer=None,
+                                         response_deserializer=buffer_pb2.PushAck.FromString)
+        self.capacity, self.ack_interval_s, self.metrics = capacity, ack_interval_s, metrics
+        self.queue: deque[EncodedFragment] = deque()
+        self.unacked: deque[EncodedFragment] = deque()
         self._wake = asyncio.Event()
         metrics.track_rate("actor/fragments_pushed_per_s", "actor/fragments_pushed_total")
         metrics.track_rate("actor/samples_pushed_per_s", "actor/samples_pushed_total")
+        metrics.track_rate("actor/bytes_pushed_per_s", "actor/bytes_pushed_total")
         for name in ("dropped", "rejected", "resent", "acked"):
             metrics.inc(f"actor/fragments_{name}_total", 0)
 
@@ -50,8 +60,12 @@ class Pusher:
         """Fragments not yet acknowledged by the buffer (unsent or in flight)."""
         return len(self.queue) + len(self.unacked)
 
-    def enqueue(self, msg: pb.TrajectoryFragment) -> None:
-        """Queue a fragment (event-loop thread). Drops, and counts, the oldest unsent one when full."""
+    def enqueue(self, msg: EncodedFragment | pb.TrajectoryFragment) -> None:
+        """Queue a fragment (event-loop thread). Drops, and counts, the oldest unsent one when full.
+
+        Pass an `EncodedFragment` serialized off the loop; a message is serialized here."""
+        if not isinstance(msg, EncodedFragment):
+            msg = EncodedFragment.of(msg)
         while len(self.queue) >= self.capacity:
             self.queue.popleft()
             self.metrics.inc("actor/fragments_dropped_total")
@@ -90,7 +104,7 @@ class Pusher:
 
     async def _stream(self, stopping: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        call = self.stub.PushTrajectories(timeout=self.ack_interval_s + 30.0)
+        call = self.push(timeout=self.ack_interval_s + 30.0)
         for msg in list(self.unacked):  # whatever the last broken stream may not have delivered
             await _write(call, msg)
             self.metrics.inc("actor/fragments_resent_total")
@@ -105,7 +119,8 @@ class Pusher:
             self.unacked.append(msg)
             await _write(call, msg)
             self.metrics.inc("actor/fragments_pushed_total")
-            self.metrics.inc("actor/samples_pushed_total", msg.num_steps * len(msg.env_ids))
+            self.metrics.inc("actor/samples_pushed_total", msg.samples)
+            self.metrics.inc("actor/bytes_pushed_total", len(msg.payload))
         await call.done_writing()
         ack = await call
         if ack.HasField("high_water_seq"):

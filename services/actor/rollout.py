@@ -15,9 +15,8 @@ import time
 import numpy as np
 import torch
 
-from kuberl.v1 import common_pb2 as pb
 from services.common.config import ExperimentConfig, is_atari
-from services.common.fragments import ALGORITHM_CODES, build_fragment
+from services.common.fragments import ALGORITHM_CODES, EncodedFragment, encode_fragment
 from services.actor.episodes import EpisodeLog
 from services.actor.policy import Policy
 from services.common.envs import make_vector_env, spec_of
@@ -68,8 +67,8 @@ class Rollout:
     def policy_version(self) -> int | None:
         return self.policy.version
 
-    def collect(self, stop: threading.Event | None = None) -> pb.TrajectoryFragment | None:
-        """Step every env T times (fewer if `stop` is set meanwhile) and return the fragment.
+    def collect(self, stop: threading.Event | None = None) -> EncodedFragment | None:
+        """Step every env T times (fewer if `stop` is set meanwhile) and return the fragment, serialized.
 
         Blocking; call from the worker thread. Returns None only if stopped before any step.
         """
@@ -105,7 +104,7 @@ class Rollout:
             self._pace.step()
         if t == 0:
             return None
-        msg = build_fragment(
+        msg = encode_fragment(
             actor_id=self.actor_id, seq=self.seq, policy_version=self.policy_version or 0,
             algorithm=self.algorithm, env_ids=range(N), obs=obs_buf[:t + 1], actions=actions[:t],
             rewards=rewards[:t], terminated=terminated[:t], truncated=truncated[:t],

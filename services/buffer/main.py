@@ -7,8 +7,8 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
-from services.buffer.servicer import BufferServicer
+from kuberl.v1 import buffer_pb2
+from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
 from services.common.config import ExperimentConfig, load_config
 from services.common.grpcutil import MiB, start_server
@@ -26,7 +26,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     metrics = Metrics("buffer")
     store = Store(cfg, metrics)
     servicer = BufferServicer(store, metrics)
-    srv = await start_server(listen, lambda s: buffer_pb2_grpc.add_BufferServicer_to_server(servicer, s),
+    srv = await start_server(listen, lambda s: add_to_server(servicer, s),
                              [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
                              max_message_bytes=cfg.buffer.max_message_mb * MiB)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None

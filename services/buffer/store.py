@@ -23,7 +23,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.buffer.fifo import RolloutFifo
 from services.buffer.replay import ReplayRing
 from services.common.config import ExperimentConfig
-from services.common.fragments import ALGORITHM_CODES, batch_samples, decode_fragment
+from services.common.fragments import ALGORITHM_CODES, RawFragment, batch_samples, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import TensorError, encode
 
@@ -60,7 +60,7 @@ class Store:
         self.algorithm = ALGORITHM_CODES[cfg.algorithm]
         self.max_elements = cfg.buffer.max_message_mb * (1 << 20)
         self.replay = ReplayRing(cfg.dqn.buffer_size, seed=cfg.seed) if cfg.algorithm == "dqn" else None
-        self.fifo: RolloutFifo[pb.TrajectoryFragment] | None = (
+        self.fifo: RolloutFifo[pb.TrajectoryFragment | RawFragment] | None = (
             RolloutFifo(cfg.buffer.fifo_capacity_steps) if cfg.algorithm == "ppo" else None)
         self._actors: OrderedDict[str, SeqWindow] = OrderedDict()
         self.inserted_samples = 0
@@ -118,8 +118,12 @@ class Store:
         window = self._actors.get(actor_id)
         return None if window is None or window.high < 0 else window.high
 
-    def insert(self, msg: pb.TrajectoryFragment) -> Outcome:
-        """Validate, dedupe and store one fragment. Raises TensorError (nothing stored) if refused."""
+    def insert(self, msg: pb.TrajectoryFragment | RawFragment) -> Outcome:
+        """Validate, dedupe and store one fragment. Raises TensorError (nothing stored) if refused.
+
+        A RawFragment (the push path) is validated on views of its bytes and stored as those bytes:
+        nothing of its payload is copied until a batch is cut.
+        """
         frag = decode_fragment(msg, algorithm=self.algorithm, max_elements=self.max_elements)
         window = self._actors.get(frag.actor_id)
         if window is not None and window.seen(frag.seq):
@@ -174,7 +178,11 @@ class Store:
             if frags is None:
                 self.wait_reason = "empty"
                 return None
-            batch.rollouts.fragments.extend(frags)
+            for f in frags:  # raw bytes are merged as they came: one parse, no re-encoding
+                if isinstance(f, RawFragment):
+                    batch.rollouts.fragments.add().MergeFromString(f.data)
+                else:
+                    batch.rollouts.fragments.append(f)
             if version is not None:
                 self.staleness.observe([version - f.policy_version for f in frags],
                                        [f.num_steps * len(f.env_ids) for f in frags])

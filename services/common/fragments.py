@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.tensors import DEFAULT_MAX_ELEMENTS, TensorError, decode, encode
+from services.common import wire
+from services.common.tensors import DEFAULT_MAX_ELEMENTS, TensorError, decode, encode, encode_parts
 
 MAX_STEPS = 65536
 MAX_ID_LEN = 128
@@ -63,6 +64,88 @@ class Fragment:
         return nxt
 
 
+_FRAGMENT_FIELDS = {f.number: f for f in pb.TrajectoryFragment.DESCRIPTOR.fields}
+_FIELD_NUMBERS = {f.name: f.number for f in pb.TrajectoryFragment.DESCRIPTOR.fields}
+_TENSOR_FIELDS = {f.number: f.name for f in pb.Tensor.DESCRIPTOR.fields}
+_TENSOR_NAMES = frozenset(f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields
+                          if f.message_type is pb.Tensor.DESCRIPTOR)
+
+
+class RawTensor:
+    """A Tensor read off the wire: `data` is a memoryview of the received bytes (no copy)."""
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, buf: memoryview):
+        self.dtype, self.shape, self.data = 0, [], memoryview(b"")
+        for number, wire_type, value in wire.fields(buf):
+            name = _TENSOR_FIELDS.get(number)
+            if name == "dtype" and wire_type == wire.VARINT:
+                self.dtype = value
+            elif name == "shape":
+                self.shape.extend(wire.as_int64(v) for v in wire.packed_varints(value, wire_type))
+            elif name == "data" and wire_type == wire.LEN:
+                self.data = value
+            elif name is not None:
+                raise wire.WireError(f"Tensor.{name} has wire type {wire_type}")
+
+
+class RawFragment:
+    """A TrajectoryFragment read from its serialized bytes without copying the tensor payloads.
+
+    Quacks like the generated message as far as `decode_fragment` and the buffer need (the scalar
+    fields, `env_ids`, `HasField`, the tensors as RawTensor) and keeps `data`, the bytes it came
+    from, to be forwarded as they are. Construction never raises: a malformed message is recorded
+    in `error` (with whatever was read before it, e.g. `seq`) and raised by `decode_fragment`.
+    """
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.actor_id, self.seq, self.policy_version, self.algorithm, self.num_steps = "", 0, 0, 0, 0
+        self.created_unix_s = 0.0
+        self.env_ids: list[int] = []
+        self._tensors: dict[str, RawTensor] = {}
+        self.error: str | None = None
+        try:
+            self._read(memoryview(data))
+        except (wire.WireError, UnicodeDecodeError) as err:
+            self.error = f"malformed TrajectoryFragment: {err}"
+
+    def _read(self, buf: memoryview) -> None:
+        for number, wire_type, value in wire.fields(buf):
+            fd = _FRAGMENT_FIELDS.get(number)
+            if fd is None:
+                continue  # an unknown (newer) field: skipped, as protobuf does
+            name = fd.name
+            if name in _TENSOR_NAMES:
+                if wire_type != wire.LEN:
+                    raise wire.WireError(f"{name} has wire type {wire_type}")
+                if name in self._tensors:  # never written by a protobuf encoder; refused, not merged
+                    raise wire.WireError(f"{name} appears twice")
+                self._tensors[name] = RawTensor(value)
+            elif name == "env_ids":
+                self.env_ids.extend(wire.packed_varints(value, wire_type))
+            elif name == "actor_id" and wire_type == wire.LEN:
+                self.actor_id = str(value, "utf-8")
+            elif name == "created_unix_s" and wire_type == wire.FIXED64:
+                self.created_unix_s = float(np.frombuffer(value.to_bytes(8, "little"), "<f8")[0])
+            elif wire_type == wire.VARINT and name in ("seq", "policy_version", "algorithm", "num_steps"):
+                setattr(self, name, value)
+            else:
+                raise wire.WireError(f"{name} has wire type {wire_type}")
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (the generated messages' name)
+        return name in self._tensors
+
+    def __getattr__(self, name: str):
+        if name in _TENSOR_NAMES:  # an absent tensor reads as empty, as on a generated message
+            return self._tensors.get(name) or RawTensor(memoryview(b""))
+        raise AttributeError(name)
+
+    def to_message(self) -> pb.TrajectoryFragment:
+        """The generated message (a parse: copies the payload)."""
+        return pb.TrajectoryFragment.FromString(self.data)
+
+
 def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
                    obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
@@ -83,24 +166,69 @@ def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: i
     return msg
 
 
-def _expect(cond: bool, field: str, message: str) -> None:
+@dataclass(frozen=True)
+class EncodedFragment:
+    """A serialized TrajectoryFragment with the header fields a sender needs to track it."""
+    seq: int
+    samples: int   # T * N
+    payload: bytes
+
+    @classmethod
+    def of(cls, msg: pb.TrajectoryFragment) -> EncodedFragment:
+        return cls(msg.seq, msg.num_steps * len(msg.env_ids), msg.SerializeToString())
+
+
+def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
+                    obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
+                    truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
+                    behaviour_logprob: np.ndarray | None = None,
+                    created_unix_s: float | None = None) -> EncodedFragment:
+    """`build_fragment(...).SerializeToString()`, byte for byte, with the tensor data copied once.
+
+    Building the message copies each array into it and serializing copies it again; this writes the
+    wire format directly and joins the arrays' own memory into the payload in one copy (the actor
+    calls it in its rollout thread, so the event loop only writes bytes).
+    """
+    head = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version, algorithm=algorithm,
+                                 env_ids=list(env_ids), num_steps=rewards.shape[0]).SerializeToString()
+    parts: list = [head]
+    tensors = [("obs", obs), ("actions", actions), ("rewards", rewards.astype(np.float32, copy=False)),
+               ("terminated", terminated.astype(bool, copy=False)), ("truncated", truncated.astype(bool, copy=False)),
+               ("final_obs", final_obs), ("final_index", final_index.astype(np.int64, copy=False))]
+    if behaviour_logprob is not None:
+        tensors.append(("behaviour_logprob", behaviour_logprob.astype(np.float32, copy=False)))
+    for name, arr in tensors:  # in field-number order, as the protobuf runtime writes them
+        t_head, data = encode_parts(arr)
+        parts += [wire.len_prefix(_FIELD_NUMBERS[name], len(t_head) + len(data)), t_head, data]
+    parts.append(pb.TrajectoryFragment(
+        created_unix_s=time.time() if created_unix_s is None else created_unix_s).SerializeToString())
+    return EncodedFragment(seq, int(rewards.size), b"".join(parts))
+
+
+def _expect(cond: bool, field: str, message) -> None:
+    """Raise TensorError(field, message) unless `cond`; `message` may be a callable, formatted only
+    on failure (the checks run for every fragment a buffer receives)."""
     if not cond:
-        raise TensorError(field, message)
+        raise TensorError(field, message() if callable(message) else message)
 
 
-def decode_fragment(msg: pb.TrajectoryFragment, *, algorithm: int | None = None,
+def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int | None = None,
                     max_elements: int = DEFAULT_MAX_ELEMENTS) -> Fragment:
     """Validate a TrajectoryFragment and return it decoded (zero-copy views of its bytes).
 
     `algorithm`, when given, is the only algorithm accepted. Raises TensorError naming the field.
+    `msg` may be a RawFragment (the zero-copy read of the serialized bytes); its arrays are then
+    views of those bytes.
     """
-    _expect(0 < len(msg.actor_id) <= MAX_ID_LEN, "actor_id", f"must be 1..{MAX_ID_LEN} characters")
-    _expect(msg.algorithm in ALGORITHM_NAMES, "algorithm", f"unknown or unspecified algorithm {msg.algorithm}")
+    if isinstance(msg, RawFragment) and msg.error is not None:
+        raise TensorError("fragment", msg.error)
+    _expect(0 < len(msg.actor_id) <= MAX_ID_LEN, "actor_id", lambda: f"must be 1..{MAX_ID_LEN} characters")
+    _expect(msg.algorithm in ALGORITHM_NAMES, "algorithm", lambda: f"unknown or unspecified algorithm {msg.algorithm}")
     if algorithm is not None and msg.algorithm != algorithm:
         raise TensorError("algorithm", f"fragment is for {ALGORITHM_NAMES[msg.algorithm]} but this "
                                        f"receiver serves {ALGORITHM_NAMES.get(algorithm, algorithm)}")
     T, N = msg.num_steps, len(msg.env_ids)
-    _expect(0 < T <= MAX_STEPS, "num_steps", f"{T} is outside 1..{MAX_STEPS}")
+    _expect(0 < T <= MAX_STEPS, "num_steps", lambda: f"{T} is outside 1..{MAX_STEPS}")
     _expect(N > 0, "env_ids", "must name at least one env")
 
     def get(name: str, present: bool = True) -> np.ndarray | None:
@@ -111,33 +239,33 @@ def decode_fragment(msg: pb.TrajectoryFragment, *, algorithm: int | None = None,
 
     obs = get("obs")
     _expect(obs.ndim >= 2 and obs.shape[:2] == (T + 1, N), "obs.shape",
-            f"must start with [T+1={T + 1}, N={N}], got {list(obs.shape)}")
+            lambda: f"must start with [T+1={T + 1}, N={N}], got {list(obs.shape)}")
     actions = get("actions")
     _expect(actions.ndim >= 2 and actions.shape[:2] == (T, N), "actions.shape",
-            f"must start with [T={T}, N={N}], got {list(actions.shape)}")
+            lambda: f"must start with [T={T}, N={N}], got {list(actions.shape)}")
     step_fields = {}
     for name, dtype in (("rewards", np.float32), ("terminated", np.bool_), ("truncated", np.bool_)):
         arr = get(name)
-        _expect(arr.shape == (T, N), f"{name}.shape", f"must be [T={T}, N={N}], got {list(arr.shape)}")
-        _expect(arr.dtype == dtype, f"{name}.dtype", f"must be {np.dtype(dtype).name}, got {arr.dtype.name}")
+        _expect(arr.shape == (T, N), f"{name}.shape", lambda: f"must be [T={T}, N={N}], got {list(arr.shape)}")
+        _expect(arr.dtype == dtype, f"{name}.dtype", lambda: f"must be {np.dtype(dtype).name}, got {arr.dtype.name}")
         step_fields[name] = arr
     _expect(bool(np.isfinite(step_fields["rewards"]).all()), "rewards", "holds NaN or infinity")
 
     final_index = get("final_index")
     _expect(final_index.ndim == 1 and final_index.dtype == np.int64, "final_index",
-            f"must be a 1-d int64 tensor, got {final_index.dtype.name} {list(final_index.shape)}")
+            lambda: f"must be a 1-d int64 tensor, got {final_index.dtype.name} {list(final_index.shape)}")
     done = np.flatnonzero((step_fields["terminated"] | step_fields["truncated"]).reshape(-1))
     _expect(np.array_equal(np.sort(final_index), done), "final_index",
-            f"must list each of the {len(done)} steps that ended an episode exactly once")
+            lambda: f"must list each of the {len(done)} steps that ended an episode exactly once")
     final_obs = get("final_obs")
     _expect(final_obs.shape == (len(final_index), *obs.shape[2:]) and final_obs.dtype == obs.dtype,
-            "final_obs", f"must be {obs.dtype.name} [K={len(final_index)}, *obs_shape={list(obs.shape[2:])}], "
+            "final_obs", lambda: f"must be {obs.dtype.name} [K={len(final_index)}, *obs_shape={list(obs.shape[2:])}], "
                          f"got {final_obs.dtype.name} {list(final_obs.shape)}")
 
     logprob = get("behaviour_logprob", present=msg.algorithm == pb.ALGORITHM_PPO)
     if logprob is not None:
         _expect(logprob.shape == (T, N) and logprob.dtype == np.float32, "behaviour_logprob",
-                f"must be float32 [T={T}, N={N}], got {logprob.dtype.name} {list(logprob.shape)}")
+                lambda: f"must be float32 [T={T}, N={N}], got {logprob.dtype.name} {list(logprob.shape)}")
     return Fragment(actor_id=msg.actor_id, seq=msg.seq, policy_version=msg.policy_version,
                     algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
                     final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, **step_fields)

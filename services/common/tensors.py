@@ -13,8 +13,10 @@ import math
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
+from services.common import wire
 
 MAX_RANK = 8
+_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 DEFAULT_MAX_ELEMENTS = 256 * 1024 * 1024
 
 _TO_NUMPY: dict[int, np.dtype] = {
@@ -70,6 +72,22 @@ def encode(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
     msg.shape[:] = arr.shape
     msg.data = np.ascontiguousarray(arr).tobytes()
     return msg
+
+
+def encode_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
+    """The serialized Tensor of `array` in two parts: the header (dtype, shape and the key and length
+    of `data`) and the element bytes as a memoryview of the array itself (no copy when the array
+    is already C-ordered little-endian). `header + data` is byte for byte what `encode(array)`
+    serializes to; callers join the parts of many tensors with a single copy."""
+    arr = np.asarray(array)
+    code = dtype_code(arr.dtype)
+    wire_dtype = _TO_NUMPY[code]
+    arr = np.ascontiguousarray(arr if arr.dtype == wire_dtype else arr.astype(wire_dtype))
+    head = pb.Tensor(dtype=code, shape=arr.shape).SerializeToString()
+    data = memoryview(arr.reshape(-1).view(np.uint8))
+    if len(data):  # proto3 leaves an empty `data` out
+        head += wire.len_prefix(_DATA_FIELD, len(data))
+    return head, data
 
 
 def check_shape(shape, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple[int, ...]:

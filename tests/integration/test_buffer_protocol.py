@@ -161,3 +161,24 @@ async def test_ppo_fragment_with_another_layout_is_invalid_argument(ppo_buffer):
         await _push(ppo_buffer, [make_fragment(seq=1, obs_dim=5)])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "obs" in err.value.details()
     assert (await _push(ppo_buffer, [make_fragment(seq=2, obs_dim=4)])).accepted == 1
+
+
+async def test_bytes_that_are_not_a_fragment_are_refused_without_naming_a_seq():
+    # The buffer reads pushed fragments straight from their bytes (services/common/wire.py).
+    async with buffer_main.serving(config_from_dict(TINY_PPO), listen="127.0.0.1:0") as endpoints:
+        async with grpc.aio.insecure_channel(endpoints.grpc) as channel:
+            raw_push = channel.stream_unary("/kuberl.v1.Buffer/PushTrajectories", request_serializer=None,
+                                            response_deserializer=buffer_pb2.PushAck.FromString)
+            call = raw_push(timeout=10)
+            await call.write(make_fragment(seq=0).SerializeToString())
+            await call.write(make_fragment(seq=1).SerializeToString()[:-5])  # cut short
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.done_writing()
+                await call
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed TrajectoryFragment" in err.value.details()
+            md = dict(err.value.trailing_metadata())
+            assert "kuberl-rejected-seq" not in md  # bytes that do not parse cannot name their seq
+            assert md["kuberl-accepted"] == "1" and md["kuberl-last-accepted-seq"] == "0"
+            ack = await _push(buffer_pb2_grpc.BufferStub(channel), [make_fragment(seq=1)])
+            assert ack.accepted == 1

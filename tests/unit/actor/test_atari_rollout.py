@@ -10,7 +10,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
 from services.common.config import config_from_dict
-from services.common.fragments import decode_fragment
+from services.common.fragments import RawFragment, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import decode
 from services.learner.trainer import Trainer
@@ -33,7 +33,8 @@ def test_frames_stay_uint8_from_env_to_learner(tmp_path, algorithm):
     cfg = config(algorithm)
     rollout = Rollout(cfg, "atari-actor", 0, Metrics("actor"))
     try:
-        msgs = [rollout.collect() for _ in range(2)]
+        # The rollout serializes its fragments; read them back as the buffer's push path does.
+        msgs = [RawFragment(rollout.collect().payload) for _ in range(2)]
     finally:
         rollout.close()
     for m in msgs:
