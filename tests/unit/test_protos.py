@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.v1 import actor_pb2, buffer_pb2, learner_pb2
+from kuberl.v1 import actor_pb2, buffer_pb2, learner_pb2, planner_pb2
 from services.actor.servicer import ActorServicer
 from services.buffer.servicer import BufferServicer
 from services.learner.servicer import LearnerServicer
+from services.planner.servicer import PlannerServicer
 
 PROTOS = Path(__file__).resolve().parents[2] / "protos"
 
@@ -31,7 +32,7 @@ def test_committed_stubs_are_regenerated_byte_for_byte(tmp_path):
 
 
 @pytest.mark.parametrize("module, servicer", [(buffer_pb2, BufferServicer), (learner_pb2, LearnerServicer),
-                                              (actor_pb2, ActorServicer)])
+                                              (actor_pb2, ActorServicer), (planner_pb2, PlannerServicer)])
 def test_every_rpc_is_implemented(module, servicer):
     for service in module.DESCRIPTOR.services_by_name.values():
         for method in service.methods:
