@@ -1,5 +1,5 @@
 """services/common/envs.py and the Atari networks: preprocessing shapes and dtypes on both backends,
-game-name mapping, clear errors, the Nature CNN over uint8 frames, and learner.device."""
+game-name mapping, clear errors, and the Nature CNN over uint8 frames."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from services.common.config import AtariConfig, ConfigError, EnvConfig, config_from_dict
 from services.common.envs import atari_game, make_vector_env, spec_of
-from services.common.nets import ActorCritic, NatureCNN, QNetwork, resolve_device
+from services.common.nets import ActorCritic, NatureCNN, QNetwork
 
 pytest.importorskip("ale_py", reason="ale-py is in the actor extra")
 
@@ -86,18 +86,3 @@ def test_nature_cnn_takes_uint8_frames_and_scales_them_inside():
     torch.testing.assert_close(value, ac.value(frames))
     # The Nature architecture: 3 conv layers to 3136 features, then 512.
     assert torso.fc[0].in_features == 64 * 7 * 7 and torso.features == 512
-
-
-def test_device_setting():
-    assert config_from_dict({"learner": {"device": "auto"}}).learner.device == "auto"
-    assert config_from_dict({"learner": {"device": "cuda:1"}}).learner.device == "cuda:1"
-    with pytest.raises(ConfigError, match=r"^learner.device: 'gpu' is invalid"):
-        config_from_dict({"learner": {"device": "gpu"}})
-    assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where torch sees no GPU")
-def test_cuda_without_a_gpu_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"learner.device: 'cuda' but torch sees no CUDA device"):
-        resolve_device("cuda")
