@@ -51,8 +51,12 @@ class Rollout:
         self.spec = spec_of(cfg.env)
         # Atari: fragments carry sign(r) (Mnih et al. 2015); episode returns are logged unclipped.
         self.clip_rewards = is_atari(cfg.env.id) and cfg.env.atari.clip_rewards
+        # Atari episodic life (EpisodicLifeEnv of SB3/CleanRL): a lost life is a terminal step for
+        # learning while the game goes on; the episode log still records whole games.
+        self.episodic_life = is_atari(cfg.env.id) and cfg.env.atari.episodic_life
         seed = cfg.env.seed + 1000 * actor_index
-        self.obs, _ = self.envs.reset(seed=seed)
+        self.obs, info = self.envs.reset(seed=seed)
+        self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
         self.seq = 0
         self.env_steps = 0
@@ -86,6 +90,11 @@ class Rollout:
         while t < T and not (stop is not None and stop.is_set()):
             a, lp = self.policy.act(self.obs, self.env_steps)
             obs, r, term, trunc, info = self.envs.step(a)
+            ended = term | trunc
+            if self.episodic_life:
+                lives = np.asarray(info["lives"])
+                term = term | (~ended & (lives < self._lives))  # a life lost, the game continues
+                self._lives = lives
             actions[t], terminated[t], truncated[t] = a, term, trunc
             rewards[t] = np.sign(r) if self.clip_rewards else r
             if logprob is not None:
@@ -93,9 +102,11 @@ class Rollout:
             self._ep_return += r
             self._ep_len += 1
             for i in np.flatnonzero(term | trunc):
-                final_obs.append(info["final_obs"][i])
+                # After a lost life the next observation is the true one (nothing was reset).
+                final_obs.append(info["final_obs"][i] if ended[i] else obs[i])
                 final_index.append(t * N + i)
-                self._finish_episode(i)
+                if ended[i]:
+                    self._finish_episode(i)
             obs_buf[t + 1] = obs
             self.obs = obs
             t += 1

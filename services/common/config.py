@@ -45,8 +45,9 @@ class AtariConfig:
     frameskip: int = 4
     screen_size: int = 84
     noop_max: int = 30
-    # A lost life ends the episode for learning (terminated); the actor's episode log then records
-    # one entry per life. Off by default: CleanRL and SB3 use it, but Pong has no lives.
+    # A lost life is a terminal step in fragments (no bootstrap through it) while the game goes on,
+    # as SB3's and CleanRL's EpisodicLifeEnv; episode returns are still logged per whole game.
+    # Off by default: Pong has no lives.
     episodic_life: bool = False
     # Rewards stored in fragments are sign(r) (Mnih et al. 2015); episode returns are logged unclipped.
     clip_rewards: bool = True

@@ -6,6 +6,9 @@ max-pooling, no-op reset, optional episodic life), either with ale-py's native m
 `AtariPreprocessing` + `FrameStackObservation` (backend "gymnasium"). Both give [N, stack, 84, 84]
 uint8 observations and autoreset in SAME_STEP mode with the true last observation in
 `info["final_obs"]`, which is what rollouts expect. Frames are never converted to float here.
+Episodic life and reward clipping are left to the actor's rollout (services/actor/rollout.py): ale-py's
+own episodic_life restarts the whole game at every lost life, which is not the EpisodicLifeEnv
+semantics the reference hyper-parameters were tuned with.
 
 Imports gymnasium and ale-py (lazily): only actors and learners may import this module.
 """
@@ -72,7 +75,8 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
         return AtariVectorEnv(
             game, n, num_threads=a.threads or 0, autoreset_mode="SameStep", img_height=a.screen_size,
             img_width=a.screen_size, grayscale=True, stack_num=a.frame_stack, frameskip=a.frameskip, maxpool=True,
-            noop_max=a.noop_max, episodic_life=a.episodic_life, reward_clipping=False,  # clipped by the actor
+            noop_max=a.noop_max, reward_clipping=False,  # rewards are clipped, and lives handled, by the actor
+            episodic_life=False,
             repeat_action_probability=a.repeat_action_probability, full_action_space=a.full_action_space,
             use_fire_reset=True, **frames)
     gym.register_envs(ale_py)
@@ -80,7 +84,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
 
     def wrap(env):
         env = AtariPreprocessing(env, noop_max=a.noop_max, frame_skip=a.frameskip, screen_size=a.screen_size,
-                                 terminal_on_life_loss=a.episodic_life, grayscale_obs=True, scale_obs=False)
+                                 terminal_on_life_loss=False, grayscale_obs=True, scale_obs=False)
         return FrameStackObservation(env, a.frame_stack)
 
     # frameskip=1 in the base env: AtariPreprocessing skips (and max-pools) itself.

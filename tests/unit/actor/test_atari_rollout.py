@@ -61,3 +61,24 @@ def test_frames_stay_uint8_from_env_to_learner(tmp_path, algorithm):
     trainer.train(batch)
     assert trainer.version == 1
     assert trainer.metrics.counters["learner/batches_invalid_total"] == 0
+
+
+@pytest.mark.parametrize("backend", ["ale_vector", "gymnasium"])
+def test_episodic_life_marks_lost_lives_terminal_while_the_game_goes_on(tmp_path, backend):
+    # Breakout under random play loses lives within a few hundred steps.
+    cfg = config_from_dict({"algorithm": "dqn", "env": {"id": "ALE/Breakout-v5", "num_envs": 1,
+                                                        "atari": {"episodic_life": True, "backend": backend}},
+                            "dqn": {"rollout_steps": 400, "buffer_size": 512, "batch_size": 8, "learning_starts": 8,
+                                    "start_epsilon": 1.0, "end_epsilon": 1.0}})  # random play serves the ball
+    rollout = Rollout(cfg, "lives", 0, Metrics("actor"))
+    try:
+        frag = decode_fragment(RawFragment(rollout.collect().payload))
+        episodes = rollout.episodes.count
+    finally:
+        rollout.close()
+    lost = np.flatnonzero(frag.terminated[:, 0])
+    assert len(lost) >= 2, "random play should lose at least two lives in 400 steps"
+    # The first terminal step of a game is a lost life, not a reset: its true last observation is the
+    # next one. Breakout has 5 lives, so each game the episode log recorded took 5 terminal steps.
+    np.testing.assert_array_equal(frag.final_obs[0], frag.obs[lost[0] + 1, 0])
+    assert len(lost) >= 5 * episodes and len(lost) > episodes
