@@ -136,6 +136,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                              actor_id, c["actor/fragments_total"], c["actor/fragments_acked_total"],
                              c["actor/fragments_dropped_total"], c["actor/fragments_rejected_total"])
     finally:
+        await srv.close()
         if prom is not None:
             prom.close()
         await buffer_ch.close()                             # 5. close channels, release envs

@@ -26,9 +26,12 @@ def run_env_steps(version: int | None, learning_starts: int, batch_size: int, re
     """The run's env steps so far, as implied by a DQN policy version: the learner starts after
     `learning_starts` samples and then takes one gradient step per `batch_size / replay_ratio` samples
     inserted (the buffer paces it to that). An actor started late, e.g. by the planner, anneals epsilon
-    by this, so it does not begin at start_epsilon and flood the replay with random transitions."""
+    by this, so it does not begin at start_epsilon and flood the replay with random transitions.
+    An unpaced learner (replay_ratio 0) says nothing beyond having started: `learning_starts`."""
     if not version:
         return 0
+    if replay_ratio <= 0:
+        return learning_starts
     return int(learning_starts + version * batch_size / replay_ratio)
 
 

@@ -49,6 +49,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                 log.info("buffer stopped holding %d samples (%d received, %d served)", store.size,
                          store.inserted_samples, store.served_samples)
     finally:
+        await srv.close()
         if prom is not None:
             prom.close()
 

@@ -54,6 +54,12 @@ class Serving:
         for name in ["", *self.names]:
             await self.health.set(name, status)
 
+    async def close(self) -> None:
+        """Stop at once, cancelling calls still running; a no-op after a graceful `server.stop`.
+        Each service's `serving()` ends with this, so a shutdown sequence that failed part-way
+        (a crashed loop re-raised mid-sequence) never leaves a server running behind it."""
+        await self.server.stop(None)
+
 
 async def start_server(listen: str, register, service_names: list[str], *,
                        max_message_bytes: int, max_connection_age_s: float | None = 300.0) -> Serving:

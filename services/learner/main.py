@@ -144,6 +144,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     hub.close()                    # 4. end weight streams, stop serving
                     await srv.server.stop(grace=1.0)
     finally:
+        await srv.close()
         if prom is not None:
             prom.close()
         await channel.close()

@@ -97,6 +97,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
                 await srv.server.stop(grace=1.0)
                 tick.cancel()
     finally:
+        await srv.close()
         await backend.close()                         # 4. drain actors, stop learners (local)
         if prom is not None:
             prom.close()

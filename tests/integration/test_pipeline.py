@@ -99,3 +99,26 @@ async def test_actor_episodes_feed_has_a_cursor(tmp_path):
             assert all(e.episode_return == e.length > 0 for e in first)  # CartPole: +1 per step
             later = await _until(lambda: episodes(indexes[-1]))
             assert later[0].index == indexes[-1] + 1
+
+
+async def test_a_crashed_rollout_ends_serving_with_the_error_and_no_server_left_behind(tmp_path, monkeypatch):
+    """The rollout thread's exception comes out of `serving()` (the process would exit 1), and every
+    server is stopped even though the actor's shutdown sequence was cut short by it."""
+    from services.actor.policy import Policy
+
+    def crash(self, obs, env_steps=0):
+        raise ZeroDivisionError("policy exploded")
+
+    monkeypatch.setattr(Policy, "act", crash)
+    cfg = config_from_dict(TINY_PPO)
+    addresses = []
+    with pytest.raises(ExceptionGroup) as err:
+        async with stack(cfg, tmp_path) as (buffer, learner, actor):
+            addresses += [buffer, learner, actor]
+            await asyncio.sleep(30)  # the crash ends this sooner
+    assert err.group_contains(ZeroDivisionError, match="policy exploded")
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -18,6 +18,7 @@ def test_run_env_steps_from_the_policy_version():
     assert run_env_steps(None, 1000, 32, 8.0) == 0
     assert run_env_steps(0, 1000, 32, 8.0) == 0
     assert run_env_steps(1000, 1000, 32, 8.0) == 1000 + 1000 * 4   # 4 samples inserted per gradient step
+    assert run_env_steps(1000, 1000, 32, 0.0) == 1000               # unpaced: only that learning started
 
 
 def test_a_late_actor_explores_as_little_as_the_run_and_an_early_one_as_its_own_steps():
