@@ -4,7 +4,9 @@
 
 (a) Push throughput from one actor process to one buffer process for fragment sizes 64 KB..4 MB,
     next to raw TCP between two Python processes measured in the same run (the hardware limit as
-    Python sees it: length-prefixed sendall of a ready buffer, recv_into a preallocated one).
+    Python sees it: length-prefixed sendall of a ready buffer, recv_into a preallocated one), the
+    gRPC floor (ready bytes on one client stream to a server that drops them) and a naive
+    grpc.aio client stream (generated messages, parsed and validated by the protobuf runtime).
     The actor side is the real one: a thread cuts fragments with `build_fragment` (as the rollout
     thread does) and the actor's `Pusher` streams them; the buffer is `python -m services.buffer`.
     Throughput counts fragment payload bytes, from the first fragment cut until the buffer has
@@ -190,7 +192,8 @@ def _actor(address: str, actor_id: str, shape: tuple[int, int, int], count: int,
         channel = make_channel(address, 64 * MiB)
         await channel.channel_ready()
         pusher = Pusher(channel, cfg.queue_fragments, cfg.push_ack_interval_s, metrics)
-        room = threading.Semaphore(pusher.capacity)  # the bench never lets the pusher drop a fragment
+        # The bench never lets the pusher drop a fragment: the producer waits while its queue is full.
+        room = threading.Semaphore(pusher.capacity)
         stopping = asyncio.Event()
 
         def produce() -> None:
@@ -209,10 +212,10 @@ def _actor(address: str, actor_id: str, shape: tuple[int, int, int], count: int,
         push = asyncio.create_task(pusher.run(stopping))
         released = 0
         while not push.done():
-            acked = int(metrics.counters["actor/fragments_acked_total"])
-            for _ in range(acked - released):
+            sent = int(metrics.counters["actor/fragments_pushed_total"])  # left the queue
+            for _ in range(sent - released):
                 room.release()
-            released = acked
+            released = sent
             await asyncio.sleep(0.001)
         await push
         seconds = time.perf_counter() - started
@@ -262,23 +265,30 @@ def grpc_push(buffer: BufferProcess, size: int, total_bytes: int) -> dict:
             "sender_cpu_s_per_gb": _per_gb(tx_cpu, nbytes)}
 
 
-def _floor_server(port_q) -> None:
-    """A gRPC server with kuberl's server options whose PushTrajectories takes the bytes and drops them."""
+def _floor_server(port_q, naive: bool = False) -> None:
+    """A gRPC server with kuberl's server options whose PushTrajectories takes the bytes and drops them,
+    or (`naive`) lets the protobuf runtime parse each message and validates it with decode_fragment."""
     import grpc
     import uvloop
 
     from kuberl.v1 import buffer_pb2
     from services.common.grpcutil import MiB, server_options
 
+    from kuberl.v1 import common_pb2 as pb
+    from services.common.fragments import decode_fragment
+
     async def push(requests, context):
         n = 0
-        async for _ in requests:
+        async for msg in requests:
+            if naive:
+                decode_fragment(msg)
             n += 1
         return buffer_pb2.PushAck(accepted=n)
 
     async def main() -> None:
         server = grpc.aio.server(options=server_options(64 * MiB))
-        handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=None,
+        handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=(
+            pb.TrajectoryFragment.FromString if naive else None),
                                                        response_serializer=buffer_pb2.PushAck.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kuberl.v1.Buffer",
                                                                               {"PushTrajectories": handler}),))
@@ -289,31 +299,51 @@ def _floor_server(port_q) -> None:
     uvloop.run(main())
 
 
-def grpc_floor(size: int, total_bytes: int) -> dict:
+def grpc_floor(size: int, total_bytes: int, naive: bool = False) -> dict:
     """The same gRPC stack and channel options with no work per message: ready bytes written on one
     client stream from this process to a server process that discards them. What any Python gRPC
-    client stream can reach here; kuberl's push adds cutting, tracking and validating fragments."""
+    client stream can reach here; kuberl's push adds cutting, tracking and validating fragments.
+
+    `naive`: a plain grpc.aio client stream of generated messages instead (built per message with
+    build_fragment, serialized by gRPC on the event loop), parsed by the protobuf runtime and
+    validated with decode_fragment on the server: the design before this benchmark existed."""
     import uvloop
 
     from kuberl.v1 import buffer_pb2
+    from kuberl.v1 import common_pb2 as pb
+    from services.common.fragments import build_fragment
     from services.common.grpcutil import MiB, make_channel
 
     count = max(4, total_bytes // size)
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
-    server = ctx.Process(target=_floor_server, args=(port_q,), daemon=True)
+    server = ctx.Process(target=_floor_server, args=(port_q, naive), daemon=True)
     server.start()
     port = port_q.get(timeout=60)
-    payloads = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes() for i in range(8)]
+    T, N, D = PUSH_T, PUSH_N, max(1, size // ((PUSH_T + 1) * PUSH_N))
+    obs = [np.random.default_rng(i).integers(0, 256, (T + 1, N, D), dtype=np.uint8) for i in range(8)]
+    payloads = [o.tobytes() for o in obs]
+
+    def message(i: int):
+        if not naive:
+            return payloads[i % len(payloads)]
+        return build_fragment(
+            actor_id="naive", seq=i, policy_version=0, algorithm=pb.ALGORITHM_PPO, env_ids=range(N),
+            obs=obs[i % len(obs)], actions=np.zeros((T, N), np.int64), rewards=np.zeros((T, N), np.float32),
+            terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
+            final_obs=np.empty((0, D), np.uint8), final_index=np.empty(0, np.int64),
+            behaviour_logprob=np.zeros((T, N), np.float32))
 
     async def run() -> tuple[float, float, float | None]:
         channel = make_channel(f"127.0.0.1:{port}", 64 * MiB)
         await channel.channel_ready()
-        call = channel.stream_unary("/kuberl.v1.Buffer/PushTrajectories", request_serializer=None,
-                                    response_deserializer=buffer_pb2.PushAck.FromString)()
+        call = channel.stream_unary(
+            "/kuberl.v1.Buffer/PushTrajectories",
+            request_serializer=pb.TrajectoryFragment.SerializeToString if naive else None,
+            response_deserializer=buffer_pb2.PushAck.FromString)()
         rx, tx, started = process_cpu_s(server.pid), time.process_time(), time.perf_counter()
         for i in range(count):
-            await call.write(payloads[i % len(payloads)])
+            await call.write(message(i))
         await call.done_writing()
         if (await call).accepted != count:
             raise RuntimeError("the floor server lost messages")
@@ -327,7 +357,7 @@ def grpc_floor(size: int, total_bytes: int) -> dict:
     finally:
         server.kill()
         server.join()
-    nbytes = count * size
+    nbytes = count * (T + 1) * N * D
     return {"bytes_per_s": nbytes / seconds, "receiver_cpu_s_per_gb": _per_gb(rx_cpu, nbytes),
             "sender_cpu_s_per_gb": _per_gb(tx_cpu, nbytes)}
 
@@ -340,31 +370,33 @@ def part_a(sizes: list[int], total_bytes: int, repeats: int, tmp: Path) -> list[
     best run is the one least disturbed)."""
     rows = []
     print("(a) one actor process -> one buffer process, loopback; MB/s, best of the runs")
-    print(f"{'size':>8} | {'raw TCP':>8} | {'gRPC floor':>10} | {'push':>6} | {'push/TCP':>8} | {'push/floor':>10} | "
-          f"receiver CPU s/GB: TCP, floor, buffer | sender: TCP, floor, actor")
+    print(f"{'size':>8} | {'raw TCP':>8} | {'gRPC floor':>10} | {'naive':>6} | {'push':>6} | {'naive/TCP':>9} | "
+          f"{'push/TCP':>8} | {'push/floor':>10} | receiver CPU s/GB: TCP, floor, naive, buffer | sender: same")
     for size in sizes:
         buffer = BufferProcess(tmp, buffer_config(fifo_steps=4096))  # a PPO buffer holds one layout
-        runs: dict[str, list[dict]] = {"raw_tcp": [], "grpc_floor": [], "push": []}
+        runs: dict[str, list[dict]] = {"raw_tcp": [], "grpc_floor": [], "naive": [], "push": []}
         try:
             for _ in range(repeats):
                 runs["raw_tcp"].append(raw_tcp(size, total_bytes))
                 runs["grpc_floor"].append(grpc_floor(size, total_bytes))
+                runs["naive"].append(grpc_floor(size, total_bytes, naive=True))
                 runs["push"].append(grpc_push(buffer, size, total_bytes))
         finally:
             buffer.stop()
         best = {k: max(v, key=lambda r: r["bytes_per_s"]) for k, v in runs.items()}
         rate = {k: v["bytes_per_s"] for k, v in best.items()}
         row = {"size_bytes": size, **best, "ratio": rate["push"] / rate["raw_tcp"],
-               "ratio_to_floor": rate["push"] / rate["grpc_floor"],
+               "ratio_to_floor": rate["push"] / rate["grpc_floor"], "naive_ratio": rate["naive"] / rate["raw_tcp"],
                "runs_bytes_per_s": {k: [r["bytes_per_s"] for r in v] for k, v in runs.items()}}
         rows.append(row)
 
         def cpu(side: str) -> str:
             return ", ".join("-" if best[k][side] is None else f"{best[k][side]:.2f}"
-                             for k in ("raw_tcp", "grpc_floor", "push"))
+                             for k in ("raw_tcp", "grpc_floor", "naive", "push"))
 
         print(f"{size // KB:>5} KB | {rate['raw_tcp'] / 1e6:>8.0f} | {rate['grpc_floor'] / 1e6:>10.0f} | "
-              f"{rate['push'] / 1e6:>6.0f} | {row['ratio']:>8.2f} | {row['ratio_to_floor']:>10.2f} | "
+              f"{rate['naive'] / 1e6:>6.0f} | {rate['push'] / 1e6:>6.0f} | {row['naive_ratio']:>9.2f} | "
+              f"{row['ratio']:>8.2f} | {row['ratio_to_floor']:>10.2f} | "
               f"{cpu('receiver_cpu_s_per_gb')} | {cpu('sender_cpu_s_per_gb')}", flush=True)
     return rows
 
@@ -432,11 +464,13 @@ def plot(result: dict, path: Path) -> None:
             kb = [r["size_bytes"] / KB for r in rows]
             ax.plot(kb, [r["raw_tcp"]["bytes_per_s"] / 1e6 for r in rows], "o-", label="raw TCP (Python)")
             ax.plot(kb, [r["grpc_floor"]["bytes_per_s"] / 1e6 for r in rows], "^:", label="gRPC floor (no work)")
+            ax.plot(kb, [r["naive"]["bytes_per_s"] / 1e6 for r in rows], "v:", label="naive grpc.aio stream")
             ax.plot(kb, [r["push"]["bytes_per_s"] / 1e6 for r in rows], "s-", label="kuberl push (gRPC)")
             for x, r in zip(kb, rows):
                 ax.annotate(f"{r['ratio']:.2f}", (x, r["push"]["bytes_per_s"] / 1e6), textcoords="offset points",
                             xytext=(0, -14), ha="center", fontsize=8)
             ax.set_xscale("log", base=2)
+            ax.set_xticks(kb, [f"{k:.0f}" for k in kb])
             ax.set_xlabel("message size (KB)")
             ax.set_ylabel("MB/s")
             ax.set_title("(a) actor -> buffer throughput, loopback")
@@ -449,6 +483,8 @@ def plot(result: dict, path: Path) -> None:
                 ax.plot([r["actors"] for r in sel], [r["eq1_tcp_s"] for r in sel], "--", color=line.get_color(),
                         label=f"eq. 1 (B = raw TCP), t_s = {t_s} s")
             ax.set_xscale("log", base=2)
+            actors = sorted({r["actors"] for r in rows})
+            ax.set_xticks(actors, [str(m) for m in actors])
             ax.set_yscale("log")
             ax.set_xlabel("actor processes")
             ax.set_ylabel("seconds")
