@@ -6,10 +6,10 @@ Each rule: (apiGroup, resource, verbs).
 """
 
 RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("apps", "deployments", ("get", "list", "watch")),          # desired/ready replicas, pause annotation
+    ("apps", "deployments", ("get",)),                          # its resourceVersion and pause annotation
     ("apps", "deployments/scale", ("get", "patch")),            # the only write: the scale subresource
-    ("autoscaling", "horizontalpodautoscalers", ("get", "list")),  # refuse to fight an HPA
-    ("", "endpoints", ("get", "list", "watch")),                # discover replicas of the headless Services
+    ("autoscaling", "horizontalpodautoscalers", ("list",)),     # refuse to fight an HPA
+    ("", "endpoints", ("get",)),                                # discover replicas of the headless Services
     ("coordination.k8s.io", "leases", ("get", "create", "update")),  # leader election: one active planner
 )
 
