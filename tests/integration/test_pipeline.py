@@ -122,3 +122,34 @@ async def test_a_crashed_rollout_ends_serving_with_the_error_and_no_server_left_
             with pytest.raises(grpc.aio.AioRpcError) as gone:
                 await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
             assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_readiness_goes_not_serving_before_each_server_stops(tmp_path):
+    """Kubernetes stops routing to a pod when its readiness probe fails: each service's shutdown sequence
+    flips grpc.health.v1 to NOT_SERVING first, which a Health.Watch opened while serving receives."""
+    cfg = config_from_dict(TINY_PPO)
+    seen: dict[str, list[int]] = {}
+
+    async def watch(address: str, ch: grpc.aio.Channel) -> None:
+        try:
+            async for resp in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="")):
+                seen[address].append(resp.status)
+        except grpc.aio.AioRpcError:
+            pass  # the server went away after its last word
+
+    async with contextlib.AsyncExitStack() as channels:
+        watchers = []
+        async with stack(cfg, tmp_path) as addresses:
+            for address in addresses:
+                seen[address] = []
+                ch = await channels.enter_async_context(grpc.aio.insecure_channel(address))
+                watchers.append(asyncio.create_task(watch(address, ch)))
+            await _until(lambda: _all_serving(seen))
+        await asyncio.wait_for(asyncio.gather(*watchers), 30)
+    for address, statuses in seen.items():
+        assert statuses[0] == health_pb2.HealthCheckResponse.SERVING, address
+        assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, (address, statuses)
+
+
+async def _all_serving(seen: dict[str, list[int]]) -> bool:
+    return all(s and s[0] == health_pb2.HealthCheckResponse.SERVING for s in seen.values())

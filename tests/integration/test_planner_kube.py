@@ -17,7 +17,7 @@ from kubernetes import client
 
 from services.common.config import KubernetesPlannerConfig
 from services.planner import rbac
-from services.planner.backend import Conflict, Refused
+from services.planner.backend import Conflict, DryRunBackend, Refused
 from services.planner.kube import ApiError, KubernetesBackend, TokenBucket
 from tests.k8s.cluster import TOKENS, expand, grant
 
@@ -265,6 +265,19 @@ async def test_dry_run_changes_nothing(k8s_admin, k8s_namespace, backends):
     with pytest.raises(Conflict):
         await b.apply({"actor": 5}, dry_run=True)
     assert spec_replicas(k8s_admin, ns) == 2
+
+
+async def test_the_dry_run_backend_decides_through_the_cluster_and_never_writes(k8s_admin, k8s_namespace, backends):
+    """`kuberl planner --backend dry-run` in a cluster: observes the real Deployments; every apply,
+    whatever the caller asks, is a server-side dry run."""
+    ns = k8s_namespace
+    make_roles(k8s_admin, ns, actors=2)
+    b = DryRunBackend(await backends(ns))
+    assert b.leader and (await b.observe())["actor"].desired == 2
+    before = resource_version(k8s_admin, ns)
+    result = await b.apply({"actor": 4}, dry_run=False)
+    assert result.dry_run and result.applied == {"actor": 4}
+    assert spec_replicas(k8s_admin, ns) == 2 and resource_version(k8s_admin, ns) == before
 
 
 async def test_replicas_come_from_the_endpoints_of_the_headless_services(k8s_admin, k8s_namespace, backends):
