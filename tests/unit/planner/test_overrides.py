@@ -1,0 +1,57 @@
+"""Manual overrides in the planner core: applied at once, held while they last, given back on expiry.
+
+The backend here is an in-memory one: these tests are about the core's bookkeeping (the real local and
+Kubernetes backends are exercised in tests/integration)."""
+
+from __future__ import annotations
+
+from kuberl.v1 import planner_pb2 as ppb
+from services.common.config import config_from_dict
+from services.planner.backend import ApplyResult, RoleState
+from services.planner.core import Planner
+from tests.helpers import TINY_PPO
+
+
+class MemoryBackend:
+    name, leader = "memory", True
+
+    def __init__(self, actors: int):
+        self.desired = {"actor": actors, "learner": 1}
+        self.applied: list[dict[str, int]] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def observe(self) -> dict[str, RoleState]:
+        return {role: RoleState(desired=n) for role, n in self.desired.items()}
+
+    async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
+        if not dry_run:
+            self.desired.update(targets)
+            self.applied.append(dict(targets))
+        return ApplyResult(applied=dict(targets), dry_run=dry_run)
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_an_override_applies_at_once_even_paused_then_expires_and_the_planner_takes_the_role_back():
+    cfg = config_from_dict({**TINY_PPO, "planner": {"actor": {"max": 4}}})
+    backend, wall = MemoryBackend(actors=1), [1000.0]
+    planner = Planner(cfg, backend, wall=lambda: wall[0])
+    planner.paused = True  # pause holds the automatic loop, not a person's explicit command
+    d = await planner.set_override("actor", 3, ttl_s=60)
+    assert d.applied and d.trigger == "override" and backend.desired["actor"] == 3
+    assert [(o.role, o.replicas, o.expires_unix_s) for o in planner.status().overrides] == [("actor", 3, 1060.0)]
+
+    wall[0] = 1059.0  # still held: the periodic decision keeps the override's count
+    d = await planner.step()
+    assert {r.role: r.target for r in d.roles}["actor"] == 3 and backend.applied == [{"actor": 3}]
+
+    wall[0] = 1061.0  # expired: gone from the status; no rates, so nothing is decided on missing data
+    planner.paused = False
+    d = await planner.step()
+    assert not planner.status().overrides
+    assert d.action == ppb.DECISION_ACTION_SUPPRESSED and "no usable metrics" in d.reason
+    assert backend.applied == [{"actor": 3}] and backend.desired["actor"] == 3
+    await planner.close()
