@@ -100,8 +100,21 @@ if [ ! -x "$CACHE/helm-$HELM_NPM_VERSION/helm" ]; then
   fi
 fi
 
-# 5. kubectl (for kustomize rendering); Debian ships it as `kubernetes-client`
+# 5. kubectl (for kustomize rendering); Debian ships it as `kubernetes-client`. Its built-in kustomize
+#    must know the `labels` field k8s/base uses (kustomize v4+, kubectl 1.21+); Debian's 1.20 does not,
+#    so an old one is reported unavailable (the render tests then skip and say why) instead of failing.
 command -v kubectl >/dev/null || apt_install kubernetes-client || unavailable "kubectl: not installable"
+KUBECTL_PATH=$(command -v kubectl || true)
+if [ -n "$KUBECTL_PATH" ]; then
+  probe=$(mktemp -d)
+  printf 'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: probe}\n' >"$probe/cm.yaml"
+  printf 'resources: [cm.yaml]\nlabels:\n  - pairs: {probe: "yes"}\n' >"$probe/kustomization.yaml"
+  if ! "$KUBECTL_PATH" kustomize "$probe" 2>/dev/null | grep -q 'probe: "yes"'; then
+    unavailable "kubectl: $KUBECTL_PATH cannot render a kustomization with 'labels' (needs kubectl >= 1.21 / kustomize v4+)"
+    KUBECTL_PATH=""
+  fi
+  rm -rf "$probe"
+fi
 
 # Where the tests find everything.
 {
@@ -109,7 +122,7 @@ command -v kubectl >/dev/null || apt_install kubernetes-client || unavailable "k
   echo "KUBE_CONTROLLER_MANAGER=$BIN/kube-controller-manager"
   echo "ETCD=$(command -v etcd || true)"
   echo "HELM=$CACHE/helm-$HELM_NPM_VERSION/helm"
-  echo "KUBECTL=$(command -v kubectl || true)"
+  echo "KUBECTL=$KUBECTL_PATH"
 } >"$CACHE/env"
 say "ready: $(tr '\n' ' ' <"$CACHE/env")"
 exit 0
