@@ -351,6 +351,9 @@ class PlannerConfig:
     stale_after_s: float = 15.0     # metrics older than this are stale: no scale-down on them
     converge_timeout_s: float = 120.0  # a change not converged by then is reported and no longer blocks
     drain_timeout_s: float = 30.0   # local backend: an actor stopped by a scale-down gets this long to flush
+    # Staleness target: no actor scale-up while the learners' recent mean policy lag (learner version -
+    # sample's policy_version, `learner/policy_lag_mean`) exceeds this many versions; 0 = no target.
+    max_policy_lag: float = 0.0
     actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))
     learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
     kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
@@ -369,6 +372,7 @@ class PlannerConfig:
         _require(self.stale_after_s > 0, "stale_after_s", self.stale_after_s, "must be > 0")
         _require(self.converge_timeout_s > 0, "converge_timeout_s", self.converge_timeout_s, "must be > 0")
         _require(self.drain_timeout_s > 0, "drain_timeout_s", self.drain_timeout_s, "must be > 0")
+        _require(self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag, "must be >= 0 (0 = no staleness target)")
         _require(self.learner.max == 1, "learner.max", self.learner.max,
                  "only one learner per experiment is supported so far (no gradient all-reduce yet)")
         _require(self.budget == 0 or self.budget >= self.actor.min * self.actor.cost + self.learner.min * self.learner.cost,

@@ -39,6 +39,7 @@ ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
            "suppressed": ppb.DECISION_ACTION_SUPPRESSED}
 COUNTERS = {"actor": ("actor/env_steps_total", None),
             "learner": ("learner/samples_total", "learner/starved_seconds_total")}
+LAG_KEY = "learner/policy_lag_mean"
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
@@ -50,7 +51,7 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
     return Policy(actor=bounds(p.actor), learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
                   replay_ratio=cfg.dqn.replay_ratio if cfg.algorithm == "dqn" else 1.0,
                   cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
-                  converge_timeout_s=p.converge_timeout_s)
+                  converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag)
 
 
 class ReplicaRate:
@@ -63,6 +64,7 @@ class ReplicaRate:
         self.created = now
         self.warm = False
         self.rate: float | None = None
+        self.policy_lag: float | None = None  # learners: recent mean policy lag of consumed samples
         self._last: tuple[float, float, float | None] | None = None
 
     def update(self, now: float, count: float, starved: float | None) -> None:
@@ -150,6 +152,8 @@ class Planner:
         if count_key not in m or (busy_key is not None and busy_key not in m):
             return
         tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None)
+        if LAG_KEY in m:
+            tracker.policy_lag = m[LAG_KEY]
 
     async def measure(self) -> dict[str, RoleState]:
         """Observe the backend and read every serving replica's stats once."""
@@ -195,7 +199,14 @@ class Planner:
             self.proposals.popleft()
         return Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
                       paused=self.paused, last_change_at=self.last_change_at,
-                      observing_since=self.observing_since, recent_proposals=tuple(self.proposals))
+                      observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
+                      policy_lag=self.policy_lag(now))
+
+    def policy_lag(self, now: float) -> float | None:
+        """The mean of the learners' recent mean policy lags, from fresh metrics only (None = unknown)."""
+        lags = [t.policy_lag for t in self.rates["learner"].values()
+                if t.policy_lag is not None and not t.stale(now, self.cfg.planner.stale_after_s)]
+        return sum(lags) / len(lags) if lags else None
 
     # -- deciding and applying -------------------------------------------------------------------
     async def step(self, trigger: str = "interval", apply: bool = True) -> ppb.Decision:
@@ -273,6 +284,7 @@ class Planner:
                             reason=d.reason, roles=roles, production=d.production or 0.0,
                             consumption=d.consumption or 0.0, ratio=d.ratio or 0.0,
                             planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.policy.replay_ratio,
+                            policy_lag=inp.policy_lag, max_policy_lag=self.policy.max_policy_lag,
                             tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
                             error=error, backend=self.backend.name)
 

@@ -45,6 +45,7 @@ class Policy:
     cooldown_s: float = 20.0
     scale_down_window_s: float = 60.0
     converge_timeout_s: float = 120.0
+    max_policy_lag: float = 0.0      # staleness target: no actor scale-up above it (0 = none)
 
     def bounds(self, role: str) -> RoleBounds:
         return self.actor if role == "actor" else self.learner
@@ -84,6 +85,7 @@ class Inputs:
     observing_since: float = -math.inf         # when the planner started observing (for the down window)
     # Targets proposed by earlier decisions: (time, {role: n}); the down window reads these.
     recent_proposals: tuple[tuple[float, dict[str, int]], ...] = ()
+    policy_lag: float | None = None            # learners' recent mean policy lag, versions (None = unknown)
 
     def role(self, role: str) -> RoleInputs:
         return self.actor if role == "actor" else self.learner
@@ -168,6 +170,9 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
                    proposed=proposed, **rates)
 
     in_band = abs(ratio - 1.0) <= policy.tolerance
+    # More actors mean older samples when the learners cannot keep their lag down: the staleness target
+    # (DESIGN section 4) holds actor scale-ups while the measured lag is above it.
+    lag_over = (policy.max_policy_lag > 0 and inp.policy_lag is not None and inp.policy_lag > policy.max_policy_lag)
     targets = dict(current)
     notes: list[str] = []
     any_stale = [r for r in ROLES if inp.role(r).stale]
@@ -185,6 +190,10 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
         if in_band or want == cur:
             continue
         if want > cur:
+            if r == "actor" and lag_over:
+                notes.append(f"actor not scaled up to {want}: policy lag {inp.policy_lag:.1f} is above the "
+                             f"staleness target {policy.max_policy_lag:g}")
+                continue
             step = min(want, cur + b.max_step_up)
             targets[r] = step
             notes.append(f"{r} {cur}->{step} (scale up{'; step-bounded, aiming for ' + str(want) if step < want else ''})")

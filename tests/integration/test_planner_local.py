@@ -79,6 +79,7 @@ def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
     assert "scale up" in first_scale["reason"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["decisions"] and all(d["applied"] for d in summary["decisions"])
+    assert any(d.get("policy_lag", -1) >= 0 for d in journal), "the learners' policy lag is read and recorded"
     # Every actor the planner started ran and stopped cleanly, and none dropped a fragment.
     actor_codes = {k: v for k, v in summary["exit_codes"].items() if k.startswith("actor-")}
     assert len(actor_codes) > 1 and set(actor_codes.values()) == {0}

@@ -154,6 +154,7 @@ def test_wrong_types(data, key, match):
     ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
     ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be 'ppo' or 'dqn'"),
+    ({"planner": {"max_policy_lag": -1}}, "planner.max_policy_lag", "must be >= 0"),
 ])
 def test_impossible_values(data, key, match):
     e = error(data)

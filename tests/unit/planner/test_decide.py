@@ -59,6 +59,26 @@ def test_actor_bound_scales_up_at_once_with_a_bounded_step():
     assert "step-bounded" in d.reason and d.ratio == pytest.approx(100 / 600)
 
 
+STALENESS = Policy(actor=POLICY.actor, learner=POLICY.learner, tolerance=0.15, max_policy_lag=4.0,
+                   cooldown_s=20, scale_down_window_s=60)
+
+
+@pytest.mark.parametrize("lag,scales", [(None, True), (2.0, True), (4.0, True), (9.5, False)])
+def test_staleness_target_holds_actor_scale_ups_while_the_lag_is_above_it(lag, scales):
+    d = decide(STALENESS, inputs(1, 1, 100, 600, policy_lag=lag))
+    assert d.proposed == {"actor": 6, "learner": 1}
+    if scales:
+        assert d.action == "scale" and d.targets["actor"] == 3
+    else:
+        assert d.action == "suppressed" and d.targets == d.current
+        assert "policy lag 9.5 is above the staleness target 4" in d.reason
+
+
+def test_staleness_target_never_holds_a_scale_down():
+    d = decide(STALENESS, inputs(6, 1, 100, 300, policy_lag=50.0))
+    assert d.action == "scale" and d.targets["actor"] == 5
+
+
 def test_learner_bound_adds_learners_and_sheds_actors_within_the_budget():
     d = decide(BUDGETED, inputs(5, 1, 100, 200))
     assert d.proposed == {"actor": 4, "learner": 2}
