@@ -344,6 +344,9 @@ class PlannerConfig:
     interval_s: float = 5.0         # one decision this often
     tolerance: float = 0.15         # act only when production/consumption is outside 1 +- tolerance
     budget: float = 0.0             # total cost of actors + learners; 0 = only the per-role max bounds
+    # What a replica costs against the budget: "configured" (planner.<role>.cost) or "measured" (the CPU
+    # cores its process was measured to use, EWMA after warm-up; the configured cost until then).
+    costs: str = "configured"
     rate_halflife_s: float = 10.0   # EWMA half-life of the per-replica rates
     warmup_s: float = 10.0          # a replica's rates count only after it has reported this long
     cooldown_s: float = 20.0        # no change within this long of the last one (must exceed warmup_s)
@@ -362,6 +365,7 @@ class PlannerConfig:
         _require(self.backend in ("local", "kubernetes", "dry-run"), "backend", self.backend,
                  "must be 'local', 'kubernetes' or 'dry-run'")
         _require(self.interval_s > 0, "interval_s", self.interval_s, "must be > 0")
+        _require(self.costs in ("configured", "measured"), "costs", self.costs, "must be 'configured' or 'measured'")
         _require(0 < self.tolerance < 1, "tolerance", self.tolerance, "must be in (0, 1)")
         _require(self.budget >= 0, "budget", self.budget, "must be >= 0 (0 = no budget)")
         _require(self.rate_halflife_s > 0, "rate_halflife_s", self.rate_halflife_s, "must be > 0")

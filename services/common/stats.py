@@ -154,6 +154,8 @@ class Metrics:
         for name, hist in list(self.histograms.items()):
             out.update(hist.recent.summary(name))
         out[f"{self.role}/uptime_s"] = time.time() - self.started
+        # CPU seconds of this process, all threads (the planner's measured cost of a replica, in cores).
+        out[f"{self.role}/cpu_seconds_total"] = time.process_time()
         return out
 
     def response(self, episodes=()) -> pb.GetStatsResponse:

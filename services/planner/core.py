@@ -51,7 +51,8 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
     return Policy(actor=bounds(p.actor), learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
                   replay_ratio=cfg.dqn.replay_ratio if cfg.algorithm == "dqn" else 1.0,
                   cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
-                  converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag)
+                  converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,
+                  measured_costs=p.costs == "measured")
 
 
 class ReplicaRate:
@@ -65,16 +66,18 @@ class ReplicaRate:
         self.warm = False
         self.rate: float | None = None
         self.policy_lag: float | None = None  # learners: recent mean policy lag of consumed samples
-        self._last: tuple[float, float, float | None] | None = None
+        self.cores: float | None = None       # EWMA CPU cores the replica's process uses (its measured cost)
+        self._last: tuple[float, float, float | None, float | None] | None = None
 
-    def update(self, now: float, count: float, starved: float | None) -> None:
+    def update(self, now: float, count: float, starved: float | None, cpu_s: float | None = None) -> None:
         self.last_ok = now
-        last, self._last = self._last, (now, count, starved)
+        last, self._last = self._last, (now, count, starved, cpu_s)
         if last is None:
             return
-        t0, c0, b0 = last
-        if count < c0:  # the process restarted under the same name: start over
-            self.rate, self.warm, self.first_progress = None, False, None
+        t0, c0, b0, cpu0 = last
+        if count < c0 or (cpu_s is not None and cpu0 is not None and cpu_s < cpu0):
+            # the process restarted under the same name: start over
+            self.rate, self.warm, self.first_progress, self.cores = None, False, None, None
             return
         if count > c0 and self.first_progress is None:
             self.first_progress = now  # warm-up runs from the first work done, not from start-up
@@ -85,11 +88,16 @@ class ReplicaRate:
                 return
             self.warm, self.rate = True, None   # what was measured while warming up does not count
         dt = now - t0
+        if dt <= 0:
+            return
+        alpha = 1.0 - math.exp(-dt * math.log(2) / self.halflife_s)
+        if cpu_s is not None and cpu0 is not None:
+            cores = (cpu_s - cpu0) / dt
+            self.cores = cores if self.cores is None else self.cores + alpha * (cores - self.cores)
         denom = dt if starved is None else dt - (starved - (b0 or 0.0))
-        if dt <= 0 or denom <= 0.05 * dt:
+        if denom <= 0.05 * dt:
             return  # a learner starved nearly all this interval says little about its capacity
         inst = (count - c0) / denom
-        alpha = 1.0 - math.exp(-dt * math.log(2) / self.halflife_s)
         self.rate = inst if self.rate is None else self.rate + alpha * (inst - self.rate)
 
     def usable(self, now: float, stale_after_s: float) -> bool:
@@ -151,7 +159,7 @@ class Planner:
         m = resp.metrics
         if count_key not in m or (busy_key is not None and busy_key not in m):
             return
-        tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None)
+        tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None, m.get(f"{role}/cpu_seconds_total"))
         if LAG_KEY in m:
             tracker.policy_lag = m[LAG_KEY]
 
@@ -183,8 +191,10 @@ class Planner:
         usable = [t for t in trackers if t.usable(now, p.stale_after_s)]
         stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
         override = self.overrides.get(role)
+        cores = [t.cores for t in usable if t.cores is not None]
         return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable),
                           rate=(sum(t.rate for t in usable) / len(usable)) if usable else None,
+                          cores=(sum(cores) / len(cores)) if cores else None,
                           stale=stale, blocked=state.blocked,
                           override=override.replicas if override else None)
 
@@ -276,7 +286,8 @@ class Planner:
             ri = inp.role(r)
             rd = ppb.RoleDecision(role=r, current=d.current[r], target=d.targets[r], proposed=d.proposed[r],
                                   ready=ri.ready, reporting=ri.reporting, rate_per_replica=ri.rate or 0.0,
-                                  stale=ri.stale, blocked=ri.blocked)
+                                  stale=ri.stale, blocked=ri.blocked, cores_per_replica=ri.cores or 0.0,
+                                  cost_per_replica=self.policy.replica_cost(r, inp))
             if ri.override is not None:
                 rd.override = ri.override
             roles.append(rd)

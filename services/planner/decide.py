@@ -46,15 +46,22 @@ class Policy:
     scale_down_window_s: float = 60.0
     converge_timeout_s: float = 120.0
     max_policy_lag: float = 0.0      # staleness target: no actor scale-up above it (0 = none)
+    measured_costs: bool = False     # a replica costs the CPU cores it was measured to use (else bounds' cost)
 
     def bounds(self, role: str) -> RoleBounds:
         return self.actor if role == "actor" else self.learner
 
-    def cost(self, counts: dict[str, int]) -> float:
-        return sum(counts[r] * self.bounds(r).cost for r in ROLES)
+    def replica_cost(self, role: str, inp: Inputs | None = None) -> float:
+        """What one replica of `role` costs against the budget: its measured cores (measured_costs, once
+        known), else the configured cost."""
+        measured = inp.role(role).cores if inp is not None and self.measured_costs else None
+        return measured if measured is not None and measured > 0 else self.bounds(role).cost
 
-    def fits(self, counts: dict[str, int]) -> bool:
-        return self.budget <= 0 or self.cost(counts) <= self.budget + 1e-9
+    def cost(self, counts: dict[str, int], inp: Inputs | None = None) -> float:
+        return sum(counts[r] * self.replica_cost(r, inp) for r in ROLES)
+
+    def fits(self, counts: dict[str, int], inp: Inputs | None = None) -> bool:
+        return self.budget <= 0 or self.cost(counts, inp) <= self.budget + 1e-9
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class RoleInputs:
     stale: bool = False          # some replica's metrics are stale or missing
     blocked: str = ""            # the backend will not scale this role, and why
     override: int | None = None  # a manual replica count in force
+    cores: float | None = None   # EWMA CPU cores per replica (measured cost); None = unknown
 
     def __post_init__(self):
         if self.ready < 0:
@@ -108,18 +116,20 @@ class Decision:
         return {r: n for r, n in self.targets.items() if n != self.current[r]}
 
 
-def solve(policy: Policy, actor_rate: float, learner_rate: float) -> tuple[dict[str, int], float]:
-    """The (n_actors, n_learners) maximising min(n_A*a, n_L*l/R) within bounds and budget."""
+def solve(policy: Policy, actor_rate: float, learner_rate: float,
+          inp: Inputs | None = None) -> tuple[dict[str, int], float]:
+    """The (n_actors, n_learners) maximising min(n_A*a, n_L*l/R) within bounds and budget (replica
+    costs measured in `inp` where the policy says so)."""
     a, c = actor_rate, learner_rate / policy.replay_ratio
     plans = []
     for na in range(policy.actor.min, policy.actor.max + 1):
         for nl in range(policy.learner.min, policy.learner.max + 1):
             counts = {"actor": na, "learner": nl}
-            if not policy.fits(counts):
+            if not policy.fits(counts, inp):
                 continue
             thr = min(na * a, nl * c)
             imbalance = abs(math.log(max(na * a, 1e-12) / max(nl * c, 1e-12)))
-            plans.append((thr, policy.cost(counts), imbalance, counts))
+            plans.append((thr, policy.cost(counts, inp), imbalance, counts))
     if not plans:  # config validation guarantees the minimums fit; guard anyway
         counts = {"actor": policy.actor.min, "learner": policy.learner.min}
         return counts, min(counts["actor"] * a, counts["learner"] * c)
@@ -150,7 +160,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     production = current["actor"] * a
     consumption = current["learner"] * l / policy.replay_ratio
     ratio = production / consumption
-    proposed, thr = solve(policy, a, l)
+    proposed, thr = solve(policy, a, l, inp)
     rates = dict(production=production, consumption=consumption, ratio=ratio, planned_throughput=thr)
     band = f"production/consumption {ratio:.2f} (band {1 - policy.tolerance:.2f}..{1 + policy.tolerance:.2f})"
 
@@ -216,7 +226,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
             notes.append(f"{r} {cur}->{step} (scale down; lowest target held over the window: {floor})")
 
     # Scale-ups held back elsewhere (a blocked or stale role) must not break the budget.
-    while not policy.fits(targets):
+    while not policy.fits(targets, inp):
         grown = [r for r in ROLES if targets[r] > current[r] and r not in overrides]
         if not grown:
             break

@@ -80,6 +80,8 @@ def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["decisions"] and all(d["applied"] for d in summary["decisions"])
     assert any(d.get("policy_lag", -1) >= 0 for d in journal), "the learners' policy lag is read and recorded"
+    cores = {r["role"]: r["cores_per_replica"] for d in journal for r in d["roles"] if r.get("cores_per_replica")}
+    assert 0 < cores["actor"] < 2 and 0 < cores["learner"] < 2, cores  # each process's measured CPU, in cores
     # Every actor the planner started ran and stopped cleanly, and none dropped a fragment.
     actor_codes = {k: v for k, v in summary["exit_codes"].items() if k.startswith("actor-")}
     assert len(actor_codes) > 1 and set(actor_codes.values()) == {0}

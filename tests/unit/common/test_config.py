@@ -155,6 +155,7 @@ def test_wrong_types(data, key, match):
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
     ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be 'ppo' or 'dqn'"),
     ({"planner": {"max_policy_lag": -1}}, "planner.max_policy_lag", "must be >= 0"),
+    ({"planner": {"costs": "cores"}}, "planner.costs", "must be 'configured' or 'measured'"),
 ])
 def test_impossible_values(data, key, match):
     e = error(data)

@@ -79,6 +79,20 @@ def test_staleness_target_never_holds_a_scale_down():
     assert d.action == "scale" and d.targets["actor"] == 5
 
 
+def test_measured_costs_fit_more_light_actors_into_a_core_budget():
+    # Budget 3 cores; configured costs (1 per replica) allow 2 actors next to the learner. Measured, the
+    # actors (rate-capped) use 0.2 cores each and the learner 1.0: 8 actors fit in 2.6 cores.
+    configured = Policy(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(max=1), budget=3.0)
+    measured = Policy(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(max=1), budget=3.0,
+                      measured_costs=True)
+    inp = inputs(1, 1, 100, 1000, actor_cores=0.2, learner_cores=1.0)
+    assert decide(configured, inp).targets["actor"] == 2
+    d = decide(measured, inp)
+    assert d.targets["actor"] == 8 and measured.cost(d.targets, inp) == pytest.approx(2.6)
+    # Until a role's cost is measured, its configured cost stands in.
+    assert decide(measured, inputs(1, 1, 100, 1000, learner_cores=1.0)).targets["actor"] == 2
+
+
 def test_learner_bound_adds_learners_and_sheds_actors_within_the_budget():
     d = decide(BUDGETED, inputs(5, 1, 100, 200))
     assert d.proposed == {"actor": 4, "learner": 2}

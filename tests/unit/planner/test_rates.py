@@ -47,3 +47,13 @@ def test_stale_after_silence_or_never_reporting():
     r.update(21.0, 50.0, None)
     r.update(22.0, 100.0, None)
     assert r.usable(30.0, 15.0) and not r.usable(40.0, 15.0) and r.stale(40.0, 15.0)
+
+
+def test_measured_cores_per_replica_after_warm_up_and_reset_on_restart():
+    r = ReplicaRate(halflife_s=5.0, warmup_s=2.0, now=0.0)
+    r.update(0.0, 0.0, None, 3.0)           # importing torch: CPU used before any work does not count
+    for t in range(1, 12):                  # 100 steps/s on a quarter of a core
+        r.update(float(t), 100.0 * t, None, 3.0 + 0.25 * t)
+    assert r.cores == pytest.approx(0.25) and r.rate == pytest.approx(100.0)
+    r.update(12.0, 1200.0, None, 0.5)       # CPU seconds went back: a new process under the same name
+    assert r.cores is None and r.rate is None and not r.warm
