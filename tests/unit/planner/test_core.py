@@ -1,13 +1,14 @@
-"""Manual overrides in the planner core: applied at once, held while they last, given back on expiry.
+"""The planner core's bookkeeping: manual overrides (applied at once, held while they last, given back on
+expiry) and conflicts (re-read and decided again).
 
-The backend here is an in-memory one: these tests are about the core's bookkeeping (the real local and
-Kubernetes backends are exercised in tests/integration)."""
+The backend here is an in-memory one: these tests are about the core (the real local and Kubernetes
+backends, a real 409 included, are exercised in tests/integration)."""
 
 from __future__ import annotations
 
 from kuberl.v1 import planner_pb2 as ppb
 from services.common.config import config_from_dict
-from services.planner.backend import ApplyResult, RoleState
+from services.planner.backend import ApplyResult, Conflict, RoleState
 from services.planner.core import Planner
 from tests.helpers import TINY_PPO
 
@@ -18,6 +19,7 @@ class MemoryBackend:
     def __init__(self, actors: int):
         self.desired = {"actor": actors, "learner": 1}
         self.applied: list[dict[str, int]] = []
+        self.conflicts = 0      # the next this many applies fail as if someone else changed the count
 
     async def start(self) -> None:
         pass
@@ -26,6 +28,9 @@ class MemoryBackend:
         return {role: RoleState(desired=n) for role, n in self.desired.items()}
 
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
+        if self.conflicts:
+            self.conflicts -= 1
+            raise Conflict("the object has been modified; please apply your changes to the latest version")
         if not dry_run:
             self.desired.update(targets)
             self.applied.append(dict(targets))
@@ -54,4 +59,17 @@ async def test_an_override_applies_at_once_even_paused_then_expires_and_the_plan
     assert not planner.status().overrides
     assert d.action == ppb.DECISION_ACTION_SUPPRESSED and "no usable metrics" in d.reason
     assert backend.applied == [{"actor": 3}] and backend.desired["actor"] == 3
+    await planner.close()
+
+
+async def test_a_conflict_is_re_read_and_decided_again_and_an_override_that_failed_is_retried():
+    cfg = config_from_dict({**TINY_PPO, "planner": {"actor": {"max": 4}}})
+    backend = MemoryBackend(actors=1)
+    planner = Planner(cfg, backend)
+    backend.conflicts = 2
+    d = await planner.set_override("actor", 3, ttl_s=60)  # the first write conflicts: recorded, not applied
+    assert not d.applied and "Conflict" in d.error and backend.desired["actor"] == 1
+    d = await planner.step()                              # conflicts once more, re-reads, then applies
+    assert d.applied and not d.error and backend.desired["actor"] == 3 and backend.applied == [{"actor": 3}]
+    assert planner.metrics.counters["planner/conflicts_total"] == 1
     await planner.close()
