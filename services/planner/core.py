@@ -159,7 +159,8 @@ class Planner:
         m = resp.metrics
         if count_key not in m or (busy_key is not None and busy_key not in m):
             return
-        tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None, m.get(f"{role}/cpu_seconds_total"))
+        tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None,
+                       m.get(f"{role}/cpu_seconds_total"))
         if LAG_KEY in m:
             tracker.policy_lag = m[LAG_KEY]
 
