@@ -7,7 +7,7 @@
     Python sees it: length-prefixed sendall of a ready buffer, recv_into a preallocated one), the
     gRPC floor (ready bytes on one client stream to a server that drops them) and a naive
     grpc.aio client stream (generated messages, parsed and validated by the protobuf runtime).
-    The actor side is the real one: a thread cuts fragments with `build_fragment` (as the rollout
+    The actor side is the real one: a thread cuts fragments with `encode_fragment` (as the rollout
     thread does) and the actor's `Pusher` streams them; the buffer is `python -m services.buffer`.
     Throughput counts fragment payload bytes, from the first fragment cut until the buffer has
     acknowledged the last one.
@@ -154,18 +154,23 @@ class BufferProcess:
         self.service.terminate()
 
 
-def make_fragment(actor_id: str, seq: int, obs: np.ndarray):
-    """A serialized PPO fragment around `obs` [T+1, N, D] uint8, encoded as the rollout thread does."""
+def fragment_kwargs(actor_id: str, seq: int, obs: np.ndarray) -> dict:
+    """The arguments of a PPO fragment around `obs` [T+1, N, D] uint8 (zero actions, rewards, flags)."""
     from kuberl.v1 import common_pb2 as pb
-    from services.common.fragments import encode_fragment
 
     T, N = obs.shape[0] - 1, obs.shape[1]
-    return encode_fragment(
-        actor_id=actor_id, seq=seq, policy_version=0, algorithm=pb.ALGORITHM_PPO, env_ids=range(N), obs=obs,
-        actions=np.zeros((T, N), np.int64), rewards=np.zeros((T, N), np.float32),
-        terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
-        final_obs=np.empty((0, *obs.shape[2:]), obs.dtype), final_index=np.empty(0, np.int64),
-        behaviour_logprob=np.zeros((T, N), np.float32))
+    return dict(actor_id=actor_id, seq=seq, policy_version=0, algorithm=pb.ALGORITHM_PPO, env_ids=range(N),
+                obs=obs, actions=np.zeros((T, N), np.int64), rewards=np.zeros((T, N), np.float32),
+                terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
+                final_obs=np.empty((0, *obs.shape[2:]), obs.dtype), final_index=np.empty(0, np.int64),
+                behaviour_logprob=np.zeros((T, N), np.float32))
+
+
+def make_fragment(actor_id: str, seq: int, obs: np.ndarray):
+    """A serialized PPO fragment around `obs`, encoded as the rollout thread does."""
+    from services.common.fragments import encode_fragment
+
+    return encode_fragment(**fragment_kwargs(actor_id, seq, obs))
 
 
 def _actor(address: str, actor_id: str, shape: tuple[int, int, int], count: int, sample_time_s: float,
@@ -327,12 +332,7 @@ def grpc_floor(size: int, total_bytes: int, naive: bool = False) -> dict:
     def message(i: int):
         if not naive:
             return payloads[i % len(payloads)]
-        return build_fragment(
-            actor_id="naive", seq=i, policy_version=0, algorithm=pb.ALGORITHM_PPO, env_ids=range(N),
-            obs=obs[i % len(obs)], actions=np.zeros((T, N), np.int64), rewards=np.zeros((T, N), np.float32),
-            terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
-            final_obs=np.empty((0, D), np.uint8), final_index=np.empty(0, np.int64),
-            behaviour_logprob=np.zeros((T, N), np.float32))
+        return build_fragment(**fragment_kwargs("naive", i, obs[i % len(obs)]))
 
     async def run() -> tuple[float, float, float | None]:
         channel = make_channel(f"127.0.0.1:{port}", 64 * MiB)
