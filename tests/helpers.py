@@ -102,3 +102,13 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1, what: str 
 def stats(address: str, stub_cls, timeout: float = 5.0) -> dict[str, float]:
     with grpc.insecure_channel(address) as ch:
         return dict(stub_cls(ch).GetStats(pb.GetStatsRequest(), timeout=timeout).metrics)
+
+
+def run_logs(run_dir: Path, names=None, lines: int = 15) -> str:
+    """The last lines of a `kuberl up` run's process logs (all, or those in `names`), for failure messages."""
+    out = []
+    for path in sorted((Path(run_dir) / "logs").glob("*.log")):
+        if names is None or path.stem in names:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no logs under {run_dir}/logs)"

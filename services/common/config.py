@@ -357,6 +357,11 @@ class PlannerConfig:
     # Staleness target: no actor scale-up while the learners' recent mean policy lag (learner version -
     # sample's policy_version, `learner/policy_lag_mean`) exceeds this many versions; 0 = no target.
     max_policy_lag: float = 0.0
+    # Saturation: once a scale-up has converged, the role's measured total rate must have risen by at
+    # least this share of what the balance model predicted; else the planner caps the role at the count
+    # that paid, for saturation_hold_s (replicas sharing cores or another bottleneck). 0 = not checked.
+    min_scale_gain: float = 0.5
+    saturation_hold_s: float = 300.0
     actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))
     learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
     kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
@@ -376,6 +381,9 @@ class PlannerConfig:
         _require(self.stale_after_s > 0, "stale_after_s", self.stale_after_s, "must be > 0")
         _require(self.converge_timeout_s > 0, "converge_timeout_s", self.converge_timeout_s, "must be > 0")
         _require(self.drain_timeout_s > 0, "drain_timeout_s", self.drain_timeout_s, "must be > 0")
+        _require(0 <= self.min_scale_gain <= 1, "min_scale_gain", self.min_scale_gain,
+                 "must be in [0, 1] (0 = scale-ups are not checked)")
+        _require(self.saturation_hold_s > 0, "saturation_hold_s", self.saturation_hold_s, "must be > 0")
         _require(self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag, "must be >= 0 (0 = no staleness target)")
         _require(self.learner.max == 1, "learner.max", self.learner.max,
                  "only one learner per experiment is supported so far (no gradient all-reduce yet)")

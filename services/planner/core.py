@@ -29,7 +29,8 @@ from services.common.config import ExperimentConfig
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.planner.backend import ROLES, Backend, Conflict, Refused, RoleState
-from services.planner.decide import Decision, Inputs, Policy, RoleBounds, RoleInputs, decide
+from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide,
+                                     judge_scale_up)
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 3.0
@@ -52,7 +53,8 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
                   replay_ratio=cfg.dqn.replay_ratio if cfg.algorithm == "dqn" else 1.0,
                   cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
                   converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,
-                  measured_costs=p.costs == "measured")
+                  measured_costs=p.costs == "measured", min_scale_gain=p.min_scale_gain,
+                  saturation_hold_s=p.saturation_hold_s)
 
 
 class ReplicaRate:
@@ -126,6 +128,8 @@ class Planner:
         self.states: dict[str, RoleState] = {}
         self.paused, self.pause_reason = False, ""
         self.overrides: dict[str, OverrideState] = {}
+        self.probes: dict[str, ScaleUpProbe] = {}        # applied scale-ups not judged yet
+        self.ceilings: dict[str, tuple[int, float]] = {}  # role -> (saturation ceiling, monotonic expiry)
         self.last_change_at: float | None = None
         self.observing_since = clock()
         self.proposals: deque[tuple[float, dict[str, int]]] = deque()
@@ -139,6 +143,7 @@ class Planner:
         self.metrics.inc("planner/apply_errors_total", 0)
         self.metrics.inc("planner/conflicts_total", 0)
         self.metrics.inc("planner/stats_errors_total", 0)
+        self.metrics.inc("planner/saturations_total", 0)
 
     # -- measuring -------------------------------------------------------------------------------
     def _stub(self, role: str, address: str):
@@ -208,10 +213,42 @@ class Planner:
                 del self.overrides[role]
         while self.proposals and now - self.proposals[0][0] > self.policy.scale_down_window_s:
             self.proposals.popleft()
-        return Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
-                      paused=self.paused, last_change_at=self.last_change_at,
-                      observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
-                      policy_lag=self.policy_lag(now))
+        for role, (n, until) in list(self.ceilings.items()):
+            if until <= now:
+                log.info("saturation ceiling of %s (%d replicas) expired", role, n)
+                del self.ceilings[role]
+        inp = Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
+                     paused=self.paused, last_change_at=self.last_change_at,
+                     observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
+                     policy_lag=self.policy_lag(now), ceilings={r: n for r, (n, _) in self.ceilings.items()})
+        if self._judge(inp):
+            inp = Inputs(**{**inp.__dict__, "ceilings": {r: n for r, (n, _) in self.ceilings.items()}})
+        return inp
+
+    def _judge(self, inp: Inputs) -> bool:
+        """Judge the scale-ups that have settled; True when a saturation ceiling was set."""
+        changed = False
+        for role, probe in list(self.probes.items()):
+            verdict = judge_scale_up(self.policy, probe, inp)
+            if not verdict.done:
+                continue
+            del self.probes[role]
+            if verdict.reason:
+                log.info("scale-up judged: %s", verdict.reason)
+            if verdict.ceiling is not None:
+                self.ceilings[role] = (verdict.ceiling, inp.now + self.policy.saturation_hold_s)
+                self.metrics.inc("planner/saturations_total")
+                changed = True
+        return changed
+
+    def _probe(self, d: Decision, inp: Inputs) -> None:
+        """Remember each role the planner just scaled up, to judge later what the new replicas added."""
+        for role, n in d.changes.items():
+            before, rate = d.current[role], inp.role(role).rate
+            if n > before > 0 and rate and inp.role(role).override is None:
+                self.probes[role] = ScaleUpProbe(role, before, n, before * rate, self.clock())
+            else:
+                self.probes.pop(role, None)
 
     def policy_lag(self, now: float) -> float | None:
         """The mean of the learners' recent mean policy lags, from fresh metrics only (None = unknown)."""
@@ -255,6 +292,7 @@ class Planner:
                 self.proposals.append((inp.now, d.proposed))
             if applied:
                 self.last_change_at = self.clock()
+                self._probe(d, inp)
             if error:
                 self.metrics.inc("planner/apply_errors_total")
             msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error)
@@ -291,6 +329,8 @@ class Planner:
                                   cost_per_replica=self.policy.replica_cost(r, inp))
             if ri.override is not None:
                 rd.override = ri.override
+            if r in inp.ceilings:
+                rd.ceiling = inp.ceilings[r]
             roles.append(rd)
         return ppb.Decision(unix_s=self.wall(), action=ACTIONS[d.action], applied=applied, dry_run=dry_run,
                             reason=d.reason, roles=roles, production=d.production or 0.0,
@@ -327,6 +367,7 @@ class Planner:
                     error = f"{type(err).__name__}: {err}"
             if applied:
                 self.last_change_at = self.clock()
+                self.probes.pop(role, None)
             d = Decision("scale" if targets != current else "hold",
                          f"manual override: {role} set to {replicas} for {ttl_s:.0f} s", current, targets, targets)
             msg = self.to_proto(d, inp, trigger="override", applied=applied,

@@ -15,6 +15,12 @@ tolerance band; scale up at once, but down only to the largest target proposed o
 move each role by a bounded step; wait a cooldown (longer than warm-up) after a change; never stack a
 change on one that has not converged; never scale down on stale or missing metrics. Every call returns
 a Decision that says what it would set and why, including when it does nothing.
+
+The balance model assumes a replica's rate does not depend on how many run. Where they share a
+bottleneck (cores on one machine, a node's network, the buffer) that fails: more replicas, each slower,
+the same total. `judge_scale_up` checks every scale-up once it has converged: if the role's measured
+total rate rose by less than `min_scale_gain` of what the model predicted, the role gets a saturation
+ceiling (the count that paid, held for `saturation_hold_s`), which `solve` treats as its max.
 """
 
 from __future__ import annotations
@@ -47,9 +53,17 @@ class Policy:
     converge_timeout_s: float = 120.0
     max_policy_lag: float = 0.0      # staleness target: no actor scale-up above it (0 = none)
     measured_costs: bool = False     # a replica costs the CPU cores it was measured to use (else bounds' cost)
+    min_scale_gain: float = 0.5      # a scale-up must realise this share of its predicted gain (0 = not checked)
+    saturation_hold_s: float = 300.0  # how long a saturation ceiling lasts
 
     def bounds(self, role: str) -> RoleBounds:
         return self.actor if role == "actor" else self.learner
+
+    def max_count(self, role: str, inp: Inputs | None = None) -> int:
+        """The role's max bound, lowered to its saturation ceiling while one is in force."""
+        ceiling = inp.ceilings.get(role) if inp is not None else None
+        b = self.bounds(role)
+        return b.max if ceiling is None else max(b.min, min(b.max, ceiling))
 
     def replica_cost(self, role: str, inp: Inputs | None = None) -> float:
         """What one replica of `role` costs against the budget: its measured cores (measured_costs, once
@@ -94,6 +108,7 @@ class Inputs:
     # Targets proposed by earlier decisions: (time, {role: n}); the down window reads these.
     recent_proposals: tuple[tuple[float, dict[str, int]], ...] = ()
     policy_lag: float | None = None            # learners' recent mean policy lag, versions (None = unknown)
+    ceilings: dict[str, int] = field(default_factory=dict)  # saturation ceilings in force: role -> max count
 
     def role(self, role: str) -> RoleInputs:
         return self.actor if role == "actor" else self.learner
@@ -122,8 +137,8 @@ def solve(policy: Policy, actor_rate: float, learner_rate: float,
     costs measured in `inp` where the policy says so)."""
     a, c = actor_rate, learner_rate / policy.replay_ratio
     plans = []
-    for na in range(policy.actor.min, policy.actor.max + 1):
-        for nl in range(policy.learner.min, policy.learner.max + 1):
+    for na in range(policy.actor.min, policy.max_count("actor", inp) + 1):
+        for nl in range(policy.learner.min, policy.max_count("learner", inp) + 1):
             counts = {"actor": na, "learner": nl}
             if not policy.fits(counts, inp):
                 continue
@@ -234,11 +249,57 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
         targets[r] -= 1
         notes.append(f"{r} reduced to {targets[r]} to stay within the budget {policy.budget:g}")
 
+    ceilings = "".join(f"; {r} saturates above {n}" for r, n in sorted(inp.ceilings.items()))
     if targets != current:
-        return out("scale", f"{band}: " + "; ".join(notes), targets, proposed, **rates)
+        return out("scale", f"{band}: " + "; ".join(notes) + ceilings, targets, proposed, **rates)
     if in_band:
         return out("hold", f"in band: {band}", proposed=proposed, **rates)
     if notes:
-        return out("suppressed", f"{band}: " + "; ".join(notes), proposed=proposed, **rates)
-    return out("hold", f"{band}, but {proposed} is already the best plan within the bounds and budget",
+        return out("suppressed", f"{band}: " + "; ".join(notes) + ceilings, proposed=proposed, **rates)
+    return out("hold", f"{band}, but {proposed} is already the best plan within the bounds and budget{ceilings}",
                proposed=proposed, **rates)
+
+
+@dataclass(frozen=True)
+class ScaleUpProbe:
+    """A scale-up the planner applied, to be judged by what it really added."""
+    role: str
+    before: int          # replicas before
+    after: int           # replicas after
+    total_before: float  # the role's total rate before (replicas x per-replica rate), samples/s
+    applied_at: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    done: bool               # the probe is settled (judged or given up); False: judge it later
+    ceiling: int | None      # a saturation ceiling to set, or None
+    reason: str = ""
+
+
+def judge_scale_up(policy: Policy, probe: ScaleUpProbe, inp: Inputs) -> Verdict:
+    """Did the scale-up pay? Judged once every new replica reports warmed-up rates and the cooldown
+    has passed (the old replicas' EWMAs then mostly reflect the new load). If the total rate rose by
+    less than `min_scale_gain` of the predicted (after/before - 1) x total, the role saturates: its
+    ceiling is `before` plus the replicas the realised gain was worth at the old per-replica rate."""
+    ri = inp.role(probe.role)
+    if ri.desired != probe.after:
+        return Verdict(True, None, "the count changed again before the scale-up could be judged")
+    if inp.now - probe.applied_at > policy.converge_timeout_s:
+        return Verdict(True, None, "the scale-up did not converge in time to be judged")
+    if inp.now - probe.applied_at < policy.cooldown_s or ri.reporting < probe.after or ri.rate is None:
+        return Verdict(False, None)
+    total = probe.after * ri.rate
+    predicted = probe.total_before * (probe.after / probe.before - 1.0) if probe.before else 0.0
+    if predicted <= 0 or policy.min_scale_gain <= 0:
+        return Verdict(True, None)
+    gain = (total - probe.total_before) / predicted
+    said = (f"{probe.role} {probe.before}->{probe.after} moved its total rate from {probe.total_before:,.0f} to "
+            f"{total:,.0f} samples/s, {gain:.0%} of the predicted gain")
+    if gain >= policy.min_scale_gain:
+        return Verdict(True, None, said)
+    # The replicas the gain was worth, at the old per-replica rate: keep that many more than before.
+    worth = (total - probe.total_before) / (probe.total_before / probe.before)
+    ceiling = min(probe.after, probe.before + max(0, math.floor(worth + 0.5)))
+    return Verdict(True, ceiling, f"{said} (below {policy.min_scale_gain:.0%}): {probe.role} saturates above "
+                                  f"{ceiling} for {policy.saturation_hold_s:.0f} s")

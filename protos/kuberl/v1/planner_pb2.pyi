@@ -20,7 +20,7 @@ DECISION_ACTION_SCALE: DecisionAction
 DECISION_ACTION_SUPPRESSED: DecisionAction
 
 class RoleDecision(_message.Message):
-    __slots__ = ("role", "current", "target", "proposed", "ready", "reporting", "rate_per_replica", "stale", "blocked", "override", "cores_per_replica", "cost_per_replica")
+    __slots__ = ("role", "current", "target", "proposed", "ready", "reporting", "rate_per_replica", "stale", "blocked", "override", "cores_per_replica", "cost_per_replica", "ceiling")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class RoleDecision(_message.Message):
     OVERRIDE_FIELD_NUMBER: _ClassVar[int]
     CORES_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     COST_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CEILING_FIELD_NUMBER: _ClassVar[int]
     role: str
     current: int
     target: int
@@ -45,7 +46,8 @@ class RoleDecision(_message.Message):
     override: int
     cores_per_replica: float
     cost_per_replica: float
-    def __init__(self, role: _Optional[str] = ..., current: _Optional[int] = ..., target: _Optional[int] = ..., proposed: _Optional[int] = ..., ready: _Optional[int] = ..., reporting: _Optional[int] = ..., rate_per_replica: _Optional[float] = ..., stale: _Optional[bool] = ..., blocked: _Optional[str] = ..., override: _Optional[int] = ..., cores_per_replica: _Optional[float] = ..., cost_per_replica: _Optional[float] = ...) -> None: ...
+    ceiling: int
+    def __init__(self, role: _Optional[str] = ..., current: _Optional[int] = ..., target: _Optional[int] = ..., proposed: _Optional[int] = ..., ready: _Optional[int] = ..., reporting: _Optional[int] = ..., rate_per_replica: _Optional[float] = ..., stale: _Optional[bool] = ..., blocked: _Optional[str] = ..., override: _Optional[int] = ..., cores_per_replica: _Optional[float] = ..., cost_per_replica: _Optional[float] = ..., ceiling: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("id", "unix_s", "action", "applied", "dry_run", "reason", "roles", "production", "consumption", "ratio", "planned_throughput", "replay_ratio", "tolerance", "budget", "trigger", "error", "backend", "policy_lag", "max_policy_lag")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kuberl.v1 import planner_pb2 as ppb
 from services.common.config import config_from_dict
-from services.planner.backend import ApplyResult, Conflict, RoleState
+from services.planner.backend import ApplyResult, Conflict, Replica, RoleState
 from services.planner.core import Planner
 from tests.helpers import TINY_PPO
 
@@ -72,4 +72,59 @@ async def test_a_conflict_is_re_read_and_decided_again_and_an_override_that_fail
     d = await planner.step()                              # conflicts once more, re-reads, then applies
     assert d.applied and not d.error and backend.desired["actor"] == 3 and backend.applied == [{"actor": 3}]
     assert planner.metrics.counters["planner/conflicts_total"] == 1
+    await planner.close()
+
+
+class SaturatedBackend(MemoryBackend):
+    """Replicas that share one bottleneck: the actors together produce `actor_total` samples/s however
+    many run (cores on one machine); the learner consumes `learner_rate`."""
+
+    def __init__(self, actors: int, actor_total: float, learner_rate: float):
+        super().__init__(actors)
+        self.actor_total, self.learner_rate = actor_total, learner_rate
+
+    async def observe(self) -> dict[str, RoleState]:
+        return {role: RoleState(desired=n, replicas=[Replica(f"{role}-{i}", f"fake:{role}-{i}") for i in range(n)])
+                for role, n in self.desired.items()}
+
+
+class FedPlanner(Planner):
+    """Reads counters from the model in SaturatedBackend instead of over gRPC."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.counts: dict[str, tuple[float, float]] = {}   # replica name -> (time, count)
+
+    async def _read(self, role, name, address, tracker):
+        b, now = self.backend, self.clock()
+        rate = b.learner_rate if role == "learner" else b.actor_total / b.desired["actor"]
+        t0, c0 = self.counts.get(name, (now, 0.0))
+        count = c0 + rate * (now - t0) + (1.0 if name not in self.counts else 0.0)
+        self.counts[name] = (now, count)
+        tracker.update(now, count, 0.0 if role == "learner" else None)
+
+
+async def test_a_scale_up_that_adds_nothing_sets_a_ceiling_and_the_planner_returns_to_the_count_that_paid():
+    cfg = config_from_dict({**TINY_PPO, "planner": {
+        "interval_s": 2, "warmup_s": 2, "cooldown_s": 6, "rate_halflife_s": 1, "scale_down_window_s": 10,
+        "tolerance": 0.15, "saturation_hold_s": 120, "actor": {"max": 8}}})
+    backend, clock = SaturatedBackend(actors=1, actor_total=100.0, learner_rate=600.0), [0.0]
+    planner = FedPlanner(cfg, backend, clock=lambda: clock[0])
+    seen = []
+    for _ in range(80):
+        clock[0] += 1.0
+        if int(clock[0]) % 2:
+            await planner.measure()
+            continue
+        d = await planner.step()
+        seen.append((clock[0], backend.desired["actor"], d))
+    counts = [n for _, n, _ in seen]
+    assert 3 in counts, "the run is actor-bound (100 vs 600 samples/s): the planner first scales up"
+    assert counts[-1] == 1, f"the extra actors added nothing, so the planner went back to one: {counts}"
+    assert planner.metrics.counters["planner/saturations_total"] == 1
+    last = seen[-1][2]
+    assert {r.role: r.ceiling for r in last.roles if r.HasField("ceiling")} == {"actor": 1}
+    assert last.action == ppb.DECISION_ACTION_HOLD and "actor saturates above 1" in last.reason
+    # it never climbed past the first scale-up: the ceiling held every later decision
+    assert max(counts) == 3
     await planner.close()

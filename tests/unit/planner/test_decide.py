@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from services.planner.decide import Inputs, Policy, RoleBounds, RoleInputs, decide, solve
+from services.planner.decide import (Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide, judge_scale_up,
+                                     solve)
 
 POLICY = Policy(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
                 learner=RoleBounds(min=1, max=1),
@@ -191,3 +192,45 @@ def test_never_outside_bounds():
                     assert b.min <= d.targets[r] <= b.max
                     assert abs(d.targets[r] - d.current[r]) <= max(b.max_step_up, b.max_step_down)
                 assert not math.isnan(d.ratio)
+
+
+# -- saturation: a scale-up is judged by what it added ------------------------------------------------
+PROBE = ScaleUpProbe("actor", before=1, after=3, total_before=100.0, applied_at=0.0)
+
+
+def judged_at(now, rate, reporting=3, desired=3):
+    return Inputs(now=now, actor=RoleInputs(desired=desired, reporting=reporting, rate=rate),
+                  learner=RoleInputs(desired=1, rate=600.0))
+
+
+@pytest.mark.parametrize("now,rate,reporting,desired,done,ceiling", [
+    (10, 90, 3, 3, False, None),    # inside the cooldown: too early to judge
+    (25, 90, 2, 3, False, None),    # a new replica has no warmed-up rate yet
+    (25, 90, 3, 3, True, None),     # 270 samples/s: 85% of the predicted +200 -> it paid
+    (25, 50, 3, 3, True, 2),        # 150: 25% of the gain, worth half a replica -> no more than 2
+    (25, 40, 3, 3, True, 1),        # 120: worth 0.2 of a replica -> back to 1
+    (25, 30, 3, 3, True, 1),        # 90: less than before -> back to 1
+    (25, 30, 3, 5, True, None),     # the count changed since: nothing to judge
+    (200, 30, 2, 3, True, None),    # never converged within converge_timeout_s: given up
+])
+def test_a_scale_up_that_did_not_pay_sets_a_saturation_ceiling(now, rate, reporting, desired, done, ceiling):
+    v = judge_scale_up(POLICY, PROBE, judged_at(now, rate, reporting, desired))
+    assert (v.done, v.ceiling) == (done, ceiling), v.reason
+    if ceiling is not None:
+        assert f"saturates above {ceiling}" in v.reason and "of the predicted gain" in v.reason
+
+
+def test_a_saturation_ceiling_caps_the_plan_and_the_hold_names_it():
+    d = decide(POLICY, inputs(3, 1, 50, 600, ceilings={"actor": 3}))
+    assert d.proposed == {"actor": 3, "learner": 1} and d.action == "hold"
+    assert "actor saturates above 3" in d.reason
+    # below the ceiling the role still grows to it
+    d = decide(POLICY, inputs(1, 1, 50, 600, ceilings={"actor": 2}))
+    assert d.action == "scale" and d.targets == {"actor": 2, "learner": 1}
+
+
+def test_a_ceiling_below_the_current_count_scales_down_through_the_window():
+    d = decide(POLICY, inputs(3, 1, 30, 600, ceilings={"actor": 1}))
+    assert d.proposed["actor"] == 1 and d.action == "scale" and d.targets["actor"] == 2   # one step down
+    held = decide(POLICY, inputs(3, 1, 30, 600, ceilings={"actor": 1}, recent_proposals=((-10.0, {"actor": 3}),)))
+    assert held.action == "suppressed" and "3 was proposed" in held.reason
