@@ -37,7 +37,7 @@ STOP_TIMEOUT_S = 45.0
 CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "return_mean", "actor_env_steps_per_s",
                "actor_fragments_dropped_total", "buffer_size_samples", "buffer_samples_per_insert",
                "learner_updates_per_s", "learner_samples_per_s", "learner_policy_version",
-               "learner_policy_lag_mean", "actors", "planner_ratio"]
+               "learner_policy_lag_mean", "actors", "learners", "planner_ratio"]
 
 
 def _port_free(port: int) -> bool:
@@ -125,8 +125,12 @@ class LocalRun:
                 "--backend", self.cfg.planner.backend if self.cfg.planner.backend != "kubernetes" else "local",
                 "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
             return
-        learner = f"127.0.0.1:{free_port()}"
-        self._spawn("learner", "learner-0", learner, ["--buffer", buffer, "--checkpoint-dir", str(self.dir / "checkpoints")])
+        learner = f"127.0.0.1:{free_port()}"  # rank 0: the learner actors take weights from
+        n, group = self.cfg.topology.learners, f"127.0.0.1:{free_port()}"
+        for rank in range(n):
+            self._spawn("learner", f"learner-{rank}", learner if rank == 0 else "127.0.0.1:0", [
+                "--buffer", buffer, "--checkpoint-dir", str(self.dir / "checkpoints"),
+                *(["--world-size", str(n), "--rank", str(rank), "--group", group] if n > 1 else [])])
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"
@@ -239,10 +243,11 @@ class LocalRun:
             "buffer_size_samples": buffer.get("buffer/size_samples"),
             "buffer_samples_per_insert": buffer.get("buffer/samples_per_insert"),
             "learner_updates_per_s": learner.get("learner/updates_per_s"),
-            "learner_samples_per_s": learner.get("learner/samples_per_s"),
+            "learner_samples_per_s": self._sum("learner", "learner/samples_per_s") if self._role("learner") else None,
             "learner_policy_version": learner.get("learner/policy_version"),
             "learner_policy_lag_mean": learner.get("learner/policy_lag_mean"),
             "actors": len(self._role("actor")),
+            "learners": len(self._role("learner")),
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
         }
 
@@ -252,7 +257,8 @@ class LocalRun:
         line = (f"[{row['wall_s']:7.1f}s] steps {row['env_steps']:>10,} ({f(row['actor_env_steps_per_s'])}/s,"
                 f" {row['actors']} actor{'s' if row['actors'] != 1 else ''})"
                 f" | episodes {row['episodes']:>6,} | return {f(row['return_mean'], '.1f')}"
-                f" (last {len(self.returns)}) | learner v{f(row['learner_policy_version'])}"
+                f" (last {len(self.returns)}) | {'learner' if row['learners'] <= 1 else str(row['learners']) + ' learners'}"
+                f" v{f(row['learner_policy_version'])}"
                 f" {f(row['learner_updates_per_s'], ',.1f')} upd/s {f(row['learner_samples_per_s'])} smp/s"
                 f" lag {f(row['learner_policy_lag_mean'], '.1f')} | buffer {f(row['buffer_size_samples'])}"
                 f" | dropped {f(row['actor_fragments_dropped_total'])}")

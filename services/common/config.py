@@ -215,8 +215,8 @@ class TopologyConfig:
 
     def __post_init__(self):
         _require(1 <= self.actors <= 256, "actors", self.actors, "must be 1..256")
-        _require(self.learners == 1, "learners", self.learners,
-                 "only one learner per experiment is supported so far (no gradient all-reduce yet)")
+        _require(1 <= self.learners <= 64, "learners", self.learners,
+                 "must be 1..64 (more than one train as a group, averaging gradients)")
         _require(self.buffers == 1, "buffers", self.buffers,
                  "only one buffer per experiment is supported so far (no sharding yet)")
 
@@ -363,6 +363,8 @@ class PlannerConfig:
     min_scale_gain: float = 0.5
     saturation_hold_s: float = 300.0
     actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))
+    # More than one learner: they train as a group (gradients averaged); the local backend re-forms the
+    # group from the latest checkpoint whenever the planner changes its size.
     learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
     kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
 
@@ -385,8 +387,9 @@ class PlannerConfig:
                  "must be in [0, 1] (0 = scale-ups are not checked)")
         _require(self.saturation_hold_s > 0, "saturation_hold_s", self.saturation_hold_s, "must be > 0")
         _require(self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag, "must be >= 0 (0 = no staleness target)")
-        _require(self.learner.max == 1, "learner.max", self.learner.max,
-                 "only one learner per experiment is supported so far (no gradient all-reduce yet)")
+        _require(self.learner.max == 1 or self.backend != "kubernetes", "learner.max", self.learner.max,
+                 "must be 1 with the kubernetes backend: a group of learners needs stable ranks and a restart of "
+                 "every member when its size changes, which that backend does not do yet (the local backend does)")
         _require(self.budget == 0 or self.budget >= self.actor.min * self.actor.cost + self.learner.min * self.learner.cost,
                  "budget", self.budget, "cannot fit the minimum replicas of every role")
 
@@ -411,6 +414,10 @@ class ExperimentConfig:
         _require(self.planner.actor.min <= self.topology.actors <= self.planner.actor.max, "topology.actors",
                  self.topology.actors, f"must lie within planner.actor.min..max "
                  f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")
+        learner = self.planner.learner
+        _require(not self.planner.enabled or learner.min <= self.topology.learners <= learner.max,
+                 "topology.learners", self.topology.learners,
+                 f"must lie within planner.learner.min..max ({learner.min}..{learner.max}), the planner's bounds")
 
     @property
     def rollout_steps(self) -> int:

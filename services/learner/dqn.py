@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from services.common.config import DQNConfig
 from services.common.nets import EnvSpec, QNetwork, resolve_device
+from services.learner.distributed import GradientSync
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
@@ -26,8 +27,8 @@ def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: to
 
 
 class DQN:
-    def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu"):
-        self.cfg, self.device = cfg, resolve_device(device)
+    def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None):
+        self.cfg, self.device, self.sync = cfg, resolve_device(device), sync
         self.q = QNetwork(spec, cfg.hidden_sizes).to(self.device)
         self.target = copy.deepcopy(self.q)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=cfg.learning_rate)
@@ -42,26 +43,36 @@ class DQN:
         """The module actors run."""
         return self.q
 
-    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        """One gradient step on a TransitionBatch (numpy arrays); returns scalar diagnostics."""
-        t = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}  # copies read-only wire arrays
-        with torch.no_grad():
-            next_q_target = self.target(t["next_obs"])
-            next_q_online = self.q(t["next_obs"]) if self.cfg.double_dqn else next_q_target
-            y = td_target(t["rewards"], t["terminated"], next_q_online, next_q_target,
-                          self.cfg.gamma, self.cfg.double_dqn)
-        q_sa = self.q(t["obs"]).gather(1, t["actions"].long().view(-1, 1)).squeeze(1)
-        loss = F.smooth_l1_loss(q_sa, y)
+    def update(self, batch: dict[str, np.ndarray] | None) -> dict[str, float]:
+        """One gradient step on a TransitionBatch (numpy arrays); returns scalar diagnostics. In a group of
+        learners the gradient is averaged over the group first; `batch=None` joins that average with
+        nothing (this learner had no usable batch this round)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm)
+        stats: dict[str, float] = {}
+        if batch is not None:
+            t = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}  # copies read-only wire arrays
+            with torch.no_grad():
+                next_q_target = self.target(t["next_obs"])
+                next_q_online = self.q(t["next_obs"]) if self.cfg.double_dqn else next_q_target
+                y = td_target(t["rewards"], t["terminated"], next_q_online, next_q_target,
+                              self.cfg.gamma, self.cfg.double_dqn)
+            q_sa = self.q(t["obs"]).gather(1, t["actions"].long().view(-1, 1)).squeeze(1)
+            loss = F.smooth_l1_loss(q_sa, y)
+            loss.backward()
+            stats = {"loss": loss.item(), "q_mean": q_sa.mean().item()}
+        weight = float(len(batch["obs"])) if batch is not None else 0.0
+        if self.sync is not None:
+            weight = self.sync.average_gradients(list(self.q.parameters()), weight)
+        if weight == 0:
+            return stats  # nobody in the group had data: no step, on every learner alike
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm))
         self.optimizer.step()
         self.version += 1
         if self.version % self.cfg.target_update_interval == 0:
             with torch.no_grad():  # tau = 1 is the hard copy of the Nature DQN
                 for tp, p in zip(self.target.parameters(), self.q.parameters()):
                     tp.lerp_(p, self.cfg.tau)
-        return {"loss": loss.item(), "q_mean": q_sa.mean().item(), "grad_norm": float(grad_norm)}
+        return stats
 
     def state_dict(self) -> dict:
         return {"q": self.q.state_dict(), "target": self.target.state_dict(),

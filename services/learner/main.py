@@ -21,12 +21,15 @@ from services.common.notify import Notifier
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
+from services.learner.distributed import GradientSync, GroupBroken, GroupSpec
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
 from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE_S = 30.0
+GROUP_ROUND_WAIT_S = 0.5       # a learner of a group without a batch joins the round after this long
+GROUP_PEER_STOP_GRACE_S = 10.0
 
 
 def batch_request(cfg: ExperimentConfig, learner_id: str) -> buffer_pb2.BatchRequest:
@@ -71,6 +74,55 @@ async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, ev
             progressed.notify()
 
 
+async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
+                           progressed: Notifier, stopping: asyncio.Event) -> None:
+    """Train in rounds with the other learners of the group (services/learner/distributed.py): each
+    round agrees whether to stop and whether everyone holds a batch; only then does anyone train, so
+    the gradient all-reduces line up. All stop at the same round once any learner is stopping."""
+    sync = trainer.sync
+    published = trainer.version
+    trainer.metrics.inc("learner/starved_seconds_total", 0)
+    trainer.metrics.inc("learner/group_rounds_waiting_total", 0)
+    held, getter = None, None
+    try:
+        while True:
+            started = time.perf_counter()
+            if held is None:
+                getter = getter or asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=GROUP_ROUND_WAIT_S)
+                if done:
+                    held, getter = getter.result(), None
+            stop, all_ready = await asyncio.to_thread(sync.agree, stopping.is_set(), held is not None)
+            if stop:
+                break
+            if not all_ready:  # somebody has no batch yet: nobody trains; what is held waits for the next round
+                trainer.metrics.inc("learner/group_rounds_waiting_total")
+                trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
+                continue
+            trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
+            batch, held = held, None
+            await asyncio.to_thread(trainer.train, batch)
+            if trainer.version - published >= every:
+                hub.publish(await asyncio.to_thread(trainer.weights))
+                published = trainer.version
+                progressed.notify()
+    finally:
+        if getter is not None:
+            getter.cancel()
+    if held is not None:
+        trainer.metrics.inc("learner/batches_discarded_total")
+    if not stopping.is_set():
+        # A peer is stopping, so the group is over; this learner's own stop should follow (its
+        # supervisor stops the whole group). If it does not, exit so the group can be formed again.
+        log.info("the group is stopping (a peer asked to); waiting up to %.0f s for this learner's stop",
+                 GROUP_PEER_STOP_GRACE_S)
+        try:
+            await asyncio.wait_for(stopping.wait(), GROUP_PEER_STOP_GRACE_S)
+        except TimeoutError:
+            raise GroupBroken("the group stopped without this learner being stopped: exiting so that it can "
+                              "be formed again") from None
+
+
 async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, trainer: Trainer,
                           metrics: Metrics, progressed: Notifier) -> None:
     """Tell the buffer the current version after each publication, and at least once a second."""
@@ -99,12 +151,20 @@ async def checkpoint_loop(trainer: Trainer, interval_s: float) -> None:
 
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, checkpoint_dir: str,
-                  learner_id: str | None = None):
-    """Start a learner; yields its Endpoints. Leaving the context runs the shutdown sequence."""
+                  learner_id: str | None = None, group: GroupSpec | None = None):
+    """Start a learner; yields its Endpoints. Leaving the context runs the shutdown sequence.
+    `group`: this learner's place in a group of learners that average gradients (None or a world
+    size of 1: it trains alone)."""
     learner_id = learner_id or f"learner-{socket.gethostname()}-{os.getpid()}"
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
-    trainer = Trainer(cfg, metrics, checkpoint_dir)
+    sync = await asyncio.to_thread(GradientSync, group) if group is not None and group.world_size > 1 else None
+    try:
+        trainer = await asyncio.to_thread(Trainer, cfg, metrics, checkpoint_dir, sync)
+    except BaseException:
+        if sync is not None:
+            sync.close()
+        raise
     hub = WeightsHub()
     hub.publish(trainer.weights())  # actors start from the learner's initialisation (or checkpoint)
     max_bytes = cfg.buffer.max_message_mb * MiB
@@ -122,8 +182,10 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                                                  queue, metrics), name="fetch")
             progressed = Notifier()
             stub = buffer_pb2_grpc.BufferStub(channel)
-            train = tg.create_task(train_loop(trainer, queue, hub, cfg.learner.publish_interval_updates, progressed),
-                                   name="train")
+            stopping = asyncio.Event()
+            every = cfg.learner.publish_interval_updates
+            train = tg.create_task(group_train_loop(trainer, queue, hub, every, progressed, stopping) if sync
+                                   else train_loop(trainer, queue, hub, every, progressed), name="train")
             side = [tg.create_task(checkpoint_loop(trainer, cfg.learner.checkpoint_interval_s), name="checkpoint"),
                     tg.create_task(report_progress(stub, learner_id, trainer, metrics, progressed), name="progress"),
                     tg.create_task(tick_forever(metrics), name="stats")]
@@ -134,6 +196,9 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
                     await srv.set_serving(False)  # 1. readiness goes NOT_SERVING
                     fetch.cancel()                 # 2. stop consuming; an update in flight finishes
+                    if sync is not None:           #    (a group stops together at a round's end)
+                        stopping.set()
+                        await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
                     train.cancel()                 #    (the checkpoint below waits for it on the lock)
                     if queue.qsize():
                         metrics.inc("learner/batches_discarded_total", queue.qsize())
@@ -148,6 +213,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         if prom is not None:
             prom.close()
         await channel.close()
+        if sync is not None:
+            sync.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,13 +224,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=os.environ.get("KUBERL_CHECKPOINT_DIR", "checkpoints"),
                    help="where checkpoints are written and restored from (default ./checkpoints)")
     p.add_argument("--learner-id", default=None, help="name of this learner (default: learner-host-pid)")
-    return p.parse_args(argv)
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("KUBERL_LEARNER_WORLD_SIZE", "1")),
+                   help="learners training together, averaging gradients (default $KUBERL_LEARNER_WORLD_SIZE or 1)")
+    p.add_argument("--rank", type=int, default=int(os.environ.get("KUBERL_LEARNER_RANK", "0")),
+                   help="this learner's rank in 0..world-size-1; rank 0 hosts the rendezvous and writes "
+                        "checkpoints (default $KUBERL_LEARNER_RANK or 0)")
+    p.add_argument("--group", default=os.environ.get("KUBERL_LEARNER_GROUP", ""),
+                   help="host:port where rank 0 hosts the group's rendezvous (default $KUBERL_LEARNER_GROUP)")
+    args = p.parse_args(argv)
+    try:
+        args.group_spec = GroupSpec(args.rank, args.world_size, args.group)
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
     async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
-                       checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id) as endpoints:
+                       checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id,
+                       group=args.group_spec) as endpoints:
         write_ready_file(args.ready_file, endpoints)
         log.info("learner serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
         await stop.wait()

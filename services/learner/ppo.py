@@ -16,6 +16,7 @@ import torch
 from services.common.config import PPOConfig
 from services.common.fragments import Fragment
 from services.common.nets import ActorCritic, EnvSpec, resolve_device
+from services.learner.distributed import GradientSync
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
@@ -64,8 +65,8 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tenso
 
 
 class PPO:
-    def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu"):
-        self.cfg, self.device = cfg, resolve_device(device)
+    def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None):
+        self.cfg, self.device, self.sync = cfg, resolve_device(device), sync
         self.net = ActorCritic(spec, cfg.hidden_sizes).to(self.device)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.version = 0
@@ -102,44 +103,61 @@ class PPO:
 
     def update(self, fragments: list[Fragment], correct: list[bool] | None = None) -> dict[str, float]:
         """One update: num_epochs x num_minibatches gradient steps on the fragments. `correct[i]`
-        marks fragment i for V-trace targets instead of GAE. Returns scalar diagnostics."""
+        marks fragment i for V-trace targets instead of GAE. Returns scalar diagnostics.
+
+        In a group of learners every gradient step averages over the group, so each learner takes
+        exactly num_epochs x num_minibatches steps whatever it holds: empty minibatches (or no fragments
+        at all) join the average with weight 0. The version advances where anyone in the group trained."""
         c = self.cfg
+        if not fragments and self.sync is None:
+            return {}
         correct = correct or [False] * len(fragments)
-        parts = [self._advantages(f, fix) for f, fix in zip(fragments, correct)]
-        obs, values, adv, ret = (torch.cat(x) for x in zip(*parts))
-        actions = torch.cat([self._tensor(f.actions).reshape(-1) for f in fragments]).long()
-        old_logprob = torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments])
-        n = len(actions)
-        clipfracs, stats = [], {}
+        if fragments:
+            parts = [self._advantages(f, fix) for f, fix in zip(fragments, correct)]
+            obs, values, adv, ret = (torch.cat(x) for x in zip(*parts))
+            actions = torch.cat([self._tensor(f.actions).reshape(-1) for f in fragments]).long()
+            old_logprob = torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments])
+        n = sum(f.num_samples for f in fragments)
+        # Exactly num_minibatches per epoch, sizes differing by at most one (alone: at most n of them).
+        splits = c.num_minibatches if self.sync is not None else min(c.num_minibatches, n)
+        clipfracs, stats, trained = [], {}, False
         for _ in range(c.num_epochs):
-            # Exactly num_minibatches per epoch, sizes differing by at most one, whatever n is.
-            for mb in torch.tensor_split(torch.randperm(n, device=self.device), min(c.num_minibatches, n)):
-                dist, new_value = self.net.dist_and_value(obs[mb])
-                logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
-                ratio = logratio.exp()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1) - logratio).mean()
-                    clipfracs.append(((ratio - 1.0).abs() > c.clip_coef).float().mean().item())
-                mb_adv = adv[mb]
-                if c.norm_adv and len(mb) > 1:
-                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                pg_loss = torch.max(-mb_adv * ratio,
-                                    -mb_adv * torch.clamp(ratio, 1 - c.clip_coef, 1 + c.clip_coef)).mean()
-                if c.clip_vloss:
-                    v_clipped = values[mb] + torch.clamp(new_value - values[mb], -c.clip_coef, c.clip_coef)
-                    v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()
-                else:
-                    v_loss = 0.5 * ((new_value - ret[mb]) ** 2).mean()
-                entropy = dist.entropy().mean()
-                loss = pg_loss - c.ent_coef * entropy + c.vf_coef * v_loss
+            for mb in torch.tensor_split(torch.randperm(n, device=self.device), splits):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                if len(mb):
+                    dist, new_value = self.net.dist_and_value(obs[mb])
+                    logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
+                    ratio = logratio.exp()
+                    with torch.no_grad():
+                        approx_kl = ((ratio - 1) - logratio).mean()
+                        clipfracs.append(((ratio - 1.0).abs() > c.clip_coef).float().mean().item())
+                    mb_adv = adv[mb]
+                    if c.norm_adv and len(mb) > 1:
+                        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                    pg_loss = torch.max(-mb_adv * ratio,
+                                        -mb_adv * torch.clamp(ratio, 1 - c.clip_coef, 1 + c.clip_coef)).mean()
+                    if c.clip_vloss:
+                        v_clipped = values[mb] + torch.clamp(new_value - values[mb], -c.clip_coef, c.clip_coef)
+                        v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()
+                    else:
+                        v_loss = 0.5 * ((new_value - ret[mb]) ** 2).mean()
+                    entropy = dist.entropy().mean()
+                    loss = pg_loss - c.ent_coef * entropy + c.vf_coef * v_loss
+                    loss.backward()
+                weight = float(len(mb))
+                if self.sync is not None:
+                    weight = self.sync.average_gradients(list(self.net.parameters()), weight)
+                if weight == 0:
+                    continue
                 torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.max_grad_norm)
                 self.optimizer.step()
                 self.gradient_steps += 1
-        self.version += 1
-        stats.update(policy_loss=pg_loss.item(), value_loss=v_loss.item(), entropy=entropy.item(),
-                     approx_kl=approx_kl.item(), clipfrac=float(np.mean(clipfracs)))
+                trained = True
+        if trained:
+            self.version += 1
+        if clipfracs:
+            stats.update(policy_loss=pg_loss.item(), value_loss=v_loss.item(), entropy=entropy.item(),
+                         approx_kl=approx_kl.item(), clipfrac=float(np.mean(clipfracs)))
         return stats
 
     def state_dict(self) -> dict:

@@ -22,6 +22,7 @@ from services.common.stats import Metrics
 from services.common.tensors import TensorError, decode
 from services.common.weights import encode_weights
 from services.learner import checkpoint
+from services.learner.distributed import GradientSync
 from services.learner.dqn import DQN
 from services.learner.ppo import PPO
 
@@ -29,17 +30,29 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: ExperimentConfig, metrics: Metrics, checkpoint_dir: str | Path):
-        self.cfg, self.metrics, self.checkpoint_dir = cfg, metrics, Path(checkpoint_dir)
+    def __init__(self, cfg: ExperimentConfig, metrics: Metrics, checkpoint_dir: str | Path,
+                 sync: GradientSync | None = None):
+        """`sync`: this learner's membership of a group of learners (None: it trains alone). Rank 0
+        restores the latest checkpoint and broadcasts its state, so the group starts equal."""
+        self.cfg, self.metrics, self.checkpoint_dir, self.sync = cfg, metrics, Path(checkpoint_dir), sync
         torch.manual_seed(cfg.seed)
         self.spec = spec = spec_of(cfg.env)
         device = cfg.learner.device
-        self.algo = DQN(cfg.dqn, spec, device) if cfg.algorithm == "dqn" else PPO(cfg.ppo, spec, device)
+        self.algo = (DQN(cfg.dqn, spec, device, sync) if cfg.algorithm == "dqn"
+                     else PPO(cfg.ppo, spec, device, sync))
         self.lock = threading.Lock()
-        if (path := checkpoint.latest(self.checkpoint_dir)) is not None:
+        self.writes_checkpoints = sync is None or sync.rank == 0
+        if self.writes_checkpoints and (path := checkpoint.latest(self.checkpoint_dir)) is not None:
             state = checkpoint.load(path)
             self.algo.load_state_dict(state["algo"])
             log.info("restored %s at version %d", path, self.algo.version)
+        if sync is not None:
+            state = sync.broadcast_state(self.algo.state_dict() if sync.rank == 0 else None)
+            if sync.rank != 0:
+                self.algo.load_state_dict(state)
+                log.info("took rank 0's state at version %d", self.algo.version)
+        metrics.set("learner/group_size", sync.world_size if sync else 1)
+        metrics.set("learner/rank", sync.rank if sync else 0)
         metrics.set("learner/policy_version", self.version)
         metrics.track_rate("learner/updates_per_s", "learner/updates_total")
         metrics.track_rate("learner/samples_per_s", "learner/samples_total")
@@ -82,6 +95,9 @@ class Trainer:
         except (ValueError, KeyError) as err:
             self.metrics.inc("learner/batches_invalid_total")
             log.error("skipping malformed batch %d: %s", batch.batch_id, err)
+            if self.sync is not None:  # the group's gradient steps go on: join them with nothing
+                with self.lock:
+                    self._empty_update()
             return
         with self.lock:
             before = self.version
@@ -92,6 +108,8 @@ class Trainer:
                 frags, correct = self._bound_staleness(frags)
                 if not frags:
                     self.metrics.inc("learner/batches_skipped_total")
+                    if self.sync is not None:
+                        self._empty_update()
                     return
                 samples, stats = sum(f.num_samples for f in frags), self.algo.update(frags, correct)
             self.metrics.inc("learner/updates_total", self.version - before)
@@ -102,6 +120,13 @@ class Trainer:
         self.metrics.set("learner/buffer_size_samples", batch.buffer_size)
         for k, v in stats.items():
             self.metrics.set(f"learner/{k}", v)
+
+    def _empty_update(self) -> None:
+        """Take part in the group's update with no data (weight 0); the version moves with the group's."""
+        before = self.version
+        self.algo.update(None if self.cfg.algorithm == "dqn" else [])
+        self.metrics.inc("learner/updates_total", self.version - before)
+        self.metrics.set("learner/policy_version", self.version)
 
     def _check_fits(self, *observations: np.ndarray, actions: np.ndarray, rows: int | None = None) -> None:
         """Raise TensorError unless the data fits this learner's env: observation shape, action range."""
@@ -136,8 +161,11 @@ class Trainer:
             version, arrays = self.version, to_numpy(self.algo.policy)
         return encode_weights(version, arrays)
 
-    def checkpoint(self) -> Path:
-        """Write a checkpoint of the current state (blocking)."""
+    def checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current state (blocking). In a group only rank 0 writes (the others
+        hold the same state); they return None."""
+        if not self.writes_checkpoints:
+            return None
         with self.lock:
             path = checkpoint.save(self.checkpoint_dir, self.version,
                                    {"algo": self.algo.state_dict(), "config": self.cfg.to_dict()},

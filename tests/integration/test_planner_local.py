@@ -16,6 +16,7 @@ import pytest
 from services.cli.main import main as kuberl
 from services.common.procs import free_port
 from kuberl.v1.actor_pb2_grpc import ActorStub
+from kuberl.v1.learner_pb2_grpc import LearnerStub
 from tests.helpers import ROOT, TINY_PPO, run_logs, stats, wait_for, write_config
 
 # DQN on CartPole where one learner can consume what about three actors capped at 100 env steps/s
@@ -166,6 +167,58 @@ def test_planner_api_drives_a_live_run(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exit_codes"]["actor-1"] == 0 and summary["exit_codes"]["actor-0"] == 0
     assert any(d["trigger"] == "override" for d in summary["decisions"])
+
+
+def test_scaling_learners_re_forms_the_group_from_the_checkpoint(tmp_path, capsys):
+    port = free_port()
+    config = {**TINY_PPO, "run": {"target_return": None, "poll_interval_s": 0.5},
+              "planner": {"interval_s": 1, "warmup_s": 1, "cooldown_s": 2, "actor": {"max": 1},
+                          "learner": {"max": 2}}}
+    proc = _up(tmp_path, config, port)
+    planner = f"127.0.0.1:{port}"
+
+    def cli(*args) -> tuple[int, str, str]:
+        code = kuberl([*args, "--planner", planner])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    def learners() -> dict[str, dict]:
+        code, out, _ = cli("status", "--json")
+        reps = json.loads(out).get("replicas", []) if code == 0 else []  # the planner may not serve yet
+        return {r["name"]: stats(r["address"], LearnerStub) for r in reps
+                if r["role"] == "learner" and r.get("ready") and r.get("address")}
+
+    try:
+        wait_for(lambda: (lrn := learners()) and lrn.get("learner-0", {}).get("learner/policy_version", 0) >= 3,
+                 timeout=120, interval=0.5, what="learner-0 past version 3")
+        assert cli("pause", "--reason", "learner group test")[0] == 0   # overrides still apply
+        code, out, _ = cli("scale", "learner", "2", "--ttl", "600", "--json")
+        decision = json.loads(out)
+        assert code == 0 and decision["applied"], decision
+        group = wait_for(lambda: (lrn := learners()) and len(lrn) == 2 and all(
+            x["learner/group_size"] == 2 for x in lrn.values()) and lrn, timeout=120, interval=0.5,
+            what="two learners serving as one group")
+        assert sorted(x["learner/rank"] for x in group.values()) == [0, 1]
+        # The new group resumed from rank 0's checkpoint written as the old one stopped, not from scratch.
+        logs = tmp_path / "run" / "logs"
+        restored = re.findall(r"restored \S+ at version (\d+)", (logs / "learner-0.log").read_text())
+        took = re.search(r"took rank 0's state at version (\d+)", (logs / "learner-1.log").read_text())
+        assert restored and took and int(took.group(1)) == int(restored[-1]) >= 3
+        # ...and trains on, both ranks at the same version, the actor taking the new weights.
+        start = int(restored[-1])
+        wait_for(lambda: all(x["learner/policy_version"] >= start + 3 for x in learners().values()),
+                 timeout=120, interval=0.5, what="the group training past its starting version")
+
+        assert cli("scale", "learner", "1", "--ttl", "600")[0] == 0
+        wait_for(lambda: (lrn := learners()) and list(lrn) == ["learner-0"]
+                 and lrn["learner-0"]["learner/group_size"] == 1, timeout=120, interval=0.5,
+                 what="back to one learner")
+        assert "re-formed the learner group" in (logs / "planner-0.log").read_text()
+    finally:
+        out = _stop(proc, tmp_path)
+    assert proc.returncode == 0, out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]
 
 
 @pytest.mark.parametrize("bad, message", [(["scale", "robot", "2"], "invalid choice: 'robot'"),

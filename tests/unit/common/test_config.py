@@ -150,7 +150,11 @@ def test_wrong_types(data, key, match):
     ({"ppo": {"gamma": 1.5}}, "ppo.gamma", "must be in [0, 1]"),
     ({"ppo": {"hidden_sizes": [64, 0]}}, "ppo.hidden_sizes", "positive width"),
     ({"ppo": {"batch_steps": 2, "num_minibatches": 4}}, "ppo.num_minibatches", "must be 1..batch_steps"),
-    ({"topology": {"learners": 2}}, "topology.learners", "only one learner"),
+    ({"topology": {"learners": 2}}, "topology.learners", "must lie within planner.learner.min..max (1..1)"),
+    ({"topology": {"learners": 0}}, "topology.learners", "must be 1..64"),
+    ({"planner": {"backend": "kubernetes", "learner": {"max": 2}}}, "planner.learner.max",
+     "must be 1 with the kubernetes backend"),
+    ({"planner": {"min_scale_gain": 1.5}}, "planner.min_scale_gain", "must be in [0, 1]"),
     ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
     ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be 'ppo' or 'dqn'"),
@@ -161,6 +165,11 @@ def test_impossible_values(data, key, match):
     e = error(data)
     assert e.key == key
     assert match in str(e)
+
+
+def test_a_learner_group_fits_the_planner_bounds_or_runs_without_the_planner():
+    assert config_from_dict({"topology": {"learners": 2}, "planner": {"learner": {"max": 2}}}).topology.learners == 2
+    assert config_from_dict({"topology": {"learners": 3}, "planner": {"enabled": False}}).topology.learners == 3
 
 
 def test_yaml11_exponent_strings_are_numbers(tmp_path):
