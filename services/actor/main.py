@@ -59,7 +59,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     external = cfg.env.mode == "external"
     max_bytes = cfg.buffer.max_message_mb * MiB
     buffer_ch, learner_ch = make_channel(buffer, max_bytes), make_channel(learner, max_bytes)
-    pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics)
+    pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics,
+                    max_bytes=int(cfg.actor.queue_mb * MiB))
     rollout = hub = inference = worker = None
     if external:  # simulators connect over EnvSession and step themselves
         spec = spec_of(cfg.env)

@@ -3,8 +3,8 @@
 Delivery: each stream is half-closed to receive a PushAck every `ack_interval_s`, or sooner once
 `capacity` fragments are unacknowledged; fragments written but not yet acknowledged stay in
 `unacked` and are re-sent on the next stream after a failure (the buffer's (actor_id, seq) dedupe
-makes that safe). When `capacity` fragments wait unsent, the oldest unsent one is dropped and counted
-in `actor/fragments_dropped_total`: the actor never waits for the network.
+makes that safe). When `capacity` fragments, or `max_bytes`, wait unsent, the oldest unsent one is
+dropped and counted in `actor/fragments_dropped_total`: the actor never waits for the network.
 
 Fragments travel as bytes serialized once, by whoever cut them (the rollout thread, with
 `encode_fragment`), and are written to the stream as they are: the event loop never re-encodes a payload.
@@ -41,12 +41,15 @@ async def _write(call, item: EncodedFragment) -> None:
 
 
 class Pusher:
-    def __init__(self, channel: grpc.aio.Channel, capacity: int, ack_interval_s: float, metrics: Metrics):
+    def __init__(self, channel: grpc.aio.Channel, capacity: int, ack_interval_s: float, metrics: Metrics,
+                 max_bytes: int = 64 << 20):
         # PushTrajectories with the payload already serialized (no request serializer).
         self.push = channel.stream_unary(PUSH_METHOD, request_serializer=None,
                                          response_deserializer=buffer_pb2.PushAck.FromString)
-        self.capacity, self.ack_interval_s, self.metrics = capacity, ack_interval_s, metrics
+        self.capacity, self.ack_interval_s, self.metrics, self.max_bytes = capacity, ack_interval_s, metrics, max_bytes
         self.queue: deque[EncodedFragment] = deque()
+        self.queued_bytes = 0      # payload bytes in `queue`
+        self.unacked_bytes = 0     # payload bytes in `unacked`
         self.unacked: deque[EncodedFragment] = deque()
         self._wake = asyncio.Event()
         metrics.track_rate("actor/fragments_pushed_per_s", "actor/fragments_pushed_total")
@@ -66,10 +69,12 @@ class Pusher:
         Pass an `EncodedFragment` serialized off the loop; a message is serialized here."""
         if not isinstance(msg, EncodedFragment):
             msg = EncodedFragment.of(msg)
-        while len(self.queue) >= self.capacity:
-            self.queue.popleft()
+        while self.queue and (len(self.queue) >= self.capacity
+                              or self.queued_bytes + len(msg.payload) > self.max_bytes):
+            self.queued_bytes -= len(self.queue.popleft().payload)
             self.metrics.inc("actor/fragments_dropped_total")
         self.queue.append(msg)
+        self.queued_bytes += len(msg.payload)
         self.metrics.set("actor/push_queue_fragments", len(self.queue))
         self._wake.set()
 
@@ -109,14 +114,16 @@ class Pusher:
             await _write(call, msg)
             self.metrics.inc("actor/fragments_resent_total")
         deadline = loop.time() + self.ack_interval_s
-        while loop.time() < deadline and len(self.unacked) < self.capacity:
+        while loop.time() < deadline and len(self.unacked) < self.capacity and self.unacked_bytes < self.max_bytes:
             if not self.queue:
                 if stopping.is_set():
                     break
                 await self._wait(stopping, deadline - loop.time())
                 continue
             msg = self.queue.popleft()
+            self.queued_bytes -= len(msg.payload)
             self.unacked.append(msg)
+            self.unacked_bytes += len(msg.payload)
             await _write(call, msg)
             self.metrics.inc("actor/fragments_pushed_total")
             self.metrics.inc("actor/samples_pushed_total", msg.samples)
@@ -129,7 +136,7 @@ class Pusher:
 
     def _forget_through(self, seq: int) -> None:
         while self.unacked and self.unacked[0].seq <= seq:
-            self.unacked.popleft()
+            self.unacked_bytes -= len(self.unacked.popleft().payload)
             self.metrics.inc("actor/fragments_acked_total")
 
     def _rejected(self, err: grpc.aio.AioRpcError) -> None:
@@ -149,4 +156,5 @@ class Pusher:
             bad, keep = None, deque()
         self.metrics.inc("actor/fragments_rejected_total", len(self.unacked) - len(keep))
         self.unacked = keep
+        self.unacked_bytes = sum(len(m.payload) for m in keep)
         log.error("buffer rejected fragment seq %s: %s", bad, err.details())

@@ -224,7 +224,12 @@ class TopologyConfig:
 @dataclass(frozen=True)
 class ActorConfig:
     """Actor process settings."""
-    queue_fragments: int = 64         # bounded send queue; the oldest fragment is dropped (and counted) when full
+    # The send queue, bounded in fragments and in bytes: at either bound the oldest unsent fragment is
+    # dropped (and counted). Both also bound what one push stream has in flight unacknowledged. Sized
+    # to ride out a second or more of a stalled stream: 1,024 tiny CartPole fragments are about 1 MB,
+    # while 64 MB holds about 60 Atari fragments of 32 steps x 8 envs.
+    queue_fragments: int = 1024
+    queue_mb: float = 64.0
     push_ack_interval_s: float = 2.0  # a push stream is half-closed and acknowledged this often
     torch_threads: int = 1
     # Cap on env steps per second (all of this actor's envs together); 0 = as fast as possible.
@@ -241,6 +246,7 @@ class ActorConfig:
         _require(self.session_resume_s >= 0, "session_resume_s", self.session_resume_s, "must be >= 0")
         _require(self.max_env_steps_per_s >= 0, "max_env_steps_per_s", self.max_env_steps_per_s, "must be >= 0")
         _require(self.queue_fragments >= 1, "queue_fragments", self.queue_fragments, "must be >= 1")
+        _require(self.queue_mb > 0, "queue_mb", self.queue_mb, "must be > 0")
         _require(self.push_ack_interval_s > 0, "push_ack_interval_s", self.push_ack_interval_s, "must be > 0")
         _require(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")
 

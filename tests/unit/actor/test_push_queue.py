@@ -1,0 +1,43 @@
+"""The actor's send queue (services/actor/push.py): bounded in fragments and in bytes, it drops the
+oldest unsent fragment at either bound and counts every drop; nothing else leaves it unsent."""
+
+from __future__ import annotations
+
+from services.actor.push import Pusher
+from services.common.fragments import EncodedFragment
+from services.common.stats import Metrics
+
+
+class NoChannel:
+    def stream_unary(self, *args, **kwargs):
+        return None
+
+
+def frag(seq: int, size: int) -> EncodedFragment:
+    return EncodedFragment(seq=seq, samples=16, payload=b"x" * size)
+
+
+def test_the_byte_bound_drops_the_oldest_and_counts_it():
+    metrics = Metrics("actor")
+    p = Pusher(NoChannel(), capacity=100, ack_interval_s=1.0, metrics=metrics, max_bytes=1000)
+    for seq in range(3):
+        p.enqueue(frag(seq, 400))          # the third would make 1,200 bytes: the oldest goes
+    assert [m.seq for m in p.queue] == [1, 2] and p.queued_bytes == 800
+    assert metrics.counters["actor/fragments_dropped_total"] == 1
+
+
+def test_the_fragment_bound_drops_the_oldest_and_counts_it():
+    metrics = Metrics("actor")
+    p = Pusher(NoChannel(), capacity=2, ack_interval_s=1.0, metrics=metrics, max_bytes=1 << 20)
+    for seq in range(5):
+        p.enqueue(frag(seq, 10))
+    assert [m.seq for m in p.queue] == [3, 4] and p.queued_bytes == 20 and p.pending == 2
+    assert metrics.counters["actor/fragments_dropped_total"] == 3
+
+
+def test_a_fragment_larger_than_the_byte_bound_is_still_queued_alone():
+    metrics = Metrics("actor")
+    p = Pusher(NoChannel(), capacity=10, ack_interval_s=1.0, metrics=metrics, max_bytes=100)
+    p.enqueue(frag(0, 50))
+    p.enqueue(frag(1, 500))                # bigger than the bound: it replaces what is queued, never itself
+    assert [m.seq for m in p.queue] == [1] and metrics.counters["actor/fragments_dropped_total"] == 1
