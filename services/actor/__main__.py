@@ -1,5 +1,4 @@
-import sys
-
+from services.common.runtime import exit_process
 from services.actor.main import main
 
-sys.exit(main())
+exit_process(main())

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd in ROLES:
-        return importlib.import_module(f"services.{cmd}.main").main(rest)
+    if cmd in ROLES:  # a service process: it ends here, as `python -m services.<role>` does
+        from services.common.runtime import exit_process
+        exit_process(importlib.import_module(f"services.{cmd}.main").main(rest))
     if cmd == "up":
         from services.cli.up import main as up
         return up(rest)
