@@ -22,7 +22,7 @@ from services.common.stats import Metrics
 from services.common.tensors import TensorError, decode
 from services.common.weights import encode_weights
 from services.learner import checkpoint
-from services.learner.distributed import GradientSync
+from services.learner.distributed import GradientSync, GroupBroken
 from services.learner.dqn import DQN
 from services.learner.ppo import PPO
 
@@ -42,6 +42,7 @@ class Trainer:
                      else PPO(cfg.ppo, spec, device, sync))
         self.lock = threading.Lock()
         self.writes_checkpoints = sync is None or sync.rank == 0
+        self.interrupted = False  # a group update failed part-way: the state may be half-applied
         if self.writes_checkpoints and (path := checkpoint.latest(self.checkpoint_dir)) is not None:
             state = checkpoint.load(path)
             self.algo.load_state_dict(state["algo"])
@@ -75,6 +76,9 @@ class Trainer:
         started = time.perf_counter()
         try:
             self._train(batch)
+        except GroupBroken:
+            self.interrupted = True
+            raise
         finally:
             # Busy time: samples_total / train_seconds_total is what this learner could consume if it
             # never waited for data (the planner's per-learner rate TR_L).
@@ -165,6 +169,9 @@ class Trainer:
         """Write a checkpoint of the current state (blocking). In a group only rank 0 writes (the others
         hold the same state); they return None."""
         if not self.writes_checkpoints:
+            return None
+        if self.interrupted:  # PPO may have taken some of an update's steps: keep the last whole checkpoint
+            log.warning("not checkpointing: a group update was interrupted part-way; the last checkpoint stands")
             return None
         with self.lock:
             path = checkpoint.save(self.checkpoint_dir, self.version,

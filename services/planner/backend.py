@@ -61,6 +61,9 @@ class Backend(Protocol):
     async def observe(self) -> dict[str, RoleState]:
         """Current state of every role in ROLES."""
 
+    async def buffers(self) -> list[Replica]:
+        """The buffers (not scaled; the planner reads their GetStats for the realised replay ratio)."""
+
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
         """Set replica counts (only the roles in `targets`). Raises Conflict on a concurrent change,
         Refused when a role may not be managed; dry_run validates without changing anything."""
@@ -86,6 +89,9 @@ class DryRunBackend:
 
     async def observe(self) -> dict[str, RoleState]:
         return await self.inner.observe()
+
+    async def buffers(self) -> list[Replica]:
+        return await self.inner.buffers()
 
     async def apply(self, targets: dict[str, int], *, dry_run: bool = True) -> ApplyResult:
         return await self.inner.apply(targets, dry_run=True)

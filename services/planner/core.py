@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from kuberl.v1 import actor_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.common.config import ExperimentConfig
@@ -41,6 +41,10 @@ ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
 COUNTERS = {"actor": ("actor/env_steps_total", None),
             "learner": ("learner/samples_total", "learner/starved_seconds_total")}
 LAG_KEY = "learner/policy_lag_mean"
+# What the planner records from each buffer's GetStats: key -> (Decision field, how buffers combine).
+BUFFER_KEYS = {"buffer/samples_per_insert": ("buffer_samples_per_insert", "mean"),
+               "buffer/samples_received_per_s": ("buffer_samples_received_per_s", "sum"),
+               "buffer/size_samples": ("buffer_size_samples", "sum")}
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
@@ -125,6 +129,7 @@ class Planner:
         self.metrics = metrics or Metrics("planner")
         self.rates: dict[str, dict[str, ReplicaRate]] = {r: {} for r in ROLES}
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.buffer_stats: dict[str, tuple[float, dict[str, float]]] = {}  # buffer name -> (when read, metrics)
         self.states: dict[str, RoleState] = {}
         self.paused, self.pause_reason = False, ""
         self.overrides: dict[str, OverrideState] = {}
@@ -150,7 +155,28 @@ class Planner:
         ch = self.channels.get(address)
         if ch is None:
             ch = self.channels[address] = grpc.aio.insecure_channel(address)
-        return (actor_pb2_grpc.ActorStub if role == "actor" else learner_pb2_grpc.LearnerStub)(ch)
+        return {"actor": actor_pb2_grpc.ActorStub, "learner": learner_pb2_grpc.LearnerStub,
+                "buffer": buffer_pb2_grpc.BufferStub}[role](ch)
+
+    async def _read_buffer(self, name: str, address: str) -> None:
+        try:
+            resp = await self._stub("buffer", address).GetStats(pb.GetStatsRequest(), timeout=STATS_TIMEOUT_S)
+        except grpc.RpcError as err:
+            self.metrics.inc("planner/stats_errors_total")
+            log.debug("stats from buffer %s (%s) failed: %s", name, address, err.code().name)
+            return
+        self.buffer_stats[name] = (self.clock(), {k: resp.metrics[k] for k in BUFFER_KEYS if k in resp.metrics})
+
+    def buffer_view(self) -> dict[str, float]:
+        """Decision fields from the buffers whose stats are fresh (empty when none are)."""
+        now, stale = self.clock(), self.cfg.planner.stale_after_s
+        fresh = [m for t, m in self.buffer_stats.values() if now - t <= stale]
+        out = {}
+        for key, (field, how) in BUFFER_KEYS.items():
+            values = [m[key] for m in fresh if key in m]
+            if values:
+                out[field] = sum(values) / (len(values) if how == "mean" else 1)
+        return out
 
     async def _read(self, role: str, name: str, address: str, tracker: ReplicaRate) -> None:
         try:
@@ -184,8 +210,16 @@ class Planner:
                                                                  self.cfg.planner.warmup_s, now))
                 if rep.ready and rep.address:
                     reads.append(self._read(role, rep.name, rep.address, tracker))
+        try:
+            buffers = await self.backend.buffers()
+        except Exception as err:  # noqa: BLE001 - a backend error must not stop the actor/learner reads
+            log.debug("listing buffers failed: %s", err)
+            buffers = []
+        for gone in set(self.buffer_stats) - {b.name for b in buffers}:
+            del self.buffer_stats[gone]
+        reads += [self._read_buffer(b.name, b.address) for b in buffers if b.ready and b.address]
         await asyncio.gather(*reads)
-        live = {rep.address for s in self.states.values() for rep in s.replicas}
+        live = {rep.address for s in self.states.values() for rep in s.replicas} | {b.address for b in buffers}
         for addr in set(self.channels) - live:
             await self.channels.pop(addr).close()
         return self.states
@@ -310,6 +344,8 @@ class Planner:
             self.metrics.set(f"planner/{role.role}_rate_per_replica", role.rate_per_replica)
         if msg.ratio:
             self.metrics.set("planner/production_consumption_ratio", msg.ratio)
+        if msg.HasField("buffer_samples_per_insert"):
+            self.metrics.set("planner/buffer_samples_per_insert", msg.buffer_samples_per_insert)
         level = logging.INFO if msg.action == ppb.DECISION_ACTION_SCALE or msg.error else logging.DEBUG
         log.log(level, "decision %d (%s, %s%s): %s", msg.id, action, "applied" if msg.applied else "not applied",
                 f", error {msg.error}" if msg.error else "", msg.reason)
@@ -338,7 +374,7 @@ class Planner:
                             planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.policy.replay_ratio,
                             policy_lag=inp.policy_lag, max_policy_lag=self.policy.max_policy_lag,
                             tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
-                            error=error, backend=self.backend.name)
+                            error=error, backend=self.backend.name, **self.buffer_view())
 
     def validate_replicas(self, role: str, replicas: int) -> None:
         if role not in ROLES:

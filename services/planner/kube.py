@@ -138,7 +138,7 @@ class KubernetesBackend:
         self._timeout = request_timeout_s
         self._limiter = TokenBucket(cfg.qps, cfg.burst)
         self._deployments = {"actor": cfg.actor_deployment, "learner": cfg.learner_deployment}
-        self._services = {"actor": cfg.actor_service, "learner": cfg.learner_service}
+        self._services = {"actor": cfg.actor_service, "learner": cfg.learner_service, "buffer": cfg.buffer_service}
         self._read: dict[str, tuple[str, str]] = {}    # role -> (resourceVersion, pause reason) as last read
         # Leader election (client-go's timings as fractions of the lease duration).
         self._lease_s = max(1, math.ceil(cfg.lease_duration_s))
@@ -241,6 +241,9 @@ class KubernetesBackend:
             return ""
         return (f"HorizontalPodAutoscaler {hpas[dep]!r} targets Deployment {dep!r} in namespace "
                 f"{self.namespace!r}: the planner will not fight it (delete the HPA to let the planner manage it)")
+
+    async def buffers(self) -> list[Replica]:
+        return await self._replicas("buffer")
 
     async def _replicas(self, role: str) -> list[Replica]:
         """The replicas in the Endpoints of the role's headless Service (ready and not ready), addressed at

@@ -158,6 +158,9 @@ class LocalBackend:
             states[role] = RoleState(desired=self._desired(role), replicas=replicas)
         return states
 
+    async def buffers(self) -> list[Replica]:
+        return [Replica("buffer-0", self.buffer)]
+
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
         for role, n in targets.items():
             if role not in ROLES or n < 0 or (role == "learner" and n < 1):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import re
 import subprocess
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest

@@ -15,7 +15,6 @@ rendered. Offline strict validation against current schemas (test_render.py) cov
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import os

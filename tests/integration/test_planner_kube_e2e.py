@@ -1,6 +1,6 @@
 """The planner process end to end on Kubernetes: `python -m services.planner --backend kubernetes` with
 only the minimal Role of services/planner/rbac.py, discovering a real actor and learner through the
-Endpoints of headless Services, reading their GetStats, and scaling the actor Deployment through the
+Endpoints of headless Services (the buffer's too), reading their GetStats, and scaling the actor Deployment through the
 scale subresource of a real kube-apiserver (no kubelet runs: the Deployment's pods never start, so the
 new replicas never report and the planner must not stack a second change on the first)."""
 
@@ -57,7 +57,7 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
 
     procs = []
     try:
-        buffer = Service("buffer", tmp_path, config)
+        buffer = Service("buffer", tmp_path, config, listen="0.0.0.0:0")
         procs.append(buffer)
         baddr = buffer.wait_ready()
         learner = Service("learner", tmp_path, config, "--buffer", baddr, "--checkpoint-dir", str(tmp_path / "ck"),
@@ -70,6 +70,7 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
         core = client.CoreV1Api(k8s_admin)
         endpoints(core, ns, ACTOR, ip, int(aaddr.rsplit(":", 1)[1]), "actor-pod-0")
         endpoints(core, ns, LEARNER, ip, int(laddr.rsplit(":", 1)[1]), "learner-pod-0")
+        endpoints(core, ns, "kuberl-buffer", ip, int(baddr.rsplit(":", 1)[1]), "buffer-pod-0")
 
         planner = Service("planner", tmp_path, config, "--kubeconfig", str(kubeconfig), "--journal",
                           str(tmp_path / "decisions.jsonl"))
@@ -92,6 +93,8 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
             assert len(scaled) == 1 and scaled[0]["backend"] == "kubernetes" and scaled[0]["ratio"] < 0.85
             actor_role = {r["role"]: r for r in scaled[0]["roles"]}["actor"]
             assert actor_role["rate_per_replica"] == pytest.approx(50, rel=0.3)
+            # The buffer, found through its Service's Endpoints too, reports what reaches it.
+            assert scaled[0]["buffer_samples_received_per_s"] > 0 and "buffer_size_samples" in scaled[0]
 
             # No kubelet: the two new pods never report, so nothing more is stacked on the change.
             first = int(scaled[0]["id"])  # uint64 is a string in proto JSON

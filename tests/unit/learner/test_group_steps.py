@@ -21,7 +21,7 @@ class FakeGroup:
         self.calls: list[float] = []   # this rank's weight per gradient all-reduce
 
     def broadcast_state(self, state):
-        return self.state
+        return state if self.rank == 0 else self.state
 
     def average_gradients(self, params, weight):
         self.calls.append(weight)
@@ -90,3 +90,27 @@ def test_only_rank_0_writes_checkpoints_and_rank_1_starts_from_rank_0s_state(tmp
     ref = group.state["net"]
     assert all(np.array_equal(ref[k].numpy(), v.numpy()) for k, v in trainer.algo.net.state_dict().items())
     assert trainer.metrics.snapshot()["learner/group_size"] == 2 and trainer.metrics.snapshot()["learner/rank"] == 1
+
+
+def test_an_update_the_group_broke_part_way_is_never_checkpointed(tmp_path):
+    from services.learner.distributed import GroupBroken
+
+    class Breaks(FakeGroup):
+        rank = 0
+
+        def average_gradients(self, params, weight):
+            if self.calls:
+                raise GroupBroken("all-reduce across 2 learners failed (a peer is gone?)")
+            return super().average_gradients(params, weight)
+
+    group = Breaks(peer_weight=4)
+    trainer = Trainer(ppo_config(num_epochs=1, num_minibatches=2), Metrics("learner"), tmp_path / "ck", sync=group)
+    assert trainer.checkpoint() is not None        # rank 0 writes while the group is whole
+    try:
+        trainer.train(batch_of(msg(0, 0), msg(1, 0)))   # the second of two steps fails
+    except GroupBroken:
+        pass
+    else:
+        raise AssertionError("the broken all-reduce must end the update")
+    assert trainer.version == 0 and trainer.checkpoint() is None
+    assert len(list((tmp_path / "ck").glob("ckpt-*.pt"))) == 1

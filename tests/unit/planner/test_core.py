@@ -27,6 +27,9 @@ class MemoryBackend:
     async def observe(self) -> dict[str, RoleState]:
         return {role: RoleState(desired=n) for role, n in self.desired.items()}
 
+    async def buffers(self) -> list[Replica]:
+        return []
+
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
         if self.conflicts:
             self.conflicts -= 1
