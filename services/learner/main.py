@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -149,16 +150,55 @@ async def checkpoint_loop(trainer: Trainer, interval_s: float) -> None:
         await asyncio.to_thread(trainer.checkpoint)
 
 
+class StoppedBeforeGroupFormed(Exception):
+    """Asked to stop while waiting for the rest of its group: nothing was trained, nothing to save."""
+
+
+async def form_group(group: GroupSpec, stop: asyncio.Event | None) -> GradientSync:
+    """Join the group (blocking in a thread until every rank has come) unless `stop` is set first."""
+    # A daemon thread of its own, not the default executor: the event loop's shutdown joins the
+    # executor's threads, and this one may stay blocked in the rendezvous until its timeout.
+    loop = asyncio.get_running_loop()
+    forming = loop.create_future()
+
+    def settle(set_outcome, value) -> None:
+        if not forming.done():
+            set_outcome(value)
+
+    def join() -> None:
+        try:
+            outcome = (forming.set_result, GradientSync(group))
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (forming.set_exception, err)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop has closed: the process is ending
+            pass
+
+    threading.Thread(target=join, name="join-learner-group", daemon=True).start()
+    if stop is None:
+        return await forming
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({forming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if forming.done():
+        return forming.result()
+    forming.cancel()
+    # The joining thread stays blocked in the rendezvous; the process ends without waiting for it
+    # (services exit through runtime.exit_process).
+    raise StoppedBeforeGroupFormed(f"stopped while waiting for the group of {group.world_size} learners to form")
+
+
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, checkpoint_dir: str,
-                  learner_id: str | None = None, group: GroupSpec | None = None):
+                  learner_id: str | None = None, group: GroupSpec | None = None, stop: asyncio.Event | None = None):
     """Start a learner; yields its Endpoints. Leaving the context runs the shutdown sequence.
     `group`: this learner's place in a group of learners that average gradients (None or a world
-    size of 1: it trains alone)."""
+    size of 1: it trains alone); `stop` set while the group forms raises StoppedBeforeGroupFormed."""
     learner_id = learner_id or f"learner-{socket.gethostname()}-{os.getpid()}"
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
-    sync = await asyncio.to_thread(GradientSync, group) if group is not None and group.world_size > 1 else None
+    sync = await form_group(group, stop) if group is not None and group.world_size > 1 else None
     try:
         trainer = await asyncio.to_thread(Trainer, cfg, metrics, checkpoint_dir, sync)
     except BaseException:
@@ -241,12 +281,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
-    async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
-                       checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id,
-                       group=args.group_spec) as endpoints:
-        write_ready_file(args.ready_file, endpoints)
-        log.info("learner serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
-        await stop.wait()
+    try:
+        async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
+                           checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id,
+                           group=args.group_spec, stop=stop) as endpoints:
+            write_ready_file(args.ready_file, endpoints)
+            log.info("learner serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
+            await stop.wait()
+    except StoppedBeforeGroupFormed as err:
+        log.info("%s", err)
 
 
 def main(argv=None) -> int:

@@ -102,3 +102,12 @@ def test_bad_group_flags_are_refused_naming_the_flag(tmp_path):
                        (["--world-size", "0"], "world size: 0 must be >= 1")):
         lrn = Service("learner", tmp_path, config, "--buffer", "127.0.0.1:1", *args)
         assert lrn.popen.wait(60) == 2 and said in lrn.output(), lrn.output()
+
+
+def test_a_learner_stopped_while_its_group_forms_exits_at_once_and_cleanly(tmp_path):
+    config = write_config(tmp_path / "c.yaml", TINY_DQN)
+    lrn = Service("learner", tmp_path, config, "--buffer", "127.0.0.1:1", "--world-size", "2", "--rank", "0",
+                  "--group", f"127.0.0.1:{free_port()}")
+    wait_for(lambda: "joining a group of 2 learners" in lrn.output(), timeout=60, what="the learner waiting for rank 1")
+    assert lrn.terminate(timeout=20) == 0
+    assert "stopped while waiting for the group of 2 learners to form" in lrn.output()

@@ -12,9 +12,10 @@ import pytest
 from tests.helpers import ROOT, TINY_PPO, wait_for, write_config
 
 
-@pytest.mark.parametrize("planner", [True, False], ids=["planner", "fixed-topology"])
-def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner):
-    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "topology": {"actors": 2},
+@pytest.mark.parametrize("planner,learners", [(True, 1), (False, 1), (False, 2)],
+                         ids=["planner", "fixed-topology", "fixed-topology-learner-group"])
+def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner, learners):
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "topology": {"actors": 2, "learners": learners},
                                                 "planner": {"enabled": planner},
                                                 "run": {"target_return": None, "poll_interval_s": 0.2}})
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
@@ -25,7 +26,8 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner):
         def progressing():
             line = proc.stdout.readline()
             lines.append(line)
-            return "steps" in line and " v0 " not in line and "learner v-" not in line and "(0/s)" not in line
+            return ("steps" in line and " v0 " not in line and "learner v-" not in line and "learners v-" not in line
+                    and "(0/s)" not in line and (learners == 1 or f"{learners} learners" in line))
         wait_for(progressing, timeout=120, interval=0, what="progress lines:\n" + "".join(lines))
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
@@ -36,7 +38,8 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner):
     assert "interrupted" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reason"] == "interrupted"
-    names = ["buffer-0", "learner-0", "actor-0", "actor-1"] + (["planner-0"] if planner else [])
+    names = (["buffer-0", "actor-0", "actor-1"] + [f"learner-{i}" for i in range(learners)]
+             + (["planner-0"] if planner else []))
     assert summary["exit_codes"] == {name: 0 for name in names}
     assert summary["env_steps"] > 0
     assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))  # the learner's shutdown checkpoint
