@@ -17,6 +17,7 @@ group from the last checkpoint; membership changes restart it the same way).
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,13 +95,28 @@ class GradientSync:
         return total
 
     def broadcast_state(self, state: dict | None) -> dict:
-        """Rank 0's training state (weights, optimizer, version) to every rank, so the group starts equal."""
-        box = [state if self.rank == 0 else None]
+        """Rank 0's training state (weights, optimizer, version) to every rank, so the group starts equal.
+
+        It travels as a checkpoint does: `torch.save` bytes (tensors and plain containers only),
+        read back with `weights_only=True`, so nothing received can run code when loaded (unlike
+        `broadcast_object_list`, which unpickles whatever arrives)."""
         try:
-            dist.broadcast_object_list(box, src=0)
+            if self.rank == 0:
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+                size = torch.tensor([payload.numel()], dtype=torch.int64)
+            else:
+                size = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(size, src=0)
+            if self.rank != 0:
+                payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(payload, src=0)
         except Exception as err:  # noqa: BLE001
             raise GroupBroken(f"broadcasting rank 0's state failed: {err}") from err
-        return box[0]
+        if self.rank == 0:
+            return state
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
 
     def close(self) -> None:
         if dist.is_initialized():
