@@ -48,8 +48,8 @@ class LocalBackend:
         self.exit_codes: dict[str, int] = {}
         # Rank 0 listens on a port picked here, so actors can be told its address before it serves.
         self.learner_address = f"127.0.0.1:{free_port()}"
-        self.groups_formed = 0
-        self.pending_group = 0  # the size of a group waiting out its restart backoff
+        self.group_restart: tuple[int, float] | None = None  # a broken group's (size, when to form it again)
+        self.group_restarts = 0
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
         self.metrics.inc("planner/replicas_drained_total", 0)
@@ -78,7 +78,6 @@ class LocalBackend:
         group = f"127.0.0.1:{free_port()}" if n > 1 else ""
         for rank in range(n):
             self._start("learner", rank, n, group)
-        self.groups_formed += 1
         self.metrics.set("planner/learner_group_size", n)
 
     async def _stop_group(self) -> None:
@@ -111,22 +110,19 @@ class LocalBackend:
         now = time.monotonic()
         learners = self.procs["learner"]
         dead = [p for p in learners.values() if not p.alive]
-        if dead and len(learners) > 1 and "learner-group" not in self.next_restart:
-            n = self.restarts.get("learner-group", 0)
-            delay = RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
+        if dead and len(learners) > 1:
+            delay = RESTART_BACKOFF_S[min(self.group_restarts, len(RESTART_BACKOFF_S) - 1)]
             for p in dead:
                 self.exit_codes[p.name] = p.popen.returncode
                 log.error("%s exited unexpectedly with code %s; re-forming its group of %d in %.0f s:\n%s", p.name,
                           p.popen.returncode, len(learners), delay, p.log_tail())
-            size = len(learners)
+            self.group_restart = (len(learners), now + delay)
             await self._stop_group()
-            self.pending_group = size
-            self.next_restart["learner-group"] = now + delay
-        if "learner-group" in self.next_restart and now >= self.next_restart["learner-group"]:
-            del self.next_restart["learner-group"]
-            self.restarts["learner-group"] = self.restarts.get("learner-group", 0) + 1
+        if self.group_restart is not None and now >= self.group_restart[1]:
+            size, self.group_restart = self.group_restart[0], None
+            self.group_restarts += 1
             self.metrics.inc("planner/replica_restarts_total")
-            self._form_group(self.pending_group)
+            self._form_group(size)
         for role in ROLES:
             for index, proc in list(self.procs[role].items()):
                 if proc.alive:
@@ -145,7 +141,9 @@ class LocalBackend:
                     self._start(role, index)
 
     def _desired(self, role: str) -> int:
-        return self.pending_group if role == "learner" and "learner-group" in self.next_restart else len(self.procs[role])
+        if role == "learner" and self.group_restart is not None:
+            return self.group_restart[0]
+        return len(self.procs[role])
 
     async def observe(self) -> dict[str, RoleState]:
         await self._supervise()
@@ -172,7 +170,7 @@ class LocalBackend:
         if n != self._desired("learner"):
             old = self._desired("learner")
             await self._stop_group()
-            self.next_restart.pop("learner-group", None)
+            self.group_restart = None
             self._form_group(n)
             detail.append(f"re-formed the learner group: {old} -> {n} (resumes from the latest checkpoint)")
             log.info(detail[-1])
@@ -210,6 +208,7 @@ class LocalBackend:
     async def close(self) -> None:
         """Actors first (they flush to the buffer), then the learners (final checkpoint)."""
         self.next_restart.clear()
+        self.group_restart = None
         for role in ROLES:
             group = list(self.procs[role].values())
             self.procs[role].clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import signal
 import statistics
@@ -214,6 +215,15 @@ def test_scaling_learners_re_forms_the_group_from_the_checkpoint(tmp_path, capsy
         start = int(restored[-1])
         wait_for(lambda: all(x["learner/policy_version"] >= start + 3 for x in learners().values()),
                  timeout=120, interval=0.5, what="the group training past its starting version")
+
+        # A learner that dies breaks the group: the planner stops the rest and forms the group again.
+        planner_log = logs / "planner-0.log"
+        pid = int(re.findall(r"started learner-1 \(pid (\d+)", planner_log.read_text())[-1])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: "re-forming its group of 2" in planner_log.read_text(), timeout=60, what="the group broken")
+        wait_for(lambda: len(re.findall(r"started learner-1 ", planner_log.read_text())) >= 2 and (lrn := learners())
+                 and len(lrn) == 2 and all(x["learner/group_size"] == 2 for x in lrn.values()),
+                 timeout=120, interval=0.5, what="the group formed again")
 
         assert cli("scale", "learner", "1", "--ttl", "600")[0] == 0
         wait_for(lambda: (lrn := learners()) and list(lrn) == ["learner-0"]
