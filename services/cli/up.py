@@ -29,7 +29,7 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
-from services.common.procs import ServiceProcess, free_port, spawn
+from services.common.procs import ServiceProcess, free_port, learner_group_args, spawn
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
@@ -130,7 +130,7 @@ class LocalRun:
         for rank in range(n):
             self._spawn("learner", f"learner-{rank}", learner if rank == 0 else "127.0.0.1:0", [
                 "--buffer", buffer, "--checkpoint-dir", str(self.dir / "checkpoints"),
-                *(["--world-size", str(n), "--rank", str(rank), "--group", group] if n > 1 else [])])
+                *learner_group_args(n, rank, group)])
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"

@@ -83,3 +83,8 @@ def spawn(role: str, name: str, run_dir: Path, config: Path, listen: str, extra:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, preexec_fn=_die_with_parent)
     return ServiceProcess(role, name, popen, log_path, ready)
+
+
+def learner_group_args(world_size: int, rank: int, group: str) -> list[str]:
+    """The flags that place a learner in a group of `world_size` (none for a learner training alone)."""
+    return ["--world-size", str(world_size), "--rank", str(rank), "--group", group] if world_size > 1 else []

@@ -78,20 +78,14 @@ class GradientSync:
         """Replace each parameter's gradient with the weighted mean over the group (weight: the samples
         this learner's gradient is the mean over; 0 contributes nothing). Returns the total weight; where
         it is 0 nobody had data and the step must be skipped (on every rank alike)."""
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]
+        # One flat CPU buffer (gloo reduces CPU tensors), whatever device the learner trains on.
+        grads = [p.grad.detach().reshape(-1).cpu() if p.grad is not None else torch.zeros(p.numel()) for p in params]
         flat = torch.cat([*grads, torch.ones(1)]) * weight
         self._all_reduce(flat)
         total = float(flat[-1])
         if total > 0:
-            offset = 0
-            for p in params:
-                n = p.numel()
-                avg = (flat[offset:offset + n] / total).view_as(p)
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
-                offset += n
+            for p, avg in zip(params, torch.split(flat[:-1] / total, [p.numel() for p in params])):
+                p.grad = avg.view_as(p).to(p.device)
         return total
 
     def broadcast_state(self, state: dict | None) -> dict:
@@ -124,3 +118,9 @@ class GradientSync:
                 dist.destroy_process_group()
             except Exception as err:  # noqa: BLE001 - leaving a broken group must not mask why it broke
                 log.debug("leaving the group: %s", err)
+
+
+def average_over_group(sync: GradientSync | None, params: list[torch.nn.Parameter], weight: float) -> float:
+    """The weight behind the gradients about to be applied: this learner's own when it trains alone,
+    else the group's total after `sync.average_gradients` (0: nobody had data, skip the step)."""
+    return weight if sync is None else sync.average_gradients(params, weight)

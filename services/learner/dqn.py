@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from services.common.config import DQNConfig
 from services.common.nets import EnvSpec, QNetwork, resolve_device
-from services.learner.distributed import GradientSync
+from services.learner.distributed import GradientSync, average_over_group
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
@@ -61,9 +61,7 @@ class DQN:
             loss.backward()
             stats = {"loss": loss.item(), "q_mean": q_sa.mean().item()}
         weight = float(len(batch["obs"])) if batch is not None else 0.0
-        if self.sync is not None:
-            weight = self.sync.average_gradients(list(self.q.parameters()), weight)
-        if weight == 0:
+        if average_over_group(self.sync, list(self.q.parameters()), weight) == 0:
             return stats  # nobody in the group had data: no step, on every learner alike
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm))
         self.optimizer.step()

@@ -16,7 +16,7 @@ import torch
 from services.common.config import PPOConfig
 from services.common.fragments import Fragment
 from services.common.nets import ActorCritic, EnvSpec, resolve_device
-from services.learner.distributed import GradientSync
+from services.learner.distributed import GradientSync, average_over_group
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
@@ -112,42 +112,24 @@ class PPO:
         if not fragments and self.sync is None:
             return {}
         correct = correct or [False] * len(fragments)
+        data = None  # (obs, values, advantages, returns, actions, behaviour log-probs), one row per sample
         if fragments:
             parts = [self._advantages(f, fix) for f, fix in zip(fragments, correct)]
-            obs, values, adv, ret = (torch.cat(x) for x in zip(*parts))
-            actions = torch.cat([self._tensor(f.actions).reshape(-1) for f in fragments]).long()
-            old_logprob = torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments])
+            data = (*(torch.cat(x) for x in zip(*parts)),
+                    torch.cat([self._tensor(f.actions).reshape(-1) for f in fragments]).long(),
+                    torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments]))
         n = sum(f.num_samples for f in fragments)
         # Exactly num_minibatches per epoch, sizes differing by at most one (alone: at most n of them).
         splits = c.num_minibatches if self.sync is not None else min(c.num_minibatches, n)
-        clipfracs, stats, trained = [], {}, False
+        clipfracs, last, trained = [], None, False
         for _ in range(c.num_epochs):
             for mb in torch.tensor_split(torch.randperm(n, device=self.device), splits):
                 self.optimizer.zero_grad(set_to_none=True)
                 if len(mb):
-                    dist, new_value = self.net.dist_and_value(obs[mb])
-                    logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
-                    ratio = logratio.exp()
-                    with torch.no_grad():
-                        approx_kl = ((ratio - 1) - logratio).mean()
-                        clipfracs.append(((ratio - 1.0).abs() > c.clip_coef).float().mean().item())
-                    mb_adv = adv[mb]
-                    if c.norm_adv and len(mb) > 1:
-                        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                    pg_loss = torch.max(-mb_adv * ratio,
-                                        -mb_adv * torch.clamp(ratio, 1 - c.clip_coef, 1 + c.clip_coef)).mean()
-                    if c.clip_vloss:
-                        v_clipped = values[mb] + torch.clamp(new_value - values[mb], -c.clip_coef, c.clip_coef)
-                        v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()
-                    else:
-                        v_loss = 0.5 * ((new_value - ret[mb]) ** 2).mean()
-                    entropy = dist.entropy().mean()
-                    loss = pg_loss - c.ent_coef * entropy + c.vf_coef * v_loss
+                    loss, last = self._loss(data, mb)
                     loss.backward()
-                weight = float(len(mb))
-                if self.sync is not None:
-                    weight = self.sync.average_gradients(list(self.net.parameters()), weight)
-                if weight == 0:
+                    clipfracs.append(last["clipfrac"].item())
+                if average_over_group(self.sync, list(self.net.parameters()), float(len(mb))) == 0:
                     continue
                 torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.max_grad_norm)
                 self.optimizer.step()
@@ -155,10 +137,33 @@ class PPO:
                 trained = True
         if trained:
             self.version += 1
-        if clipfracs:
-            stats.update(policy_loss=pg_loss.item(), value_loss=v_loss.item(), entropy=entropy.item(),
-                         approx_kl=approx_kl.item(), clipfrac=float(np.mean(clipfracs)))
-        return stats
+        if last is None:
+            return {}
+        return {**{k: v.item() for k, v in last.items()}, "clipfrac": float(np.mean(clipfracs))}
+
+    def _loss(self, data, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped PPO loss on minibatch `mb` (indices into `data`), and its diagnostics (detached)."""
+        c = self.cfg
+        obs, values, adv, ret, actions, old_logprob = data
+        dist, new_value = self.net.dist_and_value(obs[mb])
+        logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
+        ratio = logratio.exp()
+        with torch.no_grad():
+            approx_kl = ((ratio - 1) - logratio).mean()
+            clipfrac = ((ratio - 1.0).abs() > c.clip_coef).float().mean()
+        mb_adv = adv[mb]
+        if c.norm_adv and len(mb) > 1:
+            mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+        pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - c.clip_coef, 1 + c.clip_coef)).mean()
+        if c.clip_vloss:
+            v_clipped = values[mb] + torch.clamp(new_value - values[mb], -c.clip_coef, c.clip_coef)
+            v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()
+        else:
+            v_loss = 0.5 * ((new_value - ret[mb]) ** 2).mean()
+        entropy = dist.entropy().mean()
+        loss = pg_loss - c.ent_coef * entropy + c.vf_coef * v_loss
+        return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy.detach(),
+                      "approx_kl": approx_kl, "clipfrac": clipfrac}
 
     def state_dict(self) -> dict:
         return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,

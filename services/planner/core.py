@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pathlib import Path
 
@@ -251,13 +251,13 @@ class Planner:
             if until <= now:
                 log.info("saturation ceiling of %s (%d replicas) expired", role, n)
                 del self.ceilings[role]
-        inp = Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
-                     paused=self.paused, last_change_at=self.last_change_at,
-                     observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
-                     policy_lag=self.policy_lag(now), ceilings={r: n for r, (n, _) in self.ceilings.items()})
-        if self._judge(inp):
-            inp = Inputs(**{**inp.__dict__, "ceilings": {r: n for r, (n, _) in self.ceilings.items()}})
-        return inp
+        return Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
+                      paused=self.paused, last_change_at=self.last_change_at,
+                      observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
+                      policy_lag=self.policy_lag(now), ceilings=self._ceilings())
+
+    def _ceilings(self) -> dict[str, int]:
+        return {r: n for r, (n, _) in self.ceilings.items()}
 
     def _judge(self, inp: Inputs) -> bool:
         """Judge the scale-ups that have settled; True when a saturation ceiling was set."""
@@ -298,6 +298,8 @@ class Planner:
             for attempt in range(CONFLICT_RETRIES + 1):
                 await self.measure()
                 inp = self.inputs()
+                if apply and self._judge(inp):  # a scale-up that did not pay caps its role from now on
+                    inp = replace(inp, ceilings=self._ceilings())
                 d = decide(self.policy, inp)
                 if d.action != "scale":
                     break

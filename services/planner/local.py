@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from services.common.config import ExperimentConfig
-from services.common.procs import ServiceProcess, free_port, spawn
+from services.common.procs import ServiceProcess, free_port, learner_group_args, spawn
 from services.common.stats import Metrics
 from services.planner.backend import ROLES, ApplyResult, Replica, RoleState
 
@@ -59,10 +59,9 @@ class LocalBackend:
         name = f"{role}-{index}"
         if role == "learner":
             listen = self.learner_address if index == 0 else "127.0.0.1:0"
-            group_args = ["--world-size", str(world_size), "--rank", str(index), "--group", group] if world_size > 1 else []
             proc = spawn("learner", name, self.run_dir, self.config_path, listen,
                          ["--buffer", self.buffer, "--checkpoint-dir", str(self.run_dir / "checkpoints"),
-                          "--learner-id", f"{name}-{self.run_dir.name}", *group_args])
+                          "--learner-id", f"{name}-{self.run_dir.name}", *learner_group_args(world_size, index, group)])
         else:
             # Actors start with the learner and retry its address until it serves.
             listen = f"127.0.0.1:{self.actor_port + index}" if self.external else "127.0.0.1:0"
