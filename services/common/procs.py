@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A loopback port free right now. Another process could take it before the service binds it;
-    the service then fails to start with a bind error, which its supervisor reports."""
-    with socket.socket() as s:
+    """A loopback port free right now, for a process that will bind it later.
+
+    It comes from below the kernel's ephemeral range: a port from `bind(("127.0.0.1", 0))` is
+    ephemeral, and any process listening on port 0 in the meantime (an actor, a test server) could be
+    handed the same one (seen: an actor took the port picked for the learner, which then failed to
+    bind on every restart). Ports below the range are never handed out that way. Another process could
+    still bind the port explicitly; the service then fails with a bind error its supervisor reports."""
+    lo, _ = _ephemeral_range()
+    candidates = random.sample(range(10_000, lo), min(64, max(lo - 10_000, 0)))
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free below the range: fall back to an ephemeral port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
