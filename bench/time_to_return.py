@@ -70,7 +70,7 @@ def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
         steps += T * n
         if len(returns) == window and np.mean(returns) >= target:
             return {"seconds": time.monotonic() - started, "env_steps": steps, "reached": True}
-        frag = Fragment(actor_id="single", seq=0, policy_version=ppo.version, algorithm=pb.ALGORITHM_PPO,
+        frag = Fragment(actor_id="single", seq=0, policy_version=ppo.version, incarnation=0, algorithm=pb.ALGORITHM_PPO,
                         env_ids=tuple(range(n)), obs=o, actions=a, rewards=r, terminated=term, truncated=trunc,
                         final_obs=np.array(fin_obs, np.float32).reshape(-1, *spec.obs_shape),
                         final_index=np.array(fin_idx, np.int64), behaviour_logprob=lp)

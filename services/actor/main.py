@@ -22,7 +22,8 @@ from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights
 from services.common.config import ExperimentConfig, load_config
-from services.common.grpcutil import MiB, make_channel, start_server
+from services.common.fragments import new_incarnation
+from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
 from services.common.nets import spec_of
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
@@ -53,6 +54,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     """Start an actor; yields its Endpoints. Leaving the context runs the shutdown sequence."""
     actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     actor_index = seed_index(actor_id, actor_index)
+    incarnation = new_incarnation()  # this process's: a restart under the same actor_id never collides
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = Metrics("actor", instance_id=actor_id)
     loop = asyncio.get_running_loop()
@@ -65,15 +67,15 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     if external:  # simulators connect over EnvSession and step themselves
         spec = spec_of(cfg.env)
         policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
-        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=pusher.enqueue)
+        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=pusher.enqueue, incarnation=incarnation)
         inference = BatchedInference(policy, hub, metrics)
         episodes = hub.episodes
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
-        rollout = Rollout(cfg, actor_id, actor_index, metrics)
+        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation)
         policy, episodes = rollout.policy, rollout.episodes
     servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
-    srv = await start_server(listen, lambda s: actor_pb2_grpc.add_ActorServicer_to_server(servicer, s),
+    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2_grpc.add_ActorServicer_to_server, servicer),
                              [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
                              max_connection_age_s=None)  # simulator sessions are long-lived streams
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
@@ -94,7 +96,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     else:
         done(None)  # no rollout thread to watch
     stopping = asyncio.Event()
-    log.info("actor %s: %s, %s, %s, buffer %s, learner %s", actor_id, cfg.env.id,
+    log.info("actor %s (incarnation %016x): %s, %s, %s, buffer %s, learner %s", actor_id, incarnation, cfg.env.id,
              "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm, buffer, learner)
     try:
         async with asyncio.TaskGroup() as tg:
@@ -125,10 +127,9 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                         async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):
                             await asyncio.shield(push)
                     except TimeoutError:
-                        log.warning("buffer unreachable at shutdown: %d fragments not delivered",
-                                    pusher.pending)
-                        metrics.inc("actor/fragments_dropped_total", pusher.pending)
                         push.cancel()
+                        log.warning("buffer unreachable at shutdown: %d fragments not delivered (counted as dropped)",
+                                    pusher.drop_pending())
                     for task in side:
                         task.cancel()
                     await srv.server.stop(grace=1.0)       # 4. stop serving stats and sessions

@@ -51,12 +51,26 @@ class Pusher:
         self.queued_bytes = 0      # payload bytes in `queue`
         self.unacked_bytes = 0     # payload bytes in `unacked`
         self.unacked: deque[EncodedFragment] = deque()
+        self._written: list[EncodedFragment] = []  # the current stream's messages, in the order written
         self._wake = asyncio.Event()
         metrics.track_rate("actor/fragments_pushed_per_s", "actor/fragments_pushed_total")
         metrics.track_rate("actor/samples_pushed_per_s", "actor/samples_pushed_total")
         metrics.track_rate("actor/bytes_pushed_per_s", "actor/bytes_pushed_total")
         for name in ("dropped", "rejected", "resent", "acked"):
             metrics.inc(f"actor/fragments_{name}_total", 0)
+        for name in ("dropped", "rejected"):
+            metrics.inc(f"actor/samples_{name}_total", 0)
+
+    def drop_pending(self) -> int:
+        """Give up on everything not acknowledged (the buffer stayed unreachable at shutdown): count
+        it as dropped, fragments and samples; returns the number of fragments."""
+        gone = list(self.queue) + list(self.unacked)
+        self.metrics.inc("actor/fragments_dropped_total", len(gone))
+        self.metrics.inc("actor/samples_dropped_total", sum(m.samples for m in gone))
+        self.queue.clear()
+        self.unacked.clear()
+        self.queued_bytes = self.unacked_bytes = 0
+        return len(gone)
 
     @property
     def pending(self) -> int:
@@ -71,8 +85,10 @@ class Pusher:
             msg = EncodedFragment.of(msg)
         while self.queue and (len(self.queue) >= self.capacity
                               or self.queued_bytes + len(msg.payload) > self.max_bytes):
-            self.queued_bytes -= len(self.queue.popleft().payload)
+            old = self.queue.popleft()
+            self.queued_bytes -= len(old.payload)
             self.metrics.inc("actor/fragments_dropped_total")
+            self.metrics.inc("actor/samples_dropped_total", old.samples)
         self.queue.append(msg)
         self.queued_bytes += len(msg.payload)
         self.metrics.set("actor/push_queue_fragments", len(self.queue))
@@ -110,7 +126,9 @@ class Pusher:
     async def _stream(self, stopping: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         call = self.push(timeout=self.ack_interval_s + 30.0)
+        self._written = []
         for msg in list(self.unacked):  # whatever the last broken stream may not have delivered
+            self._written.append(msg)
             await _write(call, msg)
             self.metrics.inc("actor/fragments_resent_total")
         deadline = loop.time() + self.ack_interval_s
@@ -124,6 +142,7 @@ class Pusher:
             self.queued_bytes -= len(msg.payload)
             self.unacked.append(msg)
             self.unacked_bytes += len(msg.payload)
+            self._written.append(msg)
             await _write(call, msg)
             self.metrics.inc("actor/fragments_pushed_total")
             self.metrics.inc("actor/samples_pushed_total", msg.samples)
@@ -142,19 +161,35 @@ class Pusher:
     def _rejected(self, err: grpc.aio.AioRpcError) -> None:
         """The buffer refused a fragment as malformed: drop it (counted), keep the rest for re-send.
 
-        The buffer names the refused seq in trailing metadata; without it nothing tells which of
-        the unacknowledged fragments was bad, so all of them are dropped (and counted) rather than
-        re-sent into the same refusal forever.
+        The buffer names the refused message's position in the stream (`kuberl-rejected-index`):
+        everything written before it was processed (stored, or counted by the buffer as a duplicate)
+        and is forgotten, it is dropped, and what came after it is re-sent on the next stream. An
+        older buffer may name only the refused seq, or nothing; then, without a way to tell which
+        fragment was bad, every unacknowledged one is dropped (and counted) rather than re-sent
+        into the same refusal forever.
         """
         md = dict(err.trailing_metadata() or ())
-        if "kuberl-last-accepted-seq" in md:
-            self._forget_through(int(md["kuberl-last-accepted-seq"]))
-        if "kuberl-rejected-seq" in md:
-            bad = int(md["kuberl-rejected-seq"])
-            keep = deque(m for m in self.unacked if m.seq != bad)
+        index = int(md.get("kuberl-rejected-index", -1))
+        if 0 <= index < len(self._written):
+            bad = self._written[index]
+            done = {id(m) for m in self._written[:index + 1]}
+            keep = deque(m for m in self.unacked if id(m) not in done)
+            self.metrics.inc("actor/fragments_acked_total", len(self.unacked) - len(keep) - 1)
+            self.metrics.inc("actor/fragments_rejected_total")
+            self.metrics.inc("actor/samples_rejected_total", bad.samples)
+            bad = bad.seq
         else:
-            bad, keep = None, deque()
-        self.metrics.inc("actor/fragments_rejected_total", len(self.unacked) - len(keep))
+            if "kuberl-last-accepted-seq" in md:
+                self._forget_through(int(md["kuberl-last-accepted-seq"]))
+            if "kuberl-rejected-seq" in md:
+                bad = int(md["kuberl-rejected-seq"])
+                keep = deque(m for m in self.unacked if m.seq != bad)
+            else:
+                bad, keep = None, deque()
+            self.metrics.inc("actor/fragments_rejected_total", len(self.unacked) - len(keep))
+            self.metrics.inc("actor/samples_rejected_total", sum(m.samples for m in self.unacked) -
+                             sum(m.samples for m in keep))
         self.unacked = keep
         self.unacked_bytes = sum(len(m.payload) for m in keep)
+        self._written = []
         log.error("buffer rejected fragment seq %s: %s", bad, err.details())

@@ -42,9 +42,9 @@ class Pacer:
 
 
 class Rollout:
-    def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics):
+    def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0):
         torch.set_num_threads(cfg.actor.torch_threads)
-        self.cfg, self.actor_id, self.metrics = cfg, actor_id, metrics
+        self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
         self.algorithm = ALGORITHM_CODES[cfg.algorithm]
         n = cfg.env.num_envs
         self.envs = make_vector_env(cfg.env)
@@ -116,7 +116,7 @@ class Rollout:
         if t == 0:
             return None
         msg = encode_fragment(
-            actor_id=self.actor_id, seq=self.seq, policy_version=self.policy_version or 0,
+            actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=self.policy_version or 0,
             algorithm=self.algorithm, env_ids=range(N), obs=obs_buf[:t + 1], actions=actions[:t],
             rewards=rewards[:t], terminated=terminated[:t], truncated=truncated[:t],
             final_obs=(np.stack(final_obs) if final_obs

@@ -25,7 +25,10 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         self.hub, self.inference, self.timeout_s = hub, inference, session_timeout_s
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return self.metrics.response(episodes=self.episodes.after(request.episodes_after))
+        """Stats and one page of finished episodes after the request's cursor (see GetStatsRequest)."""
+        page = self.episodes.page(request.episodes_after, request.max_episodes)
+        return self.metrics.response(episodes=page.episodes, episodes_remaining=page.remaining,
+                                     episodes_skipped=page.skipped, oldest_episode_index=page.oldest)
 
     async def EnvSession(self, request_iterator, context):
         """One simulator's session; the protocol is documented on the RPC in actor.proto."""

@@ -58,8 +58,9 @@ class Session:
 
 
 class SessionHub:
-    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics, on_fragment):
-        self.cfg, self.spec, self.actor_id, self.metrics = cfg, spec, actor_id, metrics
+    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics, on_fragment,
+                 incarnation: int = 0):
+        self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
         self.on_fragment = on_fragment
         self.algorithm = ALGORITHM_CODES[cfg.algorithm]
         self.sessions: dict[str, Session] = {}
@@ -211,7 +212,8 @@ class SessionHub:
         """Push the session's first t transitions as a fragment and start a new one."""
         b, N = s.buffers, s.num_envs
         msg = build_fragment(
-            actor_id=self.actor_id, seq=self.seq, policy_version=min(s.versions[:t]), algorithm=self.algorithm,
+            actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=min(s.versions[:t]),
+            algorithm=self.algorithm,
             env_ids=range(s.env_id_base, s.env_id_base + N), obs=b["obs"][:t + 1], actions=b["actions"][:t],
             rewards=b["rewards"][:t], terminated=b["terminated"][:t], truncated=b["truncated"][:t],
             final_obs=(np.stack(s.final_obs) if s.final_obs

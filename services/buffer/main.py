@@ -1,13 +1,16 @@
-"""Buffer wiring: config -> Store -> gRPC server -> stats loop -> shutdown."""
+"""Buffer wiring: config -> Store (restored from a checkpoint) -> gRPC server -> stats and checkpoint
+loops -> shutdown (with a last checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 from contextlib import asynccontextmanager
 
 from kuberl.v1 import buffer_pb2
+from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
 from services.common.config import ExperimentConfig, load_config
@@ -21,10 +24,22 @@ SHUTDOWN_DEADLINE_S = 10.0
 
 
 @asynccontextmanager
-async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None):
-    """Start a buffer; yields its Endpoints. Leaving the context runs the shutdown sequence."""
+async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None,
+                  checkpoint_dir: str | None = None):
+    """Start a buffer; yields its Endpoints. Leaving the context runs the shutdown sequence.
+    `checkpoint_dir` (default: `buffer.checkpoint_dir`; None: off): where a DQN buffer checkpoints its
+    replay and restores it from before it serves (services/buffer/checkpoint.py)."""
     metrics = Metrics("buffer")
     store = Store(cfg, metrics)
+    checkpointer = None
+    checkpoint_dir = checkpoint_dir or cfg.buffer.checkpoint_dir
+    if checkpoint_dir and store.replay is None:
+        log.warning("buffer checkpoints are on (%s) but this buffer holds PPO's FIFO, which is not checkpointed "
+                    "(its on-policy fragments go stale within a few updates): a restarted buffer starts empty",
+                    checkpoint_dir)
+    elif checkpoint_dir:
+        checkpointer = BufferCheckpointer(store, cfg, checkpoint_dir, metrics)
+        await checkpointer.restore()  # before serving: pushes go into the restored ring
     servicer = BufferServicer(store, metrics)
     srv = await start_server(listen, lambda s: add_to_server(servicer, s),
                              [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
@@ -36,6 +51,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     try:
         async with asyncio.TaskGroup() as tg:
             tick = tg.create_task(tick_forever(metrics), name="stats")
+            checkpoint_stop = asyncio.Event()
+            saving = tg.create_task(checkpointer.run(checkpoint_stop), name="checkpoint") if checkpointer else None
             await srv.set_serving(True)
             try:
                 yield Endpoints(srv.address, prom.address if prom else None)
@@ -46,6 +63,9 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     servicer.inserted.notify()
                     await srv.server.stop(grace=2.0)  # 3. let in-flight calls finish
                     tick.cancel()
+                if saving is not None:                # 4. a last checkpoint of the final contents; not under
+                    checkpoint_stop.set()             #    the deadline: a large ring takes longer to write,
+                    await saving                      #    and a write cut short leaves the previous one
                 log.info("buffer stopped holding %d samples (%d received, %d served)", store.size,
                          store.inserted_samples, store.served_samples)
     finally:
@@ -55,12 +75,17 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return base_parser("buffer", 50051, "Holds experience and streams training batches to learners.").parse_args(argv)
+    p = base_parser("buffer", 50051, "Holds experience and streams training batches to learners.")
+    p.add_argument("--checkpoint-dir", default=os.environ.get("KUBERL_BUFFER_CHECKPOINT_DIR") or None,
+                   help="DQN: checkpoint the replay here and restore it at start (default "
+                        "$KUBERL_BUFFER_CHECKPOINT_DIR, else the config's buffer.checkpoint_dir; unset: off)")
+    return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cfg = load_config(args.config)
-    async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None) as endpoints:
+    async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None,
+                       checkpoint_dir=args.checkpoint_dir) as endpoints:
         write_ready_file(args.ready_file, endpoints)
         log.info("buffer serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
         await stop.wait()

@@ -7,19 +7,18 @@ import logging
 import time
 
 import grpc
-from grpc._cython import cygrpc
 
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.store import Outcome, Store
 from services.common.fragments import ALGORITHM_NAMES, MAX_ID_LEN, RawFragment, batch_samples
+from services.common.grpcutil import add_handlers, generated_handlers
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.common.tensors import TensorError
 
 log = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 1 << 20
-SERVICE = buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
@@ -31,8 +30,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def PushTrajectories(self, request_iterator, context) -> buffer_pb2.PushAck:
         """Fragments arrive as serialized bytes (see `add_to_server`) and are read without copying."""
         ack = buffer_pb2.PushAck()
-        actor_id = None
+        sender = None  # (actor_id, incarnation) of the last fragment read
+        index = -1     # position of the message in this stream, from 0
         async for data in request_iterator:
+            index += 1
             msg = RawFragment(data)
             if self.closing:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "buffer is shutting down")
@@ -41,23 +42,27 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             except TensorError as err:
                 self.metrics.inc("buffer/fragments_invalid_total")
                 log.warning("refused fragment seq %d from %r: %s", msg.seq, msg.actor_id[:MAX_ID_LEN], err)
-                md = [("kuberl-accepted", str(ack.accepted))]
+                # Its position in the stream identifies it even when its bytes do not parse: the
+                # sender forgets what came before it (processed), drops it, and re-sends the rest.
+                md = [("kuberl-accepted", str(ack.accepted)), ("kuberl-rejected-index", str(index))]
                 if msg.error is None:  # bytes that do not parse cannot be trusted to name their seq
                     md.append(("kuberl-rejected-seq", str(msg.seq)))
                 if ack.HasField("last_accepted_seq"):
                     md.append(("kuberl-last-accepted-seq", str(ack.last_accepted_seq)))
                 context.set_trailing_metadata(md)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"fragment seq {msg.seq}: {err}")
-            actor_id = msg.actor_id
+                                    f"kuberl.v1.Buffer/PushTrajectories: fragment seq {msg.seq}: {err}")
+            sender = (msg.actor_id, msg.incarnation)
             if outcome is Outcome.ACCEPTED:
                 ack.accepted += 1
                 ack.last_accepted_seq = max(msg.seq, ack.last_accepted_seq) if ack.HasField(
                     "last_accepted_seq") else msg.seq
                 self.inserted.notify()
-            else:
+            elif outcome is Outcome.DUPLICATE:
                 ack.duplicates += 1
-        if actor_id is not None and (high := self.store.high_water(actor_id)) is not None:
+            else:  # counted by the store under its reason (buffer/fragments_too_old_total)
+                ack.rejected += 1
+        if sender is not None and (high := self.store.high_water(*sender)) is not None:
             ack.high_water_seq = high
         return ack
 
@@ -84,13 +89,16 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             batch.batch_id = sent
             try:
                 await context.write(batch)
-            except (asyncio.CancelledError, grpc.RpcError, cygrpc.UsageError, cygrpc.ExecuteBatchError) as err:
+            except (asyncio.CancelledError, Exception) as err:
                 # The learner went away with this batch unsent: its samples are gone, so count them.
+                # (Any exception: what grpcio raises for a write to a call that its peer already
+                # ended, UsageError or ExecuteBatchError, has no public type; whatever the cause,
+                # the batch was not delivered.)
                 lost = batch_samples(batch)
                 self.metrics.inc("buffer/samples_lost_in_transit_total", lost)
                 self.store.unserve(request.learner_id)
-                log.info("learner %s went away; %d samples of batch %d were not delivered",
-                         request.learner_id, lost, sent)
+                log.info("learner %s went away (%r); %d samples of batch %d were not delivered",
+                         request.learner_id, err, lost, sent)
                 if isinstance(err, asyncio.CancelledError):
                     raise
                 return
@@ -107,28 +115,13 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return self.metrics.response()
 
 
-class _Capture:
-    """Stands in for a server to read the handlers the generated code would register."""
-
-    def __init__(self):
-        self.handlers: dict = {}
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        self.handlers = dict(handlers)
-
-
 def add_to_server(servicer: BufferServicer, server) -> None:
-    """Register the Buffer service as the generated code does, except that PushTrajectories gets
-    each fragment as the serialized bytes (no deserializer), which `RawFragment` reads without
-    copying the tensor payloads: on loopback that is most of what a push costs the buffer."""
-    capture = _Capture()
-    buffer_pb2_grpc.add_BufferServicer_to_server(servicer, capture)
-    handlers = capture.handlers
+    """Register the Buffer service as every service does (`grpcutil.add_handlers`: frames that do not
+    parse get INVALID_ARGUMENT), except that PushTrajectories gets each fragment as the serialized
+    bytes (no deserializer), which `RawFragment` reads without copying the tensor payloads: on
+    loopback that is most of what a push costs the buffer. It refuses malformed bytes itself."""
+    service, handlers = generated_handlers(buffer_pb2_grpc.add_BufferServicer_to_server, servicer)
     handlers["PushTrajectories"] = grpc.stream_unary_rpc_method_handler(
         servicer.PushTrajectories, request_deserializer=None,
         response_serializer=buffer_pb2.PushAck.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    add_handlers(server, service, handlers)

@@ -19,6 +19,8 @@ import enum
 import time
 from collections import OrderedDict
 
+import numpy as np
+
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.fifo import RolloutFifo
 from services.buffer.replay import ReplayRing
@@ -30,28 +32,51 @@ from services.common.tensors import TensorError, encode
 SEQ_WINDOW = 4096
 LEARNER_EXPIRY_S = 30.0
 MAX_ACTORS_TRACKED = 65536
+# A restarted process of one actor id gets a new incarnation; its predecessor's window is kept for
+# this many newer incarnations (a zombie or a slow re-send of the old process still dedupes) and
+# then forgotten, counted in buffer/dedupe_windows_forgotten_total.
+MAX_INCARNATIONS_PER_ACTOR = 4
 
 
 class Outcome(enum.Enum):
     ACCEPTED = "accepted"
-    DUPLICATE = "duplicate"
+    DUPLICATE = "duplicate"    # this (actor_id, incarnation, seq) is stored already
+    TOO_OLD = "too_old"        # seq more than SEQ_WINDOW behind the incarnation's newest: cannot tell, refused
 
 
 class SeqWindow:
-    """The seqs seen from one actor: exact within the last SEQ_WINDOW, everything older counts as seen."""
+    """The seqs stored from one incarnation of an actor: exact within the last SEQ_WINDOW seqs.
+
+    An actor never has more than its send queue (actor.queue_fragments, at most SEQ_WINDOW)
+    unacknowledged, so a re-send always lands inside the window; anything older is refused as TOO_OLD
+    and counted, never acknowledged as stored."""
 
     def __init__(self) -> None:
         self.high = -1
         self._recent: set[int] = set()
 
-    def seen(self, seq: int) -> bool:
-        return seq in self._recent or seq <= self.high - SEQ_WINDOW
+    def outcome(self, seq: int) -> Outcome:
+        if seq in self._recent:
+            return Outcome.DUPLICATE
+        if seq <= self.high - SEQ_WINDOW:
+            return Outcome.TOO_OLD
+        return Outcome.ACCEPTED
 
     def add(self, seq: int) -> None:
         self._recent.add(seq)
         self.high = max(self.high, seq)
         if len(self._recent) > 2 * SEQ_WINDOW:
             self._recent = {s for s in self._recent if s > self.high - SEQ_WINDOW}
+
+    @property
+    def recent(self) -> list[int]:
+        return sorted(self._recent)
+
+    @classmethod
+    def of(cls, high: int, recent) -> SeqWindow:
+        w = cls()
+        w.high, w._recent = int(high), {int(s) for s in recent}
+        return w
 
 
 class Store:
@@ -62,7 +87,8 @@ class Store:
         self.replay = ReplayRing(cfg.dqn.buffer_size, seed=cfg.seed) if cfg.algorithm == "dqn" else None
         self.fifo: RolloutFifo[pb.TrajectoryFragment | RawFragment] | None = (
             RolloutFifo(cfg.buffer.fifo_capacity_steps) if cfg.algorithm == "ppo" else None)
-        self._actors: OrderedDict[str, SeqWindow] = OrderedDict()
+        # actor_id -> incarnation -> window, both least recently used first (dedupe state).
+        self._actors: OrderedDict[str, OrderedDict[int, SeqWindow]] = OrderedDict()
         self.inserted_samples = 0
         self.served_samples = 0
         self.wait_reason = "empty"
@@ -75,8 +101,9 @@ class Store:
         metrics.track_rate("buffer/samples_received_per_s", "buffer/samples_received_total")
         metrics.track_rate("buffer/samples_served_per_s", "buffer/samples_served_total")
         metrics.track_rate("buffer/fragments_received_per_s", "buffer/fragments_received_total")
-        for name in ("duplicate", "invalid", "evicted", "dropped_stale"):
+        for name in ("duplicate", "too_old", "invalid", "evicted", "dropped_stale"):
             metrics.inc(f"buffer/fragments_{name}_total", 0)
+        metrics.inc("buffer/dedupe_windows_forgotten_total", 0)
         metrics.inc("buffer/samples_dropped_stale_total", 0)
         metrics.inc("buffer/paced_seconds_total", 0)
         metrics.inc("buffer/samples_lost_in_transit_total", 0)
@@ -114,9 +141,28 @@ class Store:
         """A batch served to `learner_id` never left (its stream broke): it is not in flight."""
         self._served_to[learner_id] = max(0, self._served_to.get(learner_id, 0) - 1)
 
-    def high_water(self, actor_id: str) -> int | None:
-        window = self._actors.get(actor_id)
+    def high_water(self, actor_id: str, incarnation: int) -> int | None:
+        """The newest seq stored from this incarnation of `actor_id`, or None if none is."""
+        window = self._actors.get(actor_id, {}).get(incarnation)
         return None if window is None or window.high < 0 else window.high
+
+    def _window(self, actor_id: str, incarnation: int) -> SeqWindow:
+        """The dedupe window of (actor_id, incarnation), made if new; forgets the oldest beyond the bounds."""
+        incarnations = self._actors.get(actor_id)
+        if incarnations is None:
+            incarnations = self._actors[actor_id] = OrderedDict()
+            if len(self._actors) > MAX_ACTORS_TRACKED:
+                _, gone = self._actors.popitem(last=False)
+                self.metrics.inc("buffer/dedupe_windows_forgotten_total", len(gone))
+        self._actors.move_to_end(actor_id)
+        window = incarnations.get(incarnation)
+        if window is None:
+            window = incarnations[incarnation] = SeqWindow()
+            if len(incarnations) > MAX_INCARNATIONS_PER_ACTOR:
+                incarnations.popitem(last=False)
+                self.metrics.inc("buffer/dedupe_windows_forgotten_total")
+        incarnations.move_to_end(incarnation)
+        return window
 
     def insert(self, msg: pb.TrajectoryFragment | RawFragment) -> Outcome:
         """Validate, dedupe and store one fragment. Raises TensorError (nothing stored) if refused.
@@ -125,10 +171,11 @@ class Store:
         nothing of its payload is copied until a batch is cut.
         """
         frag = decode_fragment(msg, algorithm=self.algorithm, max_elements=self.max_elements)
-        window = self._actors.get(frag.actor_id)
-        if window is not None and window.seen(frag.seq):
-            self.metrics.inc("buffer/fragments_duplicate_total")
-            return Outcome.DUPLICATE
+        window = self._actors.get(frag.actor_id, {}).get(frag.incarnation)
+        outcome = Outcome.ACCEPTED if window is None else window.outcome(frag.seq)
+        if outcome is not Outcome.ACCEPTED:
+            self.metrics.inc(f"buffer/fragments_{outcome.value}_total")
+            return outcome
         if self.replay is not None:
             self.replay.add(frag)  # checks shapes against what is stored before writing anything
         else:
@@ -136,18 +183,37 @@ class Store:
             for old in self.fifo.put(msg, frag.num_samples):
                 self.metrics.inc("buffer/fragments_evicted_total")
                 self.metrics.inc("buffer/samples_evicted_total", old.num_steps * len(old.env_ids))
-        if window is None:
-            window = self._actors[frag.actor_id] = SeqWindow()
-            if len(self._actors) > MAX_ACTORS_TRACKED:
-                self._actors.popitem(last=False)
-        self._actors.move_to_end(frag.actor_id)
-        window.add(frag.seq)
+        self._window(frag.actor_id, frag.incarnation).add(frag.seq)
         self.inserted_samples += frag.num_samples
         self.metrics.inc("buffer/fragments_received_total")
         self.metrics.inc("buffer/samples_received_total", frag.num_samples)
         self.metrics.set("buffer/policy_version_newest", max(frag.policy_version,
                                                               self.metrics.gauges.get("buffer/policy_version_newest", 0)))
         return Outcome.ACCEPTED
+
+    def dedupe_state(self) -> dict[str, np.ndarray]:
+        """The dedupe windows as flat arrays (no pickle), for a buffer checkpoint: one row per
+        (actor_id, incarnation), least recently used first, and every window's recent seqs
+        concatenated (`recent_counts` says how many belong to each row)."""
+        rows = [(a, inc, w) for a, incs in self._actors.items() for inc, w in incs.items()]
+        recent = [w.recent for _, _, w in rows]
+        return {"actor_ids": np.array([a for a, _, _ in rows], dtype=np.str_),
+                "incarnations": np.array([inc for _, inc, _ in rows], dtype=np.uint64),
+                "highs": np.array([w.high for _, _, w in rows], dtype=np.int64),
+                "recent_counts": np.array([len(r) for r in recent], dtype=np.int64),
+                "recent": np.array([s for r in recent for s in r], dtype=np.int64)}
+
+    def restore_dedupe_state(self, state: dict[str, np.ndarray]) -> None:
+        """Replace the dedupe windows with those of `dedupe_state()` (raises ValueError if inconsistent)."""
+        ids, incs, highs, counts = (state[k] for k in ("actor_ids", "incarnations", "highs", "recent_counts"))
+        recent = state["recent"]
+        if not len(ids) == len(incs) == len(highs) == len(counts) or int(counts.sum()) != len(recent):
+            raise ValueError("dedupe state: array lengths disagree")
+        self._actors = OrderedDict()
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for i, (actor_id, inc, high) in enumerate(zip(ids.tolist(), incs.tolist(), highs.tolist())):
+            window = SeqWindow.of(high, recent[offsets[i]:offsets[i + 1]].tolist())
+            self._actors.setdefault(str(actor_id), OrderedDict())[int(inc)] = window
 
     @property
     def size(self) -> int:

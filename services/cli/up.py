@@ -16,10 +16,8 @@ import json
 import logging
 import re
 import socket
-import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,16 +26,19 @@ import grpc
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
+from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
 from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
-from services.common.procs import ServiceProcess, free_port, learner_group_args, spawn
+from services.common.procs import ServiceProcess, free_port
+from services.common.supervise import Spec, Supervisor, actor_args, buffer_args, format_event, learner_args
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 45.0
-CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "return_mean", "actor_env_steps_per_s",
-               "actor_fragments_dropped_total", "buffer_size_samples", "buffer_samples_per_insert",
+CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "episodes_skipped", "return_mean", "actor_env_steps_per_s",
+               "actor_fragments_dropped_total", "actor_fragments_rejected_total", "samples_lost_total",
+               *(f"samples_lost_{r}" for r in LOSS_REASONS), "buffer_size_samples", "buffer_samples_per_insert",
                "learner_updates_per_s", "learner_samples_per_s", "learner_policy_version",
-               "learner_policy_lag_mean", "actors", "learners", "planner_ratio"]
+               "learner_policy_lag_mean", "actors", "learners", "planner_ratio", "process_restarts"]
 
 
 def _port_free(port: int) -> bool:
@@ -47,6 +48,9 @@ def _port_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+PLANNER_PORT = 50054  # where `kuberl scale`/`kuberl decisions` look by default, when it is free
 
 
 @dataclass
@@ -59,7 +63,6 @@ class Member:
     address: str = ""
     channel: grpc.Channel | None = None
     stub: object = None
-    cursor: int = 0            # actors: last episode index read
     stats: dict = field(default_factory=dict)
 
     def connect(self, address: str) -> None:
@@ -76,18 +79,27 @@ STUBS = {"actor": actor_pb2_grpc.ActorStub, "buffer": buffer_pb2_grpc.BufferStub
 
 class LocalRun:
     def __init__(self, cfg: ExperimentConfig, root: str | Path, name: str | None = None, progress: bool = True,
-                 actor_port: int = 50053, planner_port: int = 50054):
-        self.cfg, self.progress, self.actor_port, self.planner_port = cfg, progress, actor_port, planner_port
+                 actor_port: int = 50053, planner_port: int | None = None):
+        self.cfg, self.progress, self.actor_port = cfg, progress, actor_port
         self.external = cfg.env.mode == "external"
         self.planned = cfg.planner.enabled
+        if planner_port is not None and planner_port in self.actor_ports:
+            raise ConfigError(f"--planner-port {planner_port} is one of the external actors' ports "
+                              f"{self.actor_ports.start}..{self.actor_ports.stop - 1} (--actor-port + i): pick another")
+        self.planner_port = planner_port
         env = re.sub(r"[^A-Za-z0-9]+", "-", cfg.env.id).strip("-").lower()
         self.dir = Path(root) / (name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{env}")
         for sub in ("logs", "checkpoints", "tb", "ready"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.dir / "config.yaml")
+        # Every process `kuberl up` starts itself is supervised: one that dies is started again on the
+        # same address (peers reconnect to it) and the event is printed (see services/common/supervise.py).
+        self.sup = Supervisor(self.dir, self.dir / "config.yaml", log_events=False)
+        self.events_read = 0  # bytes of events.jsonl already printed (the planner's backend appends too)
         self.members: list[Member] = []   # live
         self.retired: list[Member] = []   # actors the planner stopped: their counters still count
-        self.returns: deque[float] = deque(maxlen=cfg.run.return_window)
+        self.tally = Tally(cfg.run.return_window)  # run totals across processes and their restarts
+        self.returns = self.tally.returns
         self.episodes = 0
         self.env_steps = 0
         self.started = time.monotonic()
@@ -95,16 +107,22 @@ class LocalRun:
         self.last_decision_id = 0
 
     # -- processes -------------------------------------------------------------------------------
-    def _spawn(self, role: str, name: str, listen: str, extra: list[str]) -> Member:
-        m = Member(role, name, spawn(role, name, self.dir, self.dir / "config.yaml", listen, extra))
+    @property
+    def actor_ports(self) -> range:
+        """The ports external simulators find actors on (actor i at actor_port + i); empty otherwise."""
+        if not self.external:
+            return range(0)
+        n = self.cfg.planner.actor.max if self.planned else self.cfg.topology.actors
+        return range(self.actor_port, self.actor_port + n)
+
+    def _spawn(self, role: str, name: str, listen: str, extra: list[str], restart: bool = True) -> Member:
+        m = Member(role, name, self.sup.start(Spec(role, name, listen, tuple(extra), restart)))
         self.members.append(m)
         return m
 
     def _wait_ready(self, m: Member, deadline: float) -> None:
         while not m.proc.poll_ready():
-            if not m.proc.alive:
-                raise RuntimeError(f"{m.name} exited with code {m.proc.popen.returncode} before serving:\n"
-                                   f"{m.proc.log_tail()}")
+            self.supervise()  # a process that cannot start is reported at once, and tried again
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{m.name} did not start serving within {READY_TIMEOUT_S:.0f} s:\n"
                                    f"{m.proc.log_tail()}")
@@ -117,26 +135,37 @@ class LocalRun:
         """Start every process at once: start order does not matter (peers wait for each other), so
         the buffer and learner listen on ports picked here and nobody waits for another's imports.
         With the planner on, its local backend starts (and later rescales) the learner and actors."""
-        buffer = f"127.0.0.1:{free_port()}"
-        self._spawn("buffer", "buffer-0", buffer, [])
+        # Fixed addresses (a restarted process comes back where its peers look), below the ephemeral
+        # range and outside the external actors' ports.
+        buffer = f"127.0.0.1:{self._free_port()}"
+        self._spawn("buffer", "buffer-0", buffer, buffer_args(self.cfg, self.dir))
         if self.planned:
-            port = self.planner_port if _port_free(self.planner_port) else free_port()
+            port = self.planner_port
+            if port is None:
+                port = PLANNER_PORT if PLANNER_PORT not in self.actor_ports and _port_free(PLANNER_PORT) \
+                    else self._free_port()
             self._spawn("planner", "planner-0", f"127.0.0.1:{port}", [
                 "--backend", self.cfg.planner.backend if self.cfg.planner.backend != "kubernetes" else "local",
                 "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
             return
-        learner = f"127.0.0.1:{free_port()}"  # rank 0: the learner actors take weights from
-        n, group = self.cfg.topology.learners, f"127.0.0.1:{free_port()}"
+        learner = f"127.0.0.1:{self._free_port()}"  # rank 0: the learner actors take weights from
+        n, group = self.cfg.topology.learners, f"127.0.0.1:{self._free_port()}"
         for rank in range(n):
-            self._spawn("learner", f"learner-{rank}", learner if rank == 0 else "127.0.0.1:0", [
-                "--buffer", buffer, "--checkpoint-dir", str(self.dir / "checkpoints"),
-                *learner_group_args(n, rank, group)])
+            name = f"learner-{rank}"
+            # A group cannot take one member back (the local backend re-forms groups; see planner.enabled).
+            self._spawn("learner", name, learner if rank == 0 else "127.0.0.1:0",
+                        learner_args(name, self.dir, buffer=buffer, world_size=n, rank=rank, group=group),
+                        restart=n == 1)
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"
-            self._spawn("actor", f"actor-{i}", listen, [
-                "--buffer", buffer, "--learner", learner, "--actor-id", f"actor-{i}-{self.dir.name}",
-                "--actor-index", str(i)])
+            self._spawn("actor", f"actor-{i}", listen,
+                        actor_args(f"actor-{i}", self.dir.name, buffer=buffer, learner=learner, index=i))
+
+    def _free_port(self) -> int:
+        while (port := free_port()) in self.actor_ports:
+            pass
+        return port
 
     def _wait_all_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -150,7 +179,7 @@ class LocalRun:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the planner's learner and actors did not start serving within "
                                        f"{READY_TIMEOUT_S:.0f} s; see {self.dir / 'logs'}")
-                self.check_alive()
+                self.supervise()
                 time.sleep(0.05)
 
     def _sync_planned(self) -> None:
@@ -184,40 +213,40 @@ class LocalRun:
         """Actors first (they flush fragments to the buffer), then the learner (final checkpoint), then
         the buffer. With the planner on, stopping the planner stops its actors and learner in that order."""
         for role in ("planner", "actor", "learner", "buffer"):
-            group = [m.proc for m in self.members if m.role == role and m.proc is not None and m.proc.alive]
-            for p in group:
-                p.terminate()
-            for p in group:
-                try:
-                    p.popen.wait(STOP_TIMEOUT_S + (60 if role == "planner" else 0))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop within %.0f s; killing it", p.name, STOP_TIMEOUT_S)
-                    p.popen.kill()
-                    p.popen.wait()
+            if role == "buffer":  # every actor has flushed to it: its counters are final now
+                self._final_stats("buffer")
+            names = [m.name for m in self.members if m.role == role and m.proc is not None]
+            self.sup.stop(names, STOP_TIMEOUT_S + (60 if role == "planner" else 0))
+        self.print_events()
         for m in self.members + self.retired:
             if m.channel is not None:
                 m.channel.close()
 
     # -- monitoring ------------------------------------------------------------------------------
     def poll(self) -> None:
+        """Read every process's stats and every episode finished since the last poll (page by page),
+        and update the run totals: summed over all processes the run had, across their restarts
+        (services/cli/tally.py)."""
         if self.planned:
             self._sync_planned()
         new_eps: list[pb.Episode] = []
         for p in self.members:
+            if p.stub is None:  # not connected yet
+                continue
+
+            def fetch(after: int, p: Member = p) -> pb.GetStatsResponse:
+                return p.stub.GetStats(pb.GetStatsRequest(episodes_after=after), timeout=5.0)
             try:
-                resp = p.stub.GetStats(pb.GetStatsRequest(episodes_after=p.cursor), timeout=5.0)
+                resp = self.tally.read(p.name, fetch, new_eps)
             except grpc.RpcError as err:
                 log.debug("stats from %s failed: %s", p.name, err.code().name)
+                # Nothing vouches for a silent process's production: its rates count as 0.
+                p.stats = {k: 0.0 if k.endswith("_per_s") else v for k, v in p.stats.items()}
                 continue
             p.stats = dict(resp.metrics)
-            if resp.episodes:
-                p.cursor = resp.episodes[-1].index
-                new_eps.extend(resp.episodes)
-        self.env_steps = int(sum(p.stats.get("actor/env_steps_total", 0)
-                                 for p in self._role("actor") + [m for m in self.retired if m.role == "actor"]))
-        for ep in sorted(new_eps, key=lambda e: e.end_unix_s):
-            self.returns.append(ep.episode_return)
-            self.episodes += 1
+        self.env_steps = int(self.tally.total("actor/env_steps_total"))
+        self.episodes = int(self.tally.total("actor/episodes_total"))  # exact, whether or not every return was read
+        for ep in self.tally.record(new_eps):
             self.tb.add_scalar("charts/episodic_return", ep.episode_return, self.env_steps)
             self.tb.add_scalar("charts/episodic_length", ep.length, self.env_steps)
 
@@ -235,11 +264,16 @@ class LocalRun:
         learner = self._role("learner")[0].stats if self._role("learner") else {}
         buffer = self._role("buffer")[0].stats if self._role("buffer") else {}
         planner = self._role("planner")[0].stats if self._role("planner") else {}
+        tally = self.tally
+        losses = tally.losses()
         return {
             "wall_s": round(time.monotonic() - self.started, 3), "env_steps": self.env_steps,
-            "episodes": self.episodes, "return_mean": self.mean_return,
+            "episodes": self.episodes, "episodes_skipped": tally.episodes_skipped, "return_mean": self.mean_return,
             "actor_env_steps_per_s": self._sum("actor", "actor/env_steps_per_s"),
-            "actor_fragments_dropped_total": self._sum("actor", "actor/fragments_dropped_total"),
+            "actor_fragments_dropped_total": tally.total("actor/fragments_dropped_total"),
+            "actor_fragments_rejected_total": tally.total("actor/fragments_rejected_total"),
+            "samples_lost_total": sum(losses.values()),
+            **{f"samples_lost_{r}": v for r, v in losses.items()},
             "buffer_size_samples": buffer.get("buffer/size_samples"),
             "buffer_samples_per_insert": buffer.get("buffer/samples_per_insert"),
             "learner_updates_per_s": learner.get("learner/updates_per_s"),
@@ -249,27 +283,60 @@ class LocalRun:
             "actors": len(self._role("actor")),
             "learners": len(self._role("learner")),
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
+            "process_restarts": sum(tally.restarts.values()),
         }
 
     def show(self, row: dict) -> None:
         def f(v, spec=",.0f"):
             return "-" if v is None else format(v, spec)
+        skipped = f" ({row['episodes_skipped']:,} skipped)" if row["episodes_skipped"] else ""
         line = (f"[{row['wall_s']:7.1f}s] steps {row['env_steps']:>10,} ({f(row['actor_env_steps_per_s'])}/s,"
                 f" {row['actors']} actor{'s' if row['actors'] != 1 else ''})"
-                f" | episodes {row['episodes']:>6,} | return {f(row['return_mean'], '.1f')}"
+                f" | episodes {row['episodes']:>6,}{skipped} | return {fmt_return(row['return_mean'])}"
                 f" (last {len(self.returns)}) | {'learner' if row['learners'] <= 1 else str(row['learners']) + ' learners'}"
                 f" v{f(row['learner_policy_version'])}"
                 f" {f(row['learner_updates_per_s'], ',.1f')} upd/s {f(row['learner_samples_per_s'])} smp/s"
                 f" lag {f(row['learner_policy_lag_mean'], '.1f')} | buffer {f(row['buffer_size_samples'])}"
-                f" | dropped {f(row['actor_fragments_dropped_total'])}")
+                f" | lost {fmt_losses({r: row[f'samples_lost_{r}'] for r in LOSS_REASONS})}")
         print(line, flush=True)
 
-    def check_alive(self) -> None:
-        """The processes `kuberl up` started must live (the planner restarts the ones it runs)."""
+    def _final_stats(self, role: str) -> None:
+        for m in self._role(role):
+            try:
+                m.stats = dict(m.stub.GetStats(pb.GetStatsRequest(), timeout=5.0).metrics)
+            except (grpc.RpcError, AttributeError) as err:  # AttributeError: never connected
+                log.warning("final stats of %s could not be read: %s", m.name, err)
+
+    def supervise(self) -> None:
+        """Restart the processes `kuberl up` runs that died (the planner restarts the ones it runs),
+        follow them to their new process, and print every supervision event of the run."""
+        died = self.sup.check()
         for m in self.members:
-            if m.proc is not None and not m.proc.alive:
-                raise RuntimeError(f"{m.name} exited unexpectedly with code {m.proc.popen.returncode}:\n"
-                                   f"{m.proc.log_tail()}")
+            if m.proc is not None and (proc := self.sup.procs.get(m.name)) is not None and proc is not m.proc:
+                m.proc = proc  # restarted: same address, a new process
+            if m.proc is not None and m.channel is None and m.proc.poll_ready():
+                m.connect(m.proc.address)
+        self.print_events()
+        for p in died:
+            if p.name not in self.sup.specs:  # not to be restarted
+                raise RuntimeError(f"{p.name} of a fixed learner group of {self.cfg.topology.learners} exited with "
+                                   f"code {p.popen.returncode}; a group is re-formed only with planner.enabled")
+
+    def print_events(self) -> None:
+        """Print the events.jsonl records not printed yet (from this supervisor and the planner's)."""
+        try:
+            with open(self.sup.events_path, "rb") as f:
+                f.seek(self.events_read)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.events_read += end
+        for line in data[:end].splitlines():
+            try:
+                print(format_event(json.loads(line)), flush=True)
+            except ValueError:
+                continue
 
     def stop_reason(self) -> str | None:
         run = self.cfg.run
@@ -283,7 +350,7 @@ class LocalRun:
         return None
 
     def exit_codes(self) -> dict[str, int | None]:
-        codes = {m.name: m.proc.popen.returncode for m in self.members if m.proc is not None}
+        codes = dict(self.sup.exit_codes)
         path = self.dir / "planner-exit-codes.json"  # written by the planner's local backend as it stops
         if self.planned and path.exists():
             codes.update(json.loads(path.read_text()))
@@ -325,7 +392,7 @@ class LocalRun:
                       flush=True)
             while True:
                 time.sleep(self.cfg.run.poll_interval_s)
-                self.check_alive()
+                self.supervise()
                 self.poll()
                 row = self.row()
                 writer.writerow(row)
@@ -350,15 +417,21 @@ class LocalRun:
                 self.tb.close()
             csv_file.close()
         learner = self._role("learner")[0].stats if self._role("learner") else {}
+        tally = self.tally
+        losses = tally.losses()
         summary = {"reason": reason, "error": error, "env_steps": self.env_steps, "episodes": self.episodes,
+                   "episodes_read": tally.episodes_read, "episodes_skipped": tally.episodes_skipped,
                    "mean_return": self.mean_return, "return_window": len(self.returns), "wall_s": round(wall, 3),
+                   "samples_lost": {"total": sum(losses.values()), **losses},
+                   "process_restarts": dict(tally.restarts),
                    "policy_version": learner.get("learner/policy_version"),
                    "exit_codes": self.exit_codes(), "run_dir": str(self.dir),
                    "last_stats": {p.name: p.stats for p in self.members + self.retired if p.role != "planner"},
                    "decisions": self.decisions()}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes, mean return "
-              f"{'-' if self.mean_return is None else f'{self.mean_return:.1f}'} over the last {len(self.returns)}, "
+        skipped = f" ({tally.episodes_skipped:,} skipped)" if tally.episodes_skipped else ""
+        print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes{skipped}, mean return "
+              f"{fmt_return(self.mean_return)} over the last {len(self.returns)}, samples lost {fmt_losses(losses)}, "
               f"{wall:.1f} s. Run directory: {self.dir}", flush=True)
         return summary
 
@@ -372,8 +445,9 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--actor-port", type=int, default=50053,
                    help="env.mode external: actor i listens on 127.0.0.1:(this + i) for simulators (default 50053)")
-    p.add_argument("--planner-port", type=int, default=50054,
-                   help="the planner's API listens on 127.0.0.1:(this), or a free port if it is taken (default 50054)")
+    p.add_argument("--planner-port", type=int, default=None,
+                   help=f"the planner's API listens on 127.0.0.1:(this) (default {PLANNER_PORT} when it is free and no "
+                        "external actor's port, else a free port; the address is printed)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s up: %(message)s")
     try:
@@ -381,7 +455,11 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as err:
         print(f"kuberl up: {args.config}: {err}", file=sys.stderr)
         return 2
-    run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet, actor_port=args.actor_port,
-                   planner_port=args.planner_port)
+    try:
+        run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet,
+                       actor_port=args.actor_port, planner_port=args.planner_port)
+    except ConfigError as err:
+        print(f"kuberl up: {err}", file=sys.stderr)
+        return 2
     summary = run.run()
     return 1 if summary["reason"] == "failed" else 0

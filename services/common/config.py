@@ -257,11 +257,25 @@ class BufferConfig:
     max_message_mb: int = 64          # largest fragment accepted / batch sent, MiB
     fifo_capacity_steps: int = 8192   # PPO: steps held before the oldest fragment is evicted (counted)
     batch_prefetch: int = 2           # batches cut ahead of the learner per stream
+    # DQN: where the replay ring (with its dedupe windows and counters) is checkpointed, periodically
+    # and at shutdown, and restored from at start, so a restarted buffer keeps its experience.
+    # None = off. `kuberl buffer --checkpoint-dir` overrides it. PPO's FIFO is never checkpointed.
+    # Costs: docs/reliability.md, "Buffer checkpoints".
+    checkpoint_dir: str | None = None
+    checkpoint_interval_s: float = 300.0  # between replay checkpoints; one is also written at shutdown
+    keep_checkpoints: int = 2         # newest replay checkpoints kept; an unreadable newest falls back
 
     def __post_init__(self):
         _require(1 <= self.max_message_mb <= 1024, "max_message_mb", self.max_message_mb, "must be 1..1024")
         _require(self.fifo_capacity_steps >= 1, "fifo_capacity_steps", self.fifo_capacity_steps, "must be >= 1")
         _require(self.batch_prefetch >= 1, "batch_prefetch", self.batch_prefetch, "must be >= 1")
+        _require(self.checkpoint_dir is None or self.checkpoint_dir.strip() != "", "checkpoint_dir",
+                 self.checkpoint_dir, "must be a directory path, or left out (null) to keep the replay in memory "
+                 "only (a restarted buffer then starts empty)")
+        _require(self.checkpoint_interval_s >= 1, "checkpoint_interval_s", self.checkpoint_interval_s,
+                 "must be >= 1 second: each replay checkpoint copies and writes the whole ring")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints,
+                 "must be >= 1 (2 or more lets a restart fall back when the newest cannot be read)")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ proto documents and raises TensorError naming the field, before any data is stor
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Fragment:
     actor_id: str
     seq: int
     policy_version: int
+    incarnation: int
     algorithm: int
     env_ids: tuple[int, ...]
     obs: np.ndarray                # [T+1, N, *obs_shape]
@@ -101,6 +103,7 @@ class RawFragment:
     def __init__(self, data: bytes):
         self.data = data
         self.actor_id, self.seq, self.policy_version, self.algorithm, self.num_steps = "", 0, 0, 0, 0
+        self.incarnation = 0
         self.created_unix_s = 0.0
         self.env_ids: list[int] = []
         self._tensors: dict[str, RawTensor] = {}
@@ -128,7 +131,8 @@ class RawFragment:
                 self.actor_id = str(value, "utf-8")
             elif name == "created_unix_s" and wire_type == wire.FIXED64:
                 self.created_unix_s = float(np.frombuffer(value.to_bytes(8, "little"), "<f8")[0])
-            elif wire_type == wire.VARINT and name in ("seq", "policy_version", "algorithm", "num_steps"):
+            elif wire_type == wire.VARINT and name in ("seq", "policy_version", "algorithm", "num_steps",
+                                                                "incarnation"):
                 setattr(self, name, value)
             else:
                 raise wire.WireError(f"{name} has wire type {wire_type}")
@@ -146,12 +150,21 @@ class RawFragment:
         return pb.TrajectoryFragment.FromString(self.data)
 
 
+def new_incarnation() -> int:
+    """A process's incarnation (TrajectoryFragment.incarnation): random, 64-bit, never 0.
+
+    Chosen once per process, so a process restarted under the same actor id (a pod's container
+    restart, `kuberl up` restarting actor-3) starts a new dedupe sequence instead of having its
+    fragments taken for re-sends of its predecessor's."""
+    return secrets.randbits(64) or 1
+
+
 def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
                    obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
-                   behaviour_logprob: np.ndarray | None = None) -> pb.TrajectoryFragment:
+                   behaviour_logprob: np.ndarray | None = None, incarnation: int = 0) -> pb.TrajectoryFragment:
     """Encode one fragment (arrays shaped as in TrajectoryFragment) into its wire message."""
-    msg = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version,
+    msg = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version, incarnation=incarnation,
                                 algorithm=algorithm, env_ids=list(env_ids),
                                 num_steps=rewards.shape[0], created_unix_s=time.time())
     encode(obs, msg.obs)
@@ -182,7 +195,7 @@ def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: 
                     obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                     truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
                     behaviour_logprob: np.ndarray | None = None,
-                    created_unix_s: float | None = None) -> EncodedFragment:
+                    created_unix_s: float | None = None, incarnation: int = 0) -> EncodedFragment:
     """`build_fragment(...).SerializeToString()`, byte for byte, with the tensor data copied once.
 
     Building the message copies each array into it and serializing copies it again; this writes the
@@ -190,7 +203,8 @@ def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: 
     calls it in its rollout thread, so the event loop only writes bytes).
     """
     head = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version, algorithm=algorithm,
-                                 env_ids=list(env_ids), num_steps=rewards.shape[0]).SerializeToString()
+                                 env_ids=list(env_ids), num_steps=rewards.shape[0],
+                                 incarnation=incarnation).SerializeToString()
     parts: list = [head]
     tensors = [("obs", obs), ("actions", actions), ("rewards", rewards.astype(np.float32, copy=False)),
                ("terminated", terminated.astype(bool, copy=False)), ("truncated", truncated.astype(bool, copy=False)),
@@ -267,7 +281,7 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
         _expect(logprob.shape == (T, N) and logprob.dtype == np.float32, "behaviour_logprob",
                 lambda: f"must be float32 [T={T}, N={N}], got {logprob.dtype.name} {list(logprob.shape)}")
     return Fragment(actor_id=msg.actor_id, seq=msg.seq, policy_version=msg.policy_version,
-                    algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
+                    incarnation=msg.incarnation, algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
                     final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, **step_fields)
 
 

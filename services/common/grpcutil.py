@@ -3,18 +3,28 @@
 Message size limits are explicit on both ends (`max_message_bytes`). Servers set a max connection
 age so that clients behind a headless Service rebalance onto new pods; long-lived streams are
 re-opened by their clients before the grace period ends.
+
+Request frames are parsed here, not by grpcio: every service registers through `add_servicer` (or
+`add_handlers`), whose handlers receive the raw bytes and parse them with the generated message's
+parser, so that a frame that is not a valid message ends its RPC with INVALID_ARGUMENT naming the
+RPC and the message type. (grpcio's own deserialization failure surfaces as UNKNOWN, which tells a
+client nothing about whose fault it was.) An INVALID_ARGUMENT refusal of a client stream is sent once
+the client has half-closed, so that the client sees it rather than a failed write (`_RequestContext`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +71,168 @@ class Serving:
         await self.server.stop(None)
 
 
+class _Capture:
+    """Stands in for a server to read the handlers a generated `add_XServicer_to_server` registers."""
+
+    def __init__(self):
+        self.service, self.handlers = "", {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers also come through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def generated_handlers(add_generated, servicer) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+    """(full service name, {method: handler}) as the generated `add_generated(servicer, server)`
+    would register them; to be adjusted and passed to `add_handlers`."""
+    capture = _Capture()
+    add_generated(servicer, capture)
+    if not capture.service:
+        raise TypeError(f"{add_generated.__qualname__} registered no method handlers")
+    return capture.service, capture.handlers
+
+
+def add_servicer(server, add_generated, servicer) -> None:
+    """Register `servicer` as `add_generated` (a generated `add_XServicer_to_server`) would, except
+    that request frames are parsed by `add_handlers`' handlers: a frame that does not parse gets
+    INVALID_ARGUMENT. Every service registers through this (or `add_handlers`)."""
+    add_handlers(server, *generated_handlers(add_generated, servicer))
+
+
+def add_handlers(server, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    """Register `handlers` of `service`, each taking its request frames as bytes and parsing them
+    with the handler's own `request_deserializer` (see `_parsing_handler`). A handler registered
+    with no deserializer (`request_deserializer=None`) gets the bytes as they are and answers
+    malformed ones itself; a refusal of a client stream still waits for its half-close."""
+    wrapped = {name: _parsing_handler(f"{service}/{name}", _input_type_name(service, name), h)
+               for name, h in handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+    server.add_registered_method_handlers(service, wrapped)
+
+
+def _input_type_name(service: str, method: str) -> str:
+    try:
+        return descriptor_pool.Default().FindServiceByName(service).methods_by_name[method].input_type.name
+    except KeyError:  # a service whose descriptors were not loaded into the default pool
+        return "request message"
+
+
+# After refusing a client stream, at most this many more frames are read (and dropped) while
+# waiting for the client to half-close (see `_RequestContext`); a client that sends more than that
+# gets the status at once. More than an actor's Pusher writes to one stream by default.
+DRAIN_LIMIT_FRAMES = 65536
+
+
+def _not_valid(rpc: str, which: str, type_name: str, err: DecodeError) -> str:
+    return f"{rpc}: {which} is not a valid {type_name}: {err}"
+
+
+class _RequestContext:
+    """The servicer context that a stream-request RPC's behaviour sees. `read()` parses each frame
+    (with the generated parser; a handler registered without one gets the bytes), and on a client
+    stream (stream-unary) `abort(INVALID_ARGUMENT, ...)` first reads and drops what the client still
+    sends, up to its half-close. Everything else is the real context's.
+
+    Why a refusal waits for the half-close: a status sent while the client is still writing closes
+    the stream under the client's next write, which grpc.aio reports as INTERNAL ("Failed
+    execute_batch"), and, when the status arrived while that write was in flight, records over the
+    real status: the client would never see the refusal or its trailing metadata (which fragment to
+    drop), and would re-send the same bad data. Only client streams wait: their clients expect
+    nothing back before they half-close, while the client of a bidirectional stream (EnvSession)
+    waits for replies and must hear of a refusal at once.
+    """
+
+    def __init__(self, context, rpc: str, type_name: str, deserialize, client_stream: bool):
+        self._context, self._rpc, self._type_name = context, rpc, type_name
+        self._deserialize, self._client_stream = deserialize, client_stream
+        self._count = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    async def read(self):
+        data = await self._context.read()
+        if data is grpc.aio.EOF:
+            return data
+        self._count += 1
+        if self._deserialize is None:
+            return data
+        try:
+            return self._deserialize(data)
+        except DecodeError as err:
+            await self.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             _not_valid(self._rpc, f"message {self._count}", self._type_name, err))
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        if self._client_stream and code == grpc.StatusCode.INVALID_ARGUMENT:
+            for _ in range(DRAIN_LIMIT_FRAMES):
+                if await self._context.read() is grpc.aio.EOF:
+                    break
+        await self._context.abort(code, details, trailing_metadata)
+
+
+class _Requests:
+    """A stream-request RPC's messages, read through its `_RequestContext` (an async iterator, not
+    an async generator: nothing is left to finalize when a handler stops reading early)."""
+
+    def __init__(self, context: _RequestContext):
+        self._context = context
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        msg = await self._context.read()
+        if msg is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return msg
+
+
+def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`h` taking its request frames as bytes: a unary request is parsed before the behaviour runs,
+    a stream's messages as the behaviour reads them (`_RequestContext`); a frame that does not parse
+    ends the RPC with INVALID_ARGUMENT naming the RPC and the message type."""
+    kind = ("stream" if h.request_streaming else "unary") + "_" + ("stream" if h.response_streaming else "unary")
+    behavior = getattr(h, kind)
+    if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+        # A synchronous method: left to grpcio as it is. (None in kuberl's servicers; grpcio's aio
+        # health servicer leaves Health/List to the generated base class's stub: UNIMPLEMENTED.)
+        return h
+    deserialize = h.request_deserializer
+    if deserialize is None and not h.request_streaming:
+        return h  # the behaviour reads the bytes itself
+
+    async def arguments(request, context) -> tuple:
+        if h.request_streaming:  # `request`, grpcio's iterator over the frames, is never read
+            ctx = _RequestContext(context, rpc, type_name, deserialize, client_stream=not h.response_streaming)
+            return _Requests(ctx), ctx
+        try:
+            return deserialize(request), context
+        except DecodeError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_valid(rpc, "request", type_name, err))
+
+    # The wrapper is of the same kind as the behaviour: grpcio tells a handler that writes through
+    # its context (a coroutine) from one that yields its responses (an async generator) by that.
+    if inspect.isasyncgenfunction(behavior):
+        async def handler(request, context):
+            async for response in behavior(*await arguments(request, context)):
+                yield response
+    else:
+        async def handler(request, context):
+            return await behavior(*await arguments(request, context))
+
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(handler, request_deserializer=None, response_serializer=h.response_serializer)
+
+
 async def start_server(listen: str, register, service_names: list[str], *,
                        max_message_bytes: int, max_connection_age_s: float | None = 300.0) -> Serving:
     """Create a server, let `register(server)` add servicers, add health + reflection, bind, start.
+
+    `register` adds each servicer with `add_servicer` (or `add_handlers`), so that malformed
+    request frames get INVALID_ARGUMENT.
 
     `listen` is host:port; port 0 binds a free port (the returned address has the real one).
     Health starts NOT_SERVING; the caller flips it when ready. `max_connection_age_s` (None = no limit)
@@ -73,9 +242,10 @@ async def start_server(listen: str, register, service_names: list[str], *,
     server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
     register(server)
     health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection([*service_names, "grpc.health.v1.Health",
-                                         reflection.SERVICE_NAME], server)
+    # Health and reflection go through the same parsing registration as the services' own RPCs.
+    add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, health)
+    reflector = reflection.aio.ReflectionServicer([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME])
+    add_servicer(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflector)
     host = listen.rsplit(":", 1)[0]
     port = server.add_insecure_port(listen)
     if port == 0:

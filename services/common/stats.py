@@ -1,4 +1,4 @@
-"""Counters, gauges, EWMA rates and rolling distributions of one service (the GetStats payload).
+"""Counters, gauges, windowed rates and rolling distributions of one service (the GetStats payload).
 
 Names follow `<role>/<name>` with the unit in the name (`actor/env_steps_per_s`,
 `buffer/fragments_duplicate_total`). Counters may be incremented from one worker thread while the
@@ -19,8 +19,39 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 
 
+class WindowRate:
+    """Per-second rate of a monotonic counter over the last `window_s` seconds.
+
+    `update(counter, now)` records a sample and sets `value` to the counter's increase since the newest
+    sample at least `window_s` old (or the oldest one kept, early on) divided by the time between them.
+    Once the counter stops moving, `value` is exactly 0 from the first update at least `window_s`
+    after the first sample that saw the final count (so within `window_s` + one update period of the
+    last increase). Once that much history exists the rate is an average over at least `window_s`,
+    smooth like an EWMA but never decaying forever after production stops."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self.value = 0.0
+        self._samples: deque[tuple[float, float]] = deque()  # (time, counter), oldest first
+
+    def update(self, counter: float, now: float) -> float:
+        samples = self._samples
+        if samples and now <= samples[-1][0]:
+            return self.value  # time did not advance
+        samples.append((now, float(counter)))
+        # Keep one sample at or before the window's start (the baseline) and those after it.
+        while len(samples) >= 2 and samples[1][0] <= now - self.window_s:
+            samples.popleft()
+        t0, c0 = samples[0]
+        self.value = max(0.0, (float(counter) - c0) / (now - t0)) if now > t0 else 0.0
+        return self.value
+
+
 class Ewma:
-    """Exponentially weighted rate of a monotonic counter, with half-life `halflife_s` seconds."""
+    """Exponentially weighted rate of a monotonic counter, with half-life `halflife_s` seconds.
+
+    Not used for the `_per_s` metrics any more (see WindowRate): an EWMA decays only while ticked and
+    takes many half-lives to reach 0 after production stops."""
 
     def __init__(self, halflife_s: float = 5.0):
         self.halflife_s = halflife_s
@@ -99,7 +130,7 @@ class Histogram:
 class Metrics:
     """A service's metrics: `inc` counters, `set` gauges, rates derived from counters by `tick`."""
 
-    def __init__(self, role: str, halflife_s: float = 5.0, instance_id: str | None = None):
+    def __init__(self, role: str, rate_window_s: float = 5.0, instance_id: str | None = None):
         self.role = role
         self.instance_id = instance_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.started = time.time()
@@ -107,8 +138,8 @@ class Metrics:
         self.gauges: dict[str, float] = {}
         self.rollings: dict[str, Rolling] = {}
         self.histograms: dict[str, Histogram] = {}
-        self._rates: dict[str, tuple[str, Ewma]] = {}
-        self._halflife_s = halflife_s
+        self._rates: dict[str, tuple[str, WindowRate]] = {}
+        self._rate_window_s = rate_window_s
         self._gauge_providers: list = []
 
     def inc(self, name: str, n: float = 1) -> None:
@@ -132,23 +163,24 @@ class Metrics:
         return self.histograms[name]
 
     def track_rate(self, rate_name: str, counter_name: str) -> None:
-        """Report `rate_name` as the EWMA per-second rate of counter `counter_name`."""
-        self._rates[rate_name] = (counter_name, Ewma(self._halflife_s))
+        """Report `rate_name` as the per-second rate of counter `counter_name` over the last
+        `rate_window_s` seconds (see WindowRate), as of the last `tick`."""
+        self._rates[rate_name] = (counter_name, WindowRate(self._rate_window_s))
         self.counters[counter_name] += 0
 
     def tick(self, now: float | None = None) -> None:
-        """Fold the counters' progress into the EWMA rates; call about once a second."""
+        """Fold the counters' progress into the rates; call about once a second."""
         now = time.monotonic() if now is None else now
-        for counter_name, ewma in self._rates.values():
-            ewma.update(self.counters[counter_name], now)
+        for counter_name, rate in self._rates.values():
+            rate.update(self.counters[counter_name], now)
 
     def snapshot(self) -> dict[str, float]:
         out = {k: float(v) for k, v in list(self.counters.items())}
         out.update(self.gauges)
         for provider in self._gauge_providers:
             out.update(provider())
-        for rate_name, (_, ewma) in self._rates.items():
-            out[rate_name] = ewma.value
+        for rate_name, (_, rate) in self._rates.items():
+            out[rate_name] = rate.value
         for name, rolling in list(self.rollings.items()):
             out.update(rolling.summary(name))
         for name, hist in list(self.histograms.items()):
@@ -158,12 +190,14 @@ class Metrics:
         out[f"{self.role}/cpu_seconds_total"] = time.process_time()
         return out
 
-    def response(self, episodes=()) -> pb.GetStatsResponse:
-        """The GetStats answer: this snapshot, a heartbeat and uptime."""
+    def response(self, episodes=(), **fields) -> pb.GetStatsResponse:
+        """The GetStats answer: this snapshot, a heartbeat, uptime and the process's start time (plus
+        any other GetStatsResponse `fields`, e.g. an actor's episode paging)."""
         metrics = self.snapshot()
         now = time.time()
         return pb.GetStatsResponse(role=self.role, instance_id=self.instance_id, heartbeat_unix_s=now,
-                                   uptime_s=now - self.started, metrics=metrics, episodes=episodes)
+                                   uptime_s=now - self.started, metrics=metrics, episodes=episodes,
+                                   process_start_unix_s=self.started, **fields)
 
 
 async def tick_forever(metrics: Metrics, period_s: float = 1.0) -> None:

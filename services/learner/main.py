@@ -17,7 +17,8 @@ import torch
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.common.config import ExperimentConfig, load_config
 from services.common.fragments import ALGORITHM_CODES
-from services.common.grpcutil import Backoff, MiB, describe, make_channel, raise_if_cancelling, start_server
+from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
+                                      start_server)
 from services.common.notify import Notifier
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
@@ -208,9 +209,10 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     hub = WeightsHub()
     hub.publish(trainer.weights())  # actors start from the learner's initialisation (or checkpoint)
     max_bytes = cfg.buffer.max_message_mb * MiB
-    srv = await start_server(listen, lambda s: learner_pb2_grpc.add_LearnerServicer_to_server(
-        LearnerServicer(hub, metrics), s), [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
-        max_message_bytes=max_bytes)
+    servicer = LearnerServicer(hub, metrics)
+    srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2_grpc.add_LearnerServicer_to_server, servicer),
+                             [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
+                             max_message_bytes=max_bytes)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024)
     queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.buffer.batch_prefetch)

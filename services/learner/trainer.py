@@ -1,7 +1,9 @@
 """The learner's core: decode batches, measure staleness, update, encode weights, checkpoint.
 
 Blocking and free of gRPC/asyncio: main.py calls it from worker threads. One lock serialises
-updates, weight snapshots and checkpoints, so a checkpoint never sees a half-applied update.
+updates, weight snapshots and the copy of the state a checkpoint takes, so a checkpoint never sees a
+half-applied update; the checkpoint's disk write runs after the lock is released, so a slow disk
+does not stall training.
 """
 
 from __future__ import annotations
@@ -35,18 +37,17 @@ class Trainer:
         """`sync`: this learner's membership of a group of learners (None: it trains alone). Rank 0
         restores the latest checkpoint and broadcasts its state, so the group starts equal."""
         self.cfg, self.metrics, self.checkpoint_dir, self.sync = cfg, metrics, Path(checkpoint_dir), sync
-        torch.manual_seed(cfg.seed)
-        self.spec = spec = spec_of(cfg.env)
-        device = cfg.learner.device
-        self.algo = (DQN(cfg.dqn, spec, device, sync) if cfg.algorithm == "dqn"
-                     else PPO(cfg.ppo, spec, device, sync))
+        self.spec = spec_of(cfg.env)
+        self.algo = self._new_algo()
         self.lock = threading.Lock()
+        # Serialises checkpoint writes (which run outside `lock`): the periodic one may still be on
+        # disk when the shutdown one starts, and they must land in the order their snapshots were taken.
+        self.write_lock = threading.Lock()
         self.writes_checkpoints = sync is None or sync.rank == 0
         self.interrupted = False  # a group update failed part-way: the state may be half-applied
-        if self.writes_checkpoints and (path := checkpoint.latest(self.checkpoint_dir)) is not None:
-            state = checkpoint.load(path)
-            self.algo.load_state_dict(state["algo"])
-            log.info("restored %s at version %d", path, self.algo.version)
+        if self.writes_checkpoints and (restored := checkpoint.restore_latest(self.checkpoint_dir,
+                                                                              self._apply_checkpoint)):
+            log.info("restored %s at version %d", restored[0], self.algo.version)
         if sync is not None:
             state = sync.broadcast_state(self.algo.state_dict() if sync.rank == 0 else None)
             if sync.rank != 0:
@@ -62,6 +63,22 @@ class Trainer:
                      "batches_consumed", "samples_consumed", "samples", "train_seconds"):
             metrics.inc(f"learner/{name}_total", 0)
         self.lag = metrics.histogram("learner/policy_lag")
+
+    def _new_algo(self) -> DQN | PPO:
+        """The algorithm at its seeded initialisation (the same on every call)."""
+        torch.manual_seed(self.cfg.seed)
+        if self.cfg.algorithm == "dqn":
+            return DQN(self.cfg.dqn, self.spec, self.cfg.learner.device, self.sync)
+        return PPO(self.cfg.ppo, self.spec, self.cfg.learner.device, self.sync)
+
+    def _apply_checkpoint(self, state: dict) -> None:
+        """Load a checkpoint's state; if it does not fit (another model, missing keys), the algorithm
+        may be half-loaded, so it is rebuilt fresh before the error goes on to the next fallback."""
+        try:
+            self.algo.load_state_dict(state["algo"])
+        except BaseException:
+            self.algo = self._new_algo()
+            raise
 
     @property
     def version(self) -> int:
@@ -173,10 +190,17 @@ class Trainer:
         if self.interrupted:  # PPO may have taken some of an update's steps: keep the last whole checkpoint
             log.warning("not checkpointing: a group update was interrupted part-way; the last checkpoint stands")
             return None
-        with self.lock:
-            path = checkpoint.save(self.checkpoint_dir, self.version,
-                                   {"algo": self.algo.state_dict(), "config": self.cfg.to_dict()},
-                                   self.cfg.learner.keep_checkpoints)
+        with self.write_lock:
+            with self.lock:  # a copy of the state between two updates; the disk write runs without the lock
+                version, state = self.version, checkpoint.snapshot({"algo": self.algo.state_dict(),
+                                                                    "config": self.cfg.to_dict()})
+            started = time.perf_counter()
+            try:
+                path = checkpoint.save(self.checkpoint_dir, version, state, self.cfg.learner.keep_checkpoints)
+            except OSError as err:  # a full or failing disk must not stop training; the last checkpoint stands
+                self.metrics.inc("learner/checkpoint_errors_total")
+                log.error("checkpoint of version %d to %s failed: %s", version, self.checkpoint_dir, err)
+                return None
         self.metrics.inc("learner/checkpoints_total")
-        log.info("checkpoint %s", path)
+        log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - started)
         return path

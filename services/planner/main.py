@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kuberl.v1 import planner_pb2, planner_pb2_grpc
 from services.common.config import ExperimentConfig, load_config
-from services.common.grpcutil import MiB, start_server
+from services.common.grpcutil import MiB, add_servicer, start_server
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
@@ -77,7 +77,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
     metrics = metrics or Metrics("planner")
     planner = Planner(cfg, backend, metrics, journal=journal)
     servicer = PlannerServicer(planner, metrics)
-    srv = await start_server(listen, lambda s: planner_pb2_grpc.add_PlannerServicer_to_server(servicer, s),
+    srv = await start_server(listen, lambda s: add_servicer(s, planner_pb2_grpc.add_PlannerServicer_to_server, servicer),
                              [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
                              max_message_bytes=4 * MiB)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None

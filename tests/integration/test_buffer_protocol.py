@@ -25,11 +25,26 @@ async def ppo_buffer():
             yield buffer_pb2_grpc.BufferStub(channel)
 
 
+WAIT_S = 60.0  # upper bound for a call or a poll on a loaded machine; nothing asserts on time
+
+
+async def _send(call, messages) -> None:
+    """Write `messages` and half-close. If a write fails because the RPC already ended (grpc.aio
+    raises InvalidStateError, or INTERNAL "Failed execute_batch", or from done_writing an error
+    of a private grpcio type, hence `Exception`), the call's own status, the server's answer, is
+    raised instead: a client learns why from the status, never from the failed write."""
+    try:
+        for m in messages:
+            await call.write(m)
+        await call.done_writing()
+    except Exception:
+        await call  # raises AioRpcError with the status the server sent, if it was not OK
+        raise
+
+
 async def _push(stub, fragments) -> buffer_pb2.PushAck:
-    call = stub.PushTrajectories(timeout=10)
-    for f in fragments:
-        await call.write(f)
-    await call.done_writing()
+    call = stub.PushTrajectories(timeout=WAIT_S)
+    await _send(call, fragments)
     return await call
 
 
@@ -92,15 +107,37 @@ async def test_concurrent_client_is_unaffected_by_a_bad_one(ppo_buffer):
         return await _push(ppo_buffer, [make_fragment(actor_id="good", seq=i) for i in range(20)])
 
     async def bad_client():
-        call = ppo_buffer.PushTrajectories(timeout=10)
-        for i in range(5):
-            await call.write(_bad(MALFORMED["byte length"][0]) if i == 3 else make_fragment(actor_id="bad", seq=i))
-        await call.done_writing()
-        return await call
+        bad = _bad(MALFORMED["byte length"][0])
+        return await _push(ppo_buffer, [bad if i == 3 else make_fragment(actor_id="bad", seq=i) for i in range(5)])
 
     good, bad = await asyncio.gather(good_client(), bad_client(), return_exceptions=True)
-    assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(bad, grpc.aio.AioRpcError), bad
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad.code(), bad.details())
+    assert dict(bad.trailing_metadata())["kuberl-accepted"] == "3"
+    assert not isinstance(good, BaseException), good
     assert good.accepted == 20
+
+
+async def test_a_client_that_writes_after_a_refusal_sees_the_refusal(ppo_buffer):
+    # The buffer has refused message 1 before the client writes more: the status waits for the
+    # client's half-close, so the later writes succeed (they are dropped) and the client gets
+    # INVALID_ARGUMENT with its metadata, never INTERNAL from writing into a closed stream.
+    call = ppo_buffer.PushTrajectories(timeout=WAIT_S)
+    await call.write(make_fragment(seq=0))
+    await call.write(_bad(MALFORMED["byte length"][0]))
+    async with asyncio.timeout(WAIT_S):
+        while (await _stats(ppo_buffer)).get("buffer/fragments_invalid_total") != 1:
+            await asyncio.sleep(0.01)
+    for seq in (2, 3, 4):
+        await call.write(make_fragment(seq=seq))  # no exception: the stream is still open
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "seq 1" in err.value.details()
+    md = dict(err.value.trailing_metadata())
+    assert md["kuberl-rejected-seq"] == "1" and md["kuberl-accepted"] == "1"
+    s = await _stats(ppo_buffer)
+    assert s["buffer/fragments_received_total"] == 1  # what came after the refusal was not stored
 
 
 async def test_oversize_message_is_resource_exhausted():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, TINY_PPO, wait_for, write_config
+from tests.helpers import ROOT, TINY_DQN, TINY_PPO, wait_for, write_config
 
 
 @pytest.mark.parametrize("planner,learners", [(True, 1), (False, 1), (False, 2)],
@@ -54,3 +54,40 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path):
     assert out.returncode == 2
     assert "topology.actors: 0 is invalid" in out.stderr
     assert not any(tmp_path.glob("*/logs"))  # nothing was started
+
+
+def test_a_killed_dqn_buffer_comes_back_with_its_replay_and_the_run_goes_on(tmp_path):
+    """`buffer.checkpoint_dir` asked for: `kuberl up` restarts a SIGKILLed buffer on the same address
+    and it restores the replay from the run directory's last checkpoint."""
+    from bench.chaos import kill_and_wait_back, ready, stats
+    from bench.chaos import wait_for as wait_while_up
+    from kuberl.v1.buffer_pb2_grpc import BufferStub
+    config = write_config(tmp_path / "c.yaml", {**TINY_DQN, "planner": {"enabled": False},
+                                                "buffer": {"checkpoint_dir": "replay", "checkpoint_interval_s": 1},
+                                                "run": {"target_return": None, "poll_interval_s": 0.2}})
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
+                             "--name", "run", "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        old = wait_while_up("buffer-0 serving", lambda: ready(run, "buffer-0"), proc, timeout=120)
+        held = wait_while_up("transitions held", lambda: (s := stats(old["address"], BufferStub)).get(
+            "buffer/size_samples", 0) > 0 and s, proc, timeout=120)
+        wait_while_up("a checkpoint taken after that", lambda: stats(old["address"], BufferStub).get(
+            "buffer/checkpoints_total", 0) >= held["buffer/checkpoints_total"] + 2, proc, timeout=120)
+        new = kill_and_wait_back(run, "buffer-0", proc)
+        assert new["address"] == old["address"]
+        restored = stats(new["address"], BufferStub)
+        assert restored["buffer/checkpoint_restored_samples"] > 0 and restored["buffer/size_samples"] > 0
+        wait_while_up("the restarted buffer receiving again", lambda: stats(new["address"], BufferStub).get(
+            "buffer/fragments_received_total", 0) > 0, proc, timeout=120)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "buffer-0 exited with code -9 (SIGKILL); restarting it in 1 s" in out
+    assert list((run / "replay").glob("*.npz"))
+    assert json.loads((run / "summary.json").read_text())["exit_codes"]["buffer-0"] == 0

@@ -47,11 +47,11 @@ def fragment_arrays(T: int = 3, N: int = 2, obs_shape: tuple[int, ...] = (3,), *
 
 def make_msg(T: int = 3, N: int = 2, obs_shape: tuple[int, ...] = (3,), *, algorithm: int = PPO,
              actor_id: str = "actor-0", seq: int = 0, policy_version: int = 0, base: int = 0,
-             terminated=None, truncated=None, obs_dtype=np.float32) -> pb.TrajectoryFragment:
+             terminated=None, truncated=None, obs_dtype=np.float32, incarnation: int = 0) -> pb.TrajectoryFragment:
     arrays = fragment_arrays(T, N, obs_shape, base=base, terminated=terminated, truncated=truncated,
                              obs_dtype=obs_dtype, with_logprob=algorithm == PPO)
     return build_fragment(actor_id=actor_id, seq=seq, policy_version=policy_version, algorithm=algorithm,
-                          env_ids=range(N), **arrays)
+                          env_ids=range(N), incarnation=incarnation, **arrays)
 
 
 def make_fragment(*args, **kwargs) -> Fragment:

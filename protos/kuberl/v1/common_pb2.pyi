@@ -50,13 +50,14 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TrajectoryFragment(_message.Message):
-    __slots__ = ("actor_id", "seq", "policy_version", "algorithm", "env_ids", "num_steps", "obs", "actions", "rewards", "terminated", "truncated", "final_obs", "final_index", "behaviour_logprob", "created_unix_s")
+    __slots__ = ("actor_id", "seq", "policy_version", "algorithm", "env_ids", "num_steps", "incarnation", "obs", "actions", "rewards", "terminated", "truncated", "final_obs", "final_index", "behaviour_logprob", "created_unix_s")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     ENV_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     OBS_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +73,7 @@ class TrajectoryFragment(_message.Message):
     algorithm: Algorithm
     env_ids: _containers.RepeatedScalarFieldContainer[int]
     num_steps: int
+    incarnation: int
     obs: Tensor
     actions: Tensor
     rewards: Tensor
@@ -81,7 +83,7 @@ class TrajectoryFragment(_message.Message):
     final_index: Tensor
     behaviour_logprob: Tensor
     created_unix_s: float
-    def __init__(self, actor_id: _Optional[str] = ..., seq: _Optional[int] = ..., policy_version: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., env_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., truncated: _Optional[_Union[Tensor, _Mapping]] = ..., final_obs: _Optional[_Union[Tensor, _Mapping]] = ..., final_index: _Optional[_Union[Tensor, _Mapping]] = ..., behaviour_logprob: _Optional[_Union[Tensor, _Mapping]] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, actor_id: _Optional[str] = ..., seq: _Optional[int] = ..., policy_version: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., env_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., incarnation: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., truncated: _Optional[_Union[Tensor, _Mapping]] = ..., final_obs: _Optional[_Union[Tensor, _Mapping]] = ..., final_index: _Optional[_Union[Tensor, _Mapping]] = ..., behaviour_logprob: _Optional[_Union[Tensor, _Mapping]] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class TransitionBatch(_message.Message):
     __slots__ = ("obs", "actions", "rewards", "next_obs", "terminated", "policy_version")
@@ -166,13 +168,15 @@ class Episode(_message.Message):
     def __init__(self, index: _Optional[int] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., actor_env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., end_unix_s: _Optional[float] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ("episodes_after",)
+    __slots__ = ("episodes_after", "max_episodes")
     EPISODES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPISODES_FIELD_NUMBER: _ClassVar[int]
     episodes_after: int
-    def __init__(self, episodes_after: _Optional[int] = ...) -> None: ...
+    max_episodes: int
+    def __init__(self, episodes_after: _Optional[int] = ..., max_episodes: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("role", "instance_id", "heartbeat_unix_s", "uptime_s", "metrics", "episodes")
+    __slots__ = ("role", "instance_id", "heartbeat_unix_s", "uptime_s", "metrics", "episodes", "episodes_remaining", "episodes_skipped", "oldest_episode_index", "process_start_unix_s")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,10 +190,18 @@ class GetStatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_EPISODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_START_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     role: str
     instance_id: str
     heartbeat_unix_s: float
     uptime_s: float
     metrics: _containers.ScalarMap[str, float]
     episodes: _containers.RepeatedCompositeFieldContainer[Episode]
-    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., heartbeat_unix_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., episodes: _Optional[_Iterable[_Union[Episode, _Mapping]]] = ...) -> None: ...
+    episodes_remaining: int
+    episodes_skipped: int
+    oldest_episode_index: int
+    process_start_unix_s: float
+    def __init__(self, role: _Optional[str] = ..., instance_id: _Optional[str] = ..., heartbeat_unix_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., episodes: _Optional[_Iterable[_Union[Episode, _Mapping]]] = ..., episodes_remaining: _Optional[int] = ..., episodes_skipped: _Optional[int] = ..., oldest_episode_index: _Optional[int] = ..., process_start_unix_s: _Optional[float] = ...) -> None: ...

@@ -7,7 +7,7 @@ import pytest
 
 from kuberl.v1 import common_pb2 as pb
 from services.common.fragments import batch_samples
-from services.buffer.store import SEQ_WINDOW, Outcome, SeqWindow, Store
+from services.buffer.store import MAX_INCARNATIONS_PER_ACTOR, SEQ_WINDOW, Outcome, SeqWindow, Store
 from services.common.config import config_from_dict
 from services.common.stats import Metrics
 from services.common.tensors import TensorError, decode
@@ -52,40 +52,40 @@ def transitions(batch: pb.TrainingBatch) -> dict[str, np.ndarray]:
 def test_seq_window_exact_within_window():
     w = SeqWindow()
     assert w.high == -1
-    assert not w.seen(0)
+    assert w.outcome(0) is Outcome.ACCEPTED
     for seq in (5, 3, 9):
         w.add(seq)
     assert w.high == 9
-    assert [s for s in range(12) if w.seen(s)] == [3, 5, 9]
+    assert [s for s in range(12) if w.outcome(s) is Outcome.DUPLICATE] == [3, 5, 9]
 
 
-def test_seq_window_treats_seqs_far_below_high_water_as_seen():
+def test_seq_window_refuses_seqs_far_below_high_water_as_too_old():
     w = SeqWindow()
     high = 3 * SEQ_WINDOW
     w.add(high)
-    assert w.seen(high - SEQ_WINDOW)
-    assert w.seen(0)
-    assert not w.seen(high - SEQ_WINDOW + 1)
-    assert not w.seen(high - 1)
+    assert w.outcome(high - SEQ_WINDOW) is Outcome.TOO_OLD
+    assert w.outcome(0) is Outcome.TOO_OLD
+    assert w.outcome(high - SEQ_WINDOW + 1) is Outcome.ACCEPTED
+    assert w.outcome(high - 1) is Outcome.ACCEPTED
 
 
 def test_seq_window_pruning_keeps_answers_consistent():
     w = SeqWindow()
     for seq in range(2 * SEQ_WINDOW + 10):
         w.add(seq)
-    assert all(w.seen(s) for s in range(2 * SEQ_WINDOW + 10))
-    assert not w.seen(2 * SEQ_WINDOW + 10)
+    assert all(w.outcome(s) is not Outcome.ACCEPTED for s in range(2 * SEQ_WINDOW + 10))
+    assert w.outcome(2 * SEQ_WINDOW + 10) is Outcome.ACCEPTED
 
 
 # --- insert / dedupe ----------------------------------------------------------------------------
 
 def test_new_store_reports_zero_counters():
     store = dqn_store()
-    for name in ("fragments_duplicate_total", "fragments_invalid_total", "fragments_evicted_total",
-                 "samples_lost_in_transit_total"):
+    for name in ("fragments_duplicate_total", "fragments_too_old_total", "fragments_invalid_total",
+                 "fragments_evicted_total", "samples_lost_in_transit_total", "dedupe_windows_forgotten_total"):
         assert store.metrics.snapshot()[f"buffer/{name}"] == 0.0
     assert store.size == 0
-    assert store.high_water("actor-0") is None
+    assert store.high_water("actor-0", 0) is None
 
 
 def test_accepted_fragment_is_counted():
@@ -117,24 +117,72 @@ def test_same_seq_from_different_actors_is_stored_for_both():
     assert counter(store, "fragments_duplicate_total") == 0
 
 
-def test_seq_far_below_high_water_counts_as_duplicate():
+def test_seq_far_below_high_water_is_refused_as_too_old_never_called_a_duplicate():
     store = dqn_store()
     store.insert(dqn_msg(SEQ_WINDOW + 5))
-    assert store.insert(dqn_msg(3)) is Outcome.DUPLICATE
+    assert store.insert(dqn_msg(3)) is Outcome.TOO_OLD
     assert store.insert(dqn_msg(SEQ_WINDOW)) is Outcome.ACCEPTED  # still inside the exact window
-    assert counter(store, "fragments_duplicate_total") == 1
+    assert counter(store, "fragments_too_old_total") == 1
+    assert counter(store, "fragments_duplicate_total") == 0
+    assert store.size == 2 * T * N
+
+
+@pytest.mark.parametrize("make_store,make", [(dqn_store, dqn_msg), (ppo_store, ppo_msg)])
+def test_a_restarted_actor_under_the_same_id_is_stored_not_taken_for_duplicates(make_store, make):
+    """kill -9 of an actor: its successor keeps the actor id, starts seq at 0 with a new incarnation."""
+    store = make_store()
+    for seq in range(5):
+        assert store.insert(make(seq, incarnation=111)) is Outcome.ACCEPTED
+    for seq in range(3):  # the new process
+        assert store.insert(make(seq, incarnation=222)) is Outcome.ACCEPTED
+    assert store.insert(make(1, incarnation=222)) is Outcome.DUPLICATE  # its own re-send still dedupes
+    assert store.insert(make(4, incarnation=111)) is Outcome.DUPLICATE  # and so does the old one's
+    assert store.inserted_samples == 8 * T * N
+    assert counter(store, "fragments_received_total") == 8
+    assert counter(store, "fragments_duplicate_total") == 2
+    assert store.high_water("actor-0", 111) == 4
+    assert store.high_water("actor-0", 222) == 2
+    assert store.high_water("actor-0", 333) is None
+
+
+def test_old_incarnations_are_forgotten_beyond_the_bound_and_counted():
+    store = ppo_store()
+    for inc in range(1, MAX_INCARNATIONS_PER_ACTOR + 2):
+        store.insert(ppo_msg(0, incarnation=inc))
+    assert store.high_water("actor-0", 1) is None  # the oldest window went
+    assert all(store.high_water("actor-0", inc) == 0 for inc in range(2, MAX_INCARNATIONS_PER_ACTOR + 2))
+    assert counter(store, "dedupe_windows_forgotten_total") == 1
+    assert store.metrics.snapshot()["buffer/actors_known"] == 1
+
+
+def test_dedupe_state_round_trips_into_a_new_store():
+    store = ppo_store()
+    for seq in (0, 1, 5):
+        store.insert(ppo_msg(seq, actor_id="a", incarnation=7))
+    store.insert(ppo_msg(0, actor_id="b", incarnation=2**64 - 1))
+    state = store.dedupe_state()
+    assert all(arr.dtype != object for arr in state.values())  # saved without pickle
+    fresh = ppo_store()
+    fresh.restore_dedupe_state(state)
+    assert [fresh.insert(ppo_msg(s, actor_id="a", incarnation=7)) for s in (0, 1, 2, 5)] == [
+        Outcome.DUPLICATE, Outcome.DUPLICATE, Outcome.ACCEPTED, Outcome.DUPLICATE]
+    assert fresh.insert(ppo_msg(0, actor_id="b", incarnation=2**64 - 1)) is Outcome.DUPLICATE
+    assert fresh.high_water("a", 7) == 5
+    bad = dict(state, recent=state["recent"][:-1])
+    with pytest.raises(ValueError, match="lengths disagree"):
+        fresh.restore_dedupe_state(bad)
 
 
 def test_high_water_reports_highest_seq():
     store = ppo_store()
-    assert store.high_water("a") is None
+    assert store.high_water("a", 0) is None
     for seq in (3, 1, 7, 5):
         store.insert(ppo_msg(seq, actor_id="a"))
     store.insert(ppo_msg(7, actor_id="a"))  # duplicate
-    assert store.high_water("a") == 7
-    assert store.high_water("b") is None
+    assert store.high_water("a", 0) == 7
+    assert store.high_water("b", 0) is None
     store.insert(ppo_msg(0, actor_id="b"))
-    assert store.high_water("b") == 0
+    assert store.high_water("b", 0) == 0
 
 
 def test_fragment_for_other_algorithm_is_refused():
@@ -143,7 +191,7 @@ def test_fragment_for_other_algorithm_is_refused():
         store.insert(ppo_msg(0))
     assert e.value.field == "algorithm"
     assert store.size == 0
-    assert store.high_water("actor-0") is None
+    assert store.high_water("actor-0", 0) is None
     assert counter(store, "fragments_received_total") == 0
 
 
@@ -154,7 +202,7 @@ def test_refused_fragment_stores_nothing_and_its_seq_stays_free():
         store.insert(make_msg(T, N, obs_shape=(5,), algorithm=DQN, seq=1))
     assert e.value.field == "obs"
     assert store.size == T * N
-    assert store.high_water("actor-0") == 0
+    assert store.high_water("actor-0", 0) == 0
     assert store.insert(dqn_msg(1)) is Outcome.ACCEPTED
 
 

@@ -19,7 +19,7 @@ def kwargs(algorithm=PPO, **over):
     arrays = fragment_arrays(T, N, (2, 5), terminated=[(1, 0)], truncated=[(3, 2)], obs_dtype=np.uint8,
                              with_logprob=algorithm == PPO)
     return {"actor_id": "actor-ü", "seq": 300, "policy_version": 2**40, "algorithm": algorithm,
-            "env_ids": [0, 7, 129], **arrays, **over}
+            "incarnation": 2**64 - 3, "env_ids": [0, 7, 129], **arrays, **over}
 
 
 @pytest.mark.parametrize("algorithm", [PPO, DQN])
@@ -34,7 +34,7 @@ def test_encode_fragment_is_byte_identical_to_the_protobuf_runtime(algorithm):
 def test_defaults_and_layouts_encode_identically():
     # seq 0 and version 0 are left out by proto3; a strided (non-contiguous) obs is copied to C order;
     # float64 rewards are converted as build_fragment converts them.
-    kw = kwargs(seq=0, policy_version=0)
+    kw = kwargs(seq=0, policy_version=0, incarnation=0)
     kw["obs"] = np.asfortranarray(kw["obs"])
     kw["rewards"] = kw["rewards"].astype(np.float64)
     msg = build_fragment(**kw)
@@ -49,6 +49,7 @@ def test_raw_fragment_decodes_as_the_message_does_and_shares_its_bytes():
     raw = RawFragment(data)
     assert raw.error is None
     assert (raw.actor_id, raw.seq, raw.policy_version, raw.env_ids) == ("actor-ü", 300, 2**40, [0, 7, 129])
+    assert raw.incarnation == 2**64 - 3
     assert raw.created_unix_s == msg.created_unix_s
     a, b = decode_fragment(raw, algorithm=PPO), decode_fragment(msg, algorithm=PPO)
     for name in ("obs", "actions", "rewards", "terminated", "truncated", "final_obs", "final_index",

@@ -1,0 +1,133 @@
+"""Delivery between an actor's Pusher (services/actor/push.py) and a real buffer: what the actor counts
+as acknowledged is what the buffer stored, through a re-send, a refusal, an actor restarted under the
+same id, and a buffer killed with SIGKILL before it acknowledged anything."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from kuberl.v1 import buffer_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+from services.actor.push import Pusher
+from services.buffer import main as buffer_main
+from services.common.config import config_from_dict
+from services.common.fragments import EncodedFragment, new_incarnation
+from services.common.procs import free_port
+from services.common.stats import Metrics
+from tests.helpers import TINY_PPO, Service, write_config
+from tests.unit.fragment_factory import make_msg
+
+WAIT_S = 60.0  # generous bounds for a busy machine; nothing below asserts on time
+
+
+def frag(seq: int, incarnation: int, actor_id: str = "actor-0", **kw) -> EncodedFragment:
+    return EncodedFragment.of(make_msg(actor_id=actor_id, seq=seq, base=seq, incarnation=incarnation, **kw))
+
+
+async def stats(channel: grpc.aio.Channel) -> dict[str, float]:
+    stub = buffer_pb2_grpc.BufferStub(channel)
+    return dict((await stub.GetStats(pb.GetStatsRequest(), timeout=5)).metrics)
+
+
+async def deliver(channel: grpc.aio.Channel, fragments, *, unacked=()) -> Metrics:
+    """Push `fragments` through a fresh Pusher (with `unacked` as if a broken stream left them
+    unacknowledged) until all are acknowledged; returns the pusher's metrics."""
+    metrics = Metrics("actor")
+    pusher = Pusher(channel, capacity=64, ack_interval_s=0.05, metrics=metrics)
+    for m in unacked:
+        pusher.unacked.append(m)
+        pusher.unacked_bytes += len(m.payload)
+    for m in fragments:
+        pusher.enqueue(m)
+    stopping = asyncio.Event()
+    stopping.set()
+    await asyncio.wait_for(pusher.run(stopping), WAIT_S)
+    assert pusher.pending == 0
+    return metrics
+
+
+@pytest.fixture
+async def buffer_channel():
+    async with buffer_main.serving(config_from_dict(TINY_PPO), listen="127.0.0.1:0") as endpoints:
+        async with grpc.aio.insecure_channel(endpoints.grpc) as channel:
+            yield channel
+
+
+async def test_a_restarted_actor_under_the_same_id_has_every_acknowledged_fragment_stored(buffer_channel):
+    first, second = new_incarnation(), new_incarnation()
+    assert first != second
+    first = await deliver(buffer_channel, [frag(s, incarnation=first) for s in range(5)])
+    second = await deliver(buffer_channel, [frag(s, incarnation=second) for s in range(5)])  # seq from 0 again
+    assert first.counters["actor/fragments_acked_total"] == second.counters["actor/fragments_acked_total"] == 5
+    s = await stats(buffer_channel)
+    assert s["buffer/fragments_received_total"] == 10   # acknowledged = stored, for both processes
+    assert s["buffer/fragments_duplicate_total"] == 0
+
+
+async def test_a_resend_of_the_same_incarnation_is_stored_once_and_then_forgotten(buffer_channel):
+    await deliver(buffer_channel, [frag(s, incarnation=5) for s in range(5)])
+    # The same process after a broken stream: 0..4 were stored but never acknowledged to it.
+    metrics = await deliver(buffer_channel, [frag(s, incarnation=5) for s in (5, 6)],
+                            unacked=[frag(s, incarnation=5) for s in range(5)])
+    assert metrics.counters["actor/fragments_resent_total"] == 5
+    assert metrics.counters["actor/fragments_acked_total"] == 7
+    s = await stats(buffer_channel)
+    assert (s["buffer/fragments_received_total"], s["buffer/fragments_duplicate_total"]) == (7, 5)
+
+
+async def test_a_refused_fragment_is_counted_and_the_rest_are_stored(buffer_channel):
+    good = [frag(s, incarnation=9) for s in range(6) if s != 3]
+    bad = frag(3, incarnation=9, obs_shape=(3,), policy_version=0)
+    bad = EncodedFragment(3, bad.samples, bad.payload[:-40] + b"\xff" * 40)  # corrupt tail: unparseable
+    metrics = await deliver(buffer_channel, good[:3] + [bad] + good[3:])
+    assert metrics.counters["actor/fragments_rejected_total"] == 1
+    assert metrics.counters["actor/fragments_acked_total"] == 5
+    s = await stats(buffer_channel)
+    assert s["buffer/fragments_received_total"] == 5
+    assert s["buffer/fragments_invalid_total"] == 1
+
+
+async def test_fragments_a_killed_buffer_never_acknowledged_are_resent_to_its_successor(tmp_path):
+    config = write_config(tmp_path / "exp.yaml", TINY_PPO)
+    address = f"127.0.0.1:{free_port()}"
+    old = Service("buffer", tmp_path, config, listen=address)
+    new = None
+    old.wait_ready()
+    metrics = Metrics("actor")
+    # A long ack interval: the stream stays open, so nothing is acknowledged before the kill.
+    channel = grpc.aio.insecure_channel(address)
+    pusher = Pusher(channel, capacity=64, ack_interval_s=3600.0, metrics=metrics)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(pusher.run(stopping), name="push")
+    try:
+        for s in range(10):
+            pusher.enqueue(frag(s, incarnation=77))
+        async with grpc.aio.insecure_channel(address) as ch:
+            async with asyncio.timeout(WAIT_S):
+                while (await stats(ch)).get("buffer/fragments_received_total") != 10:
+                    await asyncio.sleep(0.05)
+        old.popen.send_signal(signal.SIGKILL)
+        old.popen.wait(WAIT_S)
+        assert pusher.pending == 10 and metrics.counters["actor/fragments_acked_total"] == 0
+        new = Service("buffer", tmp_path, config, listen=address)
+        new.wait_ready()
+        stopping.set()  # end the stream as soon as the re-send is written, and take the ack
+        await asyncio.wait_for(task, WAIT_S)
+        async with grpc.aio.insecure_channel(address) as ch:
+            s = await stats(ch)
+        assert s["buffer/fragments_received_total"] == 10
+        assert metrics.counters["actor/fragments_acked_total"] == 10
+        assert metrics.counters["actor/fragments_resent_total"] >= 10
+        assert pusher.pending == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        for svc in (old, new):
+            if svc is not None and svc.popen.poll() is None:
+                svc.popen.kill()
+                svc.popen.wait()

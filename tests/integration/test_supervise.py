@@ -1,0 +1,89 @@
+"""services/common/supervise.py with real service processes: a SIGKILLed process is started again
+on the same address after its backoff, one that cannot start is reported with its log, and one that
+must not be restarted is only reported. Times are passed explicitly (`check(now)`), never slept on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import grpc
+
+from kuberl.v1 import buffer_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+from services.common.procs import free_port
+from services.common.supervise import RESTART_BACKOFF_S, Spec, Supervisor, format_event
+from tests.helpers import TINY_PPO, write_config
+
+WAIT_S = 120.0
+
+
+def wait_ready(sup: Supervisor, name: str) -> str:
+    deadline = time.monotonic() + WAIT_S
+    while not sup.procs[name].poll_ready():
+        assert sup.procs[name].alive, sup.procs[name].log_tail()
+        assert time.monotonic() < deadline, f"{name} not serving after {WAIT_S} s"
+        time.sleep(0.05)
+    return sup.procs[name].address
+
+
+def wait_dead(sup: Supervisor, name: str) -> None:
+    sup.procs[name].popen.wait(WAIT_S)
+
+
+def events(sup: Supervisor) -> list[dict]:
+    return [json.loads(line) for line in sup.events_path.read_text().splitlines()]
+
+
+def test_a_killed_process_comes_back_on_the_same_address_after_its_backoff(tmp_path):
+    sup = Supervisor(tmp_path, write_config(tmp_path / "exp.yaml", TINY_PPO))
+    address = f"127.0.0.1:{free_port()}"
+    sup.start(Spec("buffer", "buffer-0", address))
+    try:
+        assert wait_ready(sup, "buffer-0") == address
+        first = sup.procs["buffer-0"]
+        os.kill(first.popen.pid, signal.SIGKILL)
+        wait_dead(sup, "buffer-0")
+        now = time.monotonic()
+        died = sup.check(now)
+        assert [p.name for p in died] == ["buffer-0"] and sup.exit_codes["buffer-0"] == -signal.SIGKILL
+        assert sup.check(now + RESTART_BACKOFF_S[0] / 2) == [] and sup.procs["buffer-0"] is first  # backing off
+        sup.check(now + RESTART_BACKOFF_S[0] + 0.01)
+        assert sup.procs["buffer-0"] is not first and sup.restarts["buffer-0"] == 1
+        assert wait_ready(sup, "buffer-0") == address
+        with grpc.insecure_channel(address) as ch:
+            assert buffer_pb2_grpc.BufferStub(ch).GetStats(pb.GetStatsRequest(), timeout=10).role == "buffer"
+        kinds = [(e["name"], e["event"]) for e in events(sup)]
+        assert kinds == [("buffer-0", "exited"), ("buffer-0", "restarted")]
+        assert format_event(events(sup)[0]) == "buffer-0 exited with code -9 (SIGKILL); restarting it in 1 s"
+    finally:
+        sup.stop(["buffer-0"], 30.0)
+    assert sup.exit_codes["buffer-0"] == 0 and "buffer-0" not in sup.procs  # a stop is never restarted
+
+
+def test_a_process_that_cannot_start_is_reported_with_its_log_and_a_no_restart_one_only_reported(tmp_path):
+    sup = Supervisor(tmp_path, write_config(tmp_path / "exp.yaml", TINY_PPO))
+    address = f"127.0.0.1:{free_port()}"
+    sup.start(Spec("buffer", "buffer-0", address))
+    try:
+        wait_ready(sup, "buffer-0")
+        sup.start(Spec("buffer", "buffer-1", address))             # the port is taken: it cannot bind
+        sup.start(Spec("buffer", "buffer-2", address, restart=False))
+        wait_dead(sup, "buffer-1")
+        wait_dead(sup, "buffer-2")
+        now = time.monotonic()
+        assert sorted(p.name for p in sup.check(now)) == ["buffer-1", "buffer-2"]
+        by_name = {e["name"]: e for e in events(sup)}
+        assert by_name["buffer-1"]["code"] not in (0, None) and "restart_in_s" in by_name["buffer-1"]
+        assert "restart_in_s" not in by_name["buffer-2"]
+        shown = format_event(by_name["buffer-1"])
+        assert shown.startswith("buffer-1 exited with code") and "\n    " in shown  # with its last log lines
+        sup.check(now + 60.0)
+        assert sup.restarts.get("buffer-1") == 1 and "buffer-2" not in sup.specs  # only the first is retried
+    finally:
+        sup.stop(list(sup.specs), 30.0)
+        for p in sup.procs.values():
+            if p.alive:
+                p.popen.kill()
