@@ -26,7 +26,7 @@ run: $(STAMP_RUN)
 
 # tests/k8s/provision.sh fetches and caches a real kube-apiserver, etcd and Helm (a cold build takes
 # about 12 minutes once per machine); where they cannot be had, the tests that need them skip and say why.
-# The whole suite takes about 10 minutes on 2 cores. TEST_DEADLINE_S bounds it: a run that hangs (a
+# The whole suite takes about 15 minutes on 2 cores (README.md). TEST_DEADLINE_S bounds it: a run that hangs (a
 # gRPC object left alive can deadlock pytest's final garbage collection) fails instead of eating CI's time.
 TEST_DEADLINE_S ?= 3000
 test: $(STAMP_DEV)

@@ -5,7 +5,8 @@ and stores nothing of it; `next_batch` returns None when it cannot cut a batch y
 (`warming up`, `paced`, `empty`). Every sample accepted is either stored, served, or counted as
 evicted or dropped (with its reason): none disappears silently.
 
-Staleness (DESIGN.md section 4) is measured against the newest policy version the learners report:
+Staleness (docs/architecture.md section 4) is measured against the newest policy version the
+learners report:
 - PPO: fragments more than `ppo.max_policy_lag` versions behind are dropped before serving
   (`buffer/fragments_dropped_stale_total`), unless `ppo.stale_fragments` is "correct".
 - DQN: the paper's P = B_s / N_s (batch size over replay size) and the replay ratio (samples

@@ -128,8 +128,8 @@ class PPOConfig:
     max_grad_norm: float = 0.5
     norm_adv: bool = True
     hidden_sizes: tuple[int, ...] = (64, 64)
-    # Staleness bound (DESIGN.md section 4): a fragment whose policy_version is more than this many
-    # learner updates (batches) behind when it is consumed is stale. None = no bound.
+    # Staleness bound (docs/architecture.md section 4): a fragment whose policy_version is more than
+    # this many learner updates (batches) behind when it is consumed is stale. None = no bound.
     max_policy_lag: int | None = 8
     # What happens to stale fragments: "correct" (trained on with V-trace targets and truncated
     # importance weights, Espeholt et al. 2018) or "drop" (counted, never trained on). docs/staleness.md

@@ -1,4 +1,5 @@
-"""The planner: reads every service's rates and rewrites replica counts (DESIGN.md section 4)."""
+"""The planner: reads every service's rates and rewrites replica counts (docs/architecture.md
+section 4)."""
 
 import os
 

@@ -1,8 +1,8 @@
 """The planner core: measure per-replica rates, decide, apply through a backend, record every decision.
 
-Rates (DESIGN.md section 4): TR_A, an actor's env steps per second (`actor/env_steps_total` over wall
-time), and TR_L, what a learner can consume when it never waits for data: `learner/samples_total` over
-wall time minus `learner/starved_seconds_total` (so publishing weights and sharing the CPU count
+Rates (docs/architecture.md section 4): TR_A, an actor's env steps per second
+(`actor/env_steps_total` over wall time), and TR_L, what a learner can consume when it never waits
+for data: `learner/samples_total` over wall time minus `learner/starved_seconds_total` (so publishing weights and sharing the CPU count
 against it, waiting for batches does not). Both are EWMAs per replica, counted only after the
 replica has reported for `warmup_s`; the role's rate is the mean over its warmed-up, fresh replicas.
 """

@@ -1,8 +1,8 @@
 """The planner's decision: a pure function of measured rates, current replicas and policy. No I/O.
 
-Balance (DESIGN.md section 4, TianJi eqs. 2-4): an actor produces `a` samples/s, a learner can consume
-`l` samples/s when it never waits, and the algorithm wants each produced sample consumed `R` times
-(DQN: the replay ratio; PPO: 1). With n_A actors and n_L learners the run moves
+Balance (docs/architecture.md section 4, TianJi eqs. 2-4): an actor produces `a` samples/s, a learner
+can consume `l` samples/s when it never waits, and the algorithm wants each produced sample consumed
+`R` times (DQN: the replay ratio; PPO: 1). With n_A actors and n_L learners the run moves
 
     min(n_A * a, n_L * l / R)   fresh samples per second,
 
@@ -196,7 +196,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
 
     in_band = abs(ratio - 1.0) <= policy.tolerance
     # More actors mean older samples when the learners cannot keep their lag down: the staleness target
-    # (DESIGN section 4) holds actor scale-ups while the measured lag is above it.
+    # (docs/architecture.md section 4) holds actor scale-ups while the measured lag is above it.
     lag_over = (policy.max_policy_lag > 0 and inp.policy_lag is not None and inp.policy_lag > policy.max_policy_lag)
     targets = dict(current)
     notes: list[str] = []

@@ -6,7 +6,8 @@ parser; ports, probe ports and probe health-service names are the services' own;
 through headless Services that exist and select the right pods; grace periods outlast each role's
 shutdown deadline; the config in the ConfigMap loads with the strict loader and names the objects the
 planner scales; the planner's Role grants exactly services/planner/rbac.py RULES; the NetworkPolicies
-allow exactly the flows in DESIGN.md; and the Dockerfiles and `make images` agree with all of it.
+allow exactly the flows in docs/architecture.md (section 6); and the Dockerfiles and `make images`
+agree with all of it.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def test_every_role_has_a_disruption_budget(render):
     assert covered == sorted(ROLES)
 
 
-# ---- NetworkPolicy: evaluate the policies and compare with the flows in DESIGN.md ----------------------------
+# ---- NetworkPolicy: evaluate the policies and compare with the flows in docs/architecture.md section 6 ----
 # Entities: the four roles (namespace "app"), another pod in that namespace, Prometheus (namespace
 # "monitoring"), cluster DNS, an external simulator and the kube-apiserver (outside the pod network).
 OTHERS = {
@@ -293,8 +294,8 @@ def test_network_policies_allow_exactly_the_design_flows(render):
     flows = {(s, d, port) for s, src in entities.items() for d, dst in entities.items()
              if s != d and (s in ws or d in ws) for port in dst["ports"]
              if _allowed(policies, src, "egress", dst, dst, port) and _allowed(policies, dst, "ingress", src, dst, port)}
-    assert flows == EXPECTED_FLOWS, (f"allowed but not in DESIGN.md: {sorted(flows - EXPECTED_FLOWS)}; "
-                                     f"in DESIGN.md but blocked: {sorted(EXPECTED_FLOWS - flows)}")
+    assert flows == EXPECTED_FLOWS, (f"allowed but not in docs/architecture.md: {sorted(flows - EXPECTED_FLOWS)}; "
+                                     f"in docs/architecture.md but blocked: {sorted(EXPECTED_FLOWS - flows)}")
 
 
 # ---- Dockerfiles and `make images` ---------------------------------------------------------------------------
