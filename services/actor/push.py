@@ -149,6 +149,7 @@ class Pusher:
             self.metrics.inc("actor/bytes_pushed_total", len(msg.payload))
         await call.done_writing()
         ack = await call
+        self._written = []  # acknowledged: nothing of it is needed again
         if ack.HasField("high_water_seq"):
             self._forget_through(ack.high_water_seq)
         self.metrics.set("actor/push_queue_fragments", len(self.queue))

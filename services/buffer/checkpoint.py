@@ -268,7 +268,7 @@ class BufferCheckpointer:
         snapshot = await take_snapshot(self.store, self.cfg)
         try:
             path = await asyncio.to_thread(_write_and_release, self.directory, snapshot, self.keep)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - a failed save must never take the buffer down
             self.metrics.inc("buffer/checkpoint_errors_total")
             log.error("buffer checkpoint to %s failed: %s; the previous one stands", self.directory, err)
             return None
@@ -289,6 +289,7 @@ class BufferCheckpointer:
                 await asyncio.wait_for(stop.wait(), self.interval_s)
             except TimeoutError:
                 pass
-            await self.save()
-            if stop.is_set():
+            final = stop.is_set()  # decided before saving: a save begun before the stop must be followed
+            await self.save()      # by one that holds what was stored meanwhile
+            if final:
                 return

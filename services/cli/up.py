@@ -29,7 +29,7 @@ from kuberl.v1 import planner_pb2 as ppb
 from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
 from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
 from services.common.procs import ServiceProcess, free_port
-from services.common.supervise import Spec, Supervisor, actor_args, buffer_args, format_event, learner_args
+from services.common.supervise import MAX_FAILURES, Spec, Supervisor, actor_args, buffer_args, format_event, learner_args
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
@@ -185,6 +185,8 @@ class LocalRun:
     def _sync_planned(self) -> None:
         """Follow the replicas the planner runs: add new ones, retire the ones it stopped."""
         planner = self._role("planner")[0]
+        if planner.stub is None:  # restarted, not serving yet
+            return
         try:
             status = planner.stub.GetStatus(ppb.GetStatusRequest(), timeout=5.0)
         except grpc.RpcError as err:
@@ -301,9 +303,12 @@ class LocalRun:
         print(line, flush=True)
 
     def _final_stats(self, role: str) -> None:
+        """Read `role`'s counters once more, into the run totals too (they are final now)."""
         for m in self._role(role):
             try:
-                m.stats = dict(m.stub.GetStats(pb.GetStatsRequest(), timeout=5.0).metrics)
+                resp = m.stub.GetStats(pb.GetStatsRequest(episodes_after=self.tally.cursor(m.name)), timeout=5.0)
+                m.stats = dict(resp.metrics)
+                self.tally.observe_response(m.name, resp)
             except (grpc.RpcError, AttributeError) as err:  # AttributeError: never connected
                 log.warning("final stats of %s could not be read: %s", m.name, err)
 
@@ -313,14 +318,20 @@ class LocalRun:
         died = self.sup.check()
         for m in self.members:
             if m.proc is not None and (proc := self.sup.procs.get(m.name)) is not None and proc is not m.proc:
-                m.proc = proc  # restarted: same address, a new process
+                m.proc = proc  # restarted: a new process (on port 0 a new address: connect again once it serves)
+                if m.channel is not None:
+                    m.channel.close()
+                m.channel, m.stub, m.address = None, None, ""
             if m.proc is not None and m.channel is None and m.proc.poll_ready():
                 m.connect(m.proc.address)
         self.print_events()
         for p in died:
-            if p.name not in self.sup.specs:  # not to be restarted
-                raise RuntimeError(f"{p.name} of a fixed learner group of {self.cfg.topology.learners} exited with "
-                                   f"code {p.popen.returncode}; a group is re-formed only with planner.enabled")
+            if p.name not in self.sup.specs:  # not to be restarted: the run cannot go on
+                why = (f"it failed to start {MAX_FAILURES} times in a row" if self.sup.failures.get(p.name, 0)
+                       >= MAX_FAILURES else f"a fixed learner group of {self.cfg.topology.learners} is re-formed "
+                       "only with planner.enabled")
+                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode} and is not restarted: {why}; "
+                                   f"see {p.log_path}")
 
     def print_events(self) -> None:
         """Print the events.jsonl records not printed yet (from this supervisor and the planner's)."""

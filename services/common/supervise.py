@@ -5,7 +5,9 @@ happens when a process dies on its own: its exit code and last log lines are rec
 appended to `<run_dir>/events.jsonl` (which `kuberl up` prints as it happens), and it is started
 again with the same command line after a backoff (1, 2, 5, 10, 30 s; reset once it has run for
 STABLE_S), like a Deployment's pod. The same listen address is reused, so peers that reconnect with
-backoff find it again. A process that is stopped on purpose (`stop`, `forget`) is never restarted.
+backoff find it again. One that fails MAX_FAILURES times in a row without running STABLE_S (a bad flag,
+a port another program holds) is given up on, and the event says so. A process that is stopped on
+purpose (`stop`, `forget`) is never restarted.
 
 Synchronous and free of asyncio: callers poll `check()` from their own loop.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -26,6 +29,7 @@ from services.common.procs import ServiceProcess, learner_group_args, spawn
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_S = 60.0        # a process that ran this long before dying starts the backoff over
+MAX_FAILURES = 5       # short-lived deaths in a row after which a process is no longer restarted
 LOG_TAIL_LINES = 12
 
 
@@ -122,13 +126,14 @@ class Supervisor:
             self.exit_codes[name] = code
             ran = now - self.started_at.get(name, now)
             self.failures[name] = 0 if ran >= STABLE_S else self.failures.get(name, 0) + 1
-            if spec.restart:
+            if spec.restart and self.failures[name] < MAX_FAILURES:
                 delay = RESTART_BACKOFF_S[min(max(self.failures[name] - 1, 0), len(RESTART_BACKOFF_S) - 1)]
                 self.next_start[name] = now + delay
                 self.event(name, "exited", code=code, restart_in_s=delay, log_tail=proc.log_tail(LOG_TAIL_LINES))
-            else:
+            else:  # the caller decides (a group member), or it fails the same way every time (a bad flag)
                 self.specs.pop(name, None)
-                self.event(name, "exited", code=code, log_tail=proc.log_tail(LOG_TAIL_LINES))
+                self.event(name, "exited", code=code, log_tail=proc.log_tail(LOG_TAIL_LINES),
+                           **({"gave_up_after": self.failures[name]} if spec.restart else {}))
         return died
 
     def event(self, name: str, what: str, **fields) -> None:
@@ -138,8 +143,12 @@ class Supervisor:
         if self.log_events:
             log.log(logging.ERROR if what == "exited" else logging.INFO, "%s %s%s", name, what, "".join(f" {k}={v}" for k, v in fields.items() if k != "log_tail")
                       + (f"; its log ends:\n{tail}" if tail else ""))
-        with open(self.events_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        # One write on an O_APPEND descriptor: `kuberl up`'s and the planner's supervisors share the file.
+        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
 
 
 def wait_or_kill(p: ServiceProcess, timeout_s: float) -> int | None:
@@ -165,6 +174,8 @@ def format_event(record: dict) -> str:
                 pass
         if "restart_in_s" in record:
             line += f"; restarting it in {record['restart_in_s']:g} s"
+        if "gave_up_after" in record:
+            line += f"; not restarting it after {record['gave_up_after']} failed starts in a row"
         if isinstance(code, int) and code < 0:
             return line  # killed from outside: its log says nothing about why
         tail = [ln for ln in (record.get("log_tail") or "").splitlines() if ln.strip()][-3:]

@@ -14,7 +14,7 @@ import grpc
 from kuberl.v1 import buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.common.procs import free_port
-from services.common.supervise import RESTART_BACKOFF_S, Spec, Supervisor, format_event
+from services.common.supervise import MAX_FAILURES, RESTART_BACKOFF_S, Spec, Supervisor, format_event
 from tests.helpers import TINY_PPO, write_config
 
 WAIT_S = 120.0
@@ -82,6 +82,16 @@ def test_a_process_that_cannot_start_is_reported_with_its_log_and_a_no_restart_o
         assert shown.startswith("buffer-1 exited with code") and "\n    " in shown  # with its last log lines
         sup.check(now + 60.0)
         assert sup.restarts.get("buffer-1") == 1 and "buffer-2" not in sup.specs  # only the first is retried
+        # It fails the same way every time: after MAX_FAILURES starts in a row it is given up on.
+        for attempt in range(2, MAX_FAILURES + 1):
+            wait_dead(sup, "buffer-1")
+            now = time.monotonic()  # it ran for less than STABLE_S: a failure in a row
+            assert [p.name for p in sup.check(now)] == ["buffer-1"]
+            if attempt < MAX_FAILURES:
+                sup.check(now + RESTART_BACKOFF_S[-1])  # restarted after its backoff
+        assert "buffer-1" not in sup.specs and sup.restarts["buffer-1"] == MAX_FAILURES - 1
+        assert format_event(events(sup)[-1]).startswith(
+            f"buffer-1 exited with code 1; not restarting it after {MAX_FAILURES} failed starts in a row")
     finally:
         sup.stop(list(sup.specs), 30.0)
         for p in sup.procs.values():
