@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,11 +30,11 @@ from kuberl.v1 import planner_pb2 as ppb
 from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
 from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
 from services.common.procs import ServiceProcess, free_port
-from services.common.supervise import MAX_FAILURES, Spec, Supervisor, actor_args, buffer_args, format_event, learner_args
+from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
+                                       format_event, learner_specs)
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 45.0
 CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "episodes_skipped", "return_mean", "actor_env_steps_per_s",
                "actor_fragments_dropped_total", "actor_fragments_rejected_total", "samples_lost_total",
                *(f"samples_lost_{r}" for r in LOSS_REASONS), "buffer_size_samples", "buffer_samples_per_insert",
@@ -96,6 +97,7 @@ class LocalRun:
         # same address (peers reconnect to it) and the event is printed (see services/common/supervise.py).
         self.sup = Supervisor(self.dir, self.dir / "config.yaml", log_events=False)
         self.events_read = 0  # bytes of events.jsonl already printed (the planner's backend appends too)
+        self.restarts: Counter[str] = Counter()  # process or group -> restarts, as events.jsonl records them
         self.members: list[Member] = []   # live
         self.retired: list[Member] = []   # actors the planner stopped: their counters still count
         self.tally = Tally(cfg.run.return_window)  # run totals across processes and their restarts
@@ -115,8 +117,8 @@ class LocalRun:
         n = self.cfg.planner.actor.max if self.planned else self.cfg.topology.actors
         return range(self.actor_port, self.actor_port + n)
 
-    def _spawn(self, role: str, name: str, listen: str, extra: list[str], restart: bool = True) -> Member:
-        m = Member(role, name, self.sup.start(Spec(role, name, listen, tuple(extra), restart)))
+    def _spawn(self, role: str, name: str, listen: str, extra: list[str]) -> Member:
+        m = Member(role, name, self.sup.start(Spec(role, name, listen, tuple(extra))))
         self.members.append(m)
         return m
 
@@ -149,13 +151,11 @@ class LocalRun:
                 "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
             return
         learner = f"127.0.0.1:{self._free_port()}"  # rank 0: the learner actors take weights from
-        n, group = self.cfg.topology.learners, f"127.0.0.1:{self._free_port()}"
-        for rank in range(n):
-            name = f"learner-{rank}"
-            # A group cannot take one member back (the local backend re-forms groups; see planner.enabled).
-            self._spawn("learner", name, learner if rank == 0 else "127.0.0.1:0",
-                        learner_args(name, self.dir, buffer=buffer, world_size=n, rank=rank, group=group),
-                        restart=n == 1)
+        n = self.cfg.topology.learners
+        # A group is re-formed as a whole when one of its learners dies, as the planner's backend does.
+        for proc in self.sup.start_group(LEARNERS, n, learner_specs(self.dir, n, buffer=buffer, listen=learner),
+                                         port=self._free_port):
+            self.members.append(Member("learner", proc.name, proc))
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"
@@ -285,7 +285,7 @@ class LocalRun:
             "actors": len(self._role("actor")),
             "learners": len(self._role("learner")),
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
-            "process_restarts": sum(tally.restarts.values()),
+            "process_restarts": sum(self.restarts.values()),
         }
 
     def show(self, row: dict) -> None:
@@ -314,7 +314,8 @@ class LocalRun:
 
     def supervise(self) -> None:
         """Restart the processes `kuberl up` runs that died (the planner restarts the ones it runs),
-        follow them to their new process, and print every supervision event of the run."""
+        follow them to their new process, and print every supervision event of the run. Never blocks
+        for long: a broken learner group is stopped and formed again over the following calls."""
         died = self.sup.check()
         for m in self.members:
             if m.proc is not None and (proc := self.sup.procs.get(m.name)) is not None and proc is not m.proc:
@@ -326,15 +327,13 @@ class LocalRun:
                 m.connect(m.proc.address)
         self.print_events()
         for p in died:
-            if p.name not in self.sup.specs:  # not to be restarted: the run cannot go on
-                why = (f"it failed to start {MAX_FAILURES} times in a row" if self.sup.failures.get(p.name, 0)
-                       >= MAX_FAILURES else f"a fixed learner group of {self.cfg.topology.learners} is re-formed "
-                       "only with planner.enabled")
-                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode} and is not restarted: {why}; "
-                                   f"see {p.log_path}")
+            if p.name in self.sup.given_up:  # the run cannot go on
+                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode} and is not restarted: "
+                                   f"{self.sup.given_up[p.name]}; see {p.log_path}")
 
     def print_events(self) -> None:
-        """Print the events.jsonl records not printed yet (from this supervisor and the planner's)."""
+        """Print the events.jsonl records not printed yet (from this supervisor and the planner's), and
+        count the restarts and group re-forms among them."""
         try:
             with open(self.sup.events_path, "rb") as f:
                 f.seek(self.events_read)
@@ -345,9 +344,12 @@ class LocalRun:
         self.events_read += end
         for line in data[:end].splitlines():
             try:
-                print(format_event(json.loads(line)), flush=True)
+                record = json.loads(line)
             except ValueError:
                 continue
+            if record.get("event") in ("restarted", "re-formed"):
+                self.restarts[record.get("name", "?")] += 1
+            print(format_event(record), flush=True)
 
     def stop_reason(self) -> str | None:
         run = self.cfg.run
@@ -434,7 +436,7 @@ class LocalRun:
                    "episodes_read": tally.episodes_read, "episodes_skipped": tally.episodes_skipped,
                    "mean_return": self.mean_return, "return_window": len(self.returns), "wall_s": round(wall, 3),
                    "samples_lost": {"total": sum(losses.values()), **losses},
-                   "process_restarts": dict(tally.restarts),
+                   "process_restarts": dict(self.restarts),
                    "policy_version": learner.get("learner/policy_version"),
                    "exit_codes": self.exit_codes(), "run_dir": str(self.dir),
                    "last_stats": {p.name: p.stats for p in self.members + self.retired if p.role != "planner"},

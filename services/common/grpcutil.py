@@ -197,8 +197,7 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
     kind = ("stream" if h.request_streaming else "unary") + "_" + ("stream" if h.response_streaming else "unary")
     behavior = getattr(h, kind)
     if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
-        # A synchronous method: left to grpcio as it is. (None in kuberl's servicers; grpcio's aio
-        # health servicer leaves Health/List to the generated base class's stub: UNIMPLEMENTED.)
+        # A synchronous method: left to grpcio as it is (none in kuberl's servicers; see _Health).
         return h
     deserialize = h.request_deserializer
     if deserialize is None and not h.request_streaming:
@@ -227,6 +226,15 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
     return make(handler, request_deserializer=None, response_serializer=h.response_serializer)
 
 
+class _Health(HealthServicer):
+    """grpcio's asyncio health servicer, plus the Health/List RPC it leaves to the generated base
+    class (a synchronous UNIMPLEMENTED stub, which grpcio would also answer garbage for with UNKNOWN)."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
+
+
 async def start_server(listen: str, register, service_names: list[str], *,
                        max_message_bytes: int, max_connection_age_s: float | None = 300.0) -> Serving:
     """Create a server, let `register(server)` add servicers, add health + reflection, bind, start.
@@ -241,7 +249,7 @@ async def start_server(listen: str, register, service_names: list[str], *,
     """
     server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
     register(server)
-    health = HealthServicer()
+    health = _Health()
     # Health and reflection go through the same parsing registration as the services' own RPCs.
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, health)
     reflector = reflection.aio.ReflectionServicer([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME])

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import NoReturn
 from pathlib import Path
 
+from services.common.procs import die_with_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -59,6 +61,7 @@ def write_ready_file(path: str | None, endpoints: Endpoints) -> None:
 def run_service(role: str, args: argparse.Namespace,
                 serve: Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]) -> int:
     """Run a service until SIGTERM/SIGINT; return the process exit code."""
+    die_with_parent()
     configure_logging(args.log_level, role)
 
     async def main() -> None:

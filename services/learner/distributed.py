@@ -11,8 +11,9 @@ round starts with `agree`, an all-reduce of (stop wanted, no batch in hand); a r
 every learner holds a batch, and all stop at the same round boundary when any wants to stop. A learner
 with a batch it cannot use (malformed, or all fragments too stale) still joins the round's gradient
 all-reduces with weight 0, so nobody waits forever. A peer that dies breaks the group: the others'
-collectives raise `GroupBroken` and the learner exits (the planner's local backend restarts the whole
-group from the last checkpoint; membership changes restart it the same way).
+collectives raise `GroupBroken` and the learner exits (its supervisor, services/common/supervise.py,
+stops the rest and re-forms the whole group from the newest checkpoint, under `kuberl up` with or without
+the planner; membership changes restart it the same way).
 """
 
 from __future__ import annotations

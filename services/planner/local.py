@@ -11,7 +11,8 @@ Learners run as one group (services/learner/distributed.py): n processes, ranks 
 gradients. A group cannot change size in place, so a new learner count stops the whole group (rank 0
 writes a checkpoint as it stops) and starts a new one of the new size, which resumes from that
 checkpoint. Rank 0 always listens on the same address, the one actors subscribe to for weights. A
-learner that dies breaks its group: the others are stopped and the group restarted, with backoff.
+learner that dies breaks its group: the supervisor stops the others and forms the group again, with
+backoff, and counts it as one restart.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from pathlib import Path
 
 from services.common.config import ExperimentConfig
 from services.common.procs import ServiceProcess, free_port
 from services.common.stats import Metrics
-from services.common.supervise import RESTART_BACKOFF_S, Spec, Supervisor, actor_args, learner_args, wait_or_kill
+from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, learner_specs,
+                                       stop_procs, wait_or_kill)
 from services.planner.backend import ROLES, ApplyResult, Replica, RoleState
 
 log = logging.getLogger(__name__)
-STOP_TIMEOUT_S = 45.0
 
 
 class LocalBackend:
@@ -42,57 +42,43 @@ class LocalBackend:
         self.actor_port = actor_port
         self.external = cfg.env.mode == "external"
         self.metrics = metrics or Metrics("planner")
-        # Restarts of single processes (actors, a lone learner) are the supervisor's; a learner group is
-        # re-formed here as a whole.
+        # Restarts of single processes and re-forms of the learner group alike.
         self.sup = Supervisor(self.run_dir, self.config_path,
                               on_restart=lambda name: self.metrics.inc("planner/replica_restarts_total"))
         self.names: dict[str, dict[int, str]] = {r: {} for r in ROLES}  # role -> index -> process name
         self.draining: set[asyncio.Task] = set()
-        self.exit_codes: dict[str, int | None] = {}
         # Rank 0 listens on a port picked here, so actors can be told its address before it serves.
         self.learner_address = f"127.0.0.1:{free_port()}"
-        self.group_restart: tuple[int, float] | None = None  # a broken group's (size, when to form it again)
-        self.group_restarts = 0
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
         self.metrics.inc("planner/replicas_drained_total", 0)
 
     @property
     def procs(self) -> dict[str, dict[int, ServiceProcess]]:
-        """role -> index -> the process running now (restarts replace it)."""
+        """role -> index -> the process running now (restarts replace it; a group being re-formed has none)."""
         return {r: {i: self.sup.procs[n] for i, n in names.items() if n in self.sup.procs}
                 for r, names in self.names.items()}
 
     # -- processes -------------------------------------------------------------------------------
-    def _start(self, role: str, index: int, world_size: int = 1, group: str = "") -> ServiceProcess:
-        name = f"{role}-{index}"
-        if role == "learner":
-            listen = self.learner_address if index == 0 else "127.0.0.1:0"
-            spec = Spec("learner", name, listen, tuple(learner_args(name, self.run_dir, buffer=self.buffer,
-                                                                    world_size=world_size, rank=index, group=group)),
-                        restart=world_size == 1)
-        else:
-            # Actors start with the learner and retry its address until it serves.
-            listen = f"127.0.0.1:{self.actor_port + index}" if self.external else "127.0.0.1:0"
-            spec = Spec("actor", name, listen, tuple(actor_args(name, self.run_dir.name, buffer=self.buffer,
-                                                                learner=self.learner_address, index=index)))
-        self.names[role][index] = name
-        return self.sup.start(spec)
+    def _start_actor(self, index: int) -> None:
+        name = f"actor-{index}"
+        # Actors start with the learner and retry its address until it serves.
+        listen = f"127.0.0.1:{self.actor_port + index}" if self.external else "127.0.0.1:0"
+        self.names["actor"][index] = name
+        self.sup.start(Spec("actor", name, listen, tuple(actor_args(name, self.run_dir.name, buffer=self.buffer,
+                                                                    learner=self.learner_address, index=index))))
 
     def _form_group(self, n: int) -> None:
-        """Start n learners as one group (a fresh rendezvous port each time)."""
-        group = f"127.0.0.1:{free_port()}" if n > 1 else ""
-        for rank in range(n):
-            self._start("learner", rank, n, group)
+        """Start n learners as one group (one learner alone is restarted alone)."""
+        procs = self.sup.start_group(LEARNERS, n, learner_specs(self.run_dir, n, buffer=self.buffer,
+                                                                listen=self.learner_address))
+        self.names["learner"] = {rank: p.name for rank, p in enumerate(procs)}
         self.metrics.set("planner/learner_group_size", n)
 
     async def _stop(self, names) -> None:
         """SIGTERM the named processes together and wait for each (SIGKILL after STOP_TIMEOUT_S)."""
-        procs = [p for p in (self.sup.forget(n) for n in names) if p is not None]
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            self.exit_codes[p.name] = await asyncio.to_thread(wait_or_kill, p, STOP_TIMEOUT_S)
+        procs = self.sup.release(names)
+        self.sup.exit_codes.update(await asyncio.to_thread(stop_procs, procs, STOP_TIMEOUT_S))
 
     async def _stop_group(self) -> None:
         """Stop every learner together (they agree on a round to stop at; rank 0 checkpoints)."""
@@ -104,42 +90,18 @@ class LocalBackend:
         """Start the learners and topology.actors actors at once (nobody waits for another's imports)."""
         self._form_group(self.cfg.topology.learners)
         for i in range(self.cfg.topology.actors):
-            self._start("actor", i)
-
-    async def _supervise(self) -> None:
-        """Restart processes that exited on their own (the supervisor does, with backoff; not the ones
-        being drained). A learner of a group that exits breaks the group: it is stopped and formed again."""
-        now = time.monotonic()
-        died = self.sup.check(now)
-        group = self.names["learner"]
-        if len(group) > 1 and any(p.role == "learner" for p in died):
-            delay = RESTART_BACKOFF_S[min(self.group_restarts, len(RESTART_BACKOFF_S) - 1)]
-            for p in died:
-                if p.role == "learner":
-                    log.error("%s exited with code %s; re-forming its group of %d in %.0f s", p.name,
-                              p.popen.returncode, len(group), delay)
-            self.group_restart = (len(group), now + delay)
-            await self._stop_group()
-        if self.group_restart is not None and now >= self.group_restart[1]:
-            size, self.group_restart = self.group_restart[0], None
-            self.group_restarts += 1
-            self.metrics.inc("planner/replica_restarts_total")
-            self._form_group(size)
-
-    def _desired(self, role: str) -> int:
-        if role == "learner" and self.group_restart is not None:
-            return self.group_restart[0]
-        return len(self.names[role])
+            self._start_actor(i)
 
     async def observe(self) -> dict[str, RoleState]:
-        await self._supervise()
+        # Restarts what died (not the actors being drained), with backoff; never blocks.
+        self.sup.check()
         states = {}
         for role in ROLES:
             replicas = []
             for proc in self.procs[role].values():
                 ready = proc.alive and proc.poll_ready()
                 replicas.append(Replica(proc.name, proc.address if ready else "", ready))
-            states[role] = RoleState(desired=self._desired(role), replicas=replicas)
+            states[role] = RoleState(desired=len(self.names[role]), replicas=replicas)
         return states
 
     async def buffers(self) -> list[Replica]:
@@ -152,11 +114,10 @@ class LocalBackend:
         if dry_run:
             return ApplyResult(dict(targets), dry_run=True, detail="local backend: nothing started or stopped")
         detail = []
-        n = targets.get("learner", self._desired("learner"))
-        if n != self._desired("learner"):
-            old = self._desired("learner")
+        old = len(self.names["learner"])
+        n = targets.get("learner", old)
+        if n != old:
             await self._stop_group()
-            self.group_restart = None
             self._form_group(n)
             detail.append(f"re-formed the learner group: {old} -> {n} (resumes from the latest checkpoint)")
             log.info(detail[-1])
@@ -164,12 +125,11 @@ class LocalBackend:
         n = targets.get("actor", len(actors))
         while len(actors) < n:  # the lowest free index: external simulators find actor i at actor_port + i
             index = next(i for i in range(len(actors) + 1) if i not in actors)
-            self._start("actor", index)
+            self._start_actor(index)
             detail.append(f"started actor-{index}")
         while len(actors) > n:
             index = max(actors)
-            proc = self.sup.forget(actors.pop(index))
-            if proc is not None:
+            for proc in self.sup.release([actors.pop(index)]):
                 task = asyncio.create_task(self._drain(proc), name=f"drain {proc.name}")
                 self.draining.add(task)
                 task.add_done_callback(self.draining.discard)
@@ -180,20 +140,14 @@ class LocalBackend:
         """Stop one actor: SIGTERM, then wait while it flushes its fragments to the buffer."""
         proc.terminate()
         timeout = self.cfg.planner.drain_timeout_s
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(proc.popen.wait), timeout)
-        except TimeoutError:
-            log.warning("%s did not drain within %.0f s; killing it (its unsent fragments are lost and "
-                        "counted in its log)", proc.name, timeout)
-            proc.popen.kill()
-            code = await asyncio.to_thread(proc.popen.wait)
-        self.exit_codes[proc.name] = code
+        code = self.sup.exit_codes[proc.name] = await asyncio.to_thread(
+            wait_or_kill, proc, timeout, f"did not drain within {timeout:.0f} s; killing it (its unsent fragments "
+                                         "are lost and counted in its log)")
         self.metrics.inc("planner/replicas_drained_total")
         log.info("%s drained and exited with code %s", proc.name, code)
 
     async def close(self) -> None:
         """Actors first (they flush to the buffer), then the learners (final checkpoint)."""
-        self.group_restart = None
         for role in ROLES:
             names = list(self.names[role].values())
             self.names[role].clear()
@@ -201,5 +155,4 @@ class LocalBackend:
             if role == "actor" and self.draining:
                 await asyncio.gather(*self.draining, return_exceptions=True)
         # `kuberl up` reports these in its summary: the last code of every process that ever ran.
-        codes = {**self.sup.exit_codes, **self.exit_codes}
-        (self.run_dir / "planner-exit-codes.json").write_text(json.dumps(codes))
+        (self.run_dir / "planner-exit-codes.json").write_text(json.dumps(self.sup.exit_codes))

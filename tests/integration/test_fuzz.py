@@ -10,7 +10,9 @@ The calls are bounded in number, not time: each waits for its answer (up to a ge
 
 from __future__ import annotations
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fuzz import SERVICES, fuzz_config, fuzz_server, max_message_bytes, serve_in_process
 
@@ -33,3 +35,21 @@ async def test_every_malformed_frame_gets_a_clear_status(role, tmp_path):
     assert set(report.by_frame["oversize"]) == {"RESOURCE_EXHAUSTED"}
     assert report.calls == (CALLS_PER_RPC + 1) * len(report.by_rpc)
     assert report.get_stats_ok and report.bystander_ok
+
+
+async def test_health_and_reflection_answer_garbage_with_invalid_argument(tmp_path):
+    """gRPC's own services go through the same parsing registration; Health/List included (grpcio's
+    asyncio health servicer leaves it unimplemented, kuberl implements it)."""
+    cfg = fuzz_config()
+    async with serve_in_process(["buffer"], cfg, tmp_path) as addresses:
+        reports = await fuzz_server(addresses["buffer"], max_message=max_message_bytes("buffer", cfg),
+                                    calls_per_rpc=CALLS_PER_RPC, seed=2, stream_wait_s=0.5, include_grpc=True)
+        async with grpc.aio.insecure_channel(addresses["buffer"]) as channel:
+            listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
+    for service in ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"):
+        report = reports[service]
+        assert not report.unexpected, [f"{o.rpc} {o.kind}: {o.code} {o.details}" for o in report.unexpected]
+        assert report.codes["UNKNOWN"] == report.codes["INTERNAL"] == 0
+        assert set(report.by_frame["garbage"]) == {"INVALID_ARGUMENT"}, report.by_frame["garbage"]
+    assert "/grpc.health.v1.Health/List" in reports["grpc.health.v1.Health"].by_rpc
+    assert listed.statuses["kuberl.v1.Buffer"].status == health_pb2.HealthCheckResponse.SERVING

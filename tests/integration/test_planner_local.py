@@ -220,7 +220,8 @@ def test_scaling_learners_re_forms_the_group_from_the_checkpoint(tmp_path, capsy
         planner_log = logs / "planner-0.log"
         pid = int(re.findall(r"started learner-1 \(pid (\d+)", planner_log.read_text())[-1])
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: "re-forming its group of 2" in planner_log.read_text(), timeout=60, what="the group broken")
+        wait_for(lambda: "learner-1 exited with code -9 (SIGKILL); re-forming the group of 2 learners" in
+                 planner_log.read_text(), timeout=60, what="the group broken")
         wait_for(lambda: len(re.findall(r"started learner-1 ", planner_log.read_text())) >= 2 and (lrn := learners())
                  and len(lrn) == 2 and all(x["learner/group_size"] == 2 for x in lrn.values()),
                  timeout=120, interval=0.5, what="the group formed again")

@@ -1,6 +1,7 @@
 """services/common/supervise.py with real service processes: a SIGKILLed process is started again
-on the same address after its backoff, one that cannot start is reported with its log, and one that
-must not be restarted is only reported. Times are passed explicitly (`check(now)`), never slept on."""
+on the same address after its backoff, and one that cannot start is reported with its log and given up
+on. Times are passed explicitly (`check(now)`), never slept on. Learner groups:
+tests/unit/common/test_supervise_group.py and tests/integration/test_learner_group_restart.py."""
 
 from __future__ import annotations
 
@@ -63,25 +64,22 @@ def test_a_killed_process_comes_back_on_the_same_address_after_its_backoff(tmp_p
     assert sup.exit_codes["buffer-0"] == 0 and "buffer-0" not in sup.procs  # a stop is never restarted
 
 
-def test_a_process_that_cannot_start_is_reported_with_its_log_and_a_no_restart_one_only_reported(tmp_path):
+def test_a_process_that_cannot_start_is_reported_with_its_log_and_given_up_on(tmp_path):
     sup = Supervisor(tmp_path, write_config(tmp_path / "exp.yaml", TINY_PPO))
     address = f"127.0.0.1:{free_port()}"
     sup.start(Spec("buffer", "buffer-0", address))
     try:
         wait_ready(sup, "buffer-0")
         sup.start(Spec("buffer", "buffer-1", address))             # the port is taken: it cannot bind
-        sup.start(Spec("buffer", "buffer-2", address, restart=False))
         wait_dead(sup, "buffer-1")
-        wait_dead(sup, "buffer-2")
         now = time.monotonic()
-        assert sorted(p.name for p in sup.check(now)) == ["buffer-1", "buffer-2"]
-        by_name = {e["name"]: e for e in events(sup)}
-        assert by_name["buffer-1"]["code"] not in (0, None) and "restart_in_s" in by_name["buffer-1"]
-        assert "restart_in_s" not in by_name["buffer-2"]
-        shown = format_event(by_name["buffer-1"])
+        assert [p.name for p in sup.check(now)] == ["buffer-1"]
+        exited = events(sup)[0]
+        assert exited["code"] not in (0, None) and "restart_in_s" in exited
+        shown = format_event(exited)
         assert shown.startswith("buffer-1 exited with code") and "\n    " in shown  # with its last log lines
         sup.check(now + 60.0)
-        assert sup.restarts.get("buffer-1") == 1 and "buffer-2" not in sup.specs  # only the first is retried
+        assert sup.restarts.get("buffer-1") == 1
         # It fails the same way every time: after MAX_FAILURES starts in a row it is given up on.
         for attempt in range(2, MAX_FAILURES + 1):
             wait_dead(sup, "buffer-1")
@@ -90,6 +88,7 @@ def test_a_process_that_cannot_start_is_reported_with_its_log_and_a_no_restart_o
             if attempt < MAX_FAILURES:
                 sup.check(now + RESTART_BACKOFF_S[-1])  # restarted after its backoff
         assert "buffer-1" not in sup.specs and sup.restarts["buffer-1"] == MAX_FAILURES - 1
+        assert f"failed {MAX_FAILURES} times in a row" in sup.given_up["buffer-1"]
         assert format_event(events(sup)[-1]).startswith(
             f"buffer-1 exited with code 1; not restarting it after {MAX_FAILURES} failed starts in a row")
     finally:

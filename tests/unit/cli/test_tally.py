@@ -4,6 +4,9 @@ The actor side is the real EpisodeLog behind the real ActorServicer.GetStats (no
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
@@ -201,6 +204,7 @@ def local_run(members):
     run.tally = Tally(100)
     run.returns = run.tally.returns
     run.planned, run.members, run.retired, run.tb, run.started = False, members, [], FakeBoard(), 0.0
+    run.restarts = Counter()
     return run
 
 
@@ -229,7 +233,7 @@ def test_progress_line_counts_every_episode_and_loss_across_a_restart(capsys):
     members[0].stub = FakeStub(restarted)
     run.poll()
     row = run.row()
-    assert row["episodes"] == 9001 and row["env_steps"] == 90_010 and row["process_restarts"] == 1
+    assert row["episodes"] == 9001 and row["env_steps"] == 90_010
     assert run.returns[-1] == 1.0 and row["episodes_skipped"] == 0
 
 
@@ -239,3 +243,25 @@ def test_progress_line_says_lost_0_only_when_nothing_was_lost(capsys):
     run.poll()
     run.show(run.row())
     assert capsys.readouterr().out.rstrip().endswith("| lost 0")
+
+
+def test_process_restarts_are_the_restarts_and_group_re_forms_events_jsonl_records(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from services.cli.up import Member
+    run = local_run([Member("buffer", "buffer-0", stub=FakeStub(metrics={"buffer/size_samples": 0.0}))])
+    run.sup, run.events_read = SimpleNamespace(events_path=tmp_path / "events.jsonl"), 0
+    records = [{"name": "buffer-0", "event": "exited", "code": -9, "restart_in_s": 1.0},
+               {"name": "buffer-0", "event": "restarted", "restarts": 1},
+               {"name": "learner-1", "event": "exited", "code": -9, "group": "learners", "group_size": 2,
+                "reform_in_s": 1.0},
+               {"name": "learners", "event": "re-formed", "size": 2, "restarts": 1, "rendezvous": "127.0.0.1:9"}]
+    partial = json.dumps({"name": "actor-0", "event": "restarted", "restarts": 1})[:20]  # still being written
+    run.sup.events_path.write_text("".join(json.dumps(r) + "\n" for r in records) + partial)
+    run.print_events()
+    run.poll()
+    assert run.restarts == {"buffer-0": 1, "learners": 1} and run.row()["process_restarts"] == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "buffer-0 exited with code -9 (SIGKILL); restarting it in 1 s", "buffer-0 restarted (restart 1)",
+        "learner-1 exited with code -9 (SIGKILL); re-forming the group of 2 learners in 1 s",
+        "the group of 2 learners re-formed (re-form 1, rendezvous 127.0.0.1:9)"]
