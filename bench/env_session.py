@@ -11,7 +11,7 @@ the actor's batched inference, receive the actions). Measured twice: with the le
 batches never fill, so only the session path is measured) and with it training PPO on the data.
 
 In-process baseline: N copies of the same env in one gymnasium SyncVectorEnv, one forward pass of the
-same network (build_network("ppo", env_spec("CartPole-v1"), (64, 64)), action sampled as the actor
+same network (ActorCritic(env_spec("CartPole-v1"), (64, 64)), action sampled as the actor
 does) per vector step, torch on one thread like the actor. Its "round trip" is that forward pass:
 what the EnvSession round trip replaces. Throughput is env steps (all copies) per second of wall time.
 """
@@ -93,10 +93,10 @@ def in_process(n: int, seconds: float, warmup: float) -> dict:
     import gymnasium as gym
     import torch
 
-    from services.common.nets import build_network, env_spec
+    from services.common.nets import ActorCritic, env_spec
 
     torch.set_num_threads(1)
-    net = build_network("ppo", env_spec("CartPole-v1"), HIDDEN)
+    net = ActorCritic(env_spec("CartPole-v1"), HIDDEN)
     net.eval()
     envs = gym.make_vec("CartPole-v1", num_envs=n, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})

@@ -36,7 +36,7 @@ def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
     from kuberl.v1 import common_pb2 as pb
     from services.common.fragments import Fragment
     from services.common.nets import env_spec
-    from services.learner.ppo import PPO
+    from services.algorithms.ppo.learner import PPO
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)

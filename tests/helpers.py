@@ -112,3 +112,23 @@ def run_logs(run_dir: Path, names=None, lines: int = 15) -> str:
             tail = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
     return "\n".join(out) or f"(no logs under {run_dir}/logs)"
+
+
+def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget: int) -> dict:
+    """Run `kuberl up` on `cfg` (configs/<name>.yaml, changed) until `target` mean return over the last
+    100 episodes or `budget` env steps; assert it reached the target within the budget with every
+    process exiting cleanly, and return summary.json."""
+    cfg = {**cfg, "run": {**cfg.get("run", {}), "target_return": target, "return_window": 100,
+                          "max_env_steps": budget, "poll_interval_s": 0.5}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
+                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=880)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary["reason"] == "target_return", summary
+    assert summary["return_window"] == 100 and summary["mean_return"] >= target
+    assert summary["env_steps"] <= budget
+    failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
+    assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(tmp_path / 'run', failed)}"
+    return summary

@@ -22,8 +22,9 @@ class BatchedInference:
         self._pending: list[tuple[np.ndarray, asyncio.Future]] = []
         self._wake = asyncio.Event()
 
-    async def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
-        """Actions (and PPO log-probs) for one session's observations, and the policy version used."""
+    async def act(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """Actions for one session's observations, the per-step extras the algorithm records with them
+        (`Policy.act`), and the policy version used."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((obs, future))
         self._wake.set()
@@ -40,16 +41,16 @@ class BatchedInference:
             batch = [(obs, fut) for obs, fut in batch if not fut.done()]  # a session that went away
             if not batch:
                 continue
-            actions, logprob, version = await asyncio.to_thread(self._infer, np.concatenate([o for o, _ in batch]))
+            actions, extras, version = await asyncio.to_thread(self._infer, np.concatenate([o for o, _ in batch]))
             self.metrics.rolling("actor/inference_batch_envs").add(len(actions))
             start = 0
             for obs, fut in batch:
                 end = start + len(obs)
                 if not fut.done():
-                    fut.set_result((actions[start:end], None if logprob is None else logprob[start:end], version))
+                    fut.set_result((actions[start:end], {k: v[start:end] for k, v in extras.items()}, version))
                 start = end
 
     def _infer(self, obs: np.ndarray):
         self.policy.swap()
-        actions, logprob = self.policy.act(obs, self.hub.env_steps)
-        return actions, logprob, self.policy.version
+        actions, extras = self.policy.act(obs, self.hub.env_steps)
+        return actions, extras, self.policy.version

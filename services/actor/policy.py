@@ -12,36 +12,21 @@ import threading
 import numpy as np
 import torch
 
+from services import algorithms
 from services.common.config import ExperimentConfig
-from services.common.nets import EnvSpec, build_network, load_numpy
+from services.common.nets import EnvSpec, load_numpy
 from services.common.stats import Metrics
-
-
-def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
-    """Linear epsilon schedule (CleanRL's linear_schedule) over `duration` env steps."""
-    return max(end, start + (end - start) * step / duration)
-
-
-def run_env_steps(version: int | None, learning_starts: int, batch_size: int, replay_ratio: float) -> int:
-    """The run's env steps so far, as implied by a DQN policy version: the learner starts after
-    `learning_starts` samples and then takes one gradient step per `batch_size / replay_ratio` samples
-    inserted (the buffer paces it to that). An actor started late, e.g. by the planner, anneals epsilon
-    by this, so it does not begin at start_epsilon and flood the replay with random transitions.
-    An unpaced learner (replay_ratio 0) says nothing beyond having started: `learning_starts`."""
-    if not version:
-        return 0
-    if replay_ratio <= 0:
-        return learning_starts
-    return int(learning_starts + version * batch_size / replay_ratio)
 
 
 class Policy:
     def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, seed: int, metrics: Metrics):
         torch.manual_seed(seed)
         self.cfg, self.spec, self.metrics = cfg, spec, metrics
-        self.net = build_network(cfg.algorithm, spec, cfg.hidden_sizes)
-        self.net.eval()
         self.rng = np.random.default_rng(seed)
+        # The algorithm's acting part: its network and how it picks actions (and what it records).
+        self.acting = algorithms.get(cfg.algorithm).acting(cfg, spec, self.rng, metrics)
+        self.net = self.acting.net
+        self.net.eval()
         self.version: int | None = None  # None until the learner's first weights arrive
         self.have_weights = threading.Event()
         self._pending: tuple[int, dict] | None = None
@@ -62,19 +47,14 @@ class Policy:
             self.metrics.inc("actor/weights_swapped_total")
 
     @torch.inference_mode()
-    def act(self, obs: np.ndarray, env_steps: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-        """Actions for a batch of observations, and their log-probs (PPO) or None (DQN, epsilon-greedy
-        with epsilon annealed over the larger of this actor's `env_steps` and the run's, see run_env_steps)."""
+    def act(self, obs: np.ndarray, env_steps: int = 0, mask: np.ndarray | None = None
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Actions for a batch of observations, and the per-step extras the algorithm records with
+        them (`Algorithm.fragment_extras`, e.g. PPO's behaviour log-probs). `env_steps`: this actor's
+        so far (DQN anneals exploration by it). `mask` [N, M] bool: the allowed actions, for an
+        algorithm that `takes_action_masks`. Actions are in the space's layout; a Box action is the
+        unclipped sample (the caller clips what it sends to the env)."""
         x = torch.from_numpy(np.ascontiguousarray(obs))
-        if self.cfg.algorithm == "ppo":
-            dist = self.net.dist(x)
-            action = dist.sample()
-            return action.numpy(), dist.log_prob(action).numpy()
-        d = self.cfg.dqn
-        steps = max(env_steps, run_env_steps(self.version, d.learning_starts, d.batch_size, d.replay_ratio))
-        eps = epsilon_at(steps, d.start_epsilon, d.end_epsilon, d.exploration_steps)
-        self.metrics.set("actor/epsilon", eps)
-        action = self.net(x).argmax(dim=1).numpy()
-        explore = self.rng.random(len(action)) < eps
-        action[explore] = self.rng.integers(0, self.spec.num_actions, int(explore.sum()))
-        return action, None
+        if mask is None:
+            return self.acting.act(x, self.version, env_steps)
+        return self.acting.act(x, self.version, env_steps, mask=torch.from_numpy(np.ascontiguousarray(mask)))

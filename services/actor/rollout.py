@@ -15,11 +15,13 @@ import time
 import numpy as np
 import torch
 
+from services import algorithms
 from services.common.config import ExperimentConfig, is_atari
-from services.common.fragments import ALGORITHM_CODES, EncodedFragment, encode_fragment
+from services.common.fragments import EncodedFragment, encode_fragment
 from services.actor.episodes import EpisodeLog
 from services.actor.policy import Policy
 from services.common.envs import make_vector_env, spec_of
+from services.common.spaces import Box, check_mask
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class Rollout:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0):
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
-        self.algorithm = ALGORITHM_CODES[cfg.algorithm]
+        self.algorithm = algorithms.get(cfg.algorithm)
         n = cfg.env.num_envs
         self.envs = make_vector_env(cfg.env)
         self.spec = spec_of(cfg.env)
@@ -56,6 +58,11 @@ class Rollout:
         self.episodic_life = is_atari(cfg.env.id) and cfg.env.atari.episodic_life
         seed = cfg.env.seed + 1000 * actor_index
         self.obs, info = self.envs.reset(seed=seed)
+        # Action masks: an env that reports `info["action_mask"]` ([N, M] bool) is masked throughout,
+        # for an algorithm that takes masks (the learner re-applies them from the fragment).
+        self.masked = bool(self.spec.action.mask_width) and "action_mask" in info and algorithms.get(
+            cfg.algorithm).takes_action_masks
+        self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
         self.seq = 0
@@ -79,17 +86,22 @@ class Rollout:
         self.policy.swap()
         T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
-        actions = np.empty((T, N), dtype=np.int64)
+        space = self.spec.action
+        actions = np.empty((T, N, *space.shape), dtype=space.dtype)
+        masks = np.empty((T, N, space.mask_width), dtype=bool) if self.masked else None
         rewards = np.empty((T, N), dtype=np.float32)
         terminated = np.empty((T, N), dtype=bool)
         truncated = np.empty((T, N), dtype=bool)
-        logprob = np.empty((T, N), dtype=np.float32) if self.cfg.algorithm == "ppo" else None
+        extras = {name: np.empty((T, N), dtype=np.float32) for name in self.algorithm.fragment_extras}
         final_obs, final_index = [], []
         obs_buf[0] = self.obs
         t = 0
         while t < T and not (stop is not None and stop.is_set()):
-            a, lp = self.policy.act(self.obs, self.env_steps)
-            obs, r, term, trunc, info = self.envs.step(a)
+            a, recorded = self.policy.act(self.obs, self.env_steps, self.mask)
+            obs, r, term, trunc, info = self.envs.step(space.clip(a) if isinstance(space, Box) else a)
+            if masks is not None:
+                masks[t] = self.mask
+                self.mask = self._mask_of(info)
             ended = term | trunc
             if self.episodic_life:
                 lives = np.asarray(info["lives"])
@@ -97,8 +109,8 @@ class Rollout:
                 self._lives = lives
             actions[t], terminated[t], truncated[t] = a, term, trunc
             rewards[t] = np.sign(r) if self.clip_rewards else r
-            if logprob is not None:
-                logprob[t] = lp
+            for name, arr in extras.items():
+                arr[t] = recorded[name]
             self._ep_return += r
             self._ep_len += 1
             for i in np.flatnonzero(term | trunc):
@@ -117,15 +129,24 @@ class Rollout:
             return None
         msg = encode_fragment(
             actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=self.policy_version or 0,
-            algorithm=self.algorithm, env_ids=range(N), obs=obs_buf[:t + 1], actions=actions[:t],
+            algorithm=self.algorithm.code, env_ids=range(N), obs=obs_buf[:t + 1], actions=actions[:t],
             rewards=rewards[:t], terminated=terminated[:t], truncated=truncated[:t],
             final_obs=(np.stack(final_obs) if final_obs
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(final_index, dtype=np.int64),
-            behaviour_logprob=None if logprob is None else logprob[:t])
+            action_mask=None if masks is None else masks[:t], **{name: arr[:t] for name, arr in extras.items()})
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
         return msg
+
+    def _mask_of(self, info: dict) -> np.ndarray:
+        """The envs' `info["action_mask"]` as [N, M] bool; ValueError naming env.id if malformed."""
+        mask = np.asarray(info.get("action_mask"))
+        try:
+            check_mask(self.spec.action, mask.astype(bool) if mask.dtype != object else mask, (self.cfg.env.num_envs,))
+        except ValueError as err:
+            raise ValueError(f"env.id: {self.cfg.env.id} reports a bad info['action_mask']: {err}") from None
+        return mask.astype(bool)
 
     def _finish_episode(self, i: int) -> None:
         self.episodes.finish(self._ep_return[i], self._ep_len[i], self.env_steps, self.policy.version)

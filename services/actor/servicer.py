@@ -52,8 +52,8 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                 if msg.WhichOneof("kind") != "step":
                     raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
                 obs = self.hub.observe(session, msg.step)
-                actions, logprob, version = await self.inference.act(obs)
-                self.hub.record_actions(session, actions, logprob, version)
+                actions, extras, version = await self.inference.act(obs)
+                self.hub.record_actions(session, actions, extras, version)
                 await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
                     step_id=msg.step.step_id, actions=encode(actions.astype("int64", copy=False)),
                     policy_version=version)))

@@ -17,7 +17,8 @@ import numpy as np
 from kuberl.v1 import actor_pb2
 from services.actor.episodes import EpisodeLog
 from services.common.config import ExperimentConfig
-from services.common.fragments import ALGORITHM_CODES, MAX_ID_LEN, build_fragment
+from services import algorithms
+from services.common.fragments import MAX_ID_LEN, build_fragment
 from services.common.nets import EnvSpec
 from services.common.stats import Metrics
 from services.common.tensors import TensorError, decode, numpy_dtype
@@ -62,7 +63,7 @@ class SessionHub:
                  incarnation: int = 0):
         self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
         self.on_fragment = on_fragment
-        self.algorithm = ALGORITHM_CODES[cfg.algorithm]
+        self.algorithm = algorithms.get(cfg.algorithm)
         self.sessions: dict[str, Session] = {}
         self._parked: dict[str, _Episodes] = {}  # closed sessions that may resume
         self._next_env_id = 0
@@ -134,9 +135,10 @@ class SessionHub:
     def _new_buffers(self, s: Session) -> None:
         T, N, shape = s.T, s.num_envs, self.spec.obs_shape
         s.buffers = {"obs": np.empty((T + 1, N, *shape), self.spec.obs_dtype),
-                     "actions": np.empty((T, N), np.int64), "rewards": np.empty((T, N), np.float32),
+                     "actions": np.empty((T, N, *self.spec.action.shape), self.spec.action.dtype),
+                     "rewards": np.empty((T, N), np.float32),
                      "terminated": np.zeros((T, N), bool), "truncated": np.zeros((T, N), bool),
-                     "logprob": np.empty((T, N), np.float32)}
+                     **{name: np.empty((T, N), np.float32) for name in self.algorithm.fragment_extras}}
         s.t, s.final_obs, s.final_index, s.versions = 0, [], [], []
 
     # -- steps -------------------------------------------------------------------------------------
@@ -195,11 +197,12 @@ class SessionHub:
             raise TensorError(name, f"must be {dtype.name} {list(shape)}, got {arr.dtype.name} {list(arr.shape)}")
         return arr
 
-    def record_actions(self, s: Session, actions: np.ndarray, logprob: np.ndarray | None, version: int) -> None:
-        """Store the actions chosen for the session's current observations."""
+    def record_actions(self, s: Session, actions: np.ndarray, extras: dict[str, np.ndarray], version: int) -> None:
+        """Store the actions chosen for the session's current observations, with what the algorithm
+        recorded while choosing them (`Algorithm.fragment_extras`)."""
         s.buffers["actions"][s.t] = actions
-        if logprob is not None:
-            s.buffers["logprob"][s.t] = logprob
+        for name in self.algorithm.fragment_extras:
+            s.buffers[name][s.t] = extras[name]
         s.versions.append(version)
         s.next_step += 1
 
@@ -213,13 +216,13 @@ class SessionHub:
         b, N = s.buffers, s.num_envs
         msg = build_fragment(
             actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=min(s.versions[:t]),
-            algorithm=self.algorithm,
+            algorithm=self.algorithm.code,
             env_ids=range(s.env_id_base, s.env_id_base + N), obs=b["obs"][:t + 1], actions=b["actions"][:t],
             rewards=b["rewards"][:t], terminated=b["terminated"][:t], truncated=b["truncated"][:t],
             final_obs=(np.stack(s.final_obs) if s.final_obs
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(s.final_index, np.int64),
-            behaviour_logprob=b["logprob"][:t] if self.cfg.algorithm == "ppo" else None)
+            **{name: b[name][:t] for name in self.algorithm.fragment_extras})
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
         self.on_fragment(msg)

@@ -46,8 +46,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                              max_message_bytes=cfg.buffer.max_message_mb * MiB)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
-             f"replay of {cfg.dqn.buffer_size}" if cfg.algorithm == "dqn"
-             else f"FIFO of {cfg.buffer.fifo_capacity_steps} steps")
+             f"replay of {store.replay.capacity}" if store.replay is not None
+             else f"FIFO of {store.fifo.capacity_steps} steps")
     try:
         async with asyncio.TaskGroup() as tg:
             tick = tg.create_task(tick_forever(metrics), name="stats")

@@ -10,8 +10,9 @@ import grpc
 
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
+from services import algorithms
 from services.buffer.store import Outcome, Store
-from services.common.fragments import ALGORITHM_NAMES, MAX_ID_LEN, RawFragment, batch_samples
+from services.common.fragments import MAX_ID_LEN, RawFragment, batch_samples
 from services.common.grpcutil import add_handlers, generated_handlers
 from services.common.notify import Notifier
 from services.common.stats import Metrics
@@ -69,10 +70,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def StreamBatches(self, request: buffer_pb2.BatchRequest, context):
         if not 0 < len(request.learner_id) <= MAX_ID_LEN:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner_id: must be 1..{MAX_ID_LEN} characters")
-        if request.algorithm != self.store.algorithm:
+        if request.algorithm != self.store.algorithm.code:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"algorithm: request is for {ALGORITHM_NAMES.get(request.algorithm, request.algorithm)}"
-                                f" but this buffer serves {ALGORITHM_NAMES[self.store.algorithm]}")
+                                f"algorithm: request is for {algorithms.name_of(request.algorithm)}"
+                                f" but this buffer serves {self.store.algorithm.name}")
         if not 0 < request.batch_size <= MAX_BATCH_SIZE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"batch_size: {request.batch_size} is outside 1..{MAX_BATCH_SIZE}")

@@ -26,7 +26,9 @@ from kuberl.v1 import common_pb2 as pb
 from services.buffer.fifo import RolloutFifo
 from services.buffer.replay import ReplayRing
 from services.common.config import ExperimentConfig
-from services.common.fragments import ALGORITHM_CODES, RawFragment, batch_samples, decode_fragment
+from services import algorithms
+from services.algorithms import FifoTable, ReplayTable
+from services.common.fragments import RawFragment, batch_samples, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import TensorError, encode
 
@@ -83,11 +85,13 @@ class SeqWindow:
 class Store:
     def __init__(self, cfg: ExperimentConfig, metrics: Metrics):
         self.cfg, self.metrics = cfg, metrics
-        self.algorithm = ALGORITHM_CODES[cfg.algorithm]
+        self.algorithm = algorithms.get(cfg.algorithm)
         self.max_elements = cfg.buffer.max_message_mb * (1 << 20)
-        self.replay = ReplayRing(cfg.dqn.buffer_size, seed=cfg.seed) if cfg.algorithm == "dqn" else None
+        # How the algorithm wants its fragments kept and served (services/algorithms/base.py).
+        self.table = self.algorithm.table(cfg)
+        self.replay = ReplayRing(self.table.capacity, seed=cfg.seed) if isinstance(self.table, ReplayTable) else None
         self.fifo: RolloutFifo[pb.TrajectoryFragment | RawFragment] | None = (
-            RolloutFifo(cfg.buffer.fifo_capacity_steps) if cfg.algorithm == "ppo" else None)
+            RolloutFifo(self.table.capacity_steps) if isinstance(self.table, FifoTable) else None)
         # actor_id -> incarnation -> window, both least recently used first (dedupe state).
         self._actors: OrderedDict[str, OrderedDict[int, SeqWindow]] = OrderedDict()
         self.inserted_samples = 0
@@ -171,7 +175,7 @@ class Store:
         A RawFragment (the push path) is validated on views of its bytes and stored as those bytes:
         nothing of its payload is copied until a batch is cut.
         """
-        frag = decode_fragment(msg, algorithm=self.algorithm, max_elements=self.max_elements)
+        frag = decode_fragment(msg, algorithm=self.algorithm.code, max_elements=self.max_elements)
         window = self._actors.get(frag.actor_id, {}).get(frag.incarnation)
         outcome = Outcome.ACCEPTED if window is None else window.outcome(frag.seq)
         if outcome is not Outcome.ACCEPTED:
@@ -227,7 +231,7 @@ class Store:
         self.last_batch_size = batch_size
         version = self.learner_version
         if self.replay is not None:
-            d = self.cfg.dqn
+            d = self.table
             if self.replay.size < max(d.learning_starts, batch_size):
                 self.wait_reason = "warming up"
                 return None
@@ -274,7 +278,7 @@ class Store:
                                         f"{want_dtype.name} {list(want_shape)}")
 
     def _drop_stale(self, version: int | None) -> None:
-        p = self.cfg.ppo
+        p = self.table
         if version is None or p.max_policy_lag is None or p.stale_fragments != "drop":
             return
         for f in self.fifo.remove_if(lambda f: version - f.policy_version > p.max_policy_lag):
@@ -289,7 +293,7 @@ class Store:
         if self.learner_version is not None:
             out["buffer/learner_version"] = self.learner_version
         if self.replay is not None:
-            d = self.cfg.dqn
+            d = self.table
             # The paper's staleness P = B_s / N_s: batch size over the number of samples stored.
             out["buffer/staleness_p"] = self.last_batch_size / self.size if self.size else 0.0
             if d.replay_ratio:

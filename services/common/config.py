@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from services import algorithms
+
 
 class ConfigError(ValueError):
     """An invalid experiment config; the message starts with the dotted key at fault."""
@@ -137,8 +139,13 @@ class PPOConfig:
     stale_fragments: str = "correct"
     vtrace_rho_bar: float = 1.0       # truncation of the importance weight rho in V-trace
     vtrace_c_bar: float = 1.0         # truncation of the trace-cutting weight c in V-trace
+    # Rewards are multiplied by this before returns and advantages are computed (the episode returns
+    # kuberl reports stay unscaled). Continuous-control rewards such as Pendulum's -16..0 give value
+    # targets in the hundreds; a scale of 0.1 keeps them near 1, as SB3's VecNormalize does adaptively.
+    reward_scale: float = 1.0
 
     def __post_init__(self):
+        _require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
         _require(self.max_policy_lag is None or self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag,
                  "must be >= 0 (0 = train only on fragments from the current policy), or null for no bound")
         _require(self.stale_fragments in ("drop", "correct"), "stale_fragments", self.stale_fragments,
@@ -416,7 +423,8 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """The whole experiment. `algorithm` picks which of `ppo` / `dqn` applies."""
+    """The whole experiment. `algorithm` names the one of services/algorithms that trains, and the
+    section of its settings (`ppo`, `dqn`)."""
     algorithm: str = "ppo"
     seed: int = 0
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -430,7 +438,8 @@ class ExperimentConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self):
-        _require(self.algorithm in ("ppo", "dqn"), "algorithm", self.algorithm, "must be 'ppo' or 'dqn'")
+        _require(self.algorithm in algorithms.REGISTRY, "algorithm", self.algorithm,
+                 f"must be one of {', '.join(sorted(algorithms.REGISTRY))}")
         _require(self.planner.actor.min <= self.topology.actors <= self.planner.actor.max, "topology.actors",
                  self.topology.actors, f"must lie within planner.actor.min..max "
                  f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")
@@ -441,11 +450,12 @@ class ExperimentConfig:
 
     @property
     def rollout_steps(self) -> int:
-        return self.ppo.rollout_steps if self.algorithm == "ppo" else self.dqn.rollout_steps
+        """Steps per fragment, from the algorithm's section (every section has one)."""
+        return getattr(self, self.algorithm).rollout_steps
 
     @property
     def hidden_sizes(self) -> tuple[int, ...]:
-        return self.ppo.hidden_sizes if self.algorithm == "ppo" else self.dqn.hidden_sizes
+        return getattr(self, self.algorithm).hidden_sizes
 
     def to_dict(self) -> dict:
         return _plain(dataclasses.asdict(self))

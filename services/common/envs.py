@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.config import EnvConfig, is_atari
+from services.common.spaces import ActionSpace, Discrete, from_gymnasium
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,14 @@ class EnvSpec:
     """What the networks need to know about an environment."""
     obs_shape: tuple[int, ...]
     obs_dtype: np.dtype
-    num_actions: int
+    action: ActionSpace
+
+    @property
+    def num_actions(self) -> int:
+        """n of a Discrete action space (ValueError for any other: say what the caller needs)."""
+        if not isinstance(self.action, Discrete):
+            raise ValueError(f"this needs a Discrete action space, not {self.action}")
+        return self.action.n
 
 
 def atari_game(env_id: str) -> str:
@@ -61,7 +69,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
     if not is_atari(cfg.id):
         return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
                             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-                            max_episode_steps=cfg.max_episode_steps)
+                            wrappers=[_flatten_dict], max_episode_steps=cfg.max_episode_steps)
     ale_py = _import_ale()
     a = cfg.atari
     game = atari_game(cfg.id)
@@ -94,6 +102,20 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
                         full_action_space=a.full_action_space, max_episode_steps=cfg.max_episode_steps)
 
 
+def _flatten_dict(env):
+    """A Dict-of-Box observation flattened into one float32 vector (the keys in sorted order, each
+    Box row-major: gymnasium's flatten), which is what the policy networks take; others as they are."""
+    gym = _import_gym()
+    space = env.observation_space
+    if not isinstance(space, gym.spaces.Dict):
+        return env
+    if not all(isinstance(s, gym.spaces.Box) for s in space.spaces.values()):
+        raise ValueError(f"observation space {space}: a Dict observation must hold only Box spaces")
+    from gymnasium.wrappers import DtypeObservation, FlattenObservation
+
+    return DtypeObservation(FlattenObservation(env), np.float32)
+
+
 def env_spec(cfg: EnvConfig) -> EnvSpec:
     """The observation and action spaces of the env actors step (after any preprocessing). Blocking."""
     gym = _import_gym()
@@ -102,17 +124,19 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
         env = make_vector_env(cfg, num_envs=1)
         try:
             act = env.single_action_space
-            return EnvSpec((a.frame_stack, a.screen_size, a.screen_size), np.dtype(np.uint8), int(act.n))
+            return EnvSpec((a.frame_stack, a.screen_size, a.screen_size), np.dtype(np.uint8), Discrete(int(act.n)))
         finally:
             env.close()
-    env = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps)
+    env = _flatten_dict(gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps))
     try:
         obs, act = env.observation_space, env.action_space
-        if not isinstance(act, gym.spaces.Discrete):
-            raise ValueError(f"env.id: {cfg.id} has action space {act}; only Discrete is supported so far")
         if not isinstance(obs, gym.spaces.Box):
             raise ValueError(f"env.id: {cfg.id} has observation space {obs}; only Box is supported so far")
-        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), int(act.n))
+        try:
+            action = from_gymnasium(act)
+        except ValueError as err:
+            raise ValueError(f"env.id: {cfg.id}: {err}") from None
+        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action)
     finally:
         env.close()
 
@@ -120,5 +144,5 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
 def spec_of(cfg: EnvConfig) -> EnvSpec:
     """The policy's spaces: declared ones (external simulators), else the local env's."""
     if cfg.observation_shape is not None:
-        return EnvSpec(tuple(cfg.observation_shape), np.dtype(cfg.observation_dtype), cfg.num_actions)
+        return EnvSpec(tuple(cfg.observation_shape), np.dtype(cfg.observation_dtype), Discrete(cfg.num_actions))
     return env_spec(cfg)

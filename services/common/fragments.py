@@ -14,13 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
+from services import algorithms
 from services.common import wire
 from services.common.tensors import DEFAULT_MAX_ELEMENTS, TensorError, decode, encode, encode_parts
 
 MAX_STEPS = 65536
 MAX_ID_LEN = 128
-ALGORITHM_NAMES = {pb.ALGORITHM_DQN: "dqn", pb.ALGORITHM_PPO: "ppo"}
-ALGORITHM_CODES = {name: code for code, name in ALGORITHM_NAMES.items()}
 # The tensors of a TransitionBatch (common.proto), in declaration order.
 TRANSITION_FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated", "policy_version")
 
@@ -42,7 +41,8 @@ class Fragment:
     truncated: np.ndarray          # [T, N] bool
     final_obs: np.ndarray          # [K, *obs_shape]
     final_index: np.ndarray        # [K] int64, flat t * N + n
-    behaviour_logprob: np.ndarray | None  # [T, N] float32 (PPO)
+    behaviour_logprob: np.ndarray | None  # [T, N] float32, where the algorithm's fragment_extras has it
+    action_mask: np.ndarray | None = None  # [T, N, M] bool: the actions allowed at obs[t]; None: all
 
     @property
     def num_steps(self) -> int:
@@ -162,7 +162,8 @@ def new_incarnation() -> int:
 def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
                    obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
-                   behaviour_logprob: np.ndarray | None = None, incarnation: int = 0) -> pb.TrajectoryFragment:
+                   behaviour_logprob: np.ndarray | None = None, action_mask: np.ndarray | None = None,
+                   incarnation: int = 0) -> pb.TrajectoryFragment:
     """Encode one fragment (arrays shaped as in TrajectoryFragment) into its wire message."""
     msg = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version, incarnation=incarnation,
                                 algorithm=algorithm, env_ids=list(env_ids),
@@ -176,6 +177,8 @@ def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: i
     encode(final_index.astype(np.int64, copy=False), msg.final_index)
     if behaviour_logprob is not None:
         encode(behaviour_logprob.astype(np.float32, copy=False), msg.behaviour_logprob)
+    if action_mask is not None:
+        encode(action_mask.astype(bool, copy=False), msg.action_mask)
     return msg
 
 
@@ -194,7 +197,7 @@ class EncodedFragment:
 def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
                     obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                     truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
-                    behaviour_logprob: np.ndarray | None = None,
+                    behaviour_logprob: np.ndarray | None = None, action_mask: np.ndarray | None = None,
                     created_unix_s: float | None = None, incarnation: int = 0) -> EncodedFragment:
     """`build_fragment(...).SerializeToString()`, byte for byte, with the tensor data copied once.
 
@@ -211,6 +214,8 @@ def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: 
                ("final_obs", final_obs), ("final_index", final_index.astype(np.int64, copy=False))]
     if behaviour_logprob is not None:
         tensors.append(("behaviour_logprob", behaviour_logprob.astype(np.float32, copy=False)))
+    if action_mask is not None:
+        tensors.append(("action_mask", action_mask.astype(bool, copy=False)))
     for name, arr in tensors:  # in field-number order, as the protobuf runtime writes them
         t_head, data = encode_parts(arr)
         parts += [wire.len_prefix(_FIELD_NUMBERS[name], len(t_head) + len(data)), t_head, data]
@@ -237,10 +242,11 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
     if isinstance(msg, RawFragment) and msg.error is not None:
         raise TensorError("fragment", msg.error)
     _expect(0 < len(msg.actor_id) <= MAX_ID_LEN, "actor_id", lambda: f"must be 1..{MAX_ID_LEN} characters")
-    _expect(msg.algorithm in ALGORITHM_NAMES, "algorithm", lambda: f"unknown or unspecified algorithm {msg.algorithm}")
+    algo = algorithms.BY_CODE.get(msg.algorithm)
+    _expect(algo is not None, "algorithm", lambda: f"unknown or unspecified algorithm {msg.algorithm}")
     if algorithm is not None and msg.algorithm != algorithm:
-        raise TensorError("algorithm", f"fragment is for {ALGORITHM_NAMES[msg.algorithm]} but this "
-                                       f"receiver serves {ALGORITHM_NAMES.get(algorithm, algorithm)}")
+        raise TensorError("algorithm", f"fragment is for {algo.name} but this receiver serves "
+                                       f"{algorithms.name_of(algorithm)}")
     T, N = msg.num_steps, len(msg.env_ids)
     _expect(0 < T <= MAX_STEPS, "num_steps", lambda: f"{T} is outside 1..{MAX_STEPS}")
     _expect(N > 0, "env_ids", "must name at least one env")
@@ -276,13 +282,18 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
             "final_obs", lambda: f"must be {obs.dtype.name} [K={len(final_index)}, *obs_shape={list(obs.shape[2:])}], "
                          f"got {final_obs.dtype.name} {list(final_obs.shape)}")
 
-    logprob = get("behaviour_logprob", present=msg.algorithm == pb.ALGORITHM_PPO)
+    logprob = get("behaviour_logprob", present="behaviour_logprob" in algo.fragment_extras)
     if logprob is not None:
         _expect(logprob.shape == (T, N) and logprob.dtype == np.float32, "behaviour_logprob",
                 lambda: f"must be float32 [T={T}, N={N}], got {logprob.dtype.name} {list(logprob.shape)}")
+    mask = get("action_mask", present=False)
+    if mask is not None:
+        _expect(mask.ndim == 3 and mask.shape[:2] == (T, N) and mask.dtype == np.bool_, "action_mask",
+                lambda: f"must be bool [T={T}, N={N}, M], got {mask.dtype.name} {list(mask.shape)}")
     return Fragment(actor_id=msg.actor_id, seq=msg.seq, policy_version=msg.policy_version,
                     incarnation=msg.incarnation, algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
-                    final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, **step_fields)
+                    final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, action_mask=mask,
+                    **step_fields)
 
 
 def batch_samples(batch: pb.TrainingBatch) -> int:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
-from torch.distributions import Categorical
 
 from services.common import envs
 from services.common.config import EnvConfig
+from services.common.heads import Head, out_features
 from services.common.envs import EnvSpec, spec_of  # noqa: F401  (re-exported: the networks' view of an env)
 
 
@@ -109,19 +109,22 @@ class QNetwork(nn.Module):
 class ActorCritic(nn.Module):
     """Policy and value heads. Flat observations: separate tanh MLPs (CleanRL's ppo.py). Frames: one
     shared Nature CNN torso with a policy head (std 0.01) and a value head (std 1), as in CleanRL's
-    ppo_atari.py."""
+    ppo_atari.py. The policy's output layer parameterises the action space's distribution
+    (services/common/heads.py: categorical, a product of categoricals, or a diagonal Gaussian)."""
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
+        n_out = out_features(spec.action)
         if is_image(spec):
             self.torso = NatureCNN(spec)
             self.critic = _layer(self.torso.features, 1, std=1.0)
-            self.actor = _layer(self.torso.features, spec.num_actions, std=0.01)
+            self.actor = _layer(self.torso.features, n_out, std=0.01)
         else:
             n_in = int(np.prod(spec.obs_shape))
             self.torso = nn.Flatten(1)
             self.critic = _mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
-            self.actor = _mlp(n_in, hidden, spec.num_actions, nn.Tanh, out_std=0.01)
+            self.actor = _mlp(n_in, hidden, n_out, nn.Tanh, out_std=0.01)
+        self.head = Head(spec.action)
         self._flat = not is_image(spec)
 
     def _features(self, obs: torch.Tensor) -> torch.Tensor:
@@ -130,17 +133,14 @@ class ActorCritic(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(self._features(obs)).squeeze(-1)
 
-    def dist(self, obs: torch.Tensor) -> Categorical:
-        return Categorical(logits=self.actor(self._features(obs)))
+    def dist(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
+        """The action distribution at `obs` ([B, ...]); `mask` [B, M] bool: the allowed actions."""
+        return self.head(self.actor(self._features(obs)), mask)
 
-    def dist_and_value(self, obs: torch.Tensor) -> tuple[Categorical, torch.Tensor]:
+    def dist_and_value(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
         """Both heads from one pass through the torso (what the PPO update needs per minibatch)."""
         x = self._features(obs)
-        return Categorical(logits=self.actor(x)), self.critic(x).squeeze(-1)
-
-
-def build_network(algorithm: str, spec: EnvSpec, hidden: tuple[int, ...]) -> nn.Module:
-    return ActorCritic(spec, hidden) if algorithm == "ppo" else QNetwork(spec, hidden)
+        return self.head(self.actor(x), mask), self.critic(x).squeeze(-1)
 
 
 def to_numpy(module: nn.Module) -> dict[str, np.ndarray]:

@@ -15,8 +15,8 @@ import grpc
 import torch
 
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
+from services import algorithms
 from services.common.config import ExperimentConfig, load_config
-from services.common.fragments import ALGORITHM_CODES
 from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
                                       start_server)
 from services.common.notify import Notifier
@@ -35,8 +35,8 @@ GROUP_PEER_STOP_GRACE_S = 10.0
 
 
 def batch_request(cfg: ExperimentConfig, learner_id: str) -> buffer_pb2.BatchRequest:
-    size = cfg.dqn.batch_size if cfg.algorithm == "dqn" else cfg.ppo.batch_steps
-    return buffer_pb2.BatchRequest(learner_id=learner_id, algorithm=ALGORITHM_CODES[cfg.algorithm], batch_size=size)
+    algorithm = algorithms.get(cfg.algorithm)
+    return buffer_pb2.BatchRequest(learner_id=learner_id, algorithm=algorithm.code, batch_size=algorithm.batch_size(cfg))
 
 
 async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.BatchRequest,

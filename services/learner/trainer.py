@@ -13,20 +13,17 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kuberl.v1 import common_pb2 as pb
+from services import algorithms
 from services.common.config import ExperimentConfig
-from services.common.fragments import TRANSITION_FIELDS, Fragment, batch_samples, decode_fragment
+from services.common.fragments import batch_samples
 from services.common.nets import spec_of, to_numpy
 from services.common.stats import Metrics
-from services.common.tensors import TensorError, decode
 from services.common.weights import encode_weights
 from services.learner import checkpoint
 from services.learner.distributed import GradientSync, GroupBroken
-from services.learner.dqn import DQN
-from services.learner.ppo import PPO
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +35,7 @@ class Trainer:
         restores the latest checkpoint and broadcasts its state, so the group starts equal."""
         self.cfg, self.metrics, self.checkpoint_dir, self.sync = cfg, metrics, Path(checkpoint_dir), sync
         self.spec = spec_of(cfg.env)
+        self.algorithm = algorithms.get(cfg.algorithm)
         self.algo = self._new_algo()
         self.lock = threading.Lock()
         # Serialises checkpoint writes (which run outside `lock`): the periodic one may still be on
@@ -62,14 +60,12 @@ class Trainer:
         for name in ("fragments_dropped_stale", "samples_dropped_stale", "fragments_corrected", "batches_skipped",
                      "batches_consumed", "samples_consumed", "samples", "train_seconds"):
             metrics.inc(f"learner/{name}_total", 0)
-        self.lag = metrics.histogram("learner/policy_lag")
+        self.lag = metrics.histogram("learner/policy_lag")  # observed by the algorithm as it trains
 
-    def _new_algo(self) -> DQN | PPO:
-        """The algorithm at its seeded initialisation (the same on every call)."""
+    def _new_algo(self):
+        """The algorithm's learner part at its seeded initialisation (the same on every call)."""
         torch.manual_seed(self.cfg.seed)
-        if self.cfg.algorithm == "dqn":
-            return DQN(self.cfg.dqn, self.spec, self.cfg.learner.device, self.sync)
-        return PPO(self.cfg.ppo, self.spec, self.cfg.learner.device, self.sync)
+        return self.algorithm.learner(self.cfg, self.spec, self.metrics, self.sync)
 
     def _apply_checkpoint(self, state: dict) -> None:
         """Load a checkpoint's state; if it does not fit (another model, missing keys), the algorithm
@@ -105,14 +101,7 @@ class Trainer:
         self.metrics.inc("learner/batches_consumed_total")
         self.metrics.inc("learner/samples_consumed_total", batch_samples(batch))
         try:
-            if self.cfg.algorithm == "dqn":
-                data = {f: decode(getattr(batch.transitions, f), f"transitions.{f}") for f in TRANSITION_FIELDS}
-                versions = data.pop("policy_version")
-                self._check_fits(data["obs"], data["next_obs"], actions=data["actions"], rows=len(versions))
-            else:
-                frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in batch.rollouts.fragments]
-                for f in frags:
-                    self._check_fits(f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions.reshape(-1))
+            data = self.algo.decode(batch)
         except (ValueError, KeyError) as err:
             self.metrics.inc("learner/batches_invalid_total")
             log.error("skipping malformed batch %d: %s", batch.batch_id, err)
@@ -122,17 +111,13 @@ class Trainer:
             return
         with self.lock:
             before = self.version
-            if self.cfg.algorithm == "dqn":
-                self.lag.observe(self.version - versions)
-                samples, stats = len(versions), self.algo.update(data)
-            else:
-                frags, correct = self._bound_staleness(frags)
-                if not frags:
-                    self.metrics.inc("learner/batches_skipped_total")
-                    if self.sync is not None:
-                        self._empty_update()
-                    return
-                samples, stats = sum(f.num_samples for f in frags), self.algo.update(frags, correct)
+            learned = self.algo.learn(data)
+            if learned is None:  # nothing usable (e.g. every fragment too stale; counted by the algorithm)
+                self.metrics.inc("learner/batches_skipped_total")
+                if self.sync is not None:
+                    self._empty_update()
+                return
+            samples, stats = learned
             self.metrics.inc("learner/updates_total", self.version - before)
             self.metrics.set("learner/gradient_steps", self.algo.gradient_steps)
         self.metrics.inc("learner/samples_total", samples)
@@ -145,36 +130,9 @@ class Trainer:
     def _empty_update(self) -> None:
         """Take part in the group's update with no data (weight 0); the version moves with the group's."""
         before = self.version
-        self.algo.update(None if self.cfg.algorithm == "dqn" else [])
+        self.algo.empty_update()
         self.metrics.inc("learner/updates_total", self.version - before)
         self.metrics.set("learner/policy_version", self.version)
-
-    def _check_fits(self, *observations: np.ndarray, actions: np.ndarray, rows: int | None = None) -> None:
-        """Raise TensorError unless the data fits this learner's env: observation shape, action range."""
-        for i, obs in enumerate(observations):
-            if obs.shape[1:] != self.spec.obs_shape:
-                raise TensorError("obs", f"per-step shape {list(obs.shape[1:])} does not match the env's "
-                                         f"{list(self.spec.obs_shape)}")
-            if rows is not None and len(obs) != rows:
-                raise TensorError("obs", f"{len(obs)} rows, expected {rows}")
-        if actions.ndim != 1 or (len(actions) and (actions.min() < 0 or actions.max() >= self.spec.num_actions)):
-            raise TensorError("actions", f"must be discrete actions in 0..{self.spec.num_actions - 1}")
-
-    def _bound_staleness(self, frags: list[Fragment]) -> tuple[list[Fragment], list[bool]]:
-        """Apply ppo.max_policy_lag at consumption, where the lag is exact: drop (counted) or mark for
-        V-trace correction every fragment more than max_policy_lag versions behind."""
-        p = self.cfg.ppo
-        lags = [self.version - f.policy_version for f in frags]
-        self.lag.observe(lags, [f.num_samples for f in frags])
-        stale = [p.max_policy_lag is not None and lag > p.max_policy_lag for lag in lags]
-        if p.stale_fragments == "correct":
-            self.metrics.inc("learner/fragments_corrected_total", sum(stale))
-            return frags, stale
-        for f, is_stale in zip(frags, stale):
-            if is_stale:
-                self.metrics.inc("learner/fragments_dropped_stale_total")
-                self.metrics.inc("learner/samples_dropped_stale_total", f.num_samples)
-        return [f for f, is_stale in zip(frags, stale) if not is_stale], [False] * (len(frags) - sum(stale))
 
     def weights(self) -> list[pb.Weights]:
         """The current policy as Weights chunks (blocking)."""

@@ -25,6 +25,7 @@ from google.protobuf import json_format
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
+from services import algorithms
 from services.common.config import ExperimentConfig
 from services.common.notify import Notifier
 from services.common.stats import Metrics
@@ -54,7 +55,7 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
         return RoleBounds(r.min, r.max, r.cost, r.max_step_up, r.max_step_down)
 
     return Policy(actor=bounds(p.actor), learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
-                  replay_ratio=cfg.dqn.replay_ratio if cfg.algorithm == "dqn" else 1.0,
+                  replay_ratio=algorithms.get(cfg.algorithm).consumption_ratio(cfg),
                   cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
                   converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,
                   measured_costs=p.costs == "measured", min_scale_gain=p.min_scale_gain,

@@ -10,7 +10,7 @@ import pytest
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from services.common.config import config_from_dict
 from services.common.envs import spec_of
-from services.common.nets import build_network
+from services import algorithms
 from tests.integration.test_pipeline import _stat_at_least, _stats, _until, stack
 
 pytest.importorskip("ale_py", reason="ale-py is in the actor extra")
@@ -36,7 +36,7 @@ async def test_pong_fragments_and_weights_above_4mib_flow_through_every_service(
     assert cfg.buffer.max_message_mb * 2**20 > GRPC_DEFAULT_LIMIT
     spec = spec_of(cfg.env)
     fragment_obs_bytes = (T + 1) * N * int(np.prod(spec.obs_shape))
-    weight_bytes = sum(p.numel() * 4 for p in build_network(algorithm, spec, cfg.hidden_sizes).parameters())
+    weight_bytes = sum(p.numel() * 4 for p in algorithms.get(algorithm).acting(cfg, spec, None, None).net.parameters())
     assert fragment_obs_bytes > GRPC_DEFAULT_LIMIT and weight_bytes > GRPC_DEFAULT_LIMIT
 
     async with stack(cfg, tmp_path / "ckpt", actor_id="pong-actor") as (buffer, learner, actor):

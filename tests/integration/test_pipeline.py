@@ -106,7 +106,7 @@ async def test_a_crashed_rollout_ends_serving_with_the_error_and_no_server_left_
     server is stopped even though the actor's shutdown sequence was cut short by it."""
     from services.actor.policy import Policy
 
-    def crash(self, obs, env_steps=0):
+    def crash(self, obs, env_steps=0, mask=None):
         raise ZeroDivisionError("policy exploded")
 
     monkeypatch.setattr(Policy, "act", crash)
@@ -153,3 +153,17 @@ async def test_readiness_goes_not_serving_before_each_server_stops(tmp_path):
 
 async def _all_serving(seen: dict[str, list[int]]) -> bool:
     return all(s and s[0] == health_pb2.HealthCheckResponse.SERVING for s in seen.values())
+
+
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "kuberl_envs:MaskedChoice-v0"], ids=["box", "multidiscrete-masked"])
+async def test_every_action_space_flows_actor_to_buffer_to_learner_and_back(tmp_path, env_id):
+    """Box actions (float32, unclipped in fragments) and MultiDiscrete actions with masks go through
+    every service's validation and come back as trained weights."""
+    cfg = config_from_dict({**TINY_PPO, "env": {"id": env_id, "num_envs": 2}})
+    async with stack(cfg, tmp_path / "ckpt", actor_id="actor-spaces") as (buffer, learner, actor):
+        a = await _until(lambda: _stat_at_least(actor, actor_pb2_grpc.ActorStub, "actor/policy_version", 2))
+        b = await _stats(buffer, buffer_pb2_grpc.BufferStub)
+        lrn = await _stats(learner, learner_pb2_grpc.LearnerStub)
+    assert a["actor/fragments_pushed_total"] >= 1 and a["actor/env_steps_total"] > 0
+    assert b["buffer/fragments_invalid_total"] == 0 and lrn["learner/batches_invalid_total"] == 0
+    assert lrn["learner/updates_total"] >= 2 and lrn["learner/samples_total"] > 0

@@ -8,12 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BoxSpace(_message.Message):
-    __slots__ = ("shape", "dtype")
+    __slots__ = ("shape", "dtype", "low", "high")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: _common_pb2.DType
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+    low: _containers.RepeatedScalarFieldContainer[float]
+    high: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DiscreteSpace(_message.Message):
     __slots__ = ("n",)
@@ -21,13 +25,36 @@ class DiscreteSpace(_message.Message):
     n: int
     def __init__(self, n: _Optional[int] = ...) -> None: ...
 
+class MultiDiscreteSpace(_message.Message):
+    __slots__ = ("nvec",)
+    NVEC_FIELD_NUMBER: _ClassVar[int]
+    nvec: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, nvec: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DictSpace(_message.Message):
+    __slots__ = ("spaces",)
+    class SpacesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: BoxSpace
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BoxSpace, _Mapping]] = ...) -> None: ...
+    SPACES_FIELD_NUMBER: _ClassVar[int]
+    spaces: _containers.MessageMap[str, BoxSpace]
+    def __init__(self, spaces: _Optional[_Mapping[str, BoxSpace]] = ...) -> None: ...
+
 class Space(_message.Message):
-    __slots__ = ("box", "discrete")
+    __slots__ = ("box", "discrete", "multi_discrete", "dict")
     BOX_FIELD_NUMBER: _ClassVar[int]
     DISCRETE_FIELD_NUMBER: _ClassVar[int]
+    MULTI_DISCRETE_FIELD_NUMBER: _ClassVar[int]
+    DICT_FIELD_NUMBER: _ClassVar[int]
     box: BoxSpace
     discrete: DiscreteSpace
-    def __init__(self, box: _Optional[_Union[BoxSpace, _Mapping]] = ..., discrete: _Optional[_Union[DiscreteSpace, _Mapping]] = ...) -> None: ...
+    multi_discrete: MultiDiscreteSpace
+    dict: DictSpace
+    def __init__(self, box: _Optional[_Union[BoxSpace, _Mapping]] = ..., discrete: _Optional[_Union[DiscreteSpace, _Mapping]] = ..., multi_discrete: _Optional[_Union[MultiDiscreteSpace, _Mapping]] = ..., dict: _Optional[_Union[DictSpace, _Mapping]] = ...) -> None: ...
 
 class EnvHello(_message.Message):
     __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "simulator")
@@ -44,20 +71,22 @@ class EnvHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ...) -> None: ...
 
 class EnvStep(_message.Message):
-    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations")
+    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations", "action_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     FINAL_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     observations: _common_pb2.Tensor
     rewards: _common_pb2.Tensor
     terminated: _common_pb2.Tensor
     truncated: _common_pb2.Tensor
     final_observations: _common_pb2.Tensor
-    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    action_masks: _common_pb2.Tensor
+    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_masks: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class EnvMessage(_message.Message):
     __slots__ = ("hello", "step")

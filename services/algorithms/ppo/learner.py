@@ -5,7 +5,8 @@ network at the start of each batch, which also gives the bootstrap values V(obs[
 at truncations. Fragments marked stale get V-trace targets instead of GAE (Espeholt et al. 2018):
 truncated importance weights between the current policy and the behaviour log-probs the actor
 recorded. The learner's version counts updates as CleanRL does: one per batch (num_epochs x
-num_minibatches gradient steps), so a policy lag of k means k batches behind.
+num_minibatches gradient steps), so a policy lag of k means k batches behind. `Learner` is the seam's
+entry point (services/algorithms).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kuberl.v1 import common_pb2 as pb
+from services.algorithms.checks import check_fits
 from services.common.config import PPOConfig
-from services.common.fragments import Fragment
+from services.common.fragments import Fragment, decode_fragment
 from services.common.nets import ActorCritic, EnvSpec, resolve_device
+from services.common.stats import Metrics
 from services.learner.distributed import GradientSync, average_over_group
 
 
@@ -65,8 +69,11 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tenso
 
 
 class PPO:
-    def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None):
-        self.cfg, self.device, self.sync = cfg, resolve_device(device), sync
+    def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
+                 metrics: Metrics | None = None):
+        self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
+        self.metrics = metrics or Metrics("learner")
+        self.lag = self.metrics.histogram("learner/policy_lag")
         self.net = ActorCritic(spec, cfg.hidden_sizes).to(self.device)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.version = 0
@@ -77,11 +84,60 @@ class PPO:
         """The module actors run."""
         return self.net
 
+    def decode(self, batch: pb.TrainingBatch) -> list[Fragment]:
+        """The batch's fragments, validated; raises ValueError (TensorError) naming what does not fit."""
+        frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in batch.rollouts.fragments]
+        for f in frags:
+            check_fits(self.spec, f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions,
+                       lead=(f.num_steps, f.num_envs), mask=f.action_mask)
+        return frags
+
+    def learn(self, frags: list[Fragment]) -> tuple[int, dict[str, float]] | None:
+        """One update on the batch's fragments after the staleness bound: (samples trained on,
+        diagnostics), or None when every fragment was too stale (dropped and counted)."""
+        frags, correct = self._bound_staleness(frags)
+        if not frags:
+            return None
+        return sum(f.num_samples for f in frags), self.update(frags, correct)
+
+    def empty_update(self) -> None:
+        """Take part in a group's update with nothing (weight 0)."""
+        self.update([])
+
+    def _bound_staleness(self, frags: list[Fragment]) -> tuple[list[Fragment], list[bool]]:
+        """Apply ppo.max_policy_lag at consumption, where the lag is exact: drop (counted) or mark for
+        V-trace correction every fragment more than max_policy_lag versions behind."""
+        p = self.cfg
+        lags = [self.version - f.policy_version for f in frags]
+        self.lag.observe(lags, [f.num_samples for f in frags])
+        stale = [p.max_policy_lag is not None and lag > p.max_policy_lag for lag in lags]
+        if p.stale_fragments == "correct":
+            self.metrics.inc("learner/fragments_corrected_total", sum(stale))
+            return frags, stale
+        for f, is_stale in zip(frags, stale):
+            if is_stale:
+                self.metrics.inc("learner/fragments_dropped_stale_total")
+                self.metrics.inc("learner/samples_dropped_stale_total", f.num_samples)
+        return [f for f, is_stale in zip(frags, stale) if not is_stale], [False] * (len(frags) - sum(stale))
+
     def _tensor(self, arr: np.ndarray) -> torch.Tensor:
         return torch.tensor(arr, device=self.device)  # copies: wire arrays are read-only
 
+    def _actions(self, frag: Fragment) -> torch.Tensor:
+        """[T*N, *action_shape]: integer actions as int64, Box actions as float32."""
+        return self._tensor(frag.actions).reshape(frag.num_samples, *frag.actions.shape[2:])
+
+    def _mask(self, frag: Fragment, masked: bool) -> torch.Tensor | None:
+        """[T*N, M] allowed actions: the fragment's, all-True for an unmasked fragment in a masked
+        batch, None where nothing in the batch is masked."""
+        if not masked:
+            return None
+        if frag.action_mask is None:
+            return torch.ones((frag.num_samples, self.spec.action.mask_width), dtype=torch.bool, device=self.device)
+        return self._tensor(frag.action_mask).reshape(frag.num_samples, -1)
+
     @torch.no_grad()
-    def _advantages(self, frag: Fragment, correct: bool):
+    def _advantages(self, frag: Fragment, correct: bool, mask: torch.Tensor | None = None):
         c = self.cfg
         T, N = frag.num_steps, frag.num_envs
         obs = self._tensor(frag.obs)
@@ -90,10 +146,9 @@ class PPO:
         if len(frag.final_index):
             next_values.view(-1)[self._tensor(frag.final_index)] = self.net.value(self._tensor(frag.final_obs))
         term, trunc = self._tensor(frag.terminated), self._tensor(frag.truncated)
-        rewards = self._tensor(frag.rewards)
+        rewards = self._tensor(frag.rewards) * c.reward_scale
         if correct:
-            actions = self._tensor(frag.actions).reshape(T * N).long()
-            logprob = self.net.dist(obs[:-1].flatten(0, 1)).log_prob(actions).view(T, N)
+            logprob = self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
             log_rhos = logprob - self._tensor(frag.behaviour_logprob)
             adv, ret = vtrace(rewards, values[:-1], next_values, term, term | trunc, log_rhos, c.gamma,
                               c.gae_lambda, c.vtrace_rho_bar, c.vtrace_c_bar)
@@ -112,12 +167,16 @@ class PPO:
         if not fragments and self.sync is None:
             return {}
         correct = correct or [False] * len(fragments)
-        data = None  # (obs, values, advantages, returns, actions, behaviour log-probs), one row per sample
+        # (obs, values, advantages, returns, actions, behaviour log-probs, masks or None), a row per sample
+        data = None
         if fragments:
-            parts = [self._advantages(f, fix) for f, fix in zip(fragments, correct)]
+            masked = any(f.action_mask is not None for f in fragments)
+            masks = [self._mask(f, masked) for f in fragments]
+            parts = [self._advantages(f, fix, m) for f, fix, m in zip(fragments, correct, masks)]
             data = (*(torch.cat(x) for x in zip(*parts)),
-                    torch.cat([self._tensor(f.actions).reshape(-1) for f in fragments]).long(),
-                    torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments]))
+                    torch.cat([self._actions(f) for f in fragments]),
+                    torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments]),
+                    torch.cat(masks) if masked else None)
         n = sum(f.num_samples for f in fragments)
         # Exactly num_minibatches per epoch, sizes differing by at most one (alone: at most n of them).
         splits = c.num_minibatches if self.sync is not None else min(c.num_minibatches, n)
@@ -144,8 +203,8 @@ class PPO:
     def _loss(self, data, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped PPO loss on minibatch `mb` (indices into `data`), and its diagnostics (detached)."""
         c = self.cfg
-        obs, values, adv, ret, actions, old_logprob = data
-        dist, new_value = self.net.dist_and_value(obs[mb])
+        obs, values, adv, ret, actions, old_logprob, masks = data
+        dist, new_value = self.net.dist_and_value(obs[mb], None if masks is None else masks[mb])
         logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
         ratio = logratio.exp()
         with torch.no_grad():
@@ -174,3 +233,6 @@ class PPO:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.gradient_steps = int(state.get("gradient_steps", 0))
+
+
+Learner = PPO

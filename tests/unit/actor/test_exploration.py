@@ -4,7 +4,8 @@ not start random), and replicas without an index step differently seeded envs.""
 import numpy as np
 import pytest
 
-from services.actor.policy import Policy, epsilon_at, run_env_steps
+from services.actor.policy import Policy
+from services.algorithms.dqn.acting import epsilon_at, run_env_steps
 from services.common.config import config_from_dict
 from services.common.nets import env_spec
 from services.common.stats import Metrics

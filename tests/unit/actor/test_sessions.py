@@ -11,10 +11,11 @@ from services.actor.sessions import SessionError, SessionHub
 from services.common.config import config_from_dict
 from services.common.fragments import decode_fragment
 from services.common.nets import EnvSpec
+from services.common.spaces import Discrete
 from services.common.stats import Metrics
 from services.common.tensors import encode
 
-SPEC = EnvSpec((3,), np.dtype(np.float32), 2)
+SPEC = EnvSpec((3,), np.dtype(np.float32), Discrete(2))
 T, N = 4, 2
 
 
@@ -49,12 +50,12 @@ def obs_at(k):
 def drive(h, s, steps, end_at=None):
     """step 0..steps; env 0 terminates at step `end_at` (final obs -1)."""
     h.observe(s, step(0, obs_at(0)))
-    h.record_actions(s, np.array([0, 1]), np.array([-0.5, -0.6], np.float32), version=3)
+    h.record_actions(s, np.array([0, 1]), {"behaviour_logprob": np.array([-0.5, -0.6], np.float32)}, version=3)
     for k in range(1, steps + 1):
         term = [k == end_at, False]
         final = [np.full(3, -1.0)] if k == end_at else None
         h.observe(s, step(k, obs_at(k), rewards=[1.0, 2.0], term=term, trunc=[False, False], final=final))
-        h.record_actions(s, np.array([1, 0]), np.array([-0.7, -0.8], np.float32), version=3 + k)
+        h.record_actions(s, np.array([1, 0]), {"behaviour_logprob": np.array([-0.7, -0.8], np.float32)}, version=3 + k)
 
 
 def test_steps_become_valid_fragments_of_rollout_steps():
@@ -157,7 +158,7 @@ def test_malformed_step_names_the_field(kwargs, text):
     h, _ = hub()
     s, _ = h.open(hello())
     h.observe(s, step(0, obs_at(0)))
-    h.record_actions(s, np.array([0, 0]), np.zeros(2, np.float32), 1)
+    h.record_actions(s, np.array([0, 0]), {"behaviour_logprob": np.zeros(2, np.float32)}, 1)
     with pytest.raises(SessionError) as err:
         h.observe(s, step(1, obs_at(1), **kwargs))
     assert err.value.code == "INVALID_ARGUMENT" and text in str(err.value)

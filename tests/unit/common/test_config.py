@@ -157,7 +157,7 @@ def test_wrong_types(data, key, match):
     ({"planner": {"min_scale_gain": 1.5}}, "planner.min_scale_gain", "must be in [0, 1]"),
     ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
-    ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be 'ppo' or 'dqn'"),
+    ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be one of dqn, ppo"),
     ({"planner": {"max_policy_lag": -1}}, "planner.max_policy_lag", "must be >= 0"),
     ({"planner": {"costs": "cores"}}, "planner.costs", "must be 'configured' or 'measured'"),
 ])

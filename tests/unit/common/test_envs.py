@@ -86,3 +86,41 @@ def test_nature_cnn_takes_uint8_frames_and_scales_them_inside():
     torch.testing.assert_close(value, ac.value(frames))
     # The Nature architecture: 3 conv layers to 3136 features, then 512.
     assert torso.fc[0].in_features == 64 * 7 * 7 and torso.features == 512
+
+
+class _DictObs:
+    """A Dict-of-Box observation env, made on demand (gymnasium registers ids process-wide)."""
+
+    @staticmethod
+    def register() -> str:
+        import gymnasium as gym
+        from gymnasium import spaces
+
+        class DictEnv(gym.Env):
+            observation_space = spaces.Dict({"b": spaces.Box(0, 1, (2,), np.float32),
+                                             "a": spaces.Box(0, 255, (1,), np.uint8)})
+            action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                return {"a": np.array([7], np.uint8), "b": np.array([0.5, 0.25], np.float32)}, {}
+
+            def step(self, action):
+                return self.reset()[0], 1.0, False, False, {}
+
+        if "kuberl-test/DictObs-v0" not in gym.registry:
+            gym.register("kuberl-test/DictObs-v0", entry_point=DictEnv)
+        return "kuberl-test/DictObs-v0"
+
+
+def test_dict_observations_are_flattened_to_float32_in_sorted_key_order():
+    from services.common.spaces import Box
+
+    cfg = config_from_dict({"env": {"id": _DictObs.register(), "num_envs": 2}})
+    spec = spec_of(cfg.env)
+    assert spec.obs_shape == (3,) and spec.obs_dtype == np.float32 and spec.action == Box.of((2,), -1.0, 1.0)
+    envs = make_vector_env(cfg.env)
+    obs, _ = envs.reset(seed=0)
+    np.testing.assert_array_equal(obs, [[7.0, 0.5, 0.25]] * 2)  # "a" before "b"
+    assert obs.dtype == np.float32
+    envs.close()

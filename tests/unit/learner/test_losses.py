@@ -1,4 +1,4 @@
-"""services/learner/dqn.py td_target and services/learner/ppo.py gae against naive loops, plus
+"""services/algorithms/dqn/learner.py td_target and services/algorithms/ppo/learner.py gae against naive loops, plus
 one-step smoke tests of DQN.update and PPO.update."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import torch
 
 from services.common.config import DQNConfig, PPOConfig
 from services.common.nets import EnvSpec
+from services.common.spaces import Discrete
 from services.common.tensors import decode, encode
-from services.learner.dqn import DQN, td_target
-from services.learner.ppo import PPO, gae
+from services.algorithms.dqn.learner import DQN, td_target
+from services.algorithms.ppo.learner import PPO, gae
 from tests.unit.fragment_factory import make_fragment
 
-SPEC = EnvSpec(obs_shape=(4,), obs_dtype=np.float32, num_actions=2)
+SPEC = EnvSpec(obs_shape=(4,), obs_dtype=np.float32, action=Discrete(2))
 
 
 # --- td_target ----------------------------------------------------------------------------------

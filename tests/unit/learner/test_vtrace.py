@@ -1,4 +1,4 @@
-"""services/learner/ppo.py vtrace against a naive per-env, per-step transcription of Espeholt et al.
+"""services/algorithms/ppo/learner.py vtrace against a naive per-env, per-step transcription of Espeholt et al.
 2018 eq. (1) (with lambda, section 4.2), its relation to gae, and PPO.update with V-trace targets."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import torch
 from services.common.config import PPOConfig
 from services.common.fragments import build_fragment, decode_fragment
 from services.common.nets import EnvSpec
-from services.learner.ppo import PPO, gae, vtrace
+from services.common.spaces import Discrete
+from services.algorithms.ppo.learner import PPO, gae, vtrace
 from tests.unit.fragment_factory import PPO as PPO_CODE
 from tests.unit.fragment_factory import make_fragment
 
-SPEC = EnvSpec(obs_shape=(4,), obs_dtype=np.float32, num_actions=2)
+SPEC = EnvSpec(obs_shape=(4,), obs_dtype=np.float32, action=Discrete(2))
 T, N = 6, 3
 GAMMA = 0.97
 

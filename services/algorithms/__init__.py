@@ -1,0 +1,34 @@
+"""The algorithm seam: services ask the algorithm, never its name.
+
+Each algorithm is a package here. Its `__init__` holds the torch-free `Algorithm` (what its fragments
+carry, how the buffer keeps and serves them, the batch size, what the planner balances); `acting.py`
+holds how actors act (network, exploration) and `learner.py` how learners decode batches and update.
+Adding one = a new package + an entry in `_ALGORITHMS` (and its config section in
+services/common/config.py).
+"""
+
+from __future__ import annotations
+
+from services.algorithms.base import Algorithm, FifoTable, ReplayTable
+from services.algorithms.dqn import DQN
+from services.algorithms.ppo import PPO
+
+_ALGORITHMS: tuple[Algorithm, ...] = (PPO(), DQN())
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in _ALGORITHMS}
+BY_CODE: dict[int, Algorithm] = {a.code: a for a in _ALGORITHMS}
+
+__all__ = ["Algorithm", "FifoTable", "ReplayTable", "REGISTRY", "BY_CODE", "get", "name_of"]
+
+
+def get(name: str) -> Algorithm:
+    """The algorithm called `name`; ValueError naming `algorithm` for an unknown one."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"algorithm: {name!r} is not one of {', '.join(sorted(REGISTRY))}") from None
+
+
+def name_of(code: int) -> str:
+    """A kuberl.v1.Algorithm code's name, for messages (the number itself when unknown)."""
+    algo = BY_CODE.get(code)
+    return algo.name if algo is not None else str(code)

@@ -1,0 +1,84 @@
+"""What every algorithm tells the services about itself (docs/architecture.md, "The algorithm seam").
+
+An `Algorithm` is torch-free: the buffer and the planner read it. Its acting and learning parts
+(`<package>.acting`, `<package>.learner`) import torch and are loaded on first use, by actors and
+learners only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from services.common.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class ReplayTable:
+    """The buffer keeps transitions in a uniform replay ring and serves random batches, paced so that
+    at most `replay_ratio` samples are served per sample inserted (0: unpaced)."""
+    capacity: int
+    learning_starts: int
+    replay_ratio: float
+    replay_ratio_tolerance: float
+
+
+@dataclass(frozen=True)
+class FifoTable:
+    """The buffer keeps whole fragments first in, first out (on-policy data: each is served once) and
+    drops, counted, any more than `max_policy_lag` versions behind when `stale_fragments` is "drop"."""
+    capacity_steps: int
+    max_policy_lag: int | None
+    stale_fragments: str
+
+
+class Algorithm:
+    """One algorithm: subclass it in `services/algorithms/<name>/__init__.py` and add it to the registry."""
+    name: ClassVar[str]        # the config's `algorithm` and the name of its config section
+    code: ClassVar[int]        # kuberl.v1.Algorithm, stamped on fragments and batch requests
+    # Per-step float32 [T, N] tensors a fragment carries beyond the common ones (TrajectoryFragment
+    # field names): what the actor records while acting and the learner needs.
+    fragment_extras: ClassVar[tuple[str, ...]] = ()
+    # The action spaces (services/common/spaces.py classes) it can act in and learn.
+    action_spaces: ClassVar[tuple[type, ...]]
+    takes_action_masks: ClassVar[bool] = False
+
+    def check_spec(self, spec) -> None:
+        """ValueError naming the algorithm unless it can train on an env of this spec."""
+        if not isinstance(spec.action, self.action_spaces):
+            kinds = " or ".join(k.__name__ for k in self.action_spaces)
+            raise ValueError(f"algorithm: {self.name} takes {kinds} actions; this env's are {spec.action}")
+
+    def section(self, cfg: ExperimentConfig):
+        """This algorithm's config section (`cfg.<name>`); it has rollout_steps and hidden_sizes."""
+        return getattr(cfg, self.name)
+
+    def table(self, cfg: ExperimentConfig) -> ReplayTable | FifoTable:
+        """How the buffer keeps and serves this algorithm's fragments."""
+        raise NotImplementedError
+
+    def batch_size(self, cfg: ExperimentConfig) -> int:
+        """Samples per batch a learner asks the buffer for."""
+        raise NotImplementedError
+
+    def consumption_ratio(self, cfg: ExperimentConfig) -> float:
+        """Samples trained on per sample produced, which the planner balances production against."""
+        return 1.0
+
+    def _part(self, module: str, attr: str):
+        return getattr(importlib.import_module(f"{type(self).__module__}.{module}"), attr)
+
+    def acting(self, cfg: ExperimentConfig, spec, rng, metrics):
+        """The actor's part (`<package>.acting.Acting`): `net`, the policy network the learner's weights
+        load into, and `act(obs, version, env_steps)` -> (actions, {fragment extra: [N] array})."""
+        self.check_spec(spec)
+        return self._part("acting", "Acting")(cfg, spec, rng, metrics)
+
+    def learner(self, cfg: ExperimentConfig, spec, metrics, sync=None):
+        """The learner's part (`<package>.learner.Learner`): `decode(batch)` validates a TrainingBatch,
+        `learn(data)` updates on it (None: nothing usable), `empty_update()` joins a group's update
+        with nothing; `version`, `policy` (the module actors run), `state_dict`/`load_state_dict`."""
+        self.check_spec(spec)
+        return self._part("learner", "Learner")(self.section(cfg), spec, cfg.learner.device, sync, metrics)

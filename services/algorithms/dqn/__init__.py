@@ -1,0 +1,24 @@
+"""Double DQN (van Hasselt et al. 2016): transitions in a uniform replay, served at a replay ratio
+the buffer paces; epsilon-greedy actors (acting.py, learner.py)."""
+
+from __future__ import annotations
+
+from kuberl.v1 import common_pb2 as pb
+from services.algorithms.base import Algorithm, ReplayTable
+from services.common.spaces import Discrete
+
+
+class DQN(Algorithm):
+    name = "dqn"
+    code = pb.ALGORITHM_DQN
+    action_spaces = (Discrete,)
+
+    def table(self, cfg) -> ReplayTable:
+        d = cfg.dqn
+        return ReplayTable(d.buffer_size, d.learning_starts, d.replay_ratio, d.replay_ratio_tolerance)
+
+    def batch_size(self, cfg) -> int:
+        return cfg.dqn.batch_size
+
+    def consumption_ratio(self, cfg) -> float:
+        return cfg.dqn.replay_ratio

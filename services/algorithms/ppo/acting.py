@@ -1,0 +1,23 @@
+"""PPO's actor side: sample from the policy head and record the behaviour log-prob of each action
+(the learner's ratio and V-trace need it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.common.nets import ActorCritic
+
+
+class Acting:
+    def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
+        self.net = ActorCritic(spec, cfg.ppo.hidden_sizes)
+
+    @torch.inference_mode()
+    def act(self, obs: torch.Tensor, version: int | None, env_steps: int, mask: torch.Tensor | None = None
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Actions in the space's layout (a Box sample unclipped) and their log-probs; disallowed
+        actions (`mask` False) are never sampled."""
+        dist = self.net.dist(obs, mask)
+        action = dist.sample()
+        return action.numpy(), {"behaviour_logprob": dist.log_prob(action).numpy()}

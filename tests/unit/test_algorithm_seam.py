@@ -1,0 +1,70 @@
+"""The algorithm seam (docs/architecture.md, "The algorithm seam"): every registered algorithm has all
+its parts, and no service outside services/algorithms branches on an algorithm's name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kuberl.v1 import common_pb2 as pb
+from services import algorithms
+from services.algorithms.base import FifoTable, ReplayTable
+from services.common.config import config_from_dict
+from services.common.nets import env_spec
+from services.common.stats import Metrics
+
+SERVICES = Path(__file__).resolve().parents[2] / "services"
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))
+def test_every_algorithm_has_every_part(name):
+    algo = algorithms.get(name)
+    assert algorithms.BY_CODE[algo.code] is algo and algo.code != pb.ALGORITHM_UNSPECIFIED
+    cfg = config_from_dict({"algorithm": name})
+    assert algo.section(cfg) is getattr(cfg, name)
+    assert isinstance(algo.table(cfg), (ReplayTable, FifoTable))
+    assert algo.batch_size(cfg) >= 1 and algo.consumption_ratio(cfg) >= 0
+    tensors = {f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields if f.message_type is pb.Tensor.DESCRIPTOR}
+    assert set(algo.fragment_extras) <= tensors
+
+    spec = env_spec("CartPole-v1")
+    acting = algo.acting(cfg, spec, np.random.default_rng(0), Metrics("actor"))
+    import torch
+
+    actions, extras = acting.act(torch.zeros((3, 4)), None, 0)
+    assert actions.shape == (3,) and set(extras) == set(algo.fragment_extras)
+    assert all(v.shape == (3,) for v in extras.values())
+    learner = algo.learner(cfg, spec, Metrics("learner"))
+    # The actor's network takes the learner's weights as they are published.
+    acting.net.load_state_dict(learner.policy.state_dict(), strict=True)
+    assert learner.version == 0
+
+
+def test_unknown_names_and_codes_are_refused_clearly():
+    with pytest.raises(ValueError, match="algorithm: 'sac' is not one of dqn, ppo"):
+        algorithms.get("sac")
+    assert algorithms.name_of(99) == "99"
+
+
+def _literal_names(tree: ast.AST) -> list[tuple[int, str]]:
+    names = set(algorithms.REGISTRY)
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+
+
+def test_services_ask_the_algorithm_not_its_name():
+    """An algorithm's name appears as a string only in its own package and as the config's default."""
+    found = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        rel = path.relative_to(SERVICES).as_posix()
+        if rel.startswith("algorithms/"):
+            continue
+        hits = _literal_names(ast.parse(path.read_text(), rel))
+        if rel == "common/config.py":
+            hits = [h for h in hits if h[1] != "ppo"]  # `algorithm: str = "ppo"`, the default
+            assert len(_literal_names(ast.parse(path.read_text()))) == 1
+        found += [f"services/{rel}:{line}: {value!r}" for line, value in hits]
+    assert not found, "\n".join(found)
