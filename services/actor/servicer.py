@@ -35,7 +35,7 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         if self.hub is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this actor steps local envs; start one with env.mode: external for simulators")
-        session = None
+        session = first = None
         try:
             first = await self._read(context)
             if first is None:
@@ -60,7 +60,12 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         except SessionError as err:
             if session is not None:
                 self.hub.close(session, "timeout" if err.code == "DEADLINE_EXCEEDED" else "error")
-            log.info("session %s ended: %s %s", session.session_id if session else "(no hello)", err.code, err)
+            if session is None and first is not None and first.WhichOneof("kind") == "hello":
+                # Counted too (actor/sessions_refused_total); the log says who and why.
+                log.warning("refused a hello from %r (session %r): %s %s", first.hello.simulator[:128],
+                            first.hello.session_id[:128], err.code, err)
+            else:
+                log.info("session %s ended: %s %s", session.session_id if session else "(no hello)", err.code, err)
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         finally:
             if session is not None:
