@@ -20,7 +20,7 @@ import grpc
 
 from kuberl.v1 import buffer_pb2
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import EncodedFragment
+from services.common.fragments import DEDUPE_WINDOW, EncodedFragment
 from services.common.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
 
@@ -149,15 +149,26 @@ class Pusher:
             self.metrics.inc("actor/bytes_pushed_total", len(msg.payload))
         await call.done_writing()
         ack = await call
-        self._written = []  # acknowledged: nothing of it is needed again
+        written, self._written = self._written, []  # acknowledged: nothing of it is needed again
+        if ack.rejected:
+            # Seqs the buffer could no longer dedupe (more than DEDUPE_WINDOW behind this incarnation's
+            # newest): refused, not stored. Config keeps the send queue inside the window, so only a
+            # sender that broke that bound sees this; counted, never taken as delivered.
+            floor = ack.high_water_seq - DEDUPE_WINDOW if ack.HasField("high_water_seq") else -1
+            self.metrics.inc("actor/fragments_rejected_total", ack.rejected)
+            self.metrics.inc("actor/samples_rejected_total", sum(m.samples for m in written if m.seq <= floor))
+            log.error("buffer refused %d fragments as too old to deduplicate", ack.rejected)
         if ack.HasField("high_water_seq"):
-            self._forget_through(ack.high_water_seq)
+            self._forget_through(ack.high_water_seq, refused=ack.rejected)
         self.metrics.set("actor/push_queue_fragments", len(self.queue))
 
-    def _forget_through(self, seq: int) -> None:
+    def _forget_through(self, seq: int, refused: int = 0) -> None:
+        """Forget the unacknowledged fragments up to `seq`: acknowledged, but for `refused` of them."""
+        forgotten = 0
         while self.unacked and self.unacked[0].seq <= seq:
             self.unacked_bytes -= len(self.unacked.popleft().payload)
-            self.metrics.inc("actor/fragments_acked_total")
+            forgotten += 1
+        self.metrics.inc("actor/fragments_acked_total", max(0, forgotten - refused))
 
     def _rejected(self, err: grpc.aio.AioRpcError) -> None:
         """The buffer refused a fragment as malformed: drop it (counted), keep the rest for re-send.

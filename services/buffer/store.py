@@ -28,11 +28,11 @@ from services.buffer.replay import ReplayRing
 from services.common.config import ExperimentConfig
 from services import algorithms
 from services.algorithms import FifoTable, ReplayTable
-from services.common.fragments import RawFragment, batch_samples, decode_fragment
+from services.common.fragments import DEDUPE_WINDOW, RawFragment, batch_samples, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import TensorError, encode
 
-SEQ_WINDOW = 4096
+SEQ_WINDOW = DEDUPE_WINDOW
 LEARNER_EXPIRY_S = 30.0
 MAX_ACTORS_TRACKED = 65536
 # A restarted process of one actor id gets a new incarnation; its predecessor's window is kept for
@@ -50,35 +50,58 @@ class Outcome(enum.Enum):
 class SeqWindow:
     """The seqs stored from one incarnation of an actor: exact within the last SEQ_WINDOW seqs.
 
-    An actor never has more than its send queue (actor.queue_fragments, at most SEQ_WINDOW)
-    unacknowledged, so a re-send always lands inside the window; anything older is refused as TOO_OLD
-    and counted, never acknowledged as stored."""
+    A ring of SEQ_WINDOW bits (8 KiB), like IPsec's anti-replay window (RFC 6479): seq s is bit
+    s % SEQ_WINDOW while high - SEQ_WINDOW < s <= high, and advancing `high` clears the bits the new
+    seqs take over. An actor never has more than its send queue (actor.queue_fragments, which config
+    validation keeps <= DEDUPE_WINDOW) unacknowledged, so a re-send always lands inside the window;
+    anything older is refused as TOO_OLD and counted, never acknowledged as stored. Worst case
+    MAX_ACTORS_TRACKED x MAX_INCARNATIONS_PER_ACTOR windows; a few thousand actors hold tens of MB."""
 
     def __init__(self) -> None:
         self.high = -1
-        self._recent: set[int] = set()
+        self._bits = np.zeros(SEQ_WINDOW // 8, np.uint8)
+
+    def _has(self, seq: int) -> bool:
+        pos = seq % SEQ_WINDOW
+        return bool(self._bits[pos >> 3] & (1 << (pos & 7)))
 
     def outcome(self, seq: int) -> Outcome:
-        if seq in self._recent:
-            return Outcome.DUPLICATE
+        if seq > self.high:
+            return Outcome.ACCEPTED
         if seq <= self.high - SEQ_WINDOW:
             return Outcome.TOO_OLD
-        return Outcome.ACCEPTED
+        return Outcome.DUPLICATE if self._has(seq) else Outcome.ACCEPTED
 
     def add(self, seq: int) -> None:
-        self._recent.add(seq)
-        self.high = max(self.high, seq)
-        if len(self._recent) > 2 * SEQ_WINDOW:
-            self._recent = {s for s in self._recent if s > self.high - SEQ_WINDOW}
+        if seq > self.high:
+            if seq - self.high >= SEQ_WINDOW:
+                self._bits[:] = 0
+            elif seq - self.high <= 8:  # the usual step of 1: plain integer work
+                bits = self._bits
+                for s in range(self.high + 1, seq + 1):
+                    pos = s % SEQ_WINDOW
+                    bits[pos >> 3] = int(bits[pos >> 3]) & ~(1 << (pos & 7)) & 0xFF
+            else:  # the positions of seqs high+1..seq held seqs a window older: clear them
+                pos = np.arange(self.high + 1, seq + 1) % SEQ_WINDOW
+                np.bitwise_and.at(self._bits, pos >> 3, ~(np.left_shift(1, pos & 7)).astype(np.uint8))
+            self.high = seq
+        pos = seq % SEQ_WINDOW
+        self._bits[pos >> 3] = int(self._bits[pos >> 3]) | (1 << (pos & 7))
 
     @property
     def recent(self) -> list[int]:
-        return sorted(self._recent)
+        seqs = np.arange(max(0, self.high - SEQ_WINDOW + 1), self.high + 1)
+        pos = seqs % SEQ_WINDOW
+        return seqs[(self._bits[pos >> 3] >> (pos & 7)) & 1 == 1].tolist()
 
     @classmethod
     def of(cls, high: int, recent) -> SeqWindow:
         w = cls()
-        w.high, w._recent = int(high), {int(s) for s in recent}
+        w.high = int(high)
+        for seq in recent:  # seqs a window or more behind `high` (an older checkpoint's) are gone
+            if w.high - SEQ_WINDOW < int(seq) <= w.high:
+                pos = int(seq) % SEQ_WINDOW
+                w._bits[pos >> 3] |= np.uint8(1 << (pos & 7))
         return w
 
 

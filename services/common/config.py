@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from services import algorithms
+from services.common.fragments import DEDUPE_WINDOW
 
 
 class ConfigError(ValueError):
@@ -252,7 +253,9 @@ class ActorConfig:
         _require(self.session_timeout_s > 0, "session_timeout_s", self.session_timeout_s, "must be > 0")
         _require(self.session_resume_s >= 0, "session_resume_s", self.session_resume_s, "must be >= 0")
         _require(self.max_env_steps_per_s >= 0, "max_env_steps_per_s", self.max_env_steps_per_s, "must be >= 0")
-        _require(self.queue_fragments >= 1, "queue_fragments", self.queue_fragments, "must be >= 1")
+        _require(1 <= self.queue_fragments <= DEDUPE_WINDOW, "queue_fragments", self.queue_fragments,
+                 f"must be 1..{DEDUPE_WINDOW}: a buffer dedupes a re-sent fragment exactly only within the last "
+                 f"{DEDUPE_WINDOW} seqs of its sender (services/common/fragments.py)")
         _require(self.queue_mb > 0, "queue_mb", self.queue_mb, "must be > 0")
         _require(self.push_ack_interval_s > 0, "push_ack_interval_s", self.push_ack_interval_s, "must be > 0")
         _require(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")

@@ -20,6 +20,9 @@ from services.common.tensors import DEFAULT_MAX_ELEMENTS, TensorError, decode, e
 
 MAX_STEPS = 65536
 MAX_ID_LEN = 128
+# Seqs per (actor_id, incarnation) a buffer dedupes exactly (services/buffer/store.py SeqWindow). A
+# sender must never have more fragments unacknowledged, so config keeps actor.queue_fragments below it.
+DEDUPE_WINDOW = 65536
 # The tensors of a TransitionBatch (common.proto), in declaration order.
 TRANSITION_FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated", "policy_version")
 

@@ -131,3 +131,18 @@ async def test_fragments_a_killed_buffer_never_acknowledged_are_resent_to_its_su
             if svc is not None and svc.popen.poll() is None:
                 svc.popen.kill()
                 svc.popen.wait()
+
+
+async def test_a_fragment_too_old_to_dedupe_is_counted_as_rejected_not_acknowledged(buffer_channel):
+    """A sender that broke the queue bound (more than DEDUPE_WINDOW seqs apart in flight) gets its
+    oldest fragment refused; the actor counts it, fragments and samples, and never as acknowledged."""
+    from services.common.fragments import DEDUPE_WINDOW
+
+    inc = new_incarnation()
+    new, old = frag(DEDUPE_WINDOW + 5, inc), frag(0, inc)
+    metrics = await deliver(buffer_channel, [new, old])
+    snap = metrics.snapshot()
+    assert snap["actor/fragments_rejected_total"] == 1 and snap["actor/samples_rejected_total"] == old.samples
+    assert snap["actor/fragments_acked_total"] == 1
+    buffer = await stats(buffer_channel)
+    assert buffer["buffer/fragments_received_total"] == 1 and buffer["buffer/fragments_too_old_total"] == 1

@@ -329,3 +329,50 @@ def test_gauges():
     assert g["buffer/size_samples"] == 16
     assert g["buffer/samples_per_insert"] == 0.5
     assert g["buffer/actors_known"] == 2
+
+
+def _reference(high: int, stored: set[int], seq: int) -> Outcome:
+    """The window's rule written naively: exact within SEQ_WINDOW seqs of the newest, too old beyond."""
+    if seq > high:
+        return Outcome.ACCEPTED
+    if seq <= high - SEQ_WINDOW:
+        return Outcome.TOO_OLD
+    return Outcome.DUPLICATE if seq in stored else Outcome.ACCEPTED
+
+
+def test_the_bit_ring_window_agrees_with_a_naive_set_on_random_sequences():
+    import random
+
+    rng = random.Random(0)
+    W = SEQ_WINDOW
+    for _ in range(20):
+        w, stored, high, nxt = SeqWindow(), set(), -1, 0
+        for _ in range(2000):
+            r = rng.random()
+            if r < 0.6:                      # in order
+                seq, nxt = nxt, nxt + 1
+            elif r < 0.8:                    # a re-send, inside or beyond the window
+                seq = max(0, nxt - rng.randint(1, 3 * W // 2))
+            elif r < 0.9:                    # a jump of about a window
+                nxt += rng.choice([W - 1, W, W + 1, rng.randint(1, 3 * W)])
+                seq = nxt
+            else:                            # right at the window's edge
+                seq = max(0, nxt - rng.randint(W - 2, W + 2))
+            got = w.outcome(seq)
+            assert got is _reference(high, stored, seq)
+            if got is Outcome.ACCEPTED:
+                w.add(seq)
+                stored.add(seq)
+                high = max(high, seq)
+        assert w.recent == sorted(s for s in stored if s > high - W)
+        assert SeqWindow.of(w.high, w.recent).recent == w.recent
+
+
+def test_the_window_covers_every_send_queue_config_allows():
+    from services.common.config import ConfigError, config_from_dict
+    from services.common.fragments import DEDUPE_WINDOW
+
+    assert SEQ_WINDOW == DEDUPE_WINDOW
+    config_from_dict({"actor": {"queue_fragments": DEDUPE_WINDOW}})
+    with pytest.raises(ConfigError, match="actor.queue_fragments: 65537 is invalid: must be 1..65536"):
+        config_from_dict({"actor": {"queue_fragments": DEDUPE_WINDOW + 1}})
