@@ -60,8 +60,8 @@ class Rollout:
         self.obs, info = self.envs.reset(seed=seed)
         # Action masks: an env that reports `info["action_mask"]` ([N, M] bool) is masked throughout,
         # for an algorithm that takes masks (the learner re-applies them from the fragment).
-        self.masked = bool(self.spec.action.mask_width) and "action_mask" in info and algorithms.get(
-            cfg.algorithm).takes_action_masks
+        self.masked = (bool(self.spec.action.mask_width) and "action_mask" in info
+                       and self.algorithm.takes_action_masks)
         self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
@@ -141,12 +141,12 @@ class Rollout:
 
     def _mask_of(self, info: dict) -> np.ndarray:
         """The envs' `info["action_mask"]` as [N, M] bool; ValueError naming env.id if malformed."""
-        mask = np.asarray(info.get("action_mask"))
+        mask = np.asarray(info.get("action_mask"), dtype=bool)  # 0/1 masks as well as bool
         try:
-            check_mask(self.spec.action, mask.astype(bool) if mask.dtype != object else mask, (self.cfg.env.num_envs,))
+            check_mask(self.spec.action, mask, (self.cfg.env.num_envs,))
         except ValueError as err:
             raise ValueError(f"env.id: {self.cfg.env.id} reports a bad info['action_mask']: {err}") from None
-        return mask.astype(bool)
+        return mask
 
     def _finish_episode(self, i: int) -> None:
         self.episodes.finish(self._ep_return[i], self._ep_len[i], self.env_steps, self.policy.version)

@@ -153,6 +153,9 @@ class SessionHub:
             raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {step.step_id} "
                                                       f"(one step at a time, starting at 0)")
         N = s.num_envs
+        if step.HasField("action_masks"):  # refused, not ignored: a simulator relying on them must know
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: action_masks: this actor does not "
+                                                   f"take action masks from simulators yet")
         try:
             obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
             if step.step_id == 0:

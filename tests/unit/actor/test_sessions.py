@@ -173,3 +173,12 @@ def test_shutdown_refuses_new_sessions_and_flushes_open_ones():
     with pytest.raises(SessionError) as err:
         h.open(hello("late"))
     assert err.value.code == "UNAVAILABLE"
+
+
+def test_action_masks_from_a_simulator_are_refused_not_ignored():
+    h, _ = hub()
+    s, _ = h.open(hello())
+    step = actor_pb2.EnvStep(step_id=0, observations=encode(np.zeros((2, 3), np.float32)),
+                             action_masks=encode(np.ones((2, 2), bool)))
+    with pytest.raises(SessionError, match="action_masks: this actor does not take action masks"):
+        h.observe(s, step)
