@@ -1,4 +1,5 @@
-"""Wall time to a mean return (default 300 over the last 100 episodes) on CartPole-v1, PPO:
+"""Wall time to a mean return (default 300 over the last 100 episodes) on CartPole-v1 (or any env with
+Discrete, MultiDiscrete or Box actions, e.g. --config configs/pendulum_ppo.yaml --target -300), PPO:
 `kuberl up` (buffer, learner and actor processes, gRPC between them) against a plain single-process
 PPO with the same hyper-parameters and the same learner code, measured in the same run.
 
@@ -36,6 +37,7 @@ def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
     from kuberl.v1 import common_pb2 as pb
     from services.common.fragments import Fragment
     from services.common.nets import env_spec
+    from services.common.spaces import Box
     from services.algorithms.ppo.learner import PPO
 
     torch.set_num_threads(1)
@@ -49,7 +51,7 @@ def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
     returns, ep_ret, steps = deque(maxlen=window), np.zeros(n), 0
     while steps < max_steps:
         o = np.empty((T + 1, n, *spec.obs_shape), np.float32)
-        a = np.empty((T, n), np.int64)
+        a = np.empty((T, n, *spec.action.shape), spec.action.dtype)
         r, lp = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
         term, trunc = np.empty((T, n), bool), np.empty((T, n), bool)
         fin_obs, fin_idx = [], []
@@ -59,7 +61,7 @@ def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
                 dist = ppo.net.dist(torch.from_numpy(obs))
                 act = dist.sample()
                 a[t], lp[t] = act.numpy(), dist.log_prob(act).numpy()
-            obs, r[t], term[t], trunc[t], info = envs.step(a[t])
+            obs, r[t], term[t], trunc[t], info = envs.step(spec.action.clip(a[t]) if isinstance(spec.action, Box) else a[t])
             ep_ret += r[t]
             for i in np.flatnonzero(term[t] | trunc[t]):
                 fin_obs.append(info["final_obs"][i])
