@@ -5,9 +5,10 @@ drives a gymnasium env with it. gymnasium is imported only when `serve_gym_env` 
 the client itself needs just numpy, grpc and the protocol stubs.
 """
 
-from kuberl_client.session import EnvSessionClient, SessionError, SessionTimeout
+from kuberl_client.session import Box, Discrete, EnvSessionClient, MultiDiscrete, SessionError, SessionTimeout
 
-__all__ = ["EnvSessionClient", "SessionError", "SessionTimeout", "serve_gym_env"]
+__all__ = ["Box", "Discrete", "EnvSessionClient", "MultiDiscrete", "SessionError", "SessionTimeout",
+           "serve_gym_env"]
 
 
 def __getattr__(name: str):

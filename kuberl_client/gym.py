@@ -20,7 +20,8 @@ import time
 import gymnasium as gym
 import numpy as np
 
-from kuberl_client.session import EnvSessionClient, SessionError
+from kuberl_client.session import Discrete, EnvSessionClient, SessionError
+from services.common.spaces import from_gymnasium
 
 __all__ = ["as_vector_env", "serve_gym_env"]
 
@@ -42,13 +43,35 @@ def as_vector_env(env) -> gym.vector.VectorEnv:
     raise TypeError(f"expected a gymnasium Env or VectorEnv, got {type(env).__name__}")
 
 
-def _spaces(envs: gym.vector.VectorEnv) -> tuple[tuple[int, ...], np.dtype, int, int]:
+def _spaces(envs: gym.vector.VectorEnv) -> tuple[dict, int]:
+    """The client's space arguments for `envs`, and the offset of a Discrete space's first action."""
     obs, act = envs.single_observation_space, envs.single_action_space
-    if not isinstance(obs, gym.spaces.Box):
-        raise ValueError(f"observation space {obs}: only Box observations are supported")
-    if not isinstance(act, gym.spaces.Discrete):
-        raise ValueError(f"action space {act}: only Discrete actions are supported")
-    return tuple(obs.shape), np.dtype(obs.dtype), int(act.n), int(act.start)
+    if isinstance(obs, gym.spaces.Dict):
+        if not all(isinstance(sub, gym.spaces.Box) for sub in obs.spaces.values()):
+            raise ValueError(f"observation space {obs}: a Dict observation must hold only Box spaces")
+        kw = {"obs_keys": {k: sub.shape for k, sub in obs.spaces.items()}}
+    elif isinstance(obs, gym.spaces.Box):
+        kw = {"obs_shape": tuple(obs.shape), "obs_dtype": np.dtype(obs.dtype)}
+    else:
+        raise ValueError(f"observation space {obs}: only Box and Dict-of-Box observations are supported")
+    start = int(act.start) if isinstance(act, gym.spaces.Discrete) else 0
+    if isinstance(act, gym.spaces.Discrete):
+        kw["action_space"] = Discrete(int(act.n))
+    else:
+        kw["action_space"] = from_gymnasium(act)  # ValueError naming what is not supported
+    return kw, start
+
+
+def _masks(info: dict):
+    """The envs' `info["action_mask"]` ([num_envs, M], as the actor's local rollouts read it), or None."""
+    return None if "action_mask" not in info else np.asarray(info["action_mask"])
+
+
+def _stack(rows: list):
+    """Per-env final observations as one batch: an array, or {key: array} for a Dict space."""
+    if isinstance(rows[0], dict):
+        return {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
+    return np.stack([np.asarray(r) for r in rows])
 
 
 def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None = None,
@@ -58,6 +81,8 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     """Step `env` with the actor's actions until `max_steps` vector steps or `stop` is set.
 
     env: a gymnasium VectorEnv made with autoreset_mode SAME_STEP, or a plain Env (wrapped, num_envs=1).
+    Its spaces: Box or Dict-of-Box observations; Discrete, MultiDiscrete or Box actions. An env that
+    reports `info["action_mask"]` has its masks sent with every step.
     The env is not closed. Returns {"steps": vector steps, "env_steps": steps x num_envs,
     "episodes": finished episodes, "returns": their returns, "lengths": their lengths,
     "sessions": streams opened}.
@@ -71,16 +96,16 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     (INVALID_ARGUMENT, ...) are raised as SessionError.
     """
     envs = as_vector_env(env)
-    obs_shape, obs_dtype, n_actions, start = _spaces(envs)
+    space_kw, start = _spaces(envs)
     n = envs.num_envs
     spec_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
 
     def connect() -> EnvSessionClient:
-        return EnvSessionClient(address, session_id=session_id, obs_shape=obs_shape, obs_dtype=obs_dtype,
-                                num_actions=n_actions, num_envs=n, timeout_s=timeout_s,
+        return EnvSessionClient(address, session_id=session_id, **space_kw, num_envs=n, timeout_s=timeout_s,
                                 simulator=simulator or f"gymnasium:{spec_id}"[:128])
 
-    obs, _ = envs.reset(seed=seed)
+    obs, info = envs.reset(seed=seed)
+    masks = _masks(info)
     ep_ret, ep_len = np.zeros(n), np.zeros(n, dtype=np.int64)
     returns: list[float] = []
     lengths: list[int] = []
@@ -88,14 +113,14 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     client: EnvSessionClient | None = None
     opened = 0.0
 
-    def open_session(first_obs, retries: int) -> np.ndarray:
+    def open_session(first_obs, first_masks, retries: int) -> np.ndarray:
         """A new stream (resuming the session after the first); returns the actions for first_obs."""
         nonlocal client, sessions, opened
         for attempt in range(retries + 1):
             client = connect()
             sessions += 1
             try:
-                actions = client.reset(first_obs)
+                actions = client.reset(first_obs, first_masks)
                 opened = time.monotonic()
                 return actions
             except SessionError as e:
@@ -107,34 +132,35 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
         raise AssertionError("unreachable")
 
     try:
-        actions = open_session(obs, 0)
+        actions = open_session(obs, masks, 0)
         while (max_steps is None or steps < max_steps) and not (stop is not None and stop.is_set()):
             obs, rewards, terminated, truncated, info = envs.step(actions + start)
             steps += 1
             ep_ret += rewards
             ep_len += 1
+            masks = _masks(info)
             done = np.logical_or(terminated, truncated)
             final = None
             if done.any():
                 idx = np.flatnonzero(done)
-                final = np.stack([np.asarray(info["final_obs"][i]) for i in idx])
+                final = _stack([info["final_obs"][i] for i in idx])
                 returns.extend(float(r) for r in ep_ret[idx])
                 lengths.extend(int(x) for x in ep_len[idx])
                 ep_ret[idx], ep_len[idx] = 0.0, 0
             try:
-                actions = client.step(obs, rewards, terminated, truncated, final)
+                actions = client.step(obs, rewards, terminated, truncated, final, masks)
             except SessionError as e:
                 if e.code != "UNAVAILABLE" or max_reconnects <= 0:
                     raise
                 log.warning("session %s broke (%s); resuming", session_id, e)
                 client.cancel()
-                actions = open_session(obs, max_reconnects)
+                actions = open_session(obs, masks, max_reconnects)
                 continue
             if reconnect_s is not None and time.monotonic() - opened >= reconnect_s:
                 # Hand over before applying these actions: the actor drops them (and marks the last
                 # transition truncated, bootstrapped); the new stream starts again at this obs.
                 client.close()
-                actions = open_session(obs, max_reconnects)
+                actions = open_session(obs, masks, max_reconnects)
         client.close()
     except BaseException:
         if client is not None:

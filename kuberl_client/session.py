@@ -8,6 +8,14 @@
             actions = client.step(obs, rewards, term, trunc, final_obs)
     # leaving the block half-closes the stream and waits for the actor to end it
 
+Spaces: the observation is a Box (`obs_shape`, `obs_dtype`) or a Dict of Boxes (`obs_keys`, each
+key's shape; observations are then passed as {key: [num_envs, *shape]} and flattened here, keys
+sorted, into float32). The action space is `num_actions` (Discrete) or `action_space`: a
+`Discrete(n)`, `MultiDiscrete(nvec)` or `Box.of(shape, low, high)` from this package. Actions come
+back as int64 [num_envs] (Discrete), int64 [num_envs, k] (MultiDiscrete) or float32
+[num_envs, *shape] clipped to the bounds (Box). `reset` and `step` take optional `action_masks`
+([num_envs, M] bool; Discrete M = n, MultiDiscrete M = sum(nvec)).
+
 The protocol (protos/kuberl/v1/actor.proto) keeps exactly one step outstanding, so the client is a
 plain request/reply loop over a gRPC bidirectional stream (synchronous grpc API): requests go to
 gRPC through an iterator fed from a queue.Queue; replies are read in the calling thread. Every wait
@@ -17,7 +25,7 @@ An error from the actor (the stream ends with a non-OK status) is raised as Sess
 status code's name (e.g. "INVALID_ARGUMENT") and the actor's message; the session is then over
 (reconnect with the same session_id to resume its episodes). One client serves one thread.
 
-Imports only numpy, grpc, the kuberl.v1 stubs and services.common.tensors.
+Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors and services.common.spaces.
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ import grpc
 import numpy as np
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
+from services.common import spaces
+from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 from services.common.tensors import TensorError, decode, dtype_code, encode
 
-__all__ = ["EnvSessionClient", "SessionError", "SessionTimeout"]
+__all__ = ["Box", "Discrete", "EnvSessionClient", "MultiDiscrete", "SessionError", "SessionTimeout"]
 
 _END = object()          # queue sentinel: half-close the request stream
 _POLL_S = 1.0            # how often an idle request iterator / watchdog re-checks for shutdown
@@ -111,23 +121,37 @@ class _Watchdog(threading.Thread):
 class EnvSessionClient:
     """One simulator session with an actor in env.mode "external".
 
-    obs_shape / obs_dtype: the observation space of ONE env copy (must equal the actor's policy input).
-    num_actions: the Discrete action space's n. num_envs: env copies stepped in lockstep (1..1024).
+    obs_shape / obs_dtype: a Box observation space of ONE env copy (must equal the actor's policy input);
+    or obs_keys: {key: shape} of a Dict observation space.
+    num_actions: a Discrete action space's n; or action_space: Discrete, MultiDiscrete or Box (this
+    package's). num_envs: env copies stepped in lockstep (1..1024).
     timeout_s: the longest wait for any answer from the actor (connecting included).
 
     After `reset` / `step`: `step_id` (of the last step sent), `policy_version` (of the last actions),
     and from the actor's acceptance `resumed`, `session_timeout_s`.
     """
 
-    def __init__(self, address: str, *, session_id: str, obs_shape, obs_dtype, num_actions: int,
-                 num_envs: int, simulator: str = "python", timeout_s: float = 30.0,
+    def __init__(self, address: str, *, session_id: str, num_envs: int, obs_shape=None, obs_dtype="float32",
+                 obs_keys: dict | None = None, num_actions: int | None = None,
+                 action_space: ActionSpace | None = None, simulator: str = "python", timeout_s: float = 30.0,
                  wait_for_ready: bool = True, channel_options: list | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if (num_actions is None) == (action_space is None):
+            raise ValueError("give num_actions (a Discrete space) or action_space, exactly one")
+        if (obs_shape is None) == (obs_keys is None):
+            raise ValueError("give obs_shape (a Box observation) or obs_keys (a Dict), exactly one")
         self.address, self.session_id = address, session_id
+        self.action_space: ActionSpace = Discrete(int(num_actions)) if action_space is None else action_space
+        if not isinstance(self.action_space, (Discrete, MultiDiscrete, Box)):
+            raise TypeError(f"action_space: expected kuberl_client.Discrete, MultiDiscrete or Box, "
+                            f"got {type(action_space).__name__}")
+        self.obs_keys = None if obs_keys is None else spaces.dict_layout(obs_keys)
+        if self.obs_keys is not None:
+            obs_shape, obs_dtype = (spaces.flat_size(self.obs_keys),), np.float32
         self.obs_shape = tuple(int(d) for d in obs_shape)
         self.obs_dtype = np.dtype(obs_dtype)
-        self.num_actions, self.num_envs = int(num_actions), int(num_envs)
+        self.num_envs = int(num_envs)
         self.simulator, self.timeout_s, self.wait_for_ready = simulator, float(timeout_s), wait_for_ready
         self._obs_code = dtype_code(self.obs_dtype)  # TensorError (a ValueError) for dtypes with no wire code
         self._options = channel_options if channel_options is not None else [
@@ -160,9 +184,12 @@ class EnvSessionClient:
         stub = actor_pb2_grpc.ActorStub(self._channel)
         self._call = stub.EnvSession(self._request_iter(), wait_for_ready=self.wait_for_ready)
         hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator)
-        hello.observation_space.box.shape[:] = self.obs_shape
-        hello.observation_space.box.dtype = self._obs_code
-        hello.action_space.discrete.n = self.num_actions
+        if self.obs_keys is None:
+            hello.observation_space.box.shape[:] = self.obs_shape
+            hello.observation_space.box.dtype = self._obs_code
+        else:
+            spaces.dict_layout_to_proto(self.obs_keys, hello.observation_space.dict)
+        spaces.to_proto(self.action_space, hello.action_space)
         self._requests.put(actor_pb2.EnvMessage(hello=hello))
         reply = self._receive("the actor's answer to hello")
         if reply.WhichOneof("kind") != "accepted":
@@ -172,7 +199,7 @@ class EnvSessionClient:
         self.session_timeout_s = acc.session_timeout_ms / 1000.0
         return acc
 
-    def reset(self, observations) -> np.ndarray:
+    def reset(self, observations, action_masks=None) -> np.ndarray:
         """Send hello (if not yet sent) and step 0 with the first observations; return the actions."""
         self._check_usable()
         if self.step_id is not None:
@@ -181,13 +208,16 @@ class EnvSessionClient:
             self.hello()
         step = actor_pb2.EnvStep(step_id=0)
         encode(self._observations(observations, "observations"), step.observations)
+        self._masks(action_masks, step)
         return self._exchange(step)
 
-    def step(self, observations, rewards, terminated, truncated, final_observations=None) -> np.ndarray:
+    def step(self, observations, rewards, terminated, truncated, final_observations=None,
+             action_masks=None) -> np.ndarray:
         """Send the next step (rewards, flags and next observations for the previous actions); return actions.
 
-        final_observations: [K, *obs_shape], the true last observation of each env whose episode ended
-        (terminated or truncated), in env order; required iff K > 0.
+        final_observations: [K, *obs_shape] (a Dict space: {key: [K, *shape]}), the true last
+        observation of each env whose episode ended (terminated or truncated), in env order; required
+        iff K > 0. action_masks: [num_envs, M] bool, the actions allowed at `observations` (None: all).
         """
         self._check_usable()
         if self.step_id is None:
@@ -204,13 +234,14 @@ class EnvSessionClient:
         if k:
             if final_observations is None:
                 raise ValueError(f"final_observations: required, {k} of {n} envs ended this step")
-            fin = self._array(final_observations, "final_observations")
+            fin = self._array(self._flat(final_observations, k, "final_observations"), "final_observations")
             if fin.shape != (k, *self.obs_shape):
                 raise ValueError(f"final_observations: shape {fin.shape}, expected {(k, *self.obs_shape)} "
                                  f"(one row per ended env, in env order)")
             encode(fin, step.final_observations)
-        elif final_observations is not None and np.size(final_observations):
+        elif final_observations is not None and (isinstance(final_observations, dict) or np.size(final_observations)):
             raise ValueError("final_observations: given, but no env ended this step")
+        self._masks(action_masks, step)
         return self._exchange(step)
 
     def close(self) -> None:
@@ -294,9 +325,13 @@ class EnvSessionClient:
             actions = decode(ar.actions, "actions")
         except TensorError as e:
             raise self._protocol_error(f"malformed actions: {e}") from None
-        if actions.shape != (self.num_envs,) or actions.dtype != np.int64:
-            raise self._protocol_error(f"actions have shape {list(actions.shape)} of {actions.dtype}, expected "
-                                       f"[{self.num_envs}] int64")
+        try:
+            spaces.check_actions(self.action_space, actions, (self.num_envs,))
+            if isinstance(self.action_space, Box) and ((actions < self.action_space.low_array).any()
+                                                       or (actions > self.action_space.high_array).any()):
+                raise TensorError("actions", f"lie outside the bounds of {self.action_space}")
+        except TensorError as e:
+            raise self._protocol_error(str(e)) from None
         self.policy_version = int(ar.policy_version)
         return actions.copy()
 
@@ -359,8 +394,33 @@ class EnvSessionClient:
             arr = arr.astype(self.obs_dtype)
         return arr
 
+    def _flat(self, value, rows: int, field: str):
+        """A Dict space's {key: array} flattened to [rows, flat size] float32 (anything else as it is)."""
+        if self.obs_keys is None or not isinstance(value, dict):
+            return value
+        if rows == 1 and all(np.shape(value.get(k)) == shape for k, shape in self.obs_keys):
+            value = {k: np.asarray(v)[None] for k, v in value.items()}  # one env's observation
+        try:
+            return spaces.flatten_dict(value, self.obs_keys, (rows,))
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+
+    def _masks(self, value, step: actor_pb2.EnvStep) -> None:
+        if value is None:
+            return
+        arr = np.asarray(value)
+        if arr.dtype != np.bool_:
+            if not np.isin(arr, (0, 1)).all():
+                raise ValueError("action_masks: must be booleans (0 or 1)")
+            arr = arr.astype(np.bool_)
+        try:
+            spaces.check_mask(self.action_space, arr, (self.num_envs,), "action_masks")
+        except TensorError as e:
+            raise ValueError(str(e)) from None
+        encode(arr, step.action_masks)
+
     def _observations(self, value, field: str) -> np.ndarray:
-        arr = self._array(value, field)
+        arr = self._array(self._flat(value, self.num_envs, field), field)
         if self.num_envs == 1 and arr.shape == self.obs_shape:
             arr = arr[None]
         if arr.shape != (self.num_envs, *self.obs_shape):

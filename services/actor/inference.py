@@ -1,6 +1,6 @@
 """Batched inference for external sessions: every pending step of every session in one forward pass.
 
-Sessions call `act(obs)` and await their slice of the batch. The loop takes whatever is pending when
+Sessions call `act(obs, mask)` and await their slice of the batch. The loop takes whatever is pending when
 it comes round (no artificial delay), so the batch grows with load and latency stays one forward
 pass when idle. Torch runs in a worker thread; weights are swapped in only between batches.
 """
@@ -19,14 +19,15 @@ from services.common.stats import Metrics
 class BatchedInference:
     def __init__(self, policy: Policy, hub: SessionHub, metrics: Metrics):
         self.policy, self.hub, self.metrics = policy, hub, metrics
-        self._pending: list[tuple[np.ndarray, asyncio.Future]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray | None, asyncio.Future]] = []
         self._wake = asyncio.Event()
 
-    async def act(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
-        """Actions for one session's observations, the per-step extras the algorithm records with them
-        (`Policy.act`), and the policy version used."""
+    async def act(self, obs: np.ndarray, mask: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """Actions for one session's observations (within `mask` [N, M] bool where given), the
+        per-step extras the algorithm records with them (`Policy.act`), and the policy version used."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((obs, future))
+        self._pending.append((obs, mask, future))
         self._wake.set()
         return await future
 
@@ -38,19 +39,24 @@ class BatchedInference:
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
-            batch = [(obs, fut) for obs, fut in batch if not fut.done()]  # a session that went away
+            batch = [item for item in batch if not item[2].done()]  # a session that went away
             if not batch:
                 continue
-            actions, extras, version = await asyncio.to_thread(self._infer, np.concatenate([o for o, _ in batch]))
+            obs = np.concatenate([o for o, _, _ in batch])
+            mask = None
+            if any(m is not None for _, m, _ in batch):  # sessions without masks allow every action
+                mask = np.concatenate([np.ones((len(o), self.policy.spec.action.mask_width), bool) if m is None
+                                       else m for o, m, _ in batch])
+            actions, extras, version = await asyncio.to_thread(self._infer, obs, mask)
             self.metrics.rolling("actor/inference_batch_envs").add(len(actions))
             start = 0
-            for obs, fut in batch:
+            for obs, _, fut in batch:
                 end = start + len(obs)
                 if not fut.done():
                     fut.set_result((actions[start:end], {k: v[start:end] for k, v in extras.items()}, version))
                 start = end
 
-    def _infer(self, obs: np.ndarray):
+    def _infer(self, obs: np.ndarray, mask: np.ndarray | None):
         self.policy.swap()
-        actions, extras = self.policy.act(obs, self.hub.env_steps)
+        actions, extras = self.policy.act(obs, self.hub.env_steps, mask)
         return actions, extras, self.policy.version

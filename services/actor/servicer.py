@@ -52,11 +52,10 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                 if msg.WhichOneof("kind") != "step":
                     raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
                 obs = self.hub.observe(session, msg.step)
-                actions, extras, version = await self.inference.act(obs)
+                actions, extras, version = await self.inference.act(obs, session.mask)
                 self.hub.record_actions(session, actions, extras, version)
                 await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
-                    step_id=msg.step.step_id, actions=encode(actions.astype("int64", copy=False)),
-                    policy_version=version)))
+                    step_id=msg.step.step_id, actions=encode(self.hub.to_send(actions)), policy_version=version)))
         except SessionError as err:
             if session is not None:
                 self.hub.close(session, "timeout" if err.code == "DEADLINE_EXCEEDED" else "error")

@@ -21,6 +21,7 @@ from services import algorithms
 from services.common.fragments import MAX_ID_LEN, build_fragment
 from services.common.nets import EnvSpec
 from services.common.stats import Metrics
+from services.common import spaces
 from services.common.tensors import TensorError, decode, numpy_dtype
 
 MAX_ENVS = 1024
@@ -42,6 +43,14 @@ class _Episodes:
     closed_at: float | None = None
 
 
+def _same_action_space(got: spaces.ActionSpace, want: spaces.ActionSpace) -> bool:
+    """Equal spaces; Box bounds compared as the float32 values actions are clipped to."""
+    if isinstance(got, spaces.Box) and isinstance(want, spaces.Box):
+        return (got.shape == want.shape and np.array_equal(got.low_array, want.low_array)
+                and np.array_equal(got.high_array, want.high_array))
+    return got == want
+
+
 @dataclass
 class Session:
     session_id: str
@@ -55,6 +64,8 @@ class Session:
     final_obs: list = field(default_factory=list)
     final_index: list = field(default_factory=list)
     versions: list = field(default_factory=list)
+    masked: bool = False              # some step of the current fragment carried action masks
+    mask: np.ndarray | None = None    # the masks of the observations being acted on (None: all allowed)
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -64,6 +75,8 @@ class SessionHub:
         self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
         self.on_fragment = on_fragment
         self.algorithm = algorithms.get(cfg.algorithm)
+        # Fragments carry the simulators' masks when the space has them and the algorithm takes them.
+        self.masks = bool(spec.action.mask_width) and self.algorithm.takes_action_masks
         self.sessions: dict[str, Session] = {}
         self._parked: dict[str, _Episodes] = {}  # closed sessions that may resume
         self._next_env_id = 0
@@ -114,23 +127,45 @@ class SessionHub:
             raise SessionError("INVALID_ARGUMENT", f"session_id: must be 1..{MAX_ID_LEN} characters")
         if not 0 < hello.num_envs <= MAX_ENVS:
             raise SessionError("INVALID_ARGUMENT", f"num_envs: {hello.num_envs} is outside 1..{MAX_ENVS}")
-        obs, act = hello.observation_space, hello.action_space
-        want_obs = f"Box{list(self.spec.obs_shape)} {self.spec.obs_dtype.name}"
-        if obs.WhichOneof("kind") != "box":
-            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want_obs}, got "
-                                                   f"{obs.WhichOneof('kind') or 'nothing'}")
+        self._check_observation_space(hello.observation_space)
+        want = self.spec.action
         try:
-            got_dtype = numpy_dtype(obs.box.dtype, "observation_space.box.dtype")
+            got = spaces.from_proto(hello.action_space)
+        except TensorError as err:
+            raise SessionError("INVALID_ARGUMENT", f"{err} (this actor's policy acts in {want})") from None
+        if not _same_action_space(got, want):
+            raise SessionError("INVALID_ARGUMENT", f"action_space: expected {want}, got {got}")
+
+    def _check_observation_space(self, obs) -> None:
+        """The hello's observation space must be the policy's input: the same Box, or a Dict with the
+        policy's layout (or, where the policy's keys are not known, with its flattened size)."""
+        spec, kind = self.spec, obs.WhichOneof("kind")
+        want = (spaces.describe(spec.obs_keys) if spec.obs_keys is not None
+                else f"Box{list(spec.obs_shape)} {spec.obs_dtype.name}")
+        if kind == "box":
+            try:
+                got_dtype = numpy_dtype(obs.box.dtype, "observation_space.box.dtype")
+            except TensorError as err:
+                raise SessionError("INVALID_ARGUMENT", str(err)) from None
+            if tuple(obs.box.shape) != spec.obs_shape or got_dtype != spec.obs_dtype:
+                raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want}, got "
+                                                       f"Box{list(obs.box.shape)} {got_dtype.name}")
+            return
+        if kind != "dict":
+            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want}, got {kind or 'nothing'}")
+        try:
+            layout = spaces.dict_layout_from_proto(obs.dict)
         except TensorError as err:
             raise SessionError("INVALID_ARGUMENT", str(err)) from None
-        if tuple(obs.box.shape) != self.spec.obs_shape or got_dtype != self.spec.obs_dtype:
-            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want_obs}, got "
-                                                   f"Box{list(obs.box.shape)} {got_dtype.name}")
-        if act.WhichOneof("kind") != "discrete" or act.discrete.n != self.spec.num_actions:
-            got = f"Discrete({act.discrete.n})" if act.WhichOneof("kind") == "discrete" else (
-                act.WhichOneof("kind") or "nothing")
-            raise SessionError("INVALID_ARGUMENT", f"action_space: expected Discrete({self.spec.num_actions}), "
-                                                   f"got {got}")
+        if spec.obs_keys is not None:
+            ok = layout == spec.obs_keys
+        else:
+            ok = (len(spec.obs_shape) == 1 and spec.obs_dtype == np.float32
+                  and spaces.flat_size(layout) == spec.obs_shape[0])
+        if not ok:
+            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want}, got "
+                                                   f"{spaces.describe(layout)} ({spaces.flat_size(layout)} "
+                                                   f"values flattened)")
 
     def _new_buffers(self, s: Session) -> None:
         T, N, shape = s.T, s.num_envs, self.spec.obs_shape
@@ -139,7 +174,9 @@ class SessionHub:
                      "rewards": np.empty((T, N), np.float32),
                      "terminated": np.zeros((T, N), bool), "truncated": np.zeros((T, N), bool),
                      **{name: np.empty((T, N), np.float32) for name in self.algorithm.fragment_extras}}
-        s.t, s.final_obs, s.final_index, s.versions = 0, [], [], []
+        if self.masks:
+            s.buffers["action_mask"] = np.ones((T, N, self.spec.action.mask_width), bool)
+        s.t, s.final_obs, s.final_index, s.versions, s.masked = 0, [], [], [], False
 
     # -- steps -------------------------------------------------------------------------------------
     def observe(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
@@ -153,9 +190,7 @@ class SessionHub:
             raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {step.step_id} "
                                                       f"(one step at a time, starting at 0)")
         N = s.num_envs
-        if step.HasField("action_masks"):  # refused, not ignored: a simulator relying on them must know
-            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: action_masks: this actor does not "
-                                                   f"take action masks from simulators yet")
+        s.mask = self._mask(s, step) if step.HasField("action_masks") else None
         try:
             obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
             if step.step_id == 0:
@@ -192,6 +227,21 @@ class SessionHub:
             b["obs"][0] = obs
         return obs
 
+    def _mask(self, s: Session, step) -> np.ndarray:
+        """The step's action masks, checked against the action space; SessionError if they cannot be used."""
+        space = self.spec.action
+        if not space.mask_width:
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: action_masks: {space} actions take no mask")
+        if not self.algorithm.takes_action_masks:
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: action_masks: algorithm "
+                                                   f"{self.algorithm.name} does not take action masks")
+        try:
+            mask = decode(step.action_masks, "action_masks")
+            spaces.check_mask(space, mask, (s.num_envs,), "action_masks")
+        except TensorError as err:
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
+        return mask
+
     def _tensor(self, step, name: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
         if not step.HasField(name):
             raise TensorError(name, "is required but missing")
@@ -204,10 +254,21 @@ class SessionHub:
         """Store the actions chosen for the session's current observations, with what the algorithm
         recorded while choosing them (`Algorithm.fragment_extras`)."""
         s.buffers["actions"][s.t] = actions
+        if self.masks:
+            s.buffers["action_mask"][s.t] = True if s.mask is None else s.mask
+            s.masked |= s.mask is not None
         for name in self.algorithm.fragment_extras:
             s.buffers[name][s.t] = extras[name]
         s.versions.append(version)
         s.next_step += 1
+
+    def to_send(self, actions: np.ndarray) -> np.ndarray:
+        """Actions as the simulator receives them: int64 for discrete spaces, float32 clipped to the
+        declared bounds for a Box (the fragment keeps the unclipped sample the log-prob is of)."""
+        space = self.spec.action
+        if isinstance(space, spaces.Box):
+            return space.clip(actions).astype(np.float32, copy=False)
+        return actions.astype(np.int64, copy=False)
 
     def _finish_episode(self, ep: _Episodes, i: int) -> None:
         self.episodes.finish(ep.returns[i], ep.lengths[i], self.env_steps,
@@ -225,12 +286,13 @@ class SessionHub:
             final_obs=(np.stack(s.final_obs) if s.final_obs
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(s.final_index, np.int64),
+            action_mask=b["action_mask"][:t] if s.masked else None,
             **{name: b[name][:t] for name in self.algorithm.fragment_extras})
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
         self.on_fragment(msg)
         s.versions = s.versions[t:]
-        s.t, s.final_obs, s.final_index = 0, [], []
+        s.t, s.final_obs, s.final_index, s.masked = 0, [], [], False
         b["terminated"][:] = False
         b["truncated"][:] = False
 

@@ -65,6 +65,11 @@ def layout(cfg: ExperimentConfig) -> dict:
     out = {"algorithm": cfg.algorithm, "env_id": cfg.env.id,
            "observation_shape": list(cfg.env.observation_shape) if cfg.env.observation_shape else None,
            "observation_dtype": cfg.env.observation_dtype}
+    # Declared spaces of an external simulator (only when declared: older checkpoints stay restorable).
+    if cfg.env.observation_keys is not None:
+        out["observation_keys"] = {k: list(v) for k, v in sorted(cfg.env.observation_keys.items())}
+    if cfg.env.action_space is not None:
+        out["action_space"] = str(cfg.env.declared_action_space)
     if is_atari(cfg.env.id):
         out.update(frame_stack=cfg.env.atari.frame_stack, screen_size=cfg.env.atari.screen_size)
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from services import algorithms
+from services.common import spaces
 from services.common.fragments import DEDUPE_WINDOW
 
 
@@ -77,41 +78,112 @@ def is_atari(env_id: str) -> bool:
 
 
 @dataclass(frozen=True)
+class ActionSpaceConfig:
+    """An action space declared in the config (`env.action_space`), for simulators not in gymnasium.
+
+        action_space: {type: discrete, n: 4}
+        action_space: {type: multi_discrete, nvec: [3, 3, 2]}
+        action_space: {type: box, shape: [2], low: [-1.0], high: [1.0]}   # float32; bounds optional
+
+    Box bounds: one value for every element or one per element (row-major); omitted = unbounded.
+    """
+    type: str
+    n: int | None = None
+    nvec: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    low: tuple[float, ...] | None = None
+    high: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        kinds = {"discrete": ("n",), "multi_discrete": ("nvec",), "box": ("shape", "low", "high")}
+        _require(self.type in kinds, "type", self.type, "must be discrete, multi_discrete or box")
+        for name in ("n", "nvec", "shape", "low", "high"):
+            _require(getattr(self, name) is None or name in kinds[self.type], name, getattr(self, name),
+                     f"is not a setting of a {self.type} space (it takes {', '.join(kinds[self.type])})")
+        _require(self.type != "discrete" or (self.n is not None and self.n >= 1), "n", self.n,
+                 "a discrete space needs n >= 1")
+        _require(self.type != "multi_discrete" or bool(self.nvec), "nvec", self.nvec,
+                 "a multi_discrete space needs nvec, one count per choice")
+        _require(self.type != "box" or bool(self.shape), "shape", self.shape, "a box space needs a shape")
+        try:
+            self.space()
+        except ValueError as err:
+            raise ConfigError("nvec" if self.type == "multi_discrete" else "shape", str(err)) from None
+
+    def space(self) -> spaces.ActionSpace:
+        """The space as services.common.spaces has it (ValueError if it cannot be one)."""
+        if self.type == "discrete":
+            return spaces.Discrete(self.n)
+        if self.type == "multi_discrete":
+            return spaces.checked(spaces.MultiDiscrete(tuple(self.nvec)))
+        inf = float("inf")
+        return spaces.checked(spaces.Box.of(self.shape, self.low if self.low else -inf,
+                                            self.high if self.high else inf))
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """Which environment actors step and how many copies each actor runs.
 
     mode "local": each actor steps `num_envs` copies of the gymnasium env `id`.
     mode "external": simulators connect to the actor over EnvSession and step themselves; the policy's
-    spaces come from `observation_shape` / `observation_dtype` / `num_actions` when given, else from
-    the gymnasium env `id` (e.g. CartPole-v1 for a CartPole written in another language).
+    spaces are the declared ones when given (an observation Box or Dict, and an action space), else
+    those of the gymnasium env `id` (e.g. CartPole-v1 for a CartPole written in another language).
     """
     id: str = "CartPole-v1"           # gymnasium id
     num_envs: int = 8                 # env copies per actor (one vector env); local mode
     seed: int = 0                     # base seed; actor i uses seed + 1000 * i
     max_episode_steps: int | None = None  # override the env's time limit
     mode: str = "local"               # "local" or "external"
-    observation_shape: tuple[int, ...] | None = None  # external envs not in gymnasium: declare the spaces
+    # External envs not in gymnasium declare the spaces: an observation Box (observation_shape and
+    # observation_dtype) or Dict (observation_keys: each key's shape; flattened into float32, keys
+    # sorted), and the action space (action_space, or num_actions as shorthand for a Discrete one).
+    observation_shape: tuple[int, ...] | None = None
     observation_dtype: str = "float32"
+    observation_keys: dict[str, tuple[int, ...]] | None = None
     num_actions: int | None = None
+    action_space: ActionSpaceConfig | None = None
     atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
 
     def __post_init__(self):
         _require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",
                  self.id, "Atari ids are ALE/<Game>-v5, e.g. ALE/Pong-v5")
         _require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
-        _require((self.observation_shape is None) == (self.num_actions is None), "observation_shape",
-                 self.observation_shape, "declare observation_shape and num_actions together (or neither)")
-        _require(self.observation_shape is None or self.mode == "external", "observation_shape",
-                 self.observation_shape, "declared spaces are for env.mode: external; local envs have their own")
+        _require(self.num_actions is None or self.action_space is None, "num_actions", self.num_actions,
+                 "give num_actions (a Discrete space) or action_space, not both")
+        _require(self.observation_shape is None or self.observation_keys is None, "observation_keys",
+                 self.observation_keys, "give observation_shape (a Box) or observation_keys (a Dict), not both")
+        declared_obs = self.observation_shape is not None or self.observation_keys is not None
+        declared_act = self.num_actions is not None or self.action_space is not None
+        _require(declared_obs == declared_act, "observation_shape" if declared_act else "action_space",
+                 self.observation_shape if declared_act else self.action_space,
+                 "declare the observation space (observation_shape or observation_keys) and the action "
+                 "space (action_space or num_actions) together, or neither")
+        _require(not declared_obs or self.mode == "external", "observation_shape", self.observation_shape,
+                 "declared spaces are for env.mode: external; local envs have their own")
         _require(self.observation_shape is None or all(d >= 1 for d in self.observation_shape),
                  "observation_shape", self.observation_shape, "every dimension must be >= 1")
+        for key, shape in (self.observation_keys or {}).items():
+            _require(0 < len(key) <= 64 and all(d >= 1 for d in shape), f"observation_keys.{key}", list(shape),
+                     "keys of 1..64 characters, every dimension >= 1")
+        _require(self.observation_keys is None or 0 < len(self.observation_keys) <= 64, "observation_keys",
+                 self.observation_keys, "1..64 keys")
         _require(self.num_actions is None or self.num_actions >= 1, "num_actions", self.num_actions, "must be >= 1")
         _require(self.observation_dtype in ("float32", "float64", "uint8", "int32", "int64"), "observation_dtype",
                  self.observation_dtype, "must be float32, float64, uint8, int32 or int64")
+        _require(self.observation_keys is None or self.observation_dtype == "float32", "observation_dtype",
+                 self.observation_dtype, "a Dict observation is flattened into float32")
         _require(bool(self.id), "id", self.id, "an env id is required")
         _require(1 <= self.num_envs <= 4096, "num_envs", self.num_envs, "must be 1..4096")
         _require(self.max_episode_steps is None or self.max_episode_steps > 0, "max_episode_steps",
                  self.max_episode_steps, "must be positive")
+
+    @property
+    def declared_action_space(self) -> spaces.ActionSpace | None:
+        """The action space the config declares (None: the gymnasium env's)."""
+        if self.num_actions is not None:
+            return spaces.Discrete(self.num_actions)
+        return None if self.action_space is None else self.action_space.space()
 
 
 @dataclass(frozen=True)
@@ -490,6 +562,11 @@ def _convert(tp, value, key: str):
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a mapping of settings, got {type(value).__name__}")
         return _build(tp, value, key + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a mapping, got {type(value).__name__} {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {_convert(key_type, k, key): _convert(value_type, v, f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.config import EnvConfig, is_atari
-from services.common.spaces import ActionSpace, Discrete, from_gymnasium
+from services.common.spaces import ActionSpace, Discrete, DictLayout, dict_layout, flat_size, from_gymnasium
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class EnvSpec:
     obs_shape: tuple[int, ...]
     obs_dtype: np.dtype
     action: ActionSpace
+    # A Dict observation flattened into obs_shape = (flat size,) float32: its layout ((key, shape), ...
+    # keys sorted); None for a Box observation.
+    obs_keys: DictLayout | None = None
 
     @property
     def num_actions(self) -> int:
@@ -127,7 +130,10 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
             return EnvSpec((a.frame_stack, a.screen_size, a.screen_size), np.dtype(np.uint8), Discrete(int(act.n)))
         finally:
             env.close()
-    env = _flatten_dict(gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps))
+    raw = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps)
+    keys = (dict_layout({k: s.shape for k, s in raw.observation_space.spaces.items()})
+            if isinstance(raw.observation_space, gym.spaces.Dict) else None)
+    env = _flatten_dict(raw)
     try:
         obs, act = env.observation_space, env.action_space
         if not isinstance(obs, gym.spaces.Box):
@@ -136,13 +142,17 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
             action = from_gymnasium(act)
         except ValueError as err:
             raise ValueError(f"env.id: {cfg.id}: {err}") from None
-        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action)
+        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action, keys)
     finally:
         env.close()
 
 
 def spec_of(cfg: EnvConfig) -> EnvSpec:
     """The policy's spaces: declared ones (external simulators), else the local env's."""
-    if cfg.observation_shape is not None:
-        return EnvSpec(tuple(cfg.observation_shape), np.dtype(cfg.observation_dtype), Discrete(cfg.num_actions))
-    return env_spec(cfg)
+    action = cfg.declared_action_space
+    if action is None:
+        return env_spec(cfg)
+    if cfg.observation_keys is not None:
+        keys = dict_layout(cfg.observation_keys)
+        return EnvSpec((flat_size(keys),), np.dtype(np.float32), action, keys)
+    return EnvSpec(tuple(cfg.observation_shape), np.dtype(cfg.observation_dtype), action)

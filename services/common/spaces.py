@@ -153,15 +153,15 @@ def from_gymnasium(space) -> ActionSpace:
         nvec = np.asarray(space.nvec)
         if nvec.ndim != 1 or (np.asarray(space.start) != 0).any():
             raise ValueError(f"env action space: {space} (only 1-d MultiDiscrete starting at 0 is supported)")
-        return _checked(MultiDiscrete(tuple(int(n) for n in nvec)))
+        return checked(MultiDiscrete(tuple(int(n) for n in nvec)))
     if kind == "Box":
         if not np.issubdtype(space.dtype, np.floating):
             raise ValueError(f"env action space: {space} (a Box action must be floating point)")
-        return _checked(Box.of(space.shape, space.low, space.high))
+        return checked(Box.of(space.shape, space.low, space.high))
     raise ValueError(f"env action space: {space} is not Discrete, MultiDiscrete or Box")
 
 
-def _checked(space: ActionSpace) -> ActionSpace:
+def checked(space: ActionSpace) -> ActionSpace:
     if isinstance(space, MultiDiscrete) and not (1 <= len(space.nvec) <= MAX_CHOICES and min(space.nvec) >= 1):
         raise ValueError(f"{space}: 1..{MAX_CHOICES} choices, each of at least 1 value")
     if isinstance(space, Box) and not (1 <= len(space.shape) <= MAX_ACTION_DIMS and min(space.shape) >= 1
@@ -192,7 +192,7 @@ def from_proto(msg, field: str = "action_space") -> ActionSpace:
                 raise ValueError(f"n = {msg.discrete.n} must be >= 1")
             return Discrete(int(msg.discrete.n))
         if kind == "multi_discrete":
-            return _checked(MultiDiscrete(tuple(int(n) for n in msg.multi_discrete.nvec)))
+            return checked(MultiDiscrete(tuple(int(n) for n in msg.multi_discrete.nvec)))
         if kind == "box":
             box = msg.box
             if numpy_dtype(box.dtype, f"{field}.box.dtype") != np.float32:
@@ -204,7 +204,70 @@ def from_proto(msg, field: str = "action_space") -> ActionSpace:
                 if len(values) not in (0, 1, size):
                     raise ValueError(f"{name} has {len(values)} values: give 0, 1 or {size}")
                 bounds.append(default if not values else values[0] if len(values) == 1 else list(values))
-            return _checked(Box.of(shape, *bounds))
+            return checked(Box.of(shape, *bounds))
     except ValueError as err:
         raise TensorError(field, f"{kind}: {err}") from None
     raise TensorError(field, f"{kind or 'nothing'} is not an action space (Discrete, MultiDiscrete or Box)")
+
+
+# -- Dict observations -------------------------------------------------------------------------------
+# A Dict of Boxes is flattened into one float32 vector: the keys in sorted order, each Box row-major
+# (gymnasium's flatten). Its layout, ((key, shape), ...) in that order, is what must agree between a
+# simulator and the policy; the element dtypes need not (everything becomes float32).
+MAX_KEYS = 64
+MAX_KEY_LEN = 64
+
+DictLayout = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def dict_layout(shapes: dict) -> DictLayout:
+    """The layout of a Dict observation given each key's shape; ValueError if it cannot be one."""
+    if not 0 < len(shapes) <= MAX_KEYS:
+        raise ValueError(f"a Dict observation has 1..{MAX_KEYS} keys, got {len(shapes)}")
+    out = []
+    for key in sorted(shapes):
+        shape = tuple(int(d) for d in shapes[key])
+        if not 0 < len(key) <= MAX_KEY_LEN:
+            raise ValueError(f"key {key[:MAX_KEY_LEN]!r}: keys have 1..{MAX_KEY_LEN} characters")
+        if len(shape) > 8 or any(d < 1 for d in shape):
+            raise ValueError(f"key {key!r}: shape {list(shape)} must have rank <= 8 and every dim >= 1")
+        out.append((key, shape))
+    return tuple(out)
+
+
+def flat_size(layout: DictLayout) -> int:
+    return int(sum(np.prod(shape, dtype=np.int64) for _, shape in layout))
+
+
+def describe(layout: DictLayout) -> str:
+    return "Dict(" + ", ".join(f"{k}: {list(s)}" for k, s in layout) + ")"
+
+
+def dict_layout_from_proto(msg, field: str = "observation_space") -> DictLayout:
+    """The layout a kuberl.v1.DictSpace declares; TensorError naming `field` if malformed."""
+    try:
+        for key, box in msg.spaces.items():
+            numpy_dtype(box.dtype, f"{field}.dict.spaces[{key[:MAX_KEY_LEN]!r}].dtype")
+        return dict_layout({key: tuple(box.shape) for key, box in msg.spaces.items()})
+    except ValueError as err:
+        raise TensorError(field, f"dict: {err}") from None
+
+
+def dict_layout_to_proto(layout: DictLayout, msg, dtype=np.float32) -> None:
+    """Write `layout` into a kuberl.v1.DictSpace message (every Box of `dtype`)."""
+    for key, shape in layout:
+        msg.spaces[key].shape.extend(shape)
+        msg.spaces[key].dtype = dtype_code(np.dtype(dtype))
+
+
+def flatten_dict(values: dict, layout: DictLayout, lead: tuple[int, ...] = ()) -> np.ndarray:
+    """`values` (key -> array of `lead` + that key's shape) as one float32 array of `lead` + [flat size]."""
+    if set(values) != {k for k, _ in layout}:
+        raise ValueError(f"observation keys {sorted(values)} differ from the declared {[k for k, _ in layout]}")
+    parts = []
+    for key, shape in layout:
+        arr = np.asarray(values[key])
+        if arr.shape != (*lead, *shape):
+            raise ValueError(f"observation[{key!r}]: shape {list(arr.shape)}, expected {[*lead, *shape]}")
+        parts.append(arr.reshape(*lead, -1).astype(np.float32, copy=False))
+    return np.concatenate(parts, axis=-1)

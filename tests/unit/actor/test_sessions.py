@@ -11,7 +11,8 @@ from services.actor.sessions import SessionError, SessionHub
 from services.common.config import config_from_dict
 from services.common.fragments import decode_fragment
 from services.common.nets import EnvSpec
-from services.common.spaces import Discrete
+from services.common import spaces
+from services.common.spaces import Box, Discrete, MultiDiscrete
 from services.common.stats import Metrics
 from services.common.tensors import encode
 
@@ -175,10 +176,126 @@ def test_shutdown_refuses_new_sessions_and_flushes_open_ones():
     assert err.value.code == "UNAVAILABLE"
 
 
-def test_action_masks_from_a_simulator_are_refused_not_ignored():
-    h, _ = hub()
-    s, _ = h.open(hello())
-    step = actor_pb2.EnvStep(step_id=0, observations=encode(np.zeros((2, 3), np.float32)),
-                             action_masks=encode(np.ones((2, 2), bool)))
-    with pytest.raises(SessionError, match="action_masks: this actor does not take action masks"):
-        h.observe(s, step)
+# -- every space ------------------------------------------------------------------------------------
+BOX = Box.of((2,), -1.0, [1.0, 2.0])
+MD = MultiDiscrete((3, 2))
+
+
+def spaced_hub(action, obs_keys=None, algorithm="ppo"):
+    spec = EnvSpec((3,), np.dtype(np.float32), action, obs_keys)
+    cfg = config_from_dict({"algorithm": algorithm, "env": {"mode": "external"},
+                            algorithm: {"rollout_steps": T}})
+    out = []
+    return SessionHub(cfg, spec, "actor-x", Metrics("actor"), out.append), out
+
+
+def hello_with(action=None, obs=None, sid="s"):
+    msg = actor_pb2.EnvHello(session_id=sid, num_envs=N)
+    if obs is None:
+        msg.observation_space.box.shape[:] = (3,)
+        msg.observation_space.box.dtype = pb.DTYPE_FLOAT32
+    else:
+        spaces.dict_layout_to_proto(spaces.dict_layout(obs), msg.observation_space.dict)
+    spaces.to_proto(action, msg.action_space)
+    return msg
+
+
+@pytest.mark.parametrize("policy, declared, accepted", [
+    (BOX, BOX, True),
+    (BOX, Box.of((2,), -1.0, 1.0), False),            # other bounds
+    (BOX, Box.of((1, 2), -1.0, [1.0, 2.0]), False),   # other shape
+    (BOX, Discrete(2), False),
+    (MD, MD, True), (MD, MultiDiscrete((2, 3)), False), (Discrete(2), MD, False),
+])
+def test_the_action_space_must_be_the_policys(policy, declared, accepted):
+    h, _ = spaced_hub(policy)
+    if accepted:
+        h.open(hello_with(declared))
+        return
+    with pytest.raises(SessionError) as err:
+        h.open(hello_with(declared))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert str(err.value) == f"action_space: expected {policy}, got {declared}"
+
+
+def test_a_box_session_gets_clipped_float32_actions_and_its_fragments_keep_the_sample():
+    h, out = spaced_hub(BOX)
+    s, _ = h.open(hello_with(BOX))
+    sample = np.array([[-3.0, 0.5], [0.25, 7.0]], np.float32)
+    sent = h.to_send(sample)
+    assert sent.dtype == np.float32 and sent.tolist() == [[-1.0, 0.5], [0.25, 2.0]]
+    for k in range(T + 1):
+        h.observe(s, step(k, obs_at(k), **({} if k == 0 else
+                                           {"rewards": [0, 0], "term": [False] * N, "trunc": [False] * N})))
+        if k < T:
+            h.record_actions(s, sample, {"behaviour_logprob": np.zeros(N, np.float32)}, version=1)
+    (frag,) = [decode_fragment(m) for m in out]
+    np.testing.assert_array_equal(frag.actions, np.broadcast_to(sample, (T, N, 2)))  # unclipped
+
+
+def masked_step(k, mask, **kw):
+    msg = step(k, obs_at(k), **kw)
+    msg.action_masks.CopyFrom(encode(np.asarray(mask)))
+    return msg
+
+
+def test_masks_from_a_simulator_reach_the_fragment_and_unmasked_steps_allow_everything():
+    h, out = spaced_hub(MD)
+    s, _ = h.open(hello_with(MD))
+    mask = np.array([[1, 0, 1, 0, 1], [1, 1, 1, 1, 0]], bool)
+    flags = {"rewards": [0, 0], "term": [False] * N, "trunc": [False] * N}
+    for k in range(T + 1):
+        msg = masked_step(k, mask, **({} if k == 0 else flags)) if k % 2 == 0 else step(k, obs_at(k), **flags)
+        h.observe(s, msg)
+        assert s.mask is None if k % 2 else s.mask.tolist() == mask.tolist()
+        if k < T:
+            h.record_actions(s, np.zeros((N, 2), np.int64), {"behaviour_logprob": np.zeros(N, np.float32)}, 1)
+    (frag,) = [decode_fragment(m) for m in out]
+    assert frag.action_mask.shape == (T, N, 5)
+    np.testing.assert_array_equal(frag.action_mask[0], mask)
+    assert frag.action_mask[1].all()
+
+
+@pytest.mark.parametrize("mask, text", [
+    (np.ones((N, 4), bool), "action_masks: must be bool [2, 5]"),
+    (np.ones((N, 5), np.uint8), "action_masks: must be bool [2, 5]"),
+    (np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool), "action_masks: allows no value of choice 1"),
+])
+def test_a_bad_mask_names_the_field(mask, text):
+    h, _ = spaced_hub(MD)
+    s, _ = h.open(hello_with(MD))
+    with pytest.raises(SessionError) as err:
+        h.observe(s, masked_step(0, mask))
+    assert err.value.code == "INVALID_ARGUMENT" and text in str(err.value)
+
+
+@pytest.mark.parametrize("action, algorithm, text", [
+    (Discrete(2), "dqn", "algorithm dqn does not take action masks"),
+    (BOX, "ppo", "Box([2], [[-1.0, -1.0], [1.0, 2.0]]) actions take no mask"),
+])
+def test_masks_are_refused_where_they_cannot_be_used_never_ignored(action, algorithm, text):
+    h, _ = spaced_hub(action, algorithm=algorithm)
+    s, _ = h.open(hello_with(action))
+    with pytest.raises(SessionError) as err:
+        h.observe(s, masked_step(0, np.ones((N, 2), bool)))
+    assert err.value.code == "INVALID_ARGUMENT" and text in str(err.value)
+
+
+KEYS = spaces.dict_layout({"pos": (2,), "vel": (1,)})
+
+
+@pytest.mark.parametrize("policy_keys, declared, accepted", [
+    (KEYS, {"vel": (1,), "pos": (2,)}, True),      # key order does not matter: keys are sorted
+    (KEYS, {"pos": (1,), "vel": (2,)}, False),     # same flat size, another layout
+    (KEYS, {"pos": (2,), "speed": (1,)}, False),
+    (None, {"a": (1,), "b": (2,)}, True),          # keys not known: the flattened size must fit
+    (None, {"a": (4,)}, False),
+])
+def test_dict_observations_must_have_the_policys_layout(policy_keys, declared, accepted):
+    h, _ = spaced_hub(Discrete(2), obs_keys=policy_keys)
+    if accepted:
+        h.open(hello_with(Discrete(2), obs=declared))
+        return
+    with pytest.raises(SessionError) as err:
+        h.open(hello_with(Discrete(2), obs=declared))
+    assert err.value.code == "INVALID_ARGUMENT" and str(err.value).startswith("observation_space: expected ")

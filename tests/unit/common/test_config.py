@@ -233,3 +233,50 @@ def test_section_dataclasses_validate_when_built_directly():
     with pytest.raises(ConfigError) as e:
         DQNConfig(learning_starts=10, batch_size=20, buffer_size=100)
     assert e.value.key == "learning_starts"
+
+
+# -- declared spaces (env.mode: external) ------------------------------------------------------------
+def external(**env):
+    return config_from_dict({"env": {"mode": "external", **env}})
+
+
+def test_declared_action_spaces_of_every_kind():
+    from services.common.spaces import Box, Discrete, MultiDiscrete
+
+    assert external(observation_shape=[3], num_actions=4).env.declared_action_space == Discrete(4)
+    cfg = external(observation_shape=[3], action_space={"type": "multi_discrete", "nvec": [3, 2]})
+    assert cfg.env.declared_action_space == MultiDiscrete((3, 2))
+    cfg = external(observation_keys={"pos": [2], "vel": [1]},
+                   action_space={"type": "box", "shape": [2], "low": [-1.0], "high": [1, 2]})
+    assert cfg.env.declared_action_space == Box.of((2,), -1.0, [1.0, 2.0])
+    assert cfg.env.observation_keys == {"pos": (2,), "vel": (1,)}
+    assert config_from_dict(cfg.to_dict()) == cfg  # round trip through plain data
+    unbounded = external(observation_shape=[3], action_space={"type": "box", "shape": [1]})
+    assert not unbounded.env.declared_action_space.bounded
+
+
+@pytest.mark.parametrize("env, key, match", [
+    ({"observation_shape": [3], "num_actions": 2, "action_space": {"type": "discrete", "n": 2}},
+     "env.num_actions", "not both"),
+    ({"observation_shape": [3]}, "env.action_space", "together"),   # names what is missing
+    ({"action_space": {"type": "discrete", "n": 2}}, "env.observation_shape", "together"),
+    ({"observation_shape": [3], "observation_keys": {"a": [3]}, "num_actions": 2}, "env.observation_keys", "not both"),
+    ({"observation_shape": [3], "action_space": {"type": "cube"}}, "env.action_space.type", "discrete, multi"),
+    ({"observation_shape": [3], "action_space": {"type": "discrete"}}, "env.action_space.n", "n >= 1"),
+    ({"observation_shape": [3], "action_space": {"type": "discrete", "n": 2, "shape": [1]}},
+     "env.action_space.shape", "not a setting of a discrete space"),
+    ({"observation_shape": [3], "action_space": {"type": "box", "shape": [2], "low": [0, 0, 0]}},
+     "env.action_space.shape", "one per element"),
+    ({"observation_shape": [3], "action_space": {"type": "box", "shape": [1], "low": [1], "high": [0]}},
+     "env.action_space.shape", "low <= high"),
+    ({"observation_shape": [3], "action_space": {"type": "multi_discrete", "nvec": [0]}},
+     "env.action_space.nvec", "each of at least 1"),
+    ({"observation_keys": {"a": [0]}, "num_actions": 2}, "env.observation_keys.a", "every dimension"),
+    ({"observation_keys": {"a": [1]}, "observation_dtype": "uint8", "num_actions": 2}, "env.observation_dtype",
+     "flattened into float32"),
+    ({"observation_keys": [1], "num_actions": 2}, "env.observation_keys", "must be a mapping"),
+])
+def test_bad_declared_spaces_name_the_key(env, key, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        external(**env)
+    assert err.value.key == key

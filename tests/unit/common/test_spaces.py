@@ -10,6 +10,7 @@ import pytest
 
 from kuberl.v1 import actor_pb2
 from kuberl.v1 import common_pb2 as pb
+from services.common import spaces
 from services.common.spaces import Box, Discrete, MultiDiscrete, check_actions, check_mask, from_gymnasium, from_proto, to_proto
 from services.common.tensors import TensorError
 
@@ -98,3 +99,35 @@ def test_check_mask():
 def test_box_clip():
     box = Box.of((2,), [-1.0, 0.0], [1.0, 2.0])
     np.testing.assert_array_equal(box.clip(np.array([[-3.0, 5.0]], np.float32)), [[-1.0, 2.0]])
+
+
+# -- Dict observations ------------------------------------------------------------------------------
+def test_a_dict_layout_is_sorted_and_flattens_like_gymnasium():
+    gspace = gym.spaces.Dict({"vel": gym.spaces.Box(-1, 1, (2,)), "pos": gym.spaces.Box(-1, 1, (2, 3))})
+    layout = spaces.dict_layout({k: s.shape for k, s in gspace.spaces.items()})
+    assert layout == (("pos", (2, 3)), ("vel", (2,))) and spaces.flat_size(layout) == 8
+    sample = gspace.sample()
+    flat = spaces.flatten_dict({k: v[None] for k, v in sample.items()}, layout, (1,))
+    np.testing.assert_array_equal(flat[0], gym.spaces.flatten(gspace, sample).astype(np.float32))
+    assert flat.dtype == np.float32
+
+
+def test_dict_layouts_round_trip_through_the_wire_and_bad_ones_name_the_field():
+    layout = spaces.dict_layout({"b": (1,), "a": (2, 2)})
+    msg = actor_pb2.DictSpace()
+    spaces.dict_layout_to_proto(layout, msg)
+    assert spaces.dict_layout_from_proto(msg) == layout
+    for bad, text in (({}, "1..64 keys"), ({"a": (0,)}, "every dim >= 1"), ({"x" * 65: (1,)}, "1..64 characters")):
+        with pytest.raises(ValueError, match=text):
+            spaces.dict_layout(bad)
+    msg.spaces["a"].dtype = 42
+    with pytest.raises(TensorError, match="observation_space.dict.spaces\\['a'\\].dtype"):
+        spaces.dict_layout_from_proto(msg)
+
+
+def test_flatten_dict_refuses_other_keys_and_shapes():
+    layout = spaces.dict_layout({"a": (2,)})
+    with pytest.raises(ValueError, match="differ from the declared"):
+        spaces.flatten_dict({"b": np.zeros((1, 2))}, layout, (1,))
+    with pytest.raises(ValueError, match=r"observation\['a'\]: shape \[1, 3\], expected \[1, 2\]"):
+        spaces.flatten_dict({"a": np.zeros((1, 3))}, layout, (1,))
