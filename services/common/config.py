@@ -216,9 +216,16 @@ class PPOConfig:
     # kuberl reports stay unscaled). Continuous-control rewards such as Pendulum's -16..0 give value
     # targets in the hundreds; a scale of 0.1 keeps them near 1, as SB3's VecNormalize does adaptively.
     reward_scale: float = 1.0
+    # Observations normalised by a running mean and variance, clipped to +-obs_clip (gymnasium's
+    # NormalizeObservation, SB3's VecNormalize), for flat (non-image) observations. The statistics
+    # are buffers of the network: the learner updates them from every batch it trains on (summed over
+    # a learner group) and they reach actors with the weights, so both normalise alike.
+    normalize_observations: bool = False
+    obs_clip: float = 10.0
 
     def __post_init__(self):
         _require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
+        _require(self.obs_clip > 0, "obs_clip", self.obs_clip, "must be > 0")
         _require(self.max_policy_lag is None or self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag,
                  "must be >= 0 (0 = train only on fragments from the current policy), or null for no bound")
         _require(self.stale_fragments in ("drop", "correct"), "stale_fragments", self.stale_fragments,

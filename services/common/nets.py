@@ -106,15 +106,66 @@ class QNetwork(nn.Module):
         return self.q(obs.flatten(1).float() if self._flat else obs)
 
 
+class ObsNormalizer(nn.Module):
+    """Running mean and variance of flat observations, clipped after normalising (gymnasium's
+    NormalizeObservation, SB3's VecNormalize). The statistics are float64 buffers of the module, so
+    they travel with the weights to actors and into checkpoints. `update` merges a batch in by the
+    parallel algorithm of Chan et al. (1979); `moments` and `merge` split it for a learner group,
+    which sums every rank's batch moments before merging them, so all ranks keep the same statistics.
+    """
+
+    def __init__(self, size: int, clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        self.clip, self.eps = clip, eps
+        self.register_buffer("mean", torch.zeros(size, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(size, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std = (self.var + self.eps).sqrt()
+        return ((x - self.mean.to(x.dtype)) / std.to(x.dtype)).clamp(-self.clip, self.clip)
+
+    @staticmethod
+    def moments(x: torch.Tensor) -> torch.Tensor:
+        """[count, sum, sum of squares] of a batch [B, size] in float64: what a group sums."""
+        x = x.to(torch.float64)
+        return torch.cat([torch.tensor([float(len(x))], dtype=torch.float64, device=x.device),
+                          x.sum(0), (x * x).sum(0)])
+
+    @torch.no_grad()
+    def merge(self, moments: torch.Tensor) -> None:
+        """Merge a batch given by its `moments` (summed over any number of batches) into the statistics."""
+        size = self.mean.numel()
+        n, total, squares = moments[0], moments[1:1 + size], moments[1 + size:]
+        if n <= 0:
+            return
+        b_mean = total / n
+        b_var = (squares / n - b_mean * b_mean).clamp(min=0.0)
+        m = self.count
+        delta = b_mean - self.mean
+        new = m + n
+        self.mean += delta * n / new
+        self.var.copy_((self.var * m + b_var * n + delta * delta * m * n / new) / new)
+        self.count.copy_(new)
+
+    def update(self, x: torch.Tensor) -> None:
+        self.merge(self.moments(x.flatten(1)))
+
+
 class ActorCritic(nn.Module):
     """Policy and value heads. Flat observations: separate tanh MLPs (CleanRL's ppo.py). Frames: one
     shared Nature CNN torso with a policy head (std 0.01) and a value head (std 1), as in CleanRL's
     ppo_atari.py. The policy's output layer parameterises the action space's distribution
     (services/common/heads.py: categorical, a product of categoricals, or a diagonal Gaussian)."""
 
-    def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
+    def __init__(self, spec: EnvSpec, hidden: tuple[int, ...], normalize_obs: bool = False, obs_clip: float = 10.0):
         super().__init__()
         n_out = out_features(spec.action)
+        if normalize_obs and is_image(spec):
+            raise ValueError("ppo.normalize_observations: frames are scaled by 1/255 in the network; "
+                             "normalisation is for flat observations")
+        # Observation statistics (a module only when used: checkpoints without it stay loadable).
+        self.obs_norm = ObsNormalizer(int(np.prod(spec.obs_shape)), obs_clip) if normalize_obs else None
         if is_image(spec):
             self.torso = NatureCNN(spec)
             self.critic = _layer(self.torso.features, 1, std=1.0)
@@ -128,7 +179,10 @@ class ActorCritic(nn.Module):
         self._flat = not is_image(spec)
 
     def _features(self, obs: torch.Tensor) -> torch.Tensor:
-        return obs.flatten(1).float() if self._flat else self.torso(obs)
+        if not self._flat:
+            return self.torso(obs)
+        x = obs.flatten(1).float()
+        return x if self.obs_norm is None else self.obs_norm(x)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(self._features(obs)).squeeze(-1)

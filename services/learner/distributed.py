@@ -70,6 +70,10 @@ class GradientSync:
             raise GroupBroken(f"all-reduce across {self.world_size} learners failed (a peer is gone?): {err}") from err
         return t
 
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the group (a copy; gloo reduces CPU tensors, on whatever device `t` is)."""
+        return self._all_reduce(t.detach().cpu().clone()).to(t.device)
+
     def agree(self, stop: bool, ready: bool) -> tuple[bool, bool]:
         """One round's agreement: (someone wants to stop, everyone holds a batch)."""
         t = self._all_reduce(torch.tensor([float(stop), float(not ready)]))

@@ -11,7 +11,7 @@ from services.common.nets import ActorCritic
 
 class Acting:
     def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
-        self.net = ActorCritic(spec, cfg.ppo.hidden_sizes)
+        self.net = ActorCritic(spec, cfg.ppo.hidden_sizes, cfg.ppo.normalize_observations, cfg.ppo.obs_clip)
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, version: int | None, env_steps: int, mask: torch.Tensor | None = None

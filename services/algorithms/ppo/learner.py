@@ -74,7 +74,7 @@ class PPO:
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
         self.metrics = metrics or Metrics("learner")
         self.lag = self.metrics.histogram("learner/policy_lag")
-        self.net = ActorCritic(spec, cfg.hidden_sizes).to(self.device)
+        self.net = ActorCritic(spec, cfg.hidden_sizes, cfg.normalize_observations, cfg.obs_clip).to(self.device)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.version = 0
         self.gradient_steps = 0
@@ -166,6 +166,7 @@ class PPO:
         c = self.cfg
         if not fragments and self.sync is None:
             return {}
+        self._update_obs_stats(fragments)
         correct = correct or [False] * len(fragments)
         # (obs, values, advantages, returns, actions, behaviour log-probs, masks or None), a row per sample
         data = None
@@ -199,6 +200,18 @@ class PPO:
         if last is None:
             return {}
         return {**{k: v.item() for k, v in last.items()}, "clipfrac": float(np.mean(clipfracs))}
+
+    def _update_obs_stats(self, fragments: list[Fragment]) -> None:
+        """Merge the batch's observations (each step's once) into the network's running statistics,
+        summed over the group first where there is one, before anything is computed with them."""
+        norm = self.net.obs_norm
+        if norm is None:
+            return
+        if fragments:
+            moments = sum(norm.moments(self._tensor(f.obs[:-1]).flatten(0, 1).flatten(1)) for f in fragments)
+        else:  # a group member with nothing still takes part in the sum
+            moments = torch.zeros(1 + 2 * norm.mean.numel(), dtype=torch.float64, device=self.device)
+        norm.merge(moments if self.sync is None else self.sync.sum(moments))
 
     def _loss(self, data, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped PPO loss on minibatch `mb` (indices into `data`), and its diagnostics (detached)."""
