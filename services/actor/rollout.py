@@ -71,6 +71,9 @@ class Rollout:
         self._ep_return = np.zeros(n)
         self._ep_len = np.zeros(n, dtype=np.int64)
         self._pace = Pacer(cfg.actor.max_env_steps_per_s / n if cfg.actor.max_env_steps_per_s else 0.0)
+        self._cut_with_version: tuple[int | None, int] = (None, 0)  # (version, fragments cut with it)
+        for name in ("actor/pace_wait_seconds_total", "actor/pace_timeouts_total"):
+            metrics.inc(name, 0)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
         metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
 
@@ -83,6 +86,7 @@ class Rollout:
 
         Blocking; call from the worker thread. Returns None only if stopped before any step.
         """
+        self._wait_for_the_learner(stop)
         self.policy.swap()
         T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
@@ -137,7 +141,27 @@ class Rollout:
             action_mask=None if masks is None else masks[:t], **{name: arr[:t] for name, arr in extras.items()})
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
+        version, cut = self._cut_with_version
+        self._cut_with_version = (self.policy_version, cut + 1 if version == self.policy_version else 1)
         return msg
+
+    def _wait_for_the_learner(self, stop: threading.Event | None) -> None:
+        """On-policy pacing (actor.fragments_per_version): once that many fragments were cut with the
+        weights held, wait for newer ones, at most actor.pace_timeout_s (then step on, counted)."""
+        pace = self.cfg.actor.fragments_per_version
+        version, cut = self._cut_with_version
+        if not pace or cut < pace or version != self.policy_version:
+            return
+        start = time.monotonic()
+        deadline = start + self.cfg.actor.pace_timeout_s
+        while not self.policy.newer_weights.wait(timeout=0.1):
+            if (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
+                break
+        self.metrics.inc("actor/pace_wait_seconds_total", time.monotonic() - start)
+        if not self.policy.newer_weights.is_set() and not (stop is not None and stop.is_set()):
+            self.metrics.inc("actor/pace_timeouts_total")
+            log.warning("no new weights within actor.pace_timeout_s (%g s) after %d fragments with version %s; "
+                        "stepping on", self.cfg.actor.pace_timeout_s, cut, version)
 
     def _mask_of(self, info: dict) -> np.ndarray:
         """The envs' `info["action_mask"]` as [N, M] bool; ValueError naming env.id if malformed."""

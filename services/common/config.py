@@ -322,6 +322,13 @@ class ActorConfig:
     # Cap on env steps per second (all of this actor's envs together); 0 = as fast as possible.
     # Sleeping here frees the CPU for the learner on a shared machine; the actor never waits on the network.
     max_env_steps_per_s: float = 0.0
+    # On-policy pacing (local envs, FIFO algorithms such as PPO): after cutting this many fragments
+    # with one policy version, wait for the learner's next weights before stepping on (at most
+    # pace_timeout_s, then step on, counted). Holds an actor that steps faster than the learner
+    # trains to what the learner consumes, as a synchronous PPO does, instead of the FIFO evicting
+    # what it stepped (and the stepping taking the learner's CPU). 0 = never wait.
+    fragments_per_version: int = 0
+    pace_timeout_s: float = 10.0
     # External simulators (env.mode: external):
     max_sessions: int = 256            # concurrent EnvSession streams; more get RESOURCE_EXHAUSTED
     session_timeout_s: float = 30.0    # a session silent this long is closed (DEADLINE_EXCEEDED)
@@ -332,6 +339,8 @@ class ActorConfig:
         _require(self.session_timeout_s > 0, "session_timeout_s", self.session_timeout_s, "must be > 0")
         _require(self.session_resume_s >= 0, "session_resume_s", self.session_resume_s, "must be >= 0")
         _require(self.max_env_steps_per_s >= 0, "max_env_steps_per_s", self.max_env_steps_per_s, "must be >= 0")
+        _require(self.fragments_per_version >= 0, "fragments_per_version", self.fragments_per_version, "must be >= 0")
+        _require(self.pace_timeout_s > 0, "pace_timeout_s", self.pace_timeout_s, "must be > 0")
         _require(1 <= self.queue_fragments <= DEDUPE_WINDOW, "queue_fragments", self.queue_fragments,
                  f"must be 1..{DEDUPE_WINDOW}: a buffer dedupes a re-sent fragment exactly only within the last "
                  f"{DEDUPE_WINDOW} seqs of its sender (services/common/fragments.py)")
@@ -529,6 +538,18 @@ class ExperimentConfig:
         _require(not self.planner.enabled or learner.min <= self.topology.learners <= learner.max,
                  "topology.learners", self.topology.learners,
                  f"must lie within planner.learner.min..max ({learner.min}..{learner.max}), the planner's bounds")
+        pace = self.actor.fragments_per_version
+        if pace:
+            algorithm = algorithms.get(self.algorithm)
+            _require(isinstance(algorithm.table(self), algorithms.FifoTable), "actor.fragments_per_version", pace,
+                     f"paces on-policy algorithms; {self.algorithm}'s learner is paced by its replay ratio")
+            _require(self.env.mode == "local", "actor.fragments_per_version", pace,
+                     "paces local envs; external simulators are paced by their own round trips")
+            samples = pace * self.rollout_steps * self.env.num_envs
+            _require(samples >= algorithm.batch_size(self), "actor.fragments_per_version", pace,
+                     f"{pace} fragments of {self.rollout_steps} x {self.env.num_envs} steps = {samples} samples "
+                     f"per version, fewer than the learner's batch of {algorithm.batch_size(self)}: a lone actor "
+                     f"would wait for weights that need more of its samples")
 
     @property
     def rollout_steps(self) -> int:

@@ -1,0 +1,74 @@
+"""On-policy pacing (actor.fragments_per_version): an actor that has cut that many fragments with
+the weights it holds waits for newer ones, never longer than actor.pace_timeout_s, and is stoppable."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from services.actor.rollout import Rollout
+from services.common.config import ConfigError, config_from_dict
+from services.common.nets import to_numpy
+from services.common.stats import Metrics
+
+CFG = {"env": {"id": "CartPole-v1", "num_envs": 2}, "ppo": {"rollout_steps": 4, "batch_steps": 16,
+                                                           "hidden_sizes": [8], "num_minibatches": 2}}
+
+
+def rollout(**actor) -> Rollout:
+    r = Rollout(config_from_dict({**CFG, "actor": actor}), "actor-p", 0, Metrics("actor"))
+    r.policy.offer_weights(1, to_numpy(r.policy.net))
+    return r
+
+
+def test_the_actor_waits_for_new_weights_after_its_quota_and_steps_on_with_them():
+    r = rollout(fragments_per_version=2, pace_timeout_s=600)
+    assert r.collect() is not None and r.collect() is not None  # the quota of version 1
+    third: list = []
+    worker = threading.Thread(target=lambda: third.append(r.collect()))
+    worker.start()
+    worker.join(timeout=0.5)
+    assert worker.is_alive() and not third  # held: nothing stepped
+    assert r.metrics.counters["actor/env_steps_total"] == 2 * 4 * 2
+    r.policy.offer_weights(2, to_numpy(r.policy.net))
+    worker.join(timeout=60)
+    assert not worker.is_alive() and third[0] is not None and r.policy_version == 2
+    assert r.metrics.counters["actor/pace_timeouts_total"] == 0
+    assert r.metrics.counters["actor/pace_wait_seconds_total"] > 0
+    r.close()
+
+
+def test_a_wait_ends_at_the_timeout_counted_and_at_stop():
+    r = rollout(fragments_per_version=2, pace_timeout_s=0.2)
+    r.collect()
+    r.collect()
+    assert r.collect() is not None  # waited 0.2 s for weights that never came, then stepped on
+    assert r.metrics.counters["actor/pace_timeouts_total"] == 1 and r.policy_version == 1
+    stop = threading.Event()
+    stop.set()
+    r.cfg = config_from_dict({**CFG, "actor": {"fragments_per_version": 2, "pace_timeout_s": 600}})
+    assert r.collect(stop) is None  # stopping: no wait, no step
+    assert r.metrics.counters["actor/pace_timeouts_total"] == 1
+    r.close()
+
+
+def test_unpaced_actors_never_wait():
+    r = rollout()
+    for _ in range(5):
+        assert r.collect() is not None
+    assert r.metrics.counters["actor/pace_wait_seconds_total"] == 0
+    r.close()
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"actor": {"fragments_per_version": 1}}, "fewer than the learner's batch of 16"),
+    ({"algorithm": "dqn", "actor": {"fragments_per_version": 4}}, "replay ratio"),
+    ({"env": {"mode": "external"}, "actor": {"fragments_per_version": 4}}, "external simulators"),
+    ({"actor": {"fragments_per_version": -1}}, "must be >= 0"),
+])
+def test_pacing_that_cannot_work_is_refused(data, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        config_from_dict({**CFG, **data, "env": {**CFG["env"], **data.get("env", {})}})
+    assert err.value.key == "actor.fragments_per_version"
