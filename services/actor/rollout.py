@@ -184,7 +184,8 @@ class Rollout:
 class RolloutWorker(threading.Thread):
     """Runs `Rollout.collect` in a loop, handing every fragment to `on_fragment` (thread-safe).
 
-    Waits once, at start, for the learner's first weights; after that it never waits on the network.
+    Waits once, at start, for the learner's first weights; after that it never waits on the network,
+    except where on-policy pacing (actor.fragments_per_version) holds it for the next weights.
     `done` (a callable) receives None on a clean stop or the exception that ended the thread.
     """
 
