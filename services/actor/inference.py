@@ -8,6 +8,7 @@ pass when idle. Torch runs in a worker thread; weights are swapped in only betwe
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 
@@ -15,12 +16,17 @@ from services.actor.policy import Policy
 from services.actor.sessions import SessionHub
 from services.common.stats import Metrics
 
+log = logging.getLogger(__name__)
+
 
 class BatchedInference:
     def __init__(self, policy: Policy, hub: SessionHub, metrics: Metrics):
         self.policy, self.hub, self.metrics = policy, hub, metrics
         self._pending: list[tuple[np.ndarray, np.ndarray | None, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self._quota_from: tuple[int | None, int] = (None, 0)  # (policy version, hub.seq when it came in)
+        for name in ("actor/pace_wait_seconds_total", "actor/pace_timeouts_total"):
+            metrics.inc(name, 0)
 
     async def act(self, obs: np.ndarray, mask: np.ndarray | None = None
                   ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
@@ -37,6 +43,7 @@ class BatchedInference:
             await asyncio.sleep(0.05)
         while True:
             await self._wake.wait()
+            await self._pace()
             self._wake.clear()
             batch, self._pending = self._pending, []
             batch = [item for item in batch if not item[2].done()]  # a session that went away
@@ -55,6 +62,29 @@ class BatchedInference:
                 if not fut.done():
                     fut.set_result((actions[start:end], {k: v[start:end] for k, v in extras.items()}, version))
                 start = end
+
+    async def _pace(self) -> None:
+        """On-policy pacing (actor.fragments_per_version): once the sessions together have cut that many
+        fragments with the weights held, hold every reply until newer weights arrive, at most
+        actor.pace_timeout_s (then a fresh quota, counted). The simulators wait on their replies."""
+        cfg = self.hub.cfg.actor
+        if not cfg.fragments_per_version:
+            return
+        version, since = self._quota_from
+        if version != self.policy.version:
+            self._quota_from = version, since = self.policy.version, self.hub.seq
+        if self.hub.seq - since < cfg.fragments_per_version or self.policy.newer_weights.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not self.policy.newer_weights.is_set() and loop.time() - start < cfg.pace_timeout_s:
+            await asyncio.sleep(0.01)
+        self.metrics.inc("actor/pace_wait_seconds_total", loop.time() - start)
+        if not self.policy.newer_weights.is_set():
+            self.metrics.inc("actor/pace_timeouts_total")
+            self._quota_from = (version, self.hub.seq)
+            log.warning("no new weights within actor.pace_timeout_s (%g s) after %d fragments with version %s; "
+                        "answering on", cfg.pace_timeout_s, self.hub.seq - since, version)
 
     def _infer(self, obs: np.ndarray, mask: np.ndarray | None):
         self.policy.swap()

@@ -147,7 +147,7 @@ class Rollout:
 
     def _wait_for_the_learner(self, stop: threading.Event | None) -> None:
         """On-policy pacing (actor.fragments_per_version): once that many fragments were cut with the
-        weights held, wait for newer ones, at most actor.pace_timeout_s (then step on, counted)."""
+        weights held, wait for newer ones, at most actor.pace_timeout_s (then a fresh quota, counted)."""
         pace = self.cfg.actor.fragments_per_version
         version, cut = self._cut_with_version
         if not pace or cut < pace or version != self.policy_version:
@@ -160,6 +160,7 @@ class Rollout:
         self.metrics.inc("actor/pace_wait_seconds_total", time.monotonic() - start)
         if not self.policy.newer_weights.is_set() and not (stop is not None and stop.is_set()):
             self.metrics.inc("actor/pace_timeouts_total")
+            self._cut_with_version = (version, 0)  # a fresh quota: step on at the actor's own pace
             log.warning("no new weights within actor.pace_timeout_s (%g s) after %d fragments with version %s; "
                         "stepping on", self.cfg.actor.pace_timeout_s, cut, version)
 

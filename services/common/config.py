@@ -322,11 +322,12 @@ class ActorConfig:
     # Cap on env steps per second (all of this actor's envs together); 0 = as fast as possible.
     # Sleeping here frees the CPU for the learner on a shared machine; the actor never waits on the network.
     max_env_steps_per_s: float = 0.0
-    # On-policy pacing (local envs, FIFO algorithms such as PPO): after cutting this many fragments
-    # with one policy version, wait for the learner's next weights before stepping on (at most
-    # pace_timeout_s, then step on, counted). Holds an actor that steps faster than the learner
-    # trains to what the learner consumes, as a synchronous PPO does, instead of the FIFO evicting
-    # what it stepped (and the stepping taking the learner's CPU). 0 = never wait.
+    # On-policy pacing (FIFO algorithms such as PPO): after cutting this many fragments with one policy
+    # version (external mode: all sessions together), wait for the learner's next weights before
+    # stepping on, or answering simulators (at most pace_timeout_s, then a fresh quota, counted).
+    # Holds an actor that steps faster than the learner trains to what the learner consumes, as a
+    # synchronous PPO does, instead of the FIFO evicting what it stepped (and the stepping taking the
+    # learner's CPU). The fragments must hold a learner batch. 0 = never wait.
     fragments_per_version: int = 0
     pace_timeout_s: float = 10.0
     # External simulators (env.mode: external):
@@ -543,10 +544,10 @@ class ExperimentConfig:
             algorithm = algorithms.get(self.algorithm)
             _require(isinstance(algorithm.table(self), algorithms.FifoTable), "actor.fragments_per_version", pace,
                      f"paces on-policy algorithms; {self.algorithm}'s learner is paced by its replay ratio")
-            _require(self.env.mode == "local", "actor.fragments_per_version", pace,
-                     "paces local envs; external simulators are paced by their own round trips")
             samples = pace * self.rollout_steps * self.env.num_envs
-            _require(samples >= algorithm.batch_size(self), "actor.fragments_per_version", pace,
+            # (External sessions' fragments are rollout_steps x each session's num_envs: unknown here.)
+            _require(self.env.mode == "external" or samples >= algorithm.batch_size(self),
+                     "actor.fragments_per_version", pace,
                      f"{pace} fragments of {self.rollout_steps} x {self.env.num_envs} steps = {samples} samples "
                      f"per version, fewer than the learner's batch of {algorithm.batch_size(self)}: a lone actor "
                      f"would wait for weights that need more of its samples")

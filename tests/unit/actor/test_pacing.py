@@ -65,10 +65,60 @@ def test_unpaced_actors_never_wait():
 @pytest.mark.parametrize("data, match", [
     ({"actor": {"fragments_per_version": 1}}, "fewer than the learner's batch of 16"),
     ({"algorithm": "dqn", "actor": {"fragments_per_version": 4}}, "replay ratio"),
-    ({"env": {"mode": "external"}, "actor": {"fragments_per_version": 4}}, "external simulators"),
     ({"actor": {"fragments_per_version": -1}}, "must be >= 0"),
 ])
 def test_pacing_that_cannot_work_is_refused(data, match):
     with pytest.raises(ConfigError, match=match) as err:
         config_from_dict({**CFG, **data, "env": {**CFG["env"], **data.get("env", {})}})
     assert err.value.key == "actor.fragments_per_version"
+
+
+# -- external sessions: the replies wait --------------------------------------------------------------
+async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut():
+    import asyncio
+
+    from kuberl.v1 import actor_pb2
+    from services.actor.inference import BatchedInference
+    from services.actor.policy import Policy
+    from services.actor.sessions import SessionHub
+    from services.common.envs import spec_of
+    from services.common.tensors import encode
+
+    cfg = config_from_dict({**CFG, "env": {"id": "CartPole-v1", "mode": "external"},
+                            "actor": {"fragments_per_version": 1, "pace_timeout_s": 600}})
+    spec, metrics = spec_of(cfg.env), Metrics("actor")
+    policy = Policy(cfg, spec, 0, metrics)
+    policy.offer_weights(1, to_numpy(policy.net))
+    hub = SessionHub(cfg, spec, "actor-p", metrics, lambda msg: None)
+    inference = BatchedInference(policy, hub, metrics)
+    serving = asyncio.create_task(inference.run())
+    hello = actor_pb2.EnvHello(session_id="s", num_envs=2)
+    hello.observation_space.box.shape[:] = (4,)
+    hello.observation_space.box.dtype = 7
+    hello.action_space.discrete.n = 2
+    session, _ = hub.open(hello)
+
+    async def step(k: int):
+        msg = actor_pb2.EnvStep(step_id=k, observations=encode(np.zeros((2, 4), np.float32)))
+        if k:
+            for name, value in (("rewards", np.zeros(2, np.float32)), ("terminated", np.zeros(2, bool)),
+                                ("truncated", np.zeros(2, bool))):
+                getattr(msg, name).CopyFrom(encode(value))
+        obs = hub.observe(session, msg)
+        actions, extras, version = await inference.act(obs)
+        hub.record_actions(session, actions, extras, version)
+        return version
+
+    try:
+        for k in range(cfg.rollout_steps):
+            assert await step(k) == 1
+        # Step T completes the first fragment (T = 4 transitions): the quota of version 1 is cut, and
+        # the reply to that step waits for newer weights.
+        held = asyncio.create_task(step(cfg.rollout_steps))
+        await asyncio.sleep(0.3)
+        assert hub.seq == 1 and not held.done()
+        policy.offer_weights(2, to_numpy(policy.net))
+        assert await asyncio.wait_for(held, 60) == 2
+        assert metrics.counters["actor/pace_timeouts_total"] == 0
+    finally:
+        serving.cancel()
