@@ -1,17 +1,20 @@
 """Render the deployment artefacts the way users do, for the tests in this package.
 
-`kustomize(overlay)` runs `kubectl kustomize`, `helm_template(...)` runs `helm template`; both return the
-objects as dicts. kubectl and Helm come from tests/k8s/provision.sh's env file (tests/k8s/cluster.py
-`binaries`), else from PATH; where neither has them, `tool()` skips the test with the reason.
+`kustomize(overlay)` runs `kubectl kustomize` (`kustomize_with` adds components), `helm_template(...)`
+runs `helm template`; both return the objects as dicts. kubectl and Helm come from
+tests/k8s/provision.sh's env file (tests/k8s/cluster.py `binaries`), else from PATH; where neither has
+them, `tool()` skips the test with the reason.
 `validate(objects)` checks every object strictly against the Kubernetes JSON schemas of each version in
 SCHEMA_VERSIONS (PyPI kubernetes-validate, offline).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 CHART = K8S / "helm" / "kuberl"
 OVERLAYS = ("base", "overlays/dev", "overlays/gpu")
+COMPONENTS = ("components/buffer-checkpoints",)   # kustomize Components, added to an overlay by users
 # The oldest Kubernetes minor still in common support, and the newest the schemas know.
 SCHEMA_VERSIONS = ("1.30.0", "1.37.0")
 ROLES = ("actor", "buffer", "learner", "planner")
@@ -60,6 +64,19 @@ def load_all(text: str) -> list[dict]:
 def kustomize(overlay: str) -> list[dict]:
     """`kubectl kustomize k8s/<overlay>` as a list of objects."""
     return load_all(_run([tool("kubectl"), "kustomize", str(K8S / overlay)]))
+
+
+def kustomize_with(overlay: str, *components: str, namespace: str | None = "kuberl") -> list[dict]:
+    """`kubectl kustomize` of an overlay a user would write: `resources: [k8s/<overlay>]`, `components:
+    [k8s/<component>...]` and `namespace:` (as k8s/overlays/* set it), built in a temp dir."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rel = lambda p: os.path.relpath(K8S / p, tmp)   # noqa: E731 - kustomize takes no absolute dirs
+        spec = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                "resources": [rel(overlay)], "components": [rel(c) for c in components]}
+        if namespace:
+            spec["namespace"] = namespace
+        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+        return load_all(_run([tool("kubectl"), "kustomize", tmp]))
 
 
 def helm(*args: str) -> str:

@@ -50,12 +50,26 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- $_ = set $planner "kubernetes" $k8s -}}
 {{- $_ = set $planner "backend" "kubernetes" -}}
 {{- $_ = set $cfg "planner" $planner -}}
+{{- /* The buffer's checkpoint settings come from buffer.checkpoint (one place, next to the volume). */ -}}
+{{- $buffer := get $cfg "buffer" | default dict -}}
+{{- range $key, $value := dict "checkpoint_dir" "buffer.checkpoint.enabled (the chart mounts the volume and passes --checkpoint-dir)" "checkpoint_interval_s" "buffer.checkpoint.intervalSeconds" "keep_checkpoints" "buffer.checkpoint.keep" -}}
+{{- if hasKey $buffer $key -}}
+{{- fail (printf "config.buffer.%s: the chart sets it; use %s" $key $value) -}}
+{{- end -}}
+{{- end -}}
+{{- $ckpt := .Values.buffer.checkpoint -}}
+{{- if $ckpt.enabled -}}
+{{- $_ = set $buffer "checkpoint_interval_s" $ckpt.intervalSeconds -}}
+{{- $_ = set $buffer "keep_checkpoints" $ckpt.keep -}}
+{{- $_ = set $cfg "buffer" $buffer -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
 {{/*
 The pod template shared by every role. Call with (dict "ctx" $ "role" "learner" "args" (list ...)
-"env" (list ...) "mounts" (list ...) "volumes" (list ...) "token" false).
+"env" (list ...) "mounts" (list ...) "volumes" (list ...) "token" false), and optionally "grace" (seconds, in
+place of <role>.terminationGracePeriodSeconds) and "fsGroup" true (a writable volume: the learner always).
 */}}
 {{- define "kuberl.podTemplate" -}}
 {{- $r := index (include "kuberl.roles" . | fromYaml) .role -}}
@@ -71,12 +85,12 @@ metadata:
 spec:
   serviceAccountName: {{ include "kuberl.name" .ctx }}-{{ .role }}
   automountServiceAccountToken: {{ .token }}
-  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ .grace | default $v.terminationGracePeriodSeconds }}
   securityContext:
     runAsNonRoot: true
     runAsUser: 10001
     runAsGroup: 10001
-    {{- if eq .role "learner" }}
+    {{- if or (eq .role "learner") .fsGroup }}
     fsGroup: 10001
     {{- end }}
     seccompProfile: {type: RuntimeDefault}
