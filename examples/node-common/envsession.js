@@ -1,5 +1,6 @@
 // The simulator's side of kuberl's Actor.EnvSession stream, shared by the Node.js examples
-// (node-cartpole: Discrete actions, node-pendulum: a continuous Box action).
+// (node-cartpole: Discrete actions; node-pendulum: a continuous Box action; node-masked-choice:
+// MultiDiscrete actions under per-step action masks).
 //
 // An example supplies its environment (N copies stepped in lockstep) and its spaces; this module
 // speaks the protocol: hello, step 0, then one EnvStep per ActionReply, same-step resets with the
@@ -70,6 +71,26 @@ function decodeBox(t, numEnvs, size, low, high) {
       const v = t.data.readFloatLE((i * size + k) * 4);
       if (Number.isNaN(v)) throw new Error(`ActionReply.actions[${i}][${k}] is NaN`);
       a[k] = Math.min(high, Math.max(low, v));
+    }
+    actions[i] = a;
+  }
+  return actions;
+}
+
+// ActionReply.actions for MultiDiscrete(nvec): [num_envs, len(nvec)] int64, choice k in 0..nvec[k]-1.
+// One Int32Array(len(nvec)) per env; throws if malformed.
+function decodeMultiDiscrete(t, numEnvs, nvec) {
+  if (!t) throw new Error('ActionReply.actions is missing');
+  if (t.dtype !== DTYPE_INT64) throw new Error(`ActionReply.actions: dtype ${t.dtype}, expected DTYPE_INT64 (5)`);
+  const k = nvec.length;
+  checkShape(t, [numEnvs, k], 8);
+  const actions = new Array(numEnvs);
+  for (let i = 0; i < numEnvs; i++) {
+    const a = new Int32Array(k);
+    for (let c = 0; c < k; c++) {
+      const v = t.data.readBigInt64LE((i * k + c) * 8);
+      if (v < 0n || v >= BigInt(nvec[c])) throw new Error(`ActionReply.actions[${i}][${c}] = ${v}, expected 0..${nvec[c] - 1}`);
+      a[c] = Number(v);
     }
     actions[i] = a;
   }
@@ -163,6 +184,8 @@ function mean(xs) {
 // sim: { name, script, observationSpace, actionSpace (EnvHello Space messages), obsDim,
 //        make(numEnvs, seed) -> envs with observations() -> Float32Array [N * obsDim],
 //          observe(i, out, row), stepOne(i, action) -> [reward, terminated, truncated], reset(i),
+//          and optionally masks() -> Uint8Array [N * maskWidth], the actions allowed at observations(),
+//        maskWidth (with masks: n for Discrete, sum(nvec) for MultiDiscrete),
 //        decodeActions(tensor, numEnvs) -> one action per env (throws if malformed) }
 function runSimulator(deps, sim) {
   const { grpc, protoLoader } = deps;
@@ -209,9 +232,15 @@ function runSimulator(deps, sim) {
     process.stderr.write(`${line}\n`, () => process.exit(1));
   }
 
-  // EnvStep 0 of a stream: the current observation of every copy, nothing else.
+  // EnvStep.action_masks for the observations about to be sent (only for envs that have masks).
+  function withMasks(step) {
+    if (envs.masks) step.action_masks = tensor(DTYPE_BOOL, [N, sim.maskWidth], envs.masks());
+    return step;
+  }
+
+  // EnvStep 0 of a stream: the current observation of every copy (and their masks), nothing else.
   function firstStep() {
-    return { step_id: 0, observations: tensor(DTYPE_FLOAT32, [N, OBS_DIM], envs.observations()) };
+    return withMasks({ step_id: 0, observations: tensor(DTYPE_FLOAT32, [N, OBS_DIM], envs.observations()) });
   }
 
   // Applies one action per copy; returns the EnvStep (without step_id) that reports the outcome.
@@ -252,7 +281,7 @@ function runSimulator(deps, sim) {
       truncated: tensor(DTYPE_BOOL, [N], truncated),
     };
     if (finalObservations) step.final_observations = finalObservations; // absent when no copy ended
-    return step;
+    return withMasks(step);
   }
 
   function lastMean() {
@@ -422,5 +451,5 @@ function runSimulator(deps, sim) {
 }
 
 module.exports = {
-  DTYPE_BOOL, DTYPE_FLOAT32, DTYPE_INT64, decodeBox, decodeDiscrete, rng, runSimulator, tensor,
+  DTYPE_BOOL, DTYPE_FLOAT32, DTYPE_INT64, decodeBox, decodeDiscrete, decodeMultiDiscrete, rng, runSimulator, tensor,
 };
