@@ -8,15 +8,12 @@ pass when idle. Torch runs in a worker thread; weights are swapped in only betwe
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import numpy as np
 
-from services.actor.policy import Policy
+from services.actor.policy import Pace, Policy
 from services.actor.sessions import SessionHub
 from services.common.stats import Metrics
-
-log = logging.getLogger(__name__)
 
 
 class BatchedInference:
@@ -24,9 +21,7 @@ class BatchedInference:
         self.policy, self.hub, self.metrics = policy, hub, metrics
         self._pending: list[tuple[np.ndarray, np.ndarray | None, asyncio.Future]] = []
         self._wake = asyncio.Event()
-        self._quota_from: tuple[int | None, int] = (None, 0)  # (policy version, hub.seq when it came in)
-        for name in ("actor/pace_wait_seconds_total", "actor/pace_timeouts_total"):
-            metrics.inc(name, 0)
+        self.pace = Pace(hub.cfg, policy, metrics)
 
     async def act(self, obs: np.ndarray, mask: np.ndarray | None = None
                   ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
@@ -64,27 +59,15 @@ class BatchedInference:
                 start = end
 
     async def _pace(self) -> None:
-        """On-policy pacing (actor.fragments_per_version): once the sessions together have cut that many
-        fragments with the weights held, hold every reply until newer weights arrive, at most
-        actor.pace_timeout_s (then a fresh quota, counted). The simulators wait on their replies."""
-        cfg = self.hub.cfg.actor
-        if not cfg.fragments_per_version:
-            return
-        version, since = self._quota_from
-        if version != self.policy.version:
-            self._quota_from = version, since = self.policy.version, self.hub.seq
-        if self.hub.seq - since < cfg.fragments_per_version or self.policy.newer_weights.is_set():
+        """On-policy pacing (`Pace`): once the sessions together have cut the quota of fragments with
+        the weights held, hold every reply for newer weights. The simulators wait on their replies."""
+        if not self.pace.due(self.hub.seq):
             return
         loop = asyncio.get_running_loop()
         start = loop.time()
-        while not self.policy.newer_weights.is_set() and loop.time() - start < cfg.pace_timeout_s:
+        while not self.policy.newer_weights.is_set() and loop.time() - start < self.pace.timeout_s:
             await asyncio.sleep(0.01)
-        self.metrics.inc("actor/pace_wait_seconds_total", loop.time() - start)
-        if not self.policy.newer_weights.is_set():
-            self.metrics.inc("actor/pace_timeouts_total")
-            self._quota_from = (version, self.hub.seq)
-            log.warning("no new weights within actor.pace_timeout_s (%g s) after %d fragments with version %s; "
-                        "answering on", cfg.pace_timeout_s, self.hub.seq - since, version)
+        self.pace.waited(loop.time() - start, self.hub.seq)
 
     def _infer(self, obs: np.ndarray, mask: np.ndarray | None):
         self.policy.swap()

@@ -7,6 +7,7 @@ version is swapped in only between two `act` calls.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -16,6 +17,8 @@ from services import algorithms
 from services.common.config import ExperimentConfig
 from services.common.nets import EnvSpec, load_numpy
 from services.common.stats import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class Policy:
@@ -61,3 +64,37 @@ class Policy:
         if mask is None:
             return self.acting.act(x, self.version, env_steps)
         return self.acting.act(x, self.version, env_steps, mask=torch.from_numpy(np.ascontiguousarray(mask)))
+
+
+class Pace:
+    """On-policy pacing (actor.fragments_per_version): after that many fragments cut with one policy
+    version, the actor waits for newer weights, at most actor.pace_timeout_s (then a fresh quota,
+    counted). The quota is counted from the fragment counter `cut` (a rollout's or a session hub's
+    seq) where the held version came in; the caller waits (a thread or the event loop) and reports."""
+
+    def __init__(self, cfg: ExperimentConfig, policy: Policy, metrics: Metrics):
+        self.quota, self.timeout_s = cfg.actor.fragments_per_version, cfg.actor.pace_timeout_s
+        self.policy, self.metrics = policy, metrics
+        self._from: tuple[int | None, int] = (None, 0)  # (policy version, `cut` when it came in)
+        for name in ("actor/pace_wait_seconds_total", "actor/pace_timeouts_total"):
+            metrics.inc(name, 0)
+
+    def due(self, cut: int) -> bool:
+        """Whether the caller must wait for newer weights before cutting more (`cut`: fragments so far)."""
+        if not self.quota:
+            return False
+        version, since = self._from
+        if version != self.policy.version:
+            self._from = version, since = self.policy.version, cut
+        return cut - since >= self.quota and not self.policy.newer_weights.is_set()
+
+    def waited(self, seconds: float, cut: int, stopped: bool = False) -> None:
+        """Record a wait; where it ran out without newer weights, count it and start a fresh quota."""
+        self.metrics.inc("actor/pace_wait_seconds_total", seconds)
+        if self.policy.newer_weights.is_set() or stopped:
+            return
+        version, since = self._from
+        self.metrics.inc("actor/pace_timeouts_total")
+        self._from = (version, cut)
+        log.warning("no new weights within actor.pace_timeout_s (%g s) after %d fragments with version %s; "
+                    "going on", self.timeout_s, cut - since, version)

@@ -19,7 +19,7 @@ from services import algorithms
 from services.common.config import ExperimentConfig, is_atari
 from services.common.fragments import EncodedFragment, encode_fragment
 from services.actor.episodes import EpisodeLog
-from services.actor.policy import Policy
+from services.actor.policy import Pace, Policy
 from services.common.envs import make_vector_env, spec_of
 from services.common.spaces import Box, check_mask
 from services.common.stats import Metrics
@@ -65,15 +65,13 @@ class Rollout:
         self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
+        self.pace = Pace(cfg, self.policy, metrics)
         self.seq = 0
         self.env_steps = 0
         self.episodes = EpisodeLog(metrics)
         self._ep_return = np.zeros(n)
         self._ep_len = np.zeros(n, dtype=np.int64)
         self._pace = Pacer(cfg.actor.max_env_steps_per_s / n if cfg.actor.max_env_steps_per_s else 0.0)
-        self._cut_with_version: tuple[int | None, int] = (None, 0)  # (version, fragments cut with it)
-        for name in ("actor/pace_wait_seconds_total", "actor/pace_timeouts_total"):
-            metrics.inc(name, 0)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
         metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
 
@@ -86,8 +84,9 @@ class Rollout:
 
         Blocking; call from the worker thread. Returns None only if stopped before any step.
         """
-        self._wait_for_the_learner(stop)
         self.policy.swap()
+        if self._wait_for_the_learner(stop):
+            self.policy.swap()
         T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
         space = self.spec.action
@@ -141,28 +140,18 @@ class Rollout:
             action_mask=None if masks is None else masks[:t], **{name: arr[:t] for name, arr in extras.items()})
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
-        version, cut = self._cut_with_version
-        self._cut_with_version = (self.policy_version, cut + 1 if version == self.policy_version else 1)
         return msg
 
-    def _wait_for_the_learner(self, stop: threading.Event | None) -> None:
-        """On-policy pacing (actor.fragments_per_version): once that many fragments were cut with the
-        weights held, wait for newer ones, at most actor.pace_timeout_s (then a fresh quota, counted)."""
-        pace = self.cfg.actor.fragments_per_version
-        version, cut = self._cut_with_version
-        if not pace or cut < pace or version != self.policy_version:
-            return
+    def _wait_for_the_learner(self, stop: threading.Event | None) -> bool:
+        """On-policy pacing (`Pace`): hold this thread for newer weights once the quota is cut; True if it waited."""
+        if not self.pace.due(self.seq):
+            return False
         start = time.monotonic()
-        deadline = start + self.cfg.actor.pace_timeout_s
         while not self.policy.newer_weights.wait(timeout=0.1):
-            if (stop is not None and stop.is_set()) or time.monotonic() >= deadline:
+            if (stop is not None and stop.is_set()) or time.monotonic() - start >= self.pace.timeout_s:
                 break
-        self.metrics.inc("actor/pace_wait_seconds_total", time.monotonic() - start)
-        if not self.policy.newer_weights.is_set() and not (stop is not None and stop.is_set()):
-            self.metrics.inc("actor/pace_timeouts_total")
-            self._cut_with_version = (version, 0)  # a fresh quota: step on at the actor's own pace
-            log.warning("no new weights within actor.pace_timeout_s (%g s) after %d fragments with version %s; "
-                        "stepping on", self.cfg.actor.pace_timeout_s, cut, version)
+        self.pace.waited(time.monotonic() - start, self.seq, stopped=stop is not None and stop.is_set())
+        return True
 
     def _mask_of(self, info: dict) -> np.ndarray:
         """The envs' `info["action_mask"]` as [N, M] bool; ValueError naming env.id if malformed."""

@@ -171,6 +171,19 @@ def test_node_cartpole_prints_the_status_and_exits_1_on_a_grpc_error(node, tmp_p
     assert "external" in run.stderr, run.stderr  # the actor's message says why
 
 
+def _run_to_the_end(node: str, procs: dict, script: str, steps: int, session: str) -> tuple[dict, str]:
+    """Run a Node example for `steps` lockstep steps of ENVS envs against the stack's actor; its final
+    JSON line and logs, once it exited 0 and the actor has closed the session."""
+    actor = procs["actor"].address
+    run = _simulate(node, actor, "--envs", str(ENVS), "--steps", str(steps), "--session", session, timeout=780,
+                    script=script)
+    logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
+    assert run.returncode == 0, logs
+    wait_for(lambda: stats(actor, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
+             timeout=WAIT_S, what="the session to close after the half-close")
+    return json.loads(run.stdout.strip().splitlines()[-1]), logs
+
+
 PENDULUM_STEPS = 7_500  # lockstep steps x 16 envs: 120k env steps
 PENDULUM_TARGET = -300.0
 
@@ -187,18 +200,11 @@ def test_node_pendulum_learns_a_continuous_action_through_env_session(tmp_path):
     the learner's pace. The assertion: -300 or better after 120k env steps, about 2x headroom in steps."""
     node = node_example("node-pendulum")
     with external_stack(tmp_path, "pendulum_external") as procs:
-        actor = procs["actor"].address
-        run = _simulate(node, actor, "--envs", str(ENVS), "--steps", str(PENDULUM_STEPS), "--session", "node-pendulum",
-                        timeout=780, script="node-pendulum/pendulum.js")
-        logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
-        assert run.returncode == 0, logs
-        result = json.loads(run.stdout.strip().splitlines()[-1])
+        result, logs = _run_to_the_end(node, procs, "node-pendulum/pendulum.js", PENDULUM_STEPS, "node-pendulum")
         assert result["env_steps"] == PENDULUM_STEPS * ENVS and result["episodes"] >= 200, result
         assert result["mean_return_first_100"] < -900, f"the first episodes should be near-random: {result}"
         assert result["mean_return_last_100"] >= PENDULUM_TARGET, f"not learned within the budget\n{logs}"
-        wait_for(lambda: stats(actor, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
-                 timeout=WAIT_S, what="the session to close after the half-close")
-        a = stats(actor, actor_pb2_grpc.ActorStub)
+        a = stats(procs["actor"].address, actor_pb2_grpc.ActorStub)
         assert a["actor/env_steps_total"] == PENDULUM_STEPS * ENVS and a["actor/sessions_refused_total"] == 0, a
         _assert_buffer_got_every_step(procs, PENDULUM_STEPS * ENVS)
 
@@ -218,17 +224,10 @@ def test_node_masked_choice_learns_multidiscrete_actions_under_masks(tmp_path):
     values: about 7). The assertion: 15 within 1,500 lockstep steps, about 4x headroom."""
     node = node_example("node-masked-choice")
     with external_stack(tmp_path, "masked_choice_external") as procs:
-        actor = procs["actor"].address
-        run = _simulate(node, actor, "--envs", str(ENVS), "--steps", str(MASKED_STEPS), "--session", "node-masked",
-                        timeout=780, script="node-masked-choice/masked_choice.js")
-        logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
-        assert run.returncode == 0, logs
-        result = json.loads(run.stdout.strip().splitlines()[-1])
+        result, logs = _run_to_the_end(node, procs, "node-masked-choice/masked_choice.js", MASKED_STEPS, "node-masked")
         assert result["episodes"] == ENVS * (MASKED_STEPS // 16), f"an episode ended early: {result}"
         assert result["mean_return_first_100"] >= 0, result  # no -5 ever
         assert result["mean_return_last_100"] >= 15.0, f"not learned within the budget\n{logs}"
-        wait_for(lambda: stats(actor, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
-                 timeout=WAIT_S, what="the session to close after the half-close")
         _assert_buffer_got_every_step(procs, MASKED_STEPS * ENVS)
         learner = stats(procs["learner"].address, learner_pb2_grpc.LearnerStub)
         assert learner["learner/batches_invalid_total"] == 0, learner
