@@ -32,6 +32,9 @@ TINY_DQN = {
     "actor": {"push_ack_interval_s": 0.2},
 }
 
+# SAC on a Box action, with TINY_DQN's replay settings.
+TINY_SAC = {**TINY_DQN, "algorithm": "sac", "env": {"id": "Pendulum-v1", "num_envs": 2}, "sac": TINY_DQN["dqn"]}
+
 
 def write_config(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data))

@@ -12,8 +12,9 @@ from __future__ import annotations
 from services.algorithms.base import Algorithm, FifoTable, ReplayTable
 from services.algorithms.dqn import DQN
 from services.algorithms.ppo import PPO
+from services.algorithms.sac import SAC
 
-_ALGORITHMS: tuple[Algorithm, ...] = (PPO(), DQN())
+_ALGORITHMS: tuple[Algorithm, ...] = (PPO(), DQN(), SAC())
 REGISTRY: dict[str, Algorithm] = {a.name: a for a in _ALGORITHMS}
 BY_CODE: dict[int, Algorithm] = {a.code: a for a in _ALGORITHMS}
 

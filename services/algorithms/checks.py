@@ -1,12 +1,15 @@
-"""Checks a learner makes on a decoded batch before training on it (numpy only)."""
+"""Checks a learner makes on a decoded batch before training on it, and the batch handling every
+replay algorithm shares (numpy only)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kuberl.v1 import common_pb2 as pb
 from services.common.envs import EnvSpec
+from services.common.fragments import TRANSITION_FIELDS
 from services.common.spaces import check_actions, check_mask
-from services.common.tensors import TensorError
+from services.common.tensors import TensorError, decode
 
 
 def check_fits(spec: EnvSpec, *observations: np.ndarray, actions: np.ndarray, lead: tuple[int, ...],
@@ -23,3 +26,33 @@ def check_fits(spec: EnvSpec, *observations: np.ndarray, actions: np.ndarray, le
     check_actions(spec.action, actions, lead)
     if mask is not None:
         check_mask(spec.action, mask, lead)
+
+
+class TransitionLearner:
+    """What a replay algorithm's learner shares: batches are TransitionBatch rows, one gradient step
+    per update (the version counts them). A subclass sets `spec`, `lag` (the policy-lag histogram)
+    and `version`, and defines `update(rows | None)`: None joins a group's update with nothing."""
+
+    @property
+    def gradient_steps(self) -> int:
+        return self.version
+
+    def decode(self, batch: pb.TrainingBatch) -> dict[str, np.ndarray]:
+        """The batch's transitions as arrays; raises ValueError (TensorError) naming what does not fit."""
+        data = {f: decode(getattr(batch.transitions, f), f"transitions.{f}") for f in TRANSITION_FIELDS}
+        rows = len(data["policy_version"])
+        check_fits(self.spec, data["obs"], data["next_obs"], actions=data["actions"], lead=(rows,), rows=rows)
+        for name in ("rewards", "terminated"):
+            if data[name].shape != (rows,):
+                raise TensorError(f"transitions.{name}", f"shape {list(data[name].shape)}, expected [{rows}]")
+        return data
+
+    def learn(self, data: dict[str, np.ndarray]) -> tuple[int, dict[str, float]]:
+        """One update on a decoded batch: (samples trained on, diagnostics)."""
+        versions = data["policy_version"]
+        self.lag.observe(self.version - versions)
+        return len(versions), self.update({k: v for k, v in data.items() if k != "policy_version"})
+
+    def empty_update(self) -> None:
+        """Take part in a group's update with nothing (weight 0)."""
+        self.update(None)

@@ -271,24 +271,62 @@ class DQNConfig:
 
     def __post_init__(self):
         _require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
-        _require(self.buffer_size >= self.batch_size, "buffer_size", self.buffer_size,
-                 f"must hold at least one batch ({self.batch_size})")
-        _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
         _require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
         _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         _require(self.target_update_interval >= 1, "target_update_interval", self.target_update_interval,
                  "must be >= 1")
         _require(0 < self.tau <= 1, "tau", self.tau, "must be in (0, 1]")
-        _require(self.batch_size <= self.learning_starts <= self.buffer_size, "learning_starts",
-                 self.learning_starts, f"must be between batch_size ({self.batch_size}) and buffer_size "
-                                       f"({self.buffer_size}), or the first batch could never be cut")
-        _require(self.replay_ratio >= 0, "replay_ratio", self.replay_ratio, "must be >= 0 (0 = unpaced)")
-        _require(0 < self.replay_ratio_tolerance < 1, "replay_ratio_tolerance", self.replay_ratio_tolerance,
-                 "must be in (0, 1)")
+        _check_replay(self)
         for name in ("start_epsilon", "end_epsilon"):
             _require(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
         _require(self.exploration_steps >= 1, "exploration_steps", self.exploration_steps, "must be >= 1")
         _require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
+        _require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes,
+                 "every layer needs a positive width")
+
+
+def _check_replay(section) -> None:
+    """The replay settings DQN and SAC share: batch, capacity, warm-up and the pacing ratio."""
+    _require(section.batch_size >= 1, "batch_size", section.batch_size, "must be >= 1")
+    _require(section.buffer_size >= section.batch_size, "buffer_size", section.buffer_size,
+             f"must hold at least one batch ({section.batch_size})")
+    _require(section.batch_size <= section.learning_starts <= section.buffer_size, "learning_starts",
+             section.learning_starts, f"must be between batch_size ({section.batch_size}) and buffer_size "
+                                      f"({section.buffer_size}), or the first batch could never be cut")
+    _require(section.replay_ratio >= 0, "replay_ratio", section.replay_ratio, "must be >= 0 (0 = unpaced)")
+    _require(0 < section.replay_ratio_tolerance < 1, "replay_ratio_tolerance", section.replay_ratio_tolerance,
+             "must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class SACConfig:
+    """Soft actor-critic (Haarnoja et al. 2018, "Soft Actor-Critic Algorithms and Applications"): twin
+    Q-networks with Polyak-averaged targets, a tanh-squashed Gaussian policy, automatic entropy
+    tuning; uniform replay in the buffer, paced at `replay_ratio` as DQN's is. Defaults after CleanRL's
+    sac_continuous_action.py (one update of 256 per env step: a replay ratio of 256)."""
+    rollout_steps: int = 8            # T: steps per env in one fragment
+    buffer_size: int = 1_000_000      # replay capacity in transitions
+    batch_size: int = 256             # transitions per update
+    learning_starts: int = 5000       # transitions stored before the buffer serves batches; until the
+                                      # learner's first update actors act uniformly at random
+    replay_ratio: float = 256.0       # transitions trained on per transition inserted (0 = unpaced)
+    replay_ratio_tolerance: float = 0.1
+    gamma: float = 0.99
+    tau: float = 0.005                # Polyak step of the target critics after every update
+    policy_lr: float = 3e-4
+    q_lr: float = 1e-3
+    alpha: float = 0.2                # entropy temperature: the initial value when autotune is on
+    autotune: bool = True             # learn alpha towards target_entropy
+    target_entropy: float | None = None  # None: -(action dimensions), the paper's heuristic
+    hidden_sizes: tuple[int, ...] = (256, 256)
+
+    def __post_init__(self):
+        _require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
+        _check_replay(self)
+        _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        _require(0 < self.tau <= 1, "tau", self.tau, "must be in (0, 1]")
+        for name in ("policy_lr", "q_lr", "alpha"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         _require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes,
                  "every layer needs a positive width")
 
@@ -516,12 +554,13 @@ class PlannerConfig:
 @dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment. `algorithm` names the one of services/algorithms that trains, and the
-    section of its settings (`ppo`, `dqn`)."""
+    section of its settings (`ppo`, `dqn`, `sac`)."""
     algorithm: str = "ppo"
     seed: int = 0
     env: EnvConfig = field(default_factory=EnvConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
+    sac: SACConfig = field(default_factory=SACConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)

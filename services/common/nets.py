@@ -45,7 +45,7 @@ def _layer(inp: int, out: int, std: float = np.sqrt(2), bias: float = 0.0) -> nn
     return layer
 
 
-def _mlp(inp: int, hidden: tuple[int, ...], out: int, act: type[nn.Module], out_std: float) -> nn.Sequential:
+def mlp(inp: int, hidden: tuple[int, ...], out: int, act: type[nn.Module], out_std: float) -> nn.Sequential:
     layers: list[nn.Module] = []
     for h in hidden:
         layers += [_layer(inp, h), act()]
@@ -99,7 +99,7 @@ class QNetwork(nn.Module):
             self.q = nn.Sequential(torso, _layer(torso.features, spec.num_actions, std=1.0))
             self._flat = False
         else:
-            self.q = _mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
+            self.q = mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
             self._flat = True
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
@@ -173,8 +173,8 @@ class ActorCritic(nn.Module):
         else:
             n_in = int(np.prod(spec.obs_shape))
             self.torso = nn.Flatten(1)
-            self.critic = _mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
-            self.actor = _mlp(n_in, hidden, n_out, nn.Tanh, out_std=0.01)
+            self.critic = mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
+            self.actor = mlp(n_in, hidden, n_out, nn.Tanh, out_std=0.01)
         self.head = Head(spec.action)
         self._flat = not is_image(spec)
 

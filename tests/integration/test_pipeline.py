@@ -16,7 +16,7 @@ from services.actor import main as actor_main
 from services.buffer import main as buffer_main
 from services.common.config import config_from_dict
 from services.learner import main as learner_main
-from tests.helpers import TINY_DQN, TINY_PPO
+from tests.helpers import TINY_DQN, TINY_PPO, TINY_SAC
 
 
 async def _stats(address: str, stub_cls) -> dict[str, float]:
@@ -57,7 +57,7 @@ async def stack(cfg, ckpt, **actor_kwargs):
                 yield buffer.grpc, learner.grpc, actor.grpc
 
 
-@pytest.mark.parametrize("algo", [TINY_PPO, TINY_DQN], ids=["ppo", "dqn"])
+@pytest.mark.parametrize("algo", [TINY_PPO, TINY_DQN, TINY_SAC], ids=["ppo", "dqn", "sac"])
 async def test_push_batch_train_and_weights_reach_the_actor(tmp_path, algo):
     cfg = config_from_dict(algo)
     async with stack(cfg, tmp_path / "ckpt", actor_id="actor-pipeline") as (buffer, learner, actor):

@@ -14,6 +14,7 @@ from services import algorithms
 from services.algorithms.base import FifoTable, ReplayTable
 from services.common.config import config_from_dict
 from services.common.nets import env_spec
+from services.common.spaces import Discrete
 from services.common.stats import Metrics
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
@@ -23,19 +24,21 @@ SERVICES = Path(__file__).resolve().parents[2] / "services"
 def test_every_algorithm_has_every_part(name):
     algo = algorithms.get(name)
     assert algorithms.BY_CODE[algo.code] is algo and algo.code != pb.ALGORITHM_UNSPECIFIED
-    cfg = config_from_dict({"algorithm": name})
+    env_id = "CartPole-v1" if Discrete in algo.action_spaces else "Pendulum-v1"  # an env it takes
+    cfg = config_from_dict({"algorithm": name, "env": {"id": env_id}})
     assert algo.section(cfg) is getattr(cfg, name)
     assert isinstance(algo.table(cfg), (ReplayTable, FifoTable))
     assert algo.batch_size(cfg) >= 1 and algo.consumption_ratio(cfg) >= 0
     tensors = {f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields if f.message_type is pb.Tensor.DESCRIPTOR}
     assert set(algo.fragment_extras) <= tensors
 
-    spec = env_spec("CartPole-v1")
+    spec = env_spec(env_id)
     acting = algo.acting(cfg, spec, np.random.default_rng(0), Metrics("actor"))
     import torch
 
-    actions, extras = acting.act(torch.zeros((3, 4)), None, 0)
-    assert actions.shape == (3,) and set(extras) == set(algo.fragment_extras)
+    actions, extras = acting.act(torch.zeros((3, *spec.obs_shape)), None, 0)
+    assert actions.shape == (3, *spec.action.shape) and actions.dtype == spec.action.dtype
+    assert set(extras) == set(algo.fragment_extras)
     assert all(v.shape == (3,) for v in extras.values())
     learner = algo.learner(cfg, spec, Metrics("learner"))
     # The actor's network takes the learner's weights as they are published.
@@ -44,8 +47,8 @@ def test_every_algorithm_has_every_part(name):
 
 
 def test_unknown_names_and_codes_are_refused_clearly():
-    with pytest.raises(ValueError, match="algorithm: 'sac' is not one of dqn, ppo"):
-        algorithms.get("sac")
+    with pytest.raises(ValueError, match="algorithm: 'a2c' is not one of dqn, ppo, sac"):
+        algorithms.get("a2c")
     assert algorithms.name_of(99) == "99"
 
 

@@ -25,6 +25,7 @@ class Algorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALGORITHM_UNSPECIFIED: _ClassVar[Algorithm]
     ALGORITHM_DQN: _ClassVar[Algorithm]
     ALGORITHM_PPO: _ClassVar[Algorithm]
+    ALGORITHM_SAC: _ClassVar[Algorithm]
 DTYPE_UNSPECIFIED: DType
 DTYPE_UINT8: DType
 DTYPE_INT8: DType
@@ -38,6 +39,7 @@ DTYPE_BOOL: DType
 ALGORITHM_UNSPECIFIED: Algorithm
 ALGORITHM_DQN: Algorithm
 ALGORITHM_PPO: Algorithm
+ALGORITHM_SAC: Algorithm
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

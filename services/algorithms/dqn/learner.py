@@ -12,13 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kuberl.v1 import common_pb2 as pb
-from services.algorithms.checks import check_fits
+from services.algorithms.checks import TransitionLearner
 from services.common.config import DQNConfig
-from services.common.fragments import TRANSITION_FIELDS
 from services.common.nets import EnvSpec, QNetwork, resolve_device
 from services.common.stats import Metrics
-from services.common.tensors import decode
 from services.learner.distributed import GradientSync, average_over_group
 
 
@@ -31,7 +28,7 @@ def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: to
     return rewards + gamma * next_value * (1.0 - terminated.float())
 
 
-class DQN:
+class DQN(TransitionLearner):
     def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
@@ -42,30 +39,9 @@ class DQN:
         self.version = 0
 
     @property
-    def gradient_steps(self) -> int:
-        return self.version  # one gradient step per update
-
-    @property
     def policy(self) -> torch.nn.Module:
         """The module actors run."""
         return self.q
-
-    def decode(self, batch: pb.TrainingBatch) -> dict[str, np.ndarray]:
-        """The batch's transitions as arrays; raises ValueError (TensorError) naming what does not fit."""
-        data = {f: decode(getattr(batch.transitions, f), f"transitions.{f}") for f in TRANSITION_FIELDS}
-        rows = len(data["policy_version"])
-        check_fits(self.spec, data["obs"], data["next_obs"], actions=data["actions"], lead=(rows,), rows=rows)
-        return data
-
-    def learn(self, data: dict[str, np.ndarray]) -> tuple[int, dict[str, float]]:
-        """One update on a decoded batch: (samples trained on, diagnostics)."""
-        versions = data["policy_version"]
-        self.lag.observe(self.version - versions)
-        return len(versions), self.update({k: v for k, v in data.items() if k != "policy_version"})
-
-    def empty_update(self) -> None:
-        """Take part in a group's update with nothing (weight 0)."""
-        self.update(None)
 
     def update(self, batch: dict[str, np.ndarray] | None) -> dict[str, float]:
         """One gradient step on a TransitionBatch (numpy arrays); returns scalar diagnostics. In a group of

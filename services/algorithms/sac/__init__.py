@@ -1,0 +1,36 @@
+"""SAC (Haarnoja et al. 2018): transitions in a uniform replay, served at a replay ratio the buffer
+paces as DQN's are; actors sample a tanh-squashed Gaussian policy (acting.py, learner.py)."""
+
+from __future__ import annotations
+
+import math
+
+from kuberl.v1 import common_pb2 as pb
+from services.algorithms.base import Algorithm, ReplayTable
+from services.common.spaces import Box
+
+
+class SAC(Algorithm):
+    name = "sac"
+    code = pb.ALGORITHM_SAC
+    action_spaces = (Box,)
+
+    def check_spec(self, spec) -> None:
+        """A Box with finite bounds (the squashed policy maps onto them) over flat observations."""
+        super().check_spec(spec)
+        if not all(math.isfinite(b) for b in (*spec.action.low, *spec.action.high)):
+            raise ValueError(f"algorithm: sac squashes actions into the Box's bounds; {spec.action} "
+                             f"has an infinite one (declare finite low/high)")
+        if spec.obs_dtype.kind == "u" and len(spec.obs_shape) == 3:
+            raise ValueError(f"algorithm: sac takes flat observations; this env's are "
+                             f"{spec.obs_dtype.name} frames {list(spec.obs_shape)}")
+
+    def table(self, cfg) -> ReplayTable:
+        s = cfg.sac
+        return ReplayTable(s.buffer_size, s.learning_starts, s.replay_ratio, s.replay_ratio_tolerance)
+
+    def batch_size(self, cfg) -> int:
+        return cfg.sac.batch_size
+
+    def consumption_ratio(self, cfg) -> float:
+        return cfg.sac.replay_ratio
