@@ -4,8 +4,9 @@ Starts a buffer and the planner on free loopback ports; the planner's local back
 and `topology.actors` actors and rescales the actors as it measures their rates (with `planner.enabled:
 false`, `kuberl up` starts a fixed topology itself). It polls every process's stats, shows progress and
 the planner's decisions, and stops at the target return, the step budget or Ctrl-C. The run directory
-holds the resolved config, metrics.csv, TensorBoard scalars (tb/), checkpoints/, one log per process
-(logs/), the planner's decisions.jsonl and summary.json.
+holds the resolved config, metrics.csv (one row per poll), episodes.csv (one row per finished episode:
+the learning curve), TensorBoard scalars (tb/), checkpoints/, one log per process (logs/), the
+planner's decisions.jsonl and summary.json.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "episodes_skipped", "return_me
                *(f"samples_lost_{r}" for r in LOSS_REASONS), "buffer_size_samples", "buffer_samples_per_insert",
                "learner_updates_per_s", "learner_samples_per_s", "learner_policy_version",
                "learner_policy_lag_mean", "actors", "learners", "planner_ratio", "process_restarts"]
+EPISODE_COLUMNS = ["wall_s", "env_steps", "return", "length", "policy_version"]
 
 
 def _port_free(port: int) -> bool:
@@ -107,6 +109,7 @@ class LocalRun:
         self.started = time.monotonic()
         self.reached: dict | None = None
         self.last_decision_id = 0
+        self.episode_rows: csv.writer | None = None  # episodes.csv, while `run` has it open
 
     # -- processes -------------------------------------------------------------------------------
     @property
@@ -248,9 +251,12 @@ class LocalRun:
             p.stats = dict(resp.metrics)
         self.env_steps = int(self.tally.total("actor/env_steps_total"))
         self.episodes = int(self.tally.total("actor/episodes_total"))  # exact, whether or not every return was read
+        wall = round(time.monotonic() - self.started, 3)
         for ep in self.tally.record(new_eps):
             self.tb.add_scalar("charts/episodic_return", ep.episode_return, self.env_steps)
             self.tb.add_scalar("charts/episodic_length", ep.length, self.env_steps)
+            if self.episode_rows is not None:  # env_steps and wall_s: the run's when the episode was read
+                self.episode_rows.writerow([wall, self.env_steps, ep.episode_return, ep.length, ep.policy_version])
 
     def _role(self, role: str) -> list[Member]:
         return [p for p in self.members if p.role == role]
@@ -387,6 +393,9 @@ class LocalRun:
         csv_file = open(self.dir / "metrics.csv", "w", newline="")
         writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS)
         writer.writeheader()
+        episodes_file = open(self.dir / "episodes.csv", "w", newline="")
+        self.episode_rows = csv.writer(episodes_file)
+        self.episode_rows.writerow(EPISODE_COLUMNS)
         try:
             self.start_all()
             from tensorboardX import SummaryWriter  # a 1 s import: paid while the services start
@@ -410,6 +419,7 @@ class LocalRun:
                 row = self.row()
                 writer.writerow(row)
                 csv_file.flush()
+                episodes_file.flush()
                 for k, v in row.items():
                     if k not in ("wall_s", "env_steps") and v is not None:
                         self.tb.add_scalar(k.replace("_", "/", 1), v, self.env_steps)
@@ -429,6 +439,8 @@ class LocalRun:
             if self.tb is not None:
                 self.tb.close()
             csv_file.close()
+            self.episode_rows = None
+            episodes_file.close()
         learner = self._role("learner")[0].stats if self._role("learner") else {}
         tally = self.tally
         losses = tally.losses()
