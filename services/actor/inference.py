@@ -71,5 +71,6 @@ class BatchedInference:
 
     def _infer(self, obs: np.ndarray, mask: np.ndarray | None):
         self.policy.swap()
+        self.pace.rebase(self.hub.seq)
         actions, extras = self.policy.act(obs, self.hub.env_steps, mask)
         return actions, extras, self.policy.version

@@ -79,13 +79,20 @@ class Pace:
         for name in ("actor/pace_wait_seconds_total", "actor/pace_timeouts_total"):
             metrics.inc(name, 0)
 
+    def rebase(self, cut: int) -> tuple[int | None, int]:
+        """Start the quota of weights swapped in since the last call at `cut` (fragments so far). The
+        caller calls it right after every `Policy.swap`, before cutting with them: a version noticed
+        only at the next `due` would get the fragment cut in between for free (one fragment per
+        version too many, which the FIFO then evicts)."""
+        if self._from[0] != self.policy.version:
+            self._from = self.policy.version, cut
+        return self._from
+
     def due(self, cut: int) -> bool:
         """Whether the caller must wait for newer weights before cutting more (`cut`: fragments so far)."""
         if not self.quota:
             return False
-        version, since = self._from
-        if version != self.policy.version:
-            self._from = version, since = self.policy.version, cut
+        _, since = self.rebase(cut)
         return cut - since >= self.quota and not self.policy.newer_weights.is_set()
 
     def waited(self, seconds: float, cut: int, stopped: bool = False) -> None:

@@ -87,6 +87,7 @@ class Rollout:
         self.policy.swap()
         if self._wait_for_the_learner(stop):
             self.policy.swap()
+        self.pace.rebase(self.seq)  # the weights this fragment is cut with count from here
         T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
         space = self.spec.action

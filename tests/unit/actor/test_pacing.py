@@ -4,6 +4,7 @@ the weights it holds waits for newer ones, never longer than actor.pace_timeout_
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,6 +38,33 @@ def test_the_actor_waits_for_new_weights_after_its_quota_and_steps_on_with_them(
     assert not worker.is_alive() and third[0] is not None and r.policy_version == 2
     assert r.metrics.counters["actor/pace_timeouts_total"] == 0
     assert r.metrics.counters["actor/pace_wait_seconds_total"] > 0
+    r.close()
+
+
+def test_each_version_gets_exactly_its_quota_of_fragments():
+    """The fragment cut right after a wait is the new version's first, not a free one: with a quota of
+    2, every version cuts exactly 2 fragments (3 would leave the FIFO a fragment per version to evict)."""
+    r = rollout(fragments_per_version=2, pace_timeout_s=600)
+    stop, versions = threading.Event(), []
+
+    def work():
+        while not stop.is_set():
+            if r.collect(stop) is not None:
+                versions.append(r.policy_version)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        for version in (2, 3, 4, 5):
+            deadline = time.monotonic() + 60
+            while len(versions) < 2 * (version - 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # an actor that is not held cuts another fragment meanwhile
+            assert versions == [v for v in range(1, version) for _ in range(2)]
+            r.policy.offer_weights(version, to_numpy(r.policy.net))
+    finally:
+        stop.set()
+        worker.join(timeout=60)
     r.close()
 
 
