@@ -1,7 +1,9 @@
 """Wall time to a mean return (default 300 over the last 100 episodes) on CartPole-v1 (or any env with
-Discrete, MultiDiscrete or Box actions, e.g. --config configs/pendulum_ppo.yaml --target -300), PPO:
-`kuberl up` (buffer, learner and actor processes, gRPC between them) against a plain single-process
-PPO with the same hyper-parameters and the same learner code, measured in the same run.
+Discrete, MultiDiscrete or Box actions, e.g. --config configs/pendulum_ppo.yaml --target -300), PPO or
+SAC (--config configs/pendulum_sac.yaml): `kuberl up` (buffer, learner and actor processes, gRPC
+between them) against a plain single-process loop with the same hyper-parameters and the same learner
+code, measured in the same run. The SAC loop takes replay_ratio / batch_size updates per env step
+(the ratio the buffer paces kuberl's learner to) from the buffer's own replay ring.
 
     .venv/bin/python -m bench.time_to_return [--config configs/cartpole_ppo.yaml] [--seeds 3]
 
@@ -29,6 +31,62 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
+    return (single_process_sac if cfg.algorithm == "sac" else single_process_ppo)(cfg, target, window, max_steps)
+
+
+def single_process_sac(cfg, target: float, window: int, max_steps: int) -> dict:
+    """CleanRL-style loop: step a vector env with the policy (uniform until the first update), insert
+    each step into a replay ring, take replay_ratio / batch_size updates per env step once
+    learning_starts transitions are in."""
+    started = time.monotonic()
+    import gymnasium as gym
+    import torch
+
+    from kuberl.v1 import common_pb2 as pb
+    from services.algorithms.sac.learner import SAC
+    from services.buffer.replay import ReplayRing
+    from services.common.fragments import Fragment
+    from services.common.nets import env_spec
+
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    spec, c, n = env_spec(cfg.env.id), cfg.sac, cfg.env.num_envs
+    envs = gym.make_vec(cfg.env.id, num_envs=n, vectorization_mode="sync",
+                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    sac, ring, rng = SAC(c, spec), ReplayRing(c.buffer_size, seed=cfg.seed), np.random.default_rng(cfg.seed)
+    obs, _ = envs.reset(seed=cfg.env.seed)
+    returns, ep_ret, steps, credit = deque(maxlen=window), np.zeros(n), 0, 0.0
+    per_step = c.replay_ratio / c.batch_size
+    while steps < max_steps:
+        if sac.version == 0:
+            act = rng.uniform(spec.action.low_array, spec.action.high_array, (n, *spec.action.shape)).astype(np.float32)
+        else:
+            with torch.inference_mode():
+                act = sac.actor.sample(torch.from_numpy(obs))[0].numpy()
+        nxt, r, term, trunc, info = envs.step(act)
+        done = np.flatnonzero(term | trunc)
+        ring.add(Fragment(actor_id="single", seq=steps, policy_version=sac.version, incarnation=0,
+                          algorithm=pb.ALGORITHM_SAC, env_ids=tuple(range(n)), obs=np.stack([obs, nxt]),
+                          actions=act[None], rewards=r[None].astype(np.float32), terminated=term[None],
+                          truncated=trunc[None], final_obs=np.array([info["final_obs"][i] for i in done],
+                                                                     np.float32).reshape(-1, *spec.obs_shape),
+                          final_index=done.astype(np.int64), behaviour_logprob=None))
+        ep_ret += r
+        for i in done:
+            returns.append(ep_ret[i])
+            ep_ret[i] = 0
+        obs, steps = nxt, steps + n
+        if len(returns) == window and np.mean(returns) >= target:
+            return {"seconds": time.monotonic() - started, "env_steps": steps, "reached": True}
+        if ring.size >= c.learning_starts:
+            credit += per_step * n
+            while credit >= 1:
+                credit -= 1
+                sac.update({k: v for k, v in ring.sample(c.batch_size).items() if k != "policy_version"})
+    return {"seconds": time.monotonic() - started, "env_steps": steps, "reached": False}
+
+
+def single_process_ppo(cfg, target: float, window: int, max_steps: int) -> dict:
     """CleanRL-style loop: step a vector env with the policy, update PPO on each full rollout."""
     started = time.monotonic()
     import gymnasium as gym
@@ -139,7 +197,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(r[src][key] for r in rows) for k, src, key in (
         ("single", "single", "seconds"), ("total", "kuberl", "seconds"), ("training", "kuberl", "training_seconds"))}
     print(f"\nmedian time to mean return {args.target:g} (last {args.window} episodes), {args.seeds} seeds:")
-    print(f"  single-process PPO        {med['single']:6.1f} s")
+    print(f"  single-process {raw.get('algorithm', 'ppo').upper():10} {med['single']:6.1f} s")
     print(f"  kuberl up, total          {med['total']:6.1f} s   ratio {med['total'] / med['single']:.2f}")
     print(f"  kuberl up, training only  {med['training']:6.1f} s   ratio {med['training'] / med['single']:.2f}")
     if args.json:
