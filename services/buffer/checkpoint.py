@@ -3,9 +3,11 @@ Store's dedupe windows and its inserted/served counters, saved as one `replay-<n
 when a buffer starts, like Reverb's checkpoints. Numpy only (no torch, no pickle).
 
 The file is a plain .npz (a zip of .npy arrays, loaded with allow_pickle=False): a JSON `header`
-(as uint8 bytes), `ring.<field>` (the first `size` rows of each ring array) and `dedupe.<key>` (the
-arrays of `Store.dedupe_state()`). The zip's CRC-32 of every member is checked as it is read, so a
-damaged file is refused rather than half-restored.
+(as uint8 bytes), `ring.<array>` (the rows in use of each of the ring's storage arrays: a
+ReplayRing's transition fields, or a CompactReplay's frame ring and rows; the header's ring state
+says which, docs/architecture.md section 2, "Replay storage") and `dedupe.<key>` (the arrays of
+`Store.dedupe_state()`). The zip's CRC-32 of every member is checked as it is read, so a damaged
+file is refused rather than half-restored.
 
 Consistency. The ring keeps taking inserts while a checkpoint is taken, and everything must be of
 one instant: a dedupe window naming a seq whose rows are not in the ring would turn the actor's
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.buffer.replay import Spans
 from services.buffer.store import Store
 from services.common.atomic import write_atomically
 from services.common.config import ExperimentConfig, is_atari
@@ -91,18 +94,22 @@ PATCH_BYTES = 8 << 20  # rows left to copy again on the event loop, at most (abo
 PRECOPY_ROUNDS = 4     # copy rounds in a thread before patching on the loop whatever is left
 
 
-def _copy_spans(dst: dict[str, np.ndarray], src: dict[str, np.ndarray], spans: list[tuple[int, int]]) -> None:
+def _copy_spans(dst: dict[str, np.ndarray], src: dict[str, np.ndarray], spans: Spans) -> None:
     for name, arr in src.items():
-        for start, stop in spans:  # slices: one memcpy each, and numpy releases the GIL for it
+        for start, stop in spans[name]:  # slices: one memcpy each, and numpy releases the GIL for it
             dst[name][start:stop] = arr[start:stop]
 
 
-def _copy_rows(live: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-    """Copy the first `rows` rows of each array into arrays of the full capacity (the rest stays
+def _copy_rows(live: dict[str, np.ndarray], rows: dict[str, int]) -> dict[str, np.ndarray]:
+    """Copy the first `rows[name]` rows of each array into arrays of its full size (the rest stays
     unwritten, so its pages are never touched: a ring that is filling costs what it holds)."""
     out = {name: np.empty_like(arr) for name, arr in live.items()}
-    _copy_spans(out, live, [(0, rows)])
+    _copy_spans(out, live, {name: [(0, rows[name])] for name in live})
     return out
+
+
+def _span_bytes(arrays: dict[str, np.ndarray], spans: Spans) -> int:
+    return sum((stop - start) * arr[0].nbytes for name, arr in arrays.items() for start, stop in spans[name])
 
 
 async def take_snapshot(store: Store, cfg: ExperimentConfig) -> Snapshot:
@@ -114,11 +121,10 @@ async def take_snapshot(store: Store, cfg: ExperimentConfig) -> Snapshot:
         # Pre-copy (as live migration does): copy everything in a thread, then, while much was written
         # meanwhile, copy again in a thread just what was; each round is shorter than the one before.
         mark = ring.mark()
-        copies = await asyncio.to_thread(_copy_rows, ring.data, ring.size)
-        row_bytes = sum(arr[0].nbytes for arr in ring.data.values())
+        copies = await asyncio.to_thread(_copy_rows, ring.data, ring.used())
         for _ in range(PRECOPY_ROUNDS):
             spans = ring.spans_since(mark)
-            if sum(stop - start for start, stop in spans) * row_bytes <= PATCH_BYTES:
+            if _span_bytes(ring.data, spans) <= PATCH_BYTES:
                 break
             mark = ring.mark()
             await asyncio.to_thread(_copy_spans, copies, ring.data, spans)
@@ -126,7 +132,8 @@ async def take_snapshot(store: Store, cfg: ExperimentConfig) -> Snapshot:
     paused = time.perf_counter()
     if copies:  # (an empty ring was not awaited on, so it is empty still)
         _copy_spans(copies, ring.data, ring.spans_since(mark))
-    arrays = {f"ring.{name}": arr[:ring.size] for name, arr in copies.items()}
+    used = ring.used()
+    arrays = {f"ring.{name}": arr[:used[name]] for name, arr in copies.items()}
     arrays.update({f"dedupe.{key}": np.asarray(value) for key, value in store.dedupe_state().items()})
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "created_unix_s": time.time(),
               "layout": layout(cfg), "ring": ring.state(),
@@ -208,7 +215,7 @@ def apply(store: Store, loaded: Loaded) -> None:
         store.restore_dedupe_state(before)
         raise CheckpointError(f"dedupe windows: {type(err).__name__}: {err}") from err
     try:
-        store.replay.restore(loaded.ring, loaded.header["ring"])  # checks everything before changing anything
+        store.restore_replay(loaded.ring, loaded.header["ring"])  # checks everything before changing anything
     except (ValueError, TypeError, KeyError) as err:
         store.restore_dedupe_state(before)
         raise CheckpointError(f"replay ring: {err}") from err

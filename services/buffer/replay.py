@@ -1,12 +1,18 @@
-"""Uniform replay ring of transitions for off-policy learners (DQN). Numpy only.
+"""Uniform replay of transitions for off-policy learners (DQN). Numpy only.
+
+Two layouts behind one interface, `Replay` (what the Store and services/buffer/checkpoint.py use):
+`ReplayRing` here keeps every transition's obs and next_obs as they came; `CompactReplay`
+(services/buffer/compact.py) keeps stacked frames once each and rebuilds the stacks when sampling
+(docs/architecture.md section 2, "Replay storage"). The Store picks one at the first insert
+(`buffer.compact_replay`). Both sample the same dict with the same dtypes and shapes.
 
 Storage is allocated on the first insert, from its shapes and dtypes; later inserts must match
 (a mismatch raises TensorError naming the field). When full, the oldest transitions are overwritten.
 
 The ring can be checkpointed (services/buffer/checkpoint.py) while it keeps taking inserts: `mark`
-and `spans_since` tell which rows were written after a point, so a copy taken concurrently can be
-patched into a consistent one; `state` and `restore` carry the insert position, the size and the
-sampling RNG, so that sampling after a restore continues exactly where it was.
+and `spans_since` tell which rows of which storage array were written after a point, so a copy taken
+concurrently can be patched into a consistent one; `state` and `restore` carry the insert position,
+the size and the sampling RNG, so that sampling after a restore continues exactly where it was.
 """
 
 from __future__ import annotations
@@ -16,39 +22,147 @@ import numpy as np
 from services.common.fragments import TRANSITION_FIELDS, Fragment
 from services.common.tensors import TensorError
 
+Spans = dict[str, list[tuple[int, int]]]  # storage array -> [start, stop) row ranges
 
-class ReplayRing:
+
+class Replay:
+    """A uniform replay of transitions: what the Store samples from and checkpoints copy.
+
+    `capacity` transitions at most; `size` held now; `evicted_early` counts transitions dropped
+    before `capacity` newer ones pushed them out (a ring that ran out of another resource: see
+    CompactReplay), never done by ReplayRing. Subclasses store and gather; sampling is shared, so
+    both layouts draw the same rows from the same RNG state.
+    """
+
+    kind = ""  # the layout, in a checkpoint's ring state ("" for ReplayRing: older files have none)
+
     def __init__(self, capacity: int, seed: int = 0):
         self.capacity = capacity
         self.size = 0
+        self.evicted_early = 0
+        self._rng = np.random.default_rng(seed)
+
+    def add(self, frag: Fragment) -> int:
+        """Append the fragment's T*N transitions (checked first: nothing stored if refused)."""
+        raise NotImplementedError
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
+        """Per-step shape and dtype of "obs" and "actions" as stored; None before the first insert."""
+        raise NotImplementedError
+
+    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The transitions at positions `rows` of [0, size) (each layout's own order) as fresh arrays,
+        keyed and ordered as TRANSITION_FIELDS."""
+        raise NotImplementedError
+
+    def check(self, frag: Fragment) -> None:
+        """Raise TensorError if `frag` does not fit the stored shapes/dtypes (no side effects)."""
+        layout = self.layout()
+        if layout is None:
+            return
+        for name, arr in (("obs", frag.obs), ("actions", frag.actions)):
+            shape, dtype = layout[name]
+            if arr.shape[2:] != shape or arr.dtype != dtype:
+                raise TensorError(name, f"{arr.dtype.name} {list(arr.shape[2:])} per step differs from "
+                                        f"this buffer's {dtype.name} {list(shape)}")
+
+    def sample(self, batch_size: int) -> dict[str, np.ndarray]:
+        """Uniformly sample `batch_size` transitions (with replacement) as fresh arrays."""
+        if self.size == 0 or self.data is None:
+            raise ValueError("cannot sample from an empty replay ring")
+        return self.gather(self._rng.integers(0, self.size, batch_size))
+
+    def nbytes(self) -> int:
+        """Bytes of storage allocated (np.empty: pages are taken as rows are written), 0 before the
+        first insert."""
+        return sum(a.nbytes for a in (self.data or {}).values())
+
+    def replaced_by(self, cls: type[Replay]) -> Replay:
+        """An empty replay of layout `cls` with this one's capacity and sampling RNG (which a restore
+        may have set): the Store's choice of layout at the first insert."""
+        if self.data is not None:
+            raise ValueError("a replay that holds transitions keeps its layout")
+        other = cls(self.capacity)
+        other._rng = self._rng
+        return other
+
+    # --- checkpoints (services/buffer/checkpoint.py) -------------------------------------------------
+
+    @property
+    def data(self) -> dict[str, np.ndarray] | None:
+        """The storage arrays, None before the first insert. Live: read them, never write them."""
+        raise NotImplementedError
+
+    def used(self) -> dict[str, int]:
+        """How many leading rows of each storage array hold data (what a checkpoint copies)."""
+        raise NotImplementedError
+
+    def mark(self) -> tuple:
+        """A point in the ring's history, for `spans_since`."""
+        raise NotImplementedError
+
+    def spans_since(self, mark: tuple) -> Spans:
+        """The rows of each storage array written after `mark`."""
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        """Positions, sizes and the sampling RNG's state, as plain (JSON-able) values."""
+        raise NotImplementedError
+
+    def restore(self, arrays: dict[str, np.ndarray], state: dict) -> None:
+        """Take over a checkpoint: `arrays` hold the `used()` rows of each storage array, `state` is
+        what `state()` returned. Raises ValueError (and changes nothing) if they do not fit together."""
+        raise NotImplementedError
+
+
+def step_fields(frag: Fragment, steps: slice = slice(None), envs: slice = slice(None)) -> dict[str, np.ndarray]:
+    """The per-transition fields other than observations of frag[steps, envs], flat in time-major
+    (t * N + n) order: what every layout stores as it came."""
+    def flat(arr: np.ndarray) -> np.ndarray:
+        part = arr[steps, envs]
+        return part.reshape(part.shape[0] * part.shape[1], *part.shape[2:])
+    rewards = flat(frag.rewards)
+    return {"actions": flat(frag.actions), "rewards": rewards, "terminated": flat(frag.terminated),
+            "policy_version": np.full(len(rewards), frag.policy_version, dtype=np.int64)}
+
+
+def ring_spans(start: int, count: int, capacity: int, used: int) -> list[tuple[int, int]]:
+    """The positions of `count` rows written in order from position `start` of a ring of `capacity`:
+    at most two [start, stop) spans, or all `used` rows when the writes went all the way round."""
+    if count >= capacity:
+        return [(0, used)]
+    end = start + count
+    return [(start, end)] if end <= capacity else [(start, capacity), (0, end - capacity)]
+
+
+class ReplayRing(Replay):
+    """Every transition's obs and next_obs stored as they came: any observation, twice the frames."""
+
+    def __init__(self, capacity: int, seed: int = 0):
+        super().__init__(capacity, seed)
         self._next = 0
         self._data: dict[str, np.ndarray] | None = None
-        self._rng = np.random.default_rng(seed)
         self.written = 0  # rows ever written (never wraps): marks for checkpoint copies
 
     def _allocate(self, rows: dict[str, np.ndarray]) -> None:
         self._data = {k: np.empty((self.capacity, *v.shape[1:]), dtype=v.dtype) for k, v in rows.items()}
 
-    def check(self, frag: Fragment) -> None:
-        """Raise TensorError if `frag` does not fit the stored shapes/dtypes (no side effects)."""
+    def layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
         if self._data is None:
-            return
-        for name, arr in (("obs", frag.obs), ("actions", frag.actions)):
-            want = self._data[name]
-            if arr.shape[2:] != want.shape[1:] or arr.dtype != want.dtype:
-                raise TensorError(name, f"{arr.dtype.name} {list(arr.shape[2:])} per step differs from "
-                                        f"this buffer's {want.dtype.name} {list(want.shape[1:])}")
+            return None
+        return {name: (self._data[name].shape[1:], self._data[name].dtype) for name in ("obs", "actions")}
 
     def add(self, frag: Fragment) -> int:
         """Append the fragment's T*N transitions; returns how many were added."""
         n = frag.num_samples
+        fields = step_fields(frag)
         rows = {
             "obs": frag.obs[:-1].reshape(n, *frag.obs.shape[2:]),
-            "actions": frag.actions.reshape(n, *frag.actions.shape[2:]),
-            "rewards": frag.rewards.reshape(n),
+            "actions": fields["actions"],
+            "rewards": fields["rewards"],
             "next_obs": frag.next_obs().reshape(n, *frag.obs.shape[2:]),
-            "terminated": frag.terminated.reshape(n),
-            "policy_version": np.full(n, frag.policy_version, dtype=np.int64),
+            "terminated": fields["terminated"],
+            "policy_version": fields["policy_version"],
         }
         if self._data is None:
             self._allocate(rows)
@@ -63,12 +177,8 @@ class ReplayRing:
         self.written += n - start
         return n
 
-    def sample(self, batch_size: int) -> dict[str, np.ndarray]:
-        """Uniformly sample `batch_size` transitions (with replacement) as fresh arrays."""
-        if self.size == 0 or self._data is None:
-            raise ValueError("cannot sample from an empty replay ring")
-        idx = self._rng.integers(0, self.size, batch_size)
-        return {k: v[idx] for k, v in self._data.items()}
+    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[rows] for k, v in self._data.items()}  # rows [0, size) are stored at [0, size)
 
     # --- checkpoints --------------------------------------------------------------------------------
 
@@ -78,19 +188,18 @@ class ReplayRing:
         first insert. Live: read them, never write them."""
         return self._data
 
+    def used(self) -> dict[str, int]:
+        return dict.fromkeys(self._data or (), self.size)
+
     def mark(self) -> tuple[int, int]:
-        """A point in the ring's history, for `spans_since`."""
         return self.written, self._next
 
-    def spans_since(self, mark: tuple[int, int]) -> list[tuple[int, int]]:
-        """The rows written after `mark`, as at most two [start, stop) spans (writes go round the ring
+    def spans_since(self, mark: tuple[int, int]) -> Spans:
+        """The rows written after `mark`: at most two spans of every array (writes go round the ring
         in order); all of [0, size) when the ring went all the way round since."""
         written, start = mark
-        n = self.written - written
-        if n >= self.capacity:
-            return [(0, self.size)]
-        end = start + n
-        return [(start, end)] if end <= self.capacity else [(start, self.capacity), (0, end - self.capacity)]
+        spans = ring_spans(start, self.written - written, self.capacity, self.size)
+        return dict.fromkeys(self._data or (), spans)
 
     def state(self) -> dict:
         """Capacity, size, insert position and the sampling RNG's state, as plain (JSON-able) values."""
@@ -102,6 +211,8 @@ class ReplayRing:
         ring of `state["capacity"]` rows, `state` is what `state()` returned. Raises ValueError (and
         changes nothing) if they do not describe a ring. A checkpoint of a ring of another capacity
         keeps its newest transitions, as many as fit."""
+        if state.get("kind", "") != self.kind:
+            raise ValueError(f"it holds a {state.get('kind')!r} replay, not a ReplayRing")
         capacity, size, nxt = (int(state[k]) for k in ("capacity", "size", "next"))
         if arrays or size:  # an empty ring (never inserted into) has no arrays
             self._check_restorable(arrays, capacity, size, nxt)
@@ -112,13 +223,12 @@ class ReplayRing:
             return
         if capacity == self.capacity:  # same geometry: rows stay where they were (and sampling replays)
             keep = size
-            data = {k: v if size == capacity and v.flags.writeable and v.flags.c_contiguous else _grown(v, capacity)
-                    for k, v in arrays.items()}  # a full ring takes the loaded arrays as they are: no copy
+            data = {k: taken(v, capacity) for k, v in arrays.items()}
         else:
             order = np.arange(size) if size < capacity else (nxt + np.arange(size)) % capacity  # oldest first
             rows = order[-self.capacity:]
             keep, nxt = len(rows), len(rows) % self.capacity
-            data = {k: _grown(v[rows], self.capacity) for k, v in arrays.items()}
+            data = {k: grown(v[rows], self.capacity) for k, v in arrays.items()}
         self._data, self.size, self._next, self._rng = data, keep, nxt, rng
         self.written = self.size
 
@@ -139,8 +249,15 @@ class ReplayRing:
             raise ValueError("rewards, terminated and policy_version must hold one value per transition")
 
 
-def _grown(rows: np.ndarray, capacity: int) -> np.ndarray:
+def grown(rows: np.ndarray, capacity: int) -> np.ndarray:
     """`rows` at the start of a new array of `capacity` rows."""
     out = np.empty((capacity, *rows.shape[1:]), dtype=rows.dtype)
     out[:len(rows)] = rows
     return out
+
+
+def taken(loaded: np.ndarray, capacity: int) -> np.ndarray:
+    """A loaded storage array as a ring's: as it is when whole and writeable (a full ring restores
+    without a copy), else copied into one of `capacity` rows."""
+    whole = len(loaded) == capacity and loaded.flags.writeable and loaded.flags.c_contiguous
+    return loaded if whole else grown(loaded, capacity)

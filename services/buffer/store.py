@@ -24,7 +24,8 @@ import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.fifo import RolloutFifo
-from services.buffer.replay import ReplayRing
+from services.buffer.compact import CompactReplay
+from services.buffer.replay import Replay, ReplayRing
 from services.common.config import ExperimentConfig
 from services import algorithms
 from services.algorithms import FifoTable, ReplayTable
@@ -112,7 +113,9 @@ class Store:
         self.max_elements = cfg.buffer.max_message_mb * (1 << 20)
         # How the algorithm wants its fragments kept and served (services/algorithms/base.py).
         self.table = self.algorithm.table(cfg)
-        self.replay = ReplayRing(self.table.capacity, seed=cfg.seed) if isinstance(self.table, ReplayTable) else None
+        # Its layout (ReplayRing or CompactReplay) is chosen at the first insert, or by a restore.
+        self.replay: Replay | None = (ReplayRing(self.table.capacity, seed=cfg.seed)
+                                      if isinstance(self.table, ReplayTable) else None)
         self.fifo: RolloutFifo[pb.TrajectoryFragment | RawFragment] | None = (
             RolloutFifo(self.table.capacity_steps) if isinstance(self.table, FifoTable) else None)
         # actor_id -> incarnation -> window, both least recently used first (dedupe state).
@@ -135,6 +138,7 @@ class Store:
         metrics.inc("buffer/samples_dropped_stale_total", 0)
         metrics.inc("buffer/paced_seconds_total", 0)
         metrics.inc("buffer/samples_lost_in_transit_total", 0)
+        metrics.inc("buffer/samples_evicted_early_total", 0)
 
     def report_progress(self, learner_id: str, version: int, consumed_batches: int, now: float | None = None) -> None:
         """Record a learner's current policy version and how many batches it has consumed (ReportProgress)."""
@@ -205,7 +209,11 @@ class Store:
             self.metrics.inc(f"buffer/fragments_{outcome.value}_total")
             return outcome
         if self.replay is not None:
+            if self.replay.data is None:
+                self.replay = self._replay_for(frag)
+            early = self.replay.evicted_early
             self.replay.add(frag)  # checks shapes against what is stored before writing anything
+            self.metrics.inc("buffer/samples_evicted_early_total", self.replay.evicted_early - early)
         else:
             self._check_layout(frag)
             for old in self.fifo.put(msg, frag.num_samples):
@@ -218,6 +226,30 @@ class Store:
         self.metrics.set("buffer/policy_version_newest", max(frag.policy_version,
                                                               self.metrics.gauges.get("buffer/policy_version_newest", 0)))
         return Outcome.ACCEPTED
+
+    def _replay_for(self, frag) -> Replay:
+        """The replay layout for a first fragment, by `buffer.compact_replay` (docs/architecture.md
+        section 2, "Replay storage"): frames stored once where they are stacks that shift."""
+        mode = self.cfg.buffer.compact_replay
+        compact = mode != "never" and CompactReplay.suits(frag, always=mode == "always")
+        cls = CompactReplay if compact else ReplayRing
+        return self.replay if type(self.replay) is cls else self.replay.replaced_by(cls)
+
+    def restore_replay(self, arrays: dict[str, np.ndarray], state: dict) -> None:
+        """Take over a checkpoint's replay (services/buffer/checkpoint.py) in the layout it was saved
+        in. Raises ValueError, changing nothing, if it does not restore, or if `buffer.compact_replay`
+        asks for the other layout (which would need every stack converted)."""
+        compact = state.get("kind") == CompactReplay.kind
+        mode = self.cfg.buffer.compact_replay
+        if state.get("size") and mode == ("never" if compact else "always"):
+            raise ValueError(f"it holds a {'compact' if compact else 'plain (obs and next_obs)'} replay and "
+                             f"buffer.compact_replay is {mode!r}: set it to 'auto' to restore this checkpoint")
+        cls = CompactReplay if compact else ReplayRing
+        ring = self.replay if type(self.replay) is cls else cls(self.replay.capacity)
+        early = ring.evicted_early
+        ring.restore(arrays, state)
+        self.replay = ring
+        self.metrics.inc("buffer/samples_evicted_early_total", ring.evicted_early - early)
 
     def dedupe_state(self) -> dict[str, np.ndarray]:
         """The dedupe windows as flat arrays (no pickle), for a buffer checkpoint: one row per

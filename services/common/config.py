@@ -401,9 +401,17 @@ class BufferConfig:
     checkpoint_dir: str | None = None
     checkpoint_interval_s: float = 300.0  # between replay checkpoints; one is also written at shutdown
     keep_checkpoints: int = 2         # newest replay checkpoints kept; an unreadable newest falls back
+    # DQN: how the replay ring keeps stacked frames (docs/architecture.md section 2, "Replay storage").
+    # "auto": each frame once when the first fragment's observations are uint8 frame stacks that
+    # move on by one frame a step (Atari: ~7.4 KB a transition instead of 56 KB), else obs and next_obs
+    # as they came; "always": frames once for any observation with a stack axis; "never": as they came.
+    # A checkpoint restores in the layout it was saved in; "always"/"never" refuse one of the other.
+    compact_replay: str = "auto"
 
     def __post_init__(self):
         _require(1 <= self.max_message_mb <= 1024, "max_message_mb", self.max_message_mb, "must be 1..1024")
+        _require(self.compact_replay in ("auto", "always", "never"), "compact_replay", self.compact_replay,
+                 "must be 'auto' (frames stored once for stacked uint8 frames), 'always' or 'never'")
         _require(self.fifo_capacity_steps >= 1, "fifo_capacity_steps", self.fifo_capacity_steps, "must be >= 1")
         _require(self.batch_prefetch >= 1, "batch_prefetch", self.batch_prefetch, "must be >= 1")
         _require(self.checkpoint_dir is None or self.checkpoint_dir.strip() != "", "checkpoint_dir",

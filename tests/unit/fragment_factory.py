@@ -56,3 +56,45 @@ def make_msg(T: int = 3, N: int = 2, obs_shape: tuple[int, ...] = (3,), *, algor
 
 def make_fragment(*args, **kwargs) -> Fragment:
     return decode_fragment(make_msg(*args, **kwargs))
+
+
+class FrameEnvs:
+    """N envs of an Atari-like game in miniature: observations are stacks of `stack` random uint8
+    frames, stack axis first; each step appends a new frame and drops the oldest (or, with
+    shift=False, draws a whole new stack: the chain check must not match it). Each step ends its
+    episode with probability `p_end` (terminated or truncated, half each); the next starts from
+    `stack` new frames. Random content: a wrong frame cannot equal the right one by accident."""
+
+    def __init__(self, n: int, *, stack: int = 4, frame: tuple[int, ...] = (6, 6), p_end: float = 0.1,
+                 shift: bool = True, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.shape, self.p_end, self.shift = (stack, *frame), p_end, shift
+        self.stacks = [self._frames(stack) for _ in range(n)]
+
+    def _frames(self, count: int) -> np.ndarray:
+        return self.rng.integers(0, 256, (count, *self.shape[1:]), dtype=np.uint8)
+
+    def fragment(self, T: int, *, actor_id: str = "actor-0", seq: int = 0, incarnation: int = 0,
+                 policy_version: int = 0, env_ids=None) -> pb.TrajectoryFragment:
+        """The next T steps of every env as one DQN fragment."""
+        N = len(self.stacks)
+        obs = np.empty((T + 1, N, *self.shape), np.uint8)
+        ended = np.zeros((2, T, N), bool)  # terminated, truncated
+        finals = []
+        obs[0] = self.stacks
+        for t in range(T):
+            for n in range(N):
+                old = self.stacks[n]
+                nxt = np.concatenate([old[1:], self._frames(1)]) if self.shift else self._frames(len(old))
+                if self.rng.random() < self.p_end:
+                    ended[int(self.rng.random() < 0.5), t, n] = True
+                    finals.append(nxt)
+                    nxt = self._frames(len(old))
+                self.stacks[n] = obs[t + 1, n] = nxt
+        final_index = np.flatnonzero((ended[0] | ended[1]).reshape(-1)).astype(np.int64)
+        return build_fragment(actor_id=actor_id, seq=seq, policy_version=policy_version, algorithm=DQN,
+                              env_ids=range(N) if env_ids is None else env_ids, incarnation=incarnation, obs=obs,
+                              actions=self.rng.integers(0, 6, (T, N)),
+                              rewards=self.rng.normal(size=(T, N)).astype(np.float32),
+                              terminated=ended[0], truncated=ended[1],
+                              final_obs=np.array(finals, np.uint8).reshape(-1, *self.shape), final_index=final_index)

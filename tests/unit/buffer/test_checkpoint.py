@@ -13,11 +13,13 @@ import pytest
 
 from services.buffer import checkpoint
 from services.buffer.checkpoint import BufferCheckpointer
+from services.buffer.compact import CompactReplay
 from services.buffer.main import parse_args
+from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
 from services.common.config import ConfigError, config_from_dict
 from services.common.stats import Metrics
-from tests.unit.fragment_factory import DQN, make_msg
+from tests.unit.fragment_factory import DQN, FrameEnvs, make_msg
 
 T, N = 4, 2  # fragments of 8 transitions
 
@@ -28,16 +30,20 @@ def config(buffer_size: int = 64, env_id: str = "CartPole-v1", **buffer):
                                      "rollout_steps": T}, "buffer": buffer})
 
 
-def msg(seq: int, actor_id: str = "actor-0", incarnation: int = 7):
+def msg(seq: int, actor_id: str = "actor-0", incarnation: int = 7, frames: bool = False):
+    """A fragment of float vectors, or with `frames` of stacked uint8 frames (stored compactly)."""
+    if frames:
+        envs = FrameEnvs(N, seed=seq * 100 + int(actor_id.rsplit("-", 1)[-1]))
+        return envs.fragment(T, actor_id=actor_id, seq=seq, policy_version=seq, incarnation=incarnation)
     return make_msg(T, N, obs_shape=(4,), algorithm=DQN, seq=seq, actor_id=actor_id, base=10 * seq,
                     policy_version=seq, incarnation=incarnation)
 
 
-def filled_store(cfg, fragments: int = 11) -> Store:
+def filled_store(cfg, fragments: int = 11, frames: bool = False) -> Store:
     """A store whose ring has wrapped (11 x 8 = 88 transitions into 64), fed by two actors, sampled from."""
     store = Store(cfg, Metrics("buffer"))
     for seq in range(fragments):
-        assert store.insert(msg(seq, actor_id=f"actor-{seq % 2}")) is Outcome.ACCEPTED
+        assert store.insert(msg(seq, actor_id=f"actor-{seq % 2}", frames=frames)) is Outcome.ACCEPTED
     store.next_batch(8, "learner-0")
     return store
 
@@ -54,8 +60,9 @@ async def restored(cfg, directory) -> Store:
 
 def assert_same_replay(a: Store, b: Store) -> None:
     assert a.replay.state() == b.replay.state()
+    used = a.replay.used()
     for name, arr in a.replay.data.items():
-        np.testing.assert_array_equal(arr[:a.size], b.replay.data[name][:b.size], err_msg=name)
+        np.testing.assert_array_equal(arr[:used[name]], b.replay.data[name][:used[name]], err_msg=name)
     assert (a.inserted_samples, a.served_samples) == (b.inserted_samples, b.served_samples)
     da, db = a.dedupe_state(), b.dedupe_state()
     assert da.keys() == db.keys()
@@ -218,6 +225,7 @@ async def test_keeps_the_newest_k(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["replay-000000000003.npz", "replay-000000000004.npz"]
 
 
+@pytest.mark.parametrize("frames", [False, True], ids=["plain", "compact"])
 @pytest.mark.parametrize("inserted_during_copy, patch_bytes", [
     (3, checkpoint.PATCH_BYTES),   # a few rows: patched on the loop
     (20, checkpoint.PATCH_BYTES),  # 20 x 8 rows: the ring goes all the way round during the copy
@@ -225,11 +233,12 @@ async def test_keeps_the_newest_k(tmp_path):
     (20, 0),
 ])
 async def test_inserts_during_the_copy_land_in_a_consistent_checkpoint(tmp_path, monkeypatch, inserted_during_copy,
-                                                                       patch_bytes):
+                                                                       patch_bytes, frames):
     """The rows are copied in a thread while the event loop keeps inserting; the checkpoint must equal
-    the state at one instant (the ring, its position and the dedupe windows together)."""
+    the state at one instant (the ring, its position and the dedupe windows together; for a compact
+    replay, its frame ring too)."""
     cfg = config()
-    store = filled_store(cfg)
+    store = filled_store(cfg, frames=frames)
     monkeypatch.setattr(checkpoint, "PATCH_BYTES", patch_bytes)
     copying, go_on = threading.Event(), threading.Event()
     real_copy, real_spans, rounds = checkpoint._copy_rows, checkpoint._copy_spans, []
@@ -249,7 +258,7 @@ async def test_inserts_during_the_copy_land_in_a_consistent_checkpoint(tmp_path,
     async def insert(n: int) -> None:
         nonlocal seq
         for _ in range(n):  # on the loop, as the servicer inserts
-            assert store.insert(msg(seq, actor_id="actor-2")) is Outcome.ACCEPTED
+            assert store.insert(msg(seq, actor_id="actor-2", frames=frames)) is Outcome.ACCEPTED
             seq += 1
 
     snapshot_taken, real_dedupe_state = [], store.dedupe_state
@@ -274,7 +283,8 @@ async def test_inserts_during_the_copy_land_in_a_consistent_checkpoint(tmp_path,
         assert len(rounds) >= 2  # the first copy, and at least one more round in a thread
     again = await restored(cfg, tmp_path)
     assert_same_replay(store, again)
-    assert again.insert(msg(seq - 1, actor_id="actor-2")) is Outcome.DUPLICATE
+    assert again.insert(msg(seq - 1, actor_id="actor-2", frames=frames)) is Outcome.DUPLICATE
+    assert type(again.replay) is type(store.replay) is (CompactReplay if frames else ReplayRing)
 
 
 async def test_run_saves_periodically_and_once_more_at_stop(tmp_path, monkeypatch):
