@@ -1,7 +1,9 @@
 """The planner core: measure per-replica rates, decide, apply through a backend, record every decision.
 
-Rates (docs/architecture.md section 4): TR_A, an actor's env steps per second
-(`actor/env_steps_total` over wall time), and TR_L, what a learner can consume when it never waits
+Rates (docs/architecture.md section 4): TR_A, what an actor can produce when it is not held for
+weights: `actor/env_steps_total` over wall time minus `actor/pace_wait_seconds_total` (on-policy
+pacing holds an actor that outruns the learner; counted as production time, those waits would make
+the planner add actors the learner cannot feed, each of them cutting its own quota), and TR_L, what a learner can consume when it never waits
 for data: `learner/samples_total` over wall time minus `learner/starved_seconds_total` (so publishing weights and sharing the CPU count
 against it, waiting for batches does not). Both are EWMAs per replica, counted only after the
 replica has reported for `warmup_s`; the role's rate is the mean over its warmed-up, fresh replicas.
@@ -39,7 +41,7 @@ MAX_RECORDED = 1000
 CONFLICT_RETRIES = 3
 ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
            "suppressed": ppb.DECISION_ACTION_SUPPRESSED}
-COUNTERS = {"actor": ("actor/env_steps_total", None),
+COUNTERS = {"actor": ("actor/env_steps_total", "actor/pace_wait_seconds_total"),
             "learner": ("learner/samples_total", "learner/starved_seconds_total")}
 LAG_KEY = "learner/policy_lag_mean"
 # What the planner records from each buffer's GetStats: key -> (Decision field, how buffers combine).

@@ -57,3 +57,23 @@ def test_measured_cores_per_replica_after_warm_up_and_reset_on_restart():
     assert r.cores == pytest.approx(0.25) and r.rate == pytest.approx(100.0)
     r.update(12.0, 1200.0, None, 0.5)       # CPU seconds went back: a new process under the same name
     assert r.cores is None and r.rate is None and not r.warm
+
+
+def test_a_paced_actor_is_measured_by_what_it_produces_when_not_held_for_weights():
+    """On-policy pacing holds an actor that outruns the learner; the planner must see its capacity
+    (steps over the time it was not held), or it would add actors the learner cannot feed."""
+    from services.actor.policy import Pace
+    from services.common.config import config_from_dict
+    from services.common.stats import Metrics
+    from services.planner.core import COUNTERS
+
+    metrics = Metrics("actor")
+    Pace(config_from_dict({}), policy=None, metrics=metrics)  # every actor exports the wait counter
+    count_key, idle_key = COUNTERS["actor"]
+    assert count_key == "actor/env_steps_total"
+    assert idle_key == "actor/pace_wait_seconds_total" and idle_key in metrics.counters
+    r = ReplicaRate(halflife_s=5.0, warmup_s=0.0, now=0.0)
+    r.update(0.0, 0.0, 0.0)
+    for t in range(1, 10):  # 400 steps a second, held 0.8 s of each: 2,000 steps/s when not held
+        r.update(float(t), 400.0 * t, 0.8 * t)
+    assert r.rate == pytest.approx(2000.0)
