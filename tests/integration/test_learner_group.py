@@ -11,7 +11,7 @@ import pytest
 
 from kuberl.v1 import learner_pb2, learner_pb2_grpc
 from services.common.procs import free_port
-from tests.helpers import TINY_DQN, TINY_PPO, Service, stats, wait_for, write_config
+from tests.helpers import TINY_DQN, TINY_PPO, TINY_SAC, Service, stats, wait_for, write_config
 
 
 def _checksums(address: str, seconds: float) -> dict[int, str]:
@@ -44,7 +44,7 @@ def _group(tmp_path, algo: dict, world: int = 2):
     return buffer, learners, actor
 
 
-@pytest.mark.parametrize("algo", [TINY_DQN, TINY_PPO], ids=["dqn", "ppo"])
+@pytest.mark.parametrize("algo", [TINY_DQN, TINY_PPO, TINY_SAC], ids=["dqn", "ppo", "sac"])
 def test_a_group_of_learners_trains_in_step_and_stops_together(tmp_path, algo):
     buffer, learners, actor = _group(tmp_path, algo)
     try:

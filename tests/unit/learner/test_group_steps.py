@@ -81,6 +81,24 @@ def test_dqn_malformed_batch_joins_the_step_with_nothing_and_no_data_anywhere_me
     assert group.calls == [0.0, 0.0] and trainer.version == 1, "the peer's step is this learner's step too"
 
 
+def test_sac_joins_both_rounds_of_an_update_with_nothing_and_steps_with_the_group(tmp_path):
+    """SAC averages its critic's gradients, then its policy's and temperature's, in two rounds; a
+    learner without a usable batch joins both with weight 0, and nobody having data means no step."""
+    from kuberl.v1 import common_pb2 as pb
+    cfg = config_from_dict({"algorithm": "sac", "env": {"id": "Pendulum-v1", "num_envs": 2},
+                            "sac": {"batch_size": 4, "learning_starts": 4, "buffer_size": 64, "hidden_sizes": [8]}})
+    group = FakeGroup(peer_weight=0)
+    trainer = group_trainer(tmp_path, cfg, group)
+    bad = pb.TrainingBatch(batch_id=1, transitions=pb.TransitionBatch())
+    trainer.train(bad)
+    assert group.calls == [0.0] and trainer.version == 0, "nobody had data: no critic step, no policy round"
+    group.peer_weight = 4
+    actor_before = [p.detach().clone() for p in trainer.algo.actor.parameters()]
+    trainer.train(bad)
+    assert group.calls == [0.0, 0.0, 0.0] and trainer.version == 1, "the peer's two rounds are this learner's too"
+    assert any(not torch.equal(a, p) for a, p in zip(actor_before, trainer.algo.actor.parameters()))
+
+
 def test_only_rank_0_writes_checkpoints_and_rank_1_starts_from_rank_0s_state(tmp_path):
     cfg = ppo_config()
     group = FakeGroup(peer_weight=0)
