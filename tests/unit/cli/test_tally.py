@@ -4,6 +4,8 @@ The actor side is the real EpisodeLog behind the real ActorServicer.GetStats (no
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from collections import Counter
 
@@ -205,6 +207,8 @@ def local_run(members):
     run.returns = run.tally.returns
     run.planned, run.members, run.retired, run.tb, run.started = False, members, [], FakeBoard(), 0.0
     run.restarts = Counter()
+    run.episodes_out = io.StringIO()  # what would be episodes.csv
+    run.episode_rows = csv.writer(run.episodes_out)
     return run
 
 
@@ -235,6 +239,10 @@ def test_progress_line_counts_every_episode_and_loss_across_a_restart(capsys):
     row = run.row()
     assert row["episodes"] == 9001 and row["env_steps"] == 90_010
     assert run.returns[-1] == 1.0 and row["episodes_skipped"] == 0
+    # every episode read is one row of episodes.csv: wall_s, env_steps, return, length, policy_version
+    rows = list(csv.reader(io.StringIO(run.episodes_out.getvalue())))
+    assert len(rows) == run.tally.episodes_read == 9001
+    assert rows[-1][1:] == ["90010", "1.0", "10", "0"] and rows[0][2:4] == ["0.8512", "10"]
 
 
 def test_progress_line_says_lost_0_only_when_nothing_was_lost(capsys):
