@@ -64,10 +64,13 @@ class BatchedInference:
         if not self.pace.due(self.hub.seq):
             return
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        while not self.policy.newer_weights.is_set() and loop.time() - start < self.pace.timeout_s:
+        start = last = loop.time()
+        while not self.policy.newer_weights.is_set() and last - start < self.pace.timeout_s:
             await asyncio.sleep(0.01)
-        self.pace.waited(loop.time() - start, self.hub.seq)
+            now = loop.time()
+            self.pace.held(now - last)
+            last = now
+        self.pace.waited(self.hub.seq)
 
     def _infer(self, obs: np.ndarray, mask: np.ndarray | None):
         self.policy.swap()

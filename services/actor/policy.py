@@ -95,9 +95,15 @@ class Pace:
         _, since = self.rebase(cut)
         return cut - since >= self.quota and not self.policy.newer_weights.is_set()
 
-    def waited(self, seconds: float, cut: int, stopped: bool = False) -> None:
-        """Record a wait; where it ran out without newer weights, count it and start a fresh quota."""
+    def held(self, seconds: float) -> None:
+        """Count `seconds` more of a wait while it goes on. The planner reads the counter at any time and
+        measures an actor over the time it was not held: a wait counted only once it ended would read
+        as production at rate 0 until then (services/planner/core.py)."""
         self.metrics.inc("actor/pace_wait_seconds_total", seconds)
+
+    def waited(self, cut: int, stopped: bool = False) -> None:
+        """A wait ended (its seconds already `held`); where it ran out without newer weights, count it
+        and start a fresh quota."""
         if self.policy.newer_weights.is_set() or stopped:
             return
         version, since = self._from

@@ -147,11 +147,15 @@ class Rollout:
         """On-policy pacing (`Pace`): hold this thread for newer weights once the quota is cut; True if it waited."""
         if not self.pace.due(self.seq):
             return False
-        start = time.monotonic()
+        start = last = time.monotonic()
         while not self.policy.newer_weights.wait(timeout=0.1):
-            if (stop is not None and stop.is_set()) or time.monotonic() - start >= self.pace.timeout_s:
+            now = time.monotonic()
+            self.pace.held(now - last)
+            last = now
+            if (stop is not None and stop.is_set()) or now - start >= self.pace.timeout_s:
                 break
-        self.pace.waited(time.monotonic() - start, self.seq, stopped=stop is not None and stop.is_set())
+        self.pace.held(time.monotonic() - last)
+        self.pace.waited(self.seq, stopped=stop is not None and stop.is_set())
         return True
 
     def _mask_of(self, info: dict) -> np.ndarray:

@@ -12,6 +12,7 @@ planner's decisions.jsonl and summary.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
@@ -390,13 +391,14 @@ class LocalRun:
     def run(self) -> dict:
         reason, error = "interrupted", None
         self.tb = None
-        csv_file = open(self.dir / "metrics.csv", "w", newline="")
-        writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        episodes_file = open(self.dir / "episodes.csv", "w", newline="")
-        self.episode_rows = csv.writer(episodes_file)
-        self.episode_rows.writerow(EPISODE_COLUMNS)
+        files = contextlib.ExitStack()  # closed whatever happens, after every process has stopped
         try:
+            csv_file = files.enter_context(open(self.dir / "metrics.csv", "w", newline=""))
+            writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            episodes_file = files.enter_context(open(self.dir / "episodes.csv", "w", newline=""))
+            self.episode_rows = csv.writer(episodes_file)
+            self.episode_rows.writerow(EPISODE_COLUMNS)
             self.start_all()
             from tensorboardX import SummaryWriter  # a 1 s import: paid while the services start
 
@@ -435,12 +437,11 @@ class LocalRun:
             print(f"kuberl up: {err}", file=sys.stderr, flush=True)
         finally:
             wall = time.monotonic() - self.started
-            self.stop_all()
-            if self.tb is not None:
-                self.tb.close()
-            csv_file.close()
+            with files:
+                self.stop_all()
+                if self.tb is not None:
+                    self.tb.close()
             self.episode_rows = None
-            episodes_file.close()
         learner = self._role("learner")[0].stats if self._role("learner") else {}
         tally = self.tally
         losses = tally.losses()

@@ -8,6 +8,7 @@ and why it cannot work. Derived values are properties; nothing is mutated after 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -326,7 +327,10 @@ class SACConfig:
         _require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         _require(0 < self.tau <= 1, "tau", self.tau, "must be in (0, 1]")
         for name in ("policy_lr", "q_lr", "alpha"):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+            _require(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                     "must be a finite number > 0")
+        _require(self.target_entropy is None or math.isfinite(self.target_entropy), "target_entropy",
+                 self.target_entropy, "must be a finite number, or left out for -(action dimensions)")
         _require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes,
                  "every layer needs a positive width")
 

@@ -3,7 +3,7 @@ paces as DQN's are; actors sample a tanh-squashed Gaussian policy (acting.py, le
 
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.base import Algorithm, ReplayTable
@@ -18,9 +18,12 @@ class SAC(Algorithm):
     def check_spec(self, spec) -> None:
         """A Box with finite bounds (the squashed policy maps onto them) over flat observations."""
         super().check_spec(spec)
-        if not all(math.isfinite(b) for b in (*spec.action.low, *spec.action.high)):
-            raise ValueError(f"algorithm: sac squashes actions into the Box's bounds; {spec.action} "
-                             f"has an infinite one (declare finite low/high)")
+        box = spec.action
+        # The policy maps tanh's (-1, 1) onto [low, high] with float32 arithmetic: the width must fit it.
+        width = np.asarray(box.high, np.float64) - np.asarray(box.low, np.float64)
+        if not ((width > 0) & (width <= np.finfo(np.float32).max)).all():
+            raise ValueError(f"algorithm: sac squashes actions into the Box's bounds, which must be finite in "
+                             f"float32 with low < high; {box} has one that is not (declare finite low/high)")
         if spec.obs_dtype.kind == "u" and len(spec.obs_shape) == 3:
             raise ValueError(f"algorithm: sac takes flat observations; this env's are "
                              f"{spec.obs_dtype.name} frames {list(spec.obs_shape)}")

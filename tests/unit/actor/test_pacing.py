@@ -32,6 +32,11 @@ def test_the_actor_waits_for_new_weights_after_its_quota_and_steps_on_with_them(
     worker.start()
     worker.join(timeout=0.5)
     assert worker.is_alive() and not third  # held: nothing stepped
+    # counted while it goes on: the planner reads it mid-wait (services/planner/core.py)
+    deadline = time.monotonic() + 30
+    while r.metrics.counters["actor/pace_wait_seconds_total"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.is_alive() and r.metrics.counters["actor/pace_wait_seconds_total"] > 0
     assert r.metrics.counters["actor/env_steps_total"] == 2 * 4 * 2
     r.policy.offer_weights(2, to_numpy(r.policy.net))
     worker.join(timeout=60)

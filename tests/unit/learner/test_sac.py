@@ -186,7 +186,17 @@ def test_sac_refuses_spaces_it_cannot_act_in():
     sac = algorithms.get("sac")
     with pytest.raises(ValueError, match="sac takes Box actions"):
         sac.check_spec(EnvSpec((3,), np.dtype(np.float32), Discrete(2)))
-    with pytest.raises(ValueError, match="infinite"):
-        sac.check_spec(EnvSpec((3,), np.dtype(np.float32), Box.of((1,), -np.inf, 1.0)))
+    big = float(np.finfo(np.float32).max)  # gymnasium's usual "unbounded": the width overflows float32
+    for box in (Box.of((1,), -np.inf, 1.0), Box.of((2,), -big, big), Box.of((2,), [0.0, 1.0], [1.0, 1.0])):
+        with pytest.raises(ValueError, match="finite in float32 with low < high"):
+            sac.check_spec(EnvSpec((3,), np.dtype(np.float32), box))
     with pytest.raises(ValueError, match="flat observations"):
         sac.check_spec(EnvSpec((4, 84, 84), np.dtype(np.uint8), Box.of((1,), -1.0, 1.0)))
+
+
+@pytest.mark.parametrize("key, value", [("target_entropy", float("nan")), ("alpha", float("inf")),
+                                        ("q_lr", 0.0)])
+def test_sac_settings_that_would_poison_the_weights_are_refused_naming_the_key(key, value):
+    from services.common.config import ConfigError
+    with pytest.raises(ConfigError, match=f"sac.{key}"):
+        config_from_dict({"algorithm": "sac", "sac": {key: value}})
