@@ -63,6 +63,14 @@ def test_example_configs_load(name, algorithm):
     assert cfg.env.id == "CartPole-v1"
 
 
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    from services import algorithms
+    cfg = load_config(path)
+    named = [a for a in algorithms.REGISTRY if a in path.stem.split("_")]
+    assert named in ([], [cfg.algorithm])  # pendulum_sac.yaml trains SAC, pong_ppo_cpu.yaml PPO, ...
+
+
 def test_example_dqn_config_reads_lists_and_ints_as_their_field_types():
     cfg = load_config(CONFIGS / "cartpole_dqn.yaml")
     assert isinstance(cfg.dqn.hidden_sizes, tuple) and all(isinstance(h, int) for h in cfg.dqn.hidden_sizes)
