@@ -98,3 +98,18 @@ class FrameEnvs:
                               rewards=self.rng.normal(size=(T, N)).astype(np.float32),
                               terminated=ended[0], truncated=ended[1],
                               final_obs=np.array(finals, np.uint8).reshape(-1, *self.shape), final_index=final_index)
+
+
+def transition_batch(actions, obs_dim: int, B: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
+    """B random transitions of a TransitionBatch as read-only arrays, as a learner decodes them off the
+    wire; `actions(rng, B)` draws the actions (after obs, before rewards)."""
+    from services.common.tensors import decode, encode
+
+    rng = np.random.default_rng(seed)
+    arrays = {"obs": rng.standard_normal((B, obs_dim)).astype(np.float32),
+              "actions": actions(rng, B),
+              "rewards": rng.standard_normal(B).astype(np.float32),
+              "next_obs": rng.standard_normal((B, obs_dim)).astype(np.float32),
+              "terminated": rng.random(B) < 0.5,
+              "policy_version": np.zeros(B, np.int64)}
+    return {k: decode(encode(v), k) for k, v in arrays.items()}

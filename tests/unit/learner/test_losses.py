@@ -13,10 +13,10 @@ import torch
 from services.common.config import DQNConfig, PPOConfig
 from services.common.nets import EnvSpec
 from services.common.spaces import Discrete
-from services.common.tensors import decode, encode
 from services.algorithms.dqn.learner import DQN, td_target
 from services.algorithms.ppo.learner import PPO, gae
 from tests.unit.fragment_factory import make_fragment
+from tests.unit.fragment_factory import transition_batch as wire_transitions
 
 SPEC = EnvSpec(obs_shape=(4,), obs_dtype=np.float32, action=Discrete(2))
 
@@ -123,14 +123,7 @@ def dqn_cfg(**kw) -> DQNConfig:
 
 
 def transition_batch(B: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    arrays = {"obs": rng.standard_normal((B, 4)).astype(np.float32),
-              "actions": rng.integers(0, 2, B).astype(np.int64),
-              "rewards": rng.standard_normal(B).astype(np.float32),
-              "next_obs": rng.standard_normal((B, 4)).astype(np.float32),
-              "terminated": rng.random(B) < 0.5,
-              "policy_version": np.zeros(B, np.int64)}
-    return {k: decode(encode(v), k) for k, v in arrays.items()}  # read-only, as from the wire
+    return wire_transitions(lambda rng, n: rng.integers(0, 2, n).astype(np.int64), 4, B, seed)
 
 
 def params(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -18,7 +18,9 @@ from services.common.config import SACConfig, config_from_dict
 from services.common.envs import EnvSpec
 from services.common.spaces import Box
 from services.common.stats import Metrics
-from services.common.tensors import decode, encode
+from services.common.tensors import encode
+from tests.unit.fragment_factory import transition_batch as wire_transitions
+from tests.unit.learner.test_losses import params
 
 SPEC = EnvSpec(obs_shape=(3,), obs_dtype=np.dtype(np.float32), action=Box.of((2,), [-2.0, 0.0], [2.0, 1.0]))
 
@@ -112,32 +114,21 @@ def sac_cfg(**kw) -> SACConfig:
 
 
 def transition_batch(B: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    arrays = {"obs": rng.standard_normal((B, 3)).astype(np.float32),
-              "actions": rng.uniform(-1, 1, (B, 2)).astype(np.float32),
-              "rewards": rng.standard_normal(B).astype(np.float32),
-              "next_obs": rng.standard_normal((B, 3)).astype(np.float32),
-              "terminated": rng.random(B) < 0.5,
-              "policy_version": np.zeros(B, np.int64)}
-    return {k: decode(encode(v), k) for k, v in arrays.items()}  # read-only, as from the wire
-
-
-def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
+    return wire_transitions(lambda rng, n: rng.uniform(-1, 1, (n, 2)).astype(np.float32), 3, B, seed)
 
 
 def test_one_update_moves_critic_actor_alpha_and_targets_by_polyak():
     torch.manual_seed(0)
     sac = SAC(sac_cfg(tau=0.25), SPEC)
-    critic0, actor0, target0 = snapshot(sac.critic), snapshot(sac.actor), snapshot(sac.target)
+    critic0, actor0, target0 = params(sac.critic), params(sac.actor), params(sac.target)
     alpha0 = sac.log_alpha.item()
     samples, stats = sac.learn(transition_batch())
     assert samples == 6 and sac.version == 1 and sac.gradient_steps == 1
     assert {"q_loss", "q_mean", "pi_loss", "entropy", "alpha"} <= set(stats)
-    assert all(not torch.equal(a, b) for a, b in zip(critic0, snapshot(sac.critic)))
-    assert any(not torch.equal(a, b) for a, b in zip(actor0, snapshot(sac.actor)))
+    assert all(not torch.equal(a, b) for a, b in zip(critic0, params(sac.critic)))
+    assert any(not torch.equal(a, b) for a, b in zip(actor0, params(sac.actor)))
     assert sac.log_alpha.item() != alpha0
-    for t0, t1, c1 in zip(target0, snapshot(sac.target), snapshot(sac.critic)):
+    for t0, t1, c1 in zip(target0, params(sac.target), params(sac.critic)):
         torch.testing.assert_close(t1, 0.75 * t0 + 0.25 * c1)
 
 
