@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: run test protos lint-imports clean k8s-testenv images
+.PHONY: run test protos lint-imports clean k8s-testenv images images-cuda e2e
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,15 +44,27 @@ clean:
 k8s-testenv:
 	bash tests/k8s/provision.sh
 
-# One image per role (docker/<role>.Dockerfile), plus the learner's CUDA variant (PyPI's default Linux
-# torch is a CUDA build). Tags match k8s/ and the Helm chart: $(IMAGE_PREFIX)<role>:<version>.
+# One image per role (docker/<role>.Dockerfile), built by docker/build-images.sh without network inside the
+# build: a wheelhouse is made on the host once (pip download) and served to the builds on 127.0.0.1.
+# Tags match k8s/ and the Helm chart: $(IMAGE_PREFIX)<role>:<version>. PYTHON_IMAGE is the base (a
+# build-arg of every Dockerfile). The learner's CUDA variant needs PyPI's CUDA torch: `make images-cuda`.
 DOCKER ?= docker
 IMAGE_PREFIX ?= kuberl/
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-ROLES := actor buffer learner planner
+PYTHON_IMAGE ?= python:3.11-slim-bookworm
 
-images:
-	for role in $(ROLES); do \
-	  $(DOCKER) build -f docker/$$role.Dockerfile -t $(IMAGE_PREFIX)$$role:$(IMAGE_TAG) . || exit 1; \
-	done
-	$(DOCKER) build -f docker/learner.Dockerfile --build-arg TORCH_INDEX_URL= -t $(IMAGE_PREFIX)learner:$(IMAGE_TAG)-cuda .
+images: $(PY)
+	DOCKER="$(DOCKER)" IMAGE_PREFIX="$(IMAGE_PREFIX)" IMAGE_TAG="$(IMAGE_TAG)" PYTHON_IMAGE="$(PYTHON_IMAGE)" \
+	  PYTHON=$(PY) IMAGES_PRINT_ONLY="$(IMAGES_PRINT_ONLY)" $(if $(filter undefined,$(origin TORCH_INDEX_URL)),,TORCH_INDEX_URL="$(TORCH_INDEX_URL)") \
+	  bash docker/build-images.sh
+
+images-cuda:
+	$(if $(filter 1,$(IMAGES_PRINT_ONLY)),echo )$(DOCKER) build -f docker/learner.Dockerfile --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) \
+	  --build-arg TORCH_INDEX_URL= -t $(IMAGE_PREFIX)learner:$(IMAGE_TAG)-cuda .
+
+# End-to-end tests on a real single-node cluster (tests/e2e; needs root): provisions and caches the
+# node (kubelet, scheduler and proxy built from source, dockerd, CNI, DNS), builds the images into it,
+# deploys the overlay and the chart, and tears everything down. Not part of `make test`. See docs/deploy.md.
+e2e: $(STAMP_DEV)
+	bash tests/e2e/provision.sh
+	KUBERL_E2E=1 timeout --kill-after=30 5400 $(PY) -m pytest tests/e2e -v -o timeout=1800 $(PYTEST_ARGS)

@@ -24,6 +24,14 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
   set -- --extra-index-url "$TORCH_INDEX_URL"
 fi
 "$venv/bin/python" -m pip install "$@" "$src[$role]"
+# What no role uses at run time (docs/deploy.md, "Images"): torch's C++ test binaries (test/, bin/ but
+# torch_shm_manager) and headers (include/), about 195 MB, and the venv's own installers.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -d "$site/torch" ]; then
+  rm -rf "$site/torch/test" "$site/torch/include"
+  find "$site/torch/bin" -type f ! -name torch_shm_manager -delete
+fi
+"$venv/bin/python" -m pip uninstall --quiet --yes pip setuptools wheel 2>/dev/null || true
 # The images' HEALTHCHECK: asks the service's grpc.health.v1 endpoint (grpcio-health-checking is a base dependency).
 cp "$src/docker/healthcheck.py" "$venv/bin/kuberl-healthcheck"
 chmod 0755 "$venv/bin/kuberl-healthcheck"

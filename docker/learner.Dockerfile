@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # kuberl learner: Trains on batches from the buffer and streams weights to actors (torch).
 # Build from the repository root (or `make images`):
 #   docker build -f docker/learner.Dockerfile -t kuberl/learner:0.1.0 .
@@ -7,6 +6,10 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# Offline builds (docker/build-images.sh): --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=URL of a
+# wheelhouse; unset, pip uses PyPI. pip reads both from the environment, where a build's ARGs are.
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
 # torch comes from PyTorch's CPU wheel index by default (small, no CUDA libraries).
 # The CUDA variant (see `make images`): --build-arg TORCH_INDEX_URL= installs PyPI's default Linux torch,
 # a CUDA build; the GPU overlay (k8s/overlays/gpu) runs it.

@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # kuberl planner: Balances actor and learner replicas through the Kubernetes API. No torch, no gymnasium.
 # Build from the repository root (or `make images`):
 #   docker build -f docker/planner.Dockerfile -t kuberl/planner:0.1.0 .
@@ -7,6 +6,10 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# Offline builds (docker/build-images.sh): --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=URL of a
+# wheelhouse; unset, pip uses PyPI. pip reads both from the environment, where a build's ARGs are.
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos protos

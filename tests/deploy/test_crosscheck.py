@@ -317,9 +317,10 @@ def dockerfile(role: str) -> dict:
 
 
 def make_images() -> list[str]:
-    """The `docker build` commands `make images` runs (with DOCKER=echo, so nothing is built)."""
-    out = subprocess.run(["make", "-s", "images", "DOCKER=echo"], cwd=ROOT, capture_output=True, text=True, check=True)
-    return [line for line in out.stdout.splitlines() if line.startswith("build ")]
+    """The `docker build` commands `make images images-cuda` runs (IMAGES_PRINT_ONLY=1: printed, not run)."""
+    out = subprocess.run(["make", "-s", "images", "images-cuda", "IMAGES_PRINT_ONLY=1"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return [line for line in out.stdout.splitlines() if line.startswith("docker build ")]
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -98,14 +98,15 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-def _make_certs(d: Path) -> None:
-    """A CA, a serving cert for 127.0.0.1/localhost signed by it, and the service-account key pair."""
+def _make_certs(d: Path, ips: tuple[str, ...] = ("127.0.0.1",)) -> None:
+    """A CA, a serving cert for `ips` and localhost signed by it, and the service-account key pair."""
     d.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "3",
              "-subj", "/CN=kuberl-test-ca", cwd=d)
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "serving.key", "-out", "serving.csr",
              "-subj", "/CN=kube-apiserver", cwd=d)
-    (d / "serving.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+    sans = ",".join([f"IP:{ip}" for ip in ips] + ["DNS:localhost", "DNS:kubernetes.default.svc"])
+    (d / "serving.ext").write_text(f"subjectAltName={sans}\nbasicConstraints=CA:FALSE\n"
                                    "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
     _openssl("x509", "-req", "-in", "serving.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-out", "serving.crt", "-days", "3", "-extfile", "serving.ext", cwd=d)
@@ -113,56 +114,75 @@ def _make_certs(d: Path) -> None:
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
-def _stop(proc: subprocess.Popen | None) -> None:
-    """SIGTERM, then SIGKILL after STOP_GRACE_S: kube-apiserver 1.20 can hang on SIGTERM."""
+def stop_process(proc: subprocess.Popen | None, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL after grace_s: kube-apiserver 1.20 can hang on SIGTERM."""
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(STOP_GRACE_S)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
 
 
-def _tail(path: Path, n: int = 30) -> str:
+def tail(path: Path, n: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
 
 
+def spawn(workdir: Path, name: str, argv: list[str]) -> subprocess.Popen:
+    """Start `argv` in its own session, output to WORKDIR/NAME.log (tests/e2e/node.py uses it too)."""
+    with open(workdir / f"{name}.log", "ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def wait_for(workdir: Path, name: str, proc: subprocess.Popen, ready, timeout_s: float) -> None:
+    """Return once ready() is true; raise with the tail of NAME.log if the process exits or time runs out.
+    An exception from ready() counts as not ready yet."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail(workdir / f'{name}.log')}")
+        try:
+            if ready():
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} not ready within {timeout_s:.0f} s:\n{tail(workdir / f'{name}.log')}")
+
+
 @dataclass
 class Cluster:
-    """A started etcd + kube-apiserver on loopback (and optionally kube-controller-manager)."""
+    """A started etcd + kube-apiserver on loopback (and optionally kube-controller-manager).
+
+    `address` is where the apiserver listens and what it advertises (tests/e2e puts it on the node's
+    bridge so pods reach it); `apiserver_flags` are added to its command line."""
     workdir: Path
     bins: dict[str, str]
+    address: str = "127.0.0.1"
+    apiserver_flags: tuple[str, ...] = ()
     server: str = ""
     ca_file: Path = field(default=Path())
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     # ---- start / stop ----------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        with open(self.workdir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        self._procs[name] = proc
-        return proc
+        self._procs[name] = spawn(self.workdir, name, argv)
+        return self._procs[name]
 
     def _wait(self, name: str, ready, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        proc = self._procs[name]
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(self.workdir / f'{name}.log')}")
-            if ready():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} not ready within {timeout_s:.0f} s:\n{_tail(self.workdir / f'{name}.log')}")
+        wait_for(self.workdir, name, self._procs[name], ready, timeout_s)
 
     def start(self) -> Cluster:
         certs = self.workdir / "certs"
-        _make_certs(certs)
+        # 10.0.0.1: the `kubernetes` Service's ClusterIP (first of --service-cluster-ip-range), which
+        # in-cluster clients verify the certificate against.
+        _make_certs(certs, tuple(dict.fromkeys(("127.0.0.1", self.address, "10.0.0.1"))))
         self.ca_file = certs / "ca.crt"
         tokens = self.workdir / "tokens.csv"
         tokens.write_text("".join(f'{tok},{user},{user},"{_GROUPS[user]}"\n' for user, tok in TOKENS.items()))
@@ -177,22 +197,23 @@ class Cluster:
         self._wait("etcd", lambda: _get(f"{etcd_url}/health") == 200, 30)
 
         port = free_port()
-        self.server = f"https://127.0.0.1:{port}"
+        self.server = f"https://{self.address}:{port}"
         self._spawn("kube-apiserver", [
             self.bins["KUBE_APISERVER"], f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}", "--insecure-port=0",
+            f"--bind-address={self.address}", f"--advertise-address={self.address}", f"--secure-port={port}",
+            "--insecure-port=0",
             f"--cert-dir={certs / 'apiserver'}", f"--tls-cert-file={certs / 'serving.crt'}",
             f"--tls-private-key-file={certs / 'serving.key'}", f"--token-auth-file={tokens}",
             "--authorization-mode=RBAC", "--service-cluster-ip-range=10.0.0.0/24",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={certs / 'sa.pub'}", f"--service-account-signing-key-file={certs / 'sa.key'}",
-            "--profiling=false", "--v=1"])
+            "--profiling=false", "--v=1", *self.apiserver_flags])
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         self._wait("kube-apiserver",
                    lambda: _get(f"{self.server}/readyz", TOKENS["admin"], ctx) == 200, 90)
         return self
 
-    def start_controller_manager(self, timeout_s: float = 60) -> None:
+    def start_controller_manager(self, timeout_s: float = 60, controllers: str = CONTROLLERS) -> None:
         """Start kube-controller-manager (CONTROLLERS; HPA sync every second); returns once it has synced
         (its serviceaccount controller created the namespace's `default` ServiceAccount in a probe ns)."""
         if "kube-controller-manager" in self._procs and self._procs["kube-controller-manager"].poll() is None:
@@ -201,7 +222,7 @@ class Cluster:
         kubeconfig = self.write_kubeconfig(self.workdir / "kcm.kubeconfig")
         certs = self.workdir / "certs"
         self._spawn("kube-controller-manager", [
-            bins["KUBE_CONTROLLER_MANAGER"], f"--kubeconfig={kubeconfig}", f"--controllers={CONTROLLERS}",
+            bins["KUBE_CONTROLLER_MANAGER"], f"--kubeconfig={kubeconfig}", f"--controllers={controllers}",
             "--port=0", "--secure-port=0", "--leader-elect=false", "--use-service-account-credentials=false",
             f"--service-account-private-key-file={certs / 'sa.key'}", f"--root-ca-file={self.ca_file}",
             "--horizontal-pod-autoscaler-sync-period=1s", "--concurrent-deployment-syncs=2", "--v=1"])
@@ -220,11 +241,11 @@ class Cluster:
             self._wait("kube-controller-manager", synced, timeout_s)
 
     def stop_controller_manager(self) -> None:
-        _stop(self._procs.pop("kube-controller-manager", None))
+        stop_process(self._procs.pop("kube-controller-manager", None))
 
     def stop(self) -> None:
         for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
-            _stop(self._procs.pop(name, None))
+            stop_process(self._procs.pop(name, None))
 
     # ---- clients ---------------------------------------------------------------------------------------
     def configuration(self, token: str):

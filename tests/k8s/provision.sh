@@ -39,8 +39,14 @@ if ! command -v etcd >/dev/null; then
   apt_install etcd-server etcd-client || unavailable "etcd: apt-get install etcd-server failed"
 fi
 
-# 2. kube-apiserver and kube-controller-manager, built once per source version
-if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-controller-manager" ]; then
+# 2. kube-apiserver and kube-controller-manager (and, with KUBERL_K8S_NODE=1, the node's kubelet,
+#    kube-scheduler and kube-proxy for tests/e2e), built once per source version from one source tree
+WANT=(kube-apiserver kube-controller-manager)
+[ "${KUBERL_K8S_NODE:-0}" = 1 ] && WANT+=(kubelet kube-scheduler kube-proxy)
+TO_BUILD=()
+for b in "${WANT[@]}"; do [ -x "$BIN/$b" ] || TO_BUILD+=("$b"); done
+if [ ${#TO_BUILD[@]} -gt 0 ]; then
+  WHAT=""; for b in "${TO_BUILD[@]}"; do WHAT="$WHAT cmd/$b"; done
   if apt_install golang-go rsync golang-github-modern-go-reflect2-dev dpkg-dev; then
     work="$CACHE/build"
     rm -rf "$work"; mkdir -p "$work/lists/partial"
@@ -60,15 +66,21 @@ if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-controller-manager" ]; th
         case "$f" in *_test.go) ;; *) [ -e "$f" ] && cp "$f" "$r2/" ;; esac
       done
       mkdir -p "$work/.go/src/k8s.io" && ln -sfn "$tree" "$work/.go/src/k8s.io/kubernetes"
-      say "building kube-apiserver and kube-controller-manager (about 12 minutes on 2 cores, once)"
+      say "building ${TO_BUILD[*]} (a few minutes per binary on 2 cores, once)"
       if (cd "$work/.go/src/k8s.io/kubernetes" && GOPATH="$work/.go" GOCACHE="$work/gocache" CGO_ENABLED=0 \
-            GOFLAGS=-mod=vendor make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$work/build.log" 2>&1); then
+            GOFLAGS=-mod=vendor make WHAT="${WHAT# }" >"$work/build.log" 2>&1); then
         out="$tree/_output/local/bin/linux/$(go env GOARCH)"
         [ -d "$out" ] || out="$tree/_output/bin"
-        cp "$out/kube-apiserver" "$out/kube-controller-manager" "$BIN/" && rm -rf "$work"
+        for b in "${TO_BUILD[@]}"; do cp "$out/$b" "$BIN/"; done
+        # kubelet runs every pod next to a pause container; build it from the same tree (static C).
+        if [ -e "$tree/build/pause/linux/pause.c" ] && [[ " ${TO_BUILD[*]} " == *" kubelet "* ]]; then
+          gcc -Os -static -o "$BIN/pause" "$tree/build/pause/linux/pause.c" -DVERSION=3.2 \
+            || unavailable "pause: gcc -static failed"
+        fi
+        rm -rf "$work"
         say "built into $BIN"
       else
-        unavailable "kube-apiserver: build failed, see $work/build.log"
+        unavailable "${TO_BUILD[*]}: build failed, see $work/build.log"
         tail -20 "$work/build.log"
       fi
     else
@@ -123,6 +135,9 @@ fi
   echo "ETCD=$(command -v etcd || true)"
   echo "HELM=$CACHE/helm-$HELM_NPM_VERSION/helm"
   echo "KUBECTL=$KUBECTL_PATH"
+  for b in kubelet kube-scheduler kube-proxy pause; do
+    [ -x "$BIN/$b" ] && echo "$(echo "$b" | tr 'a-z-' 'A-Z_')=$BIN/$b"
+  done
 } >"$CACHE/env"
 say "ready: $(tr '\n' ' ' <"$CACHE/env")"
 exit 0

@@ -1,0 +1,179 @@
+"""What the e2e tests do to and read from the cluster: render + adapt + apply, wait for pods, read metrics.
+
+Everything goes through the real API server: kubectl for apply (as a user would), the Python client
+for waiting, and the API server's service proxy for /metrics (as `kubectl proxy` users read them).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from tests.e2e.adapt import adapt
+from tests.e2e.node import Node
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kubectl(node: Node, *args: str, input: str | None = None, timeout_s: float = 120) -> str:
+    proc = node.cluster.kubectl(*args, input=input, timeout_s=timeout_s)
+    assert proc.returncode == 0, f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{proc.stdout}"
+    return proc.stdout
+
+
+def render_overlay(node: Node, overlay: str) -> str:
+    """`kubectl kustomize` of an overlay, adapted for the 1.20 node (tests/e2e/adapt.py)."""
+    return adapt(kubectl(node, "kustomize", str(ROOT / overlay)))
+
+
+def provide_volumes(node: Node, count: int = 4, size: str = "10Gi") -> list[str]:
+    """hostPath PersistentVolumes under the node's work dir, for the PVCs the manifests make (there is
+    no provisioner). Owned by the images' uid 10001: fsGroup does not apply to hostPath volumes."""
+    import os
+
+    from kubernetes import client
+    names = []
+    with node.cluster.admin() as api:
+        core = client.CoreV1Api(api)
+        existing = {pv.metadata.name for pv in core.list_persistent_volume().items}
+        for i in range(count):
+            name = f"e2e-pv-{i}"
+            if name in existing:
+                continue
+            path = node.workdir / "volumes" / name
+            path.mkdir(parents=True, exist_ok=True)
+            os.chown(path, 10001, 10001)
+            core.create_persistent_volume({
+                "metadata": {"name": name},
+                "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
+                         "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path)}}})
+            names.append(name)
+    return names
+
+
+def release_volumes(node: Node) -> None:
+    """Delete the PVs a deleted namespace's claims left Released (the next test gets fresh ones)."""
+    from kubernetes import client
+    with node.cluster.admin() as api:
+        core = client.CoreV1Api(api)
+        for pv in core.list_persistent_volume().items:
+            if pv.status.phase in ("Released", "Failed"):
+                core.delete_persistent_volume(pv.metadata.name)
+
+
+def workloads_ready(node: Node, namespace: str) -> tuple[bool, str]:
+    """(all ready, what is not): every Deployment and StatefulSet has as many ready replicas as it
+    wants (at least one), and every pod of the namespace is Ready."""
+    from kubernetes import client
+    waiting = []
+    with node.cluster.admin() as api:
+        apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
+        sets = apps.list_namespaced_deployment(namespace).items + apps.list_namespaced_stateful_set(namespace).items
+        if not sets:
+            waiting.append("no workloads yet")
+        for s in sets:
+            want = s.spec.replicas if s.spec.replicas is not None else 1
+            ready = s.status.ready_replicas or 0
+            if want < 1 or ready < want:
+                waiting.append(f"{s.kind or type(s).__name__} {s.metadata.name}: {ready}/{want} ready")
+        for pod in core.list_namespaced_pod(namespace).items:
+            conds = {c.type: c.status for c in pod.status.conditions or []}
+            if conds.get("Ready") != "True":
+                states = [f"{cs.name}={_state(cs)}" for cs in pod.status.container_statuses or []]
+                waiting.append(f"pod {pod.metadata.name}: {pod.status.phase} {' '.join(states)}")
+    return not waiting, "; ".join(waiting)
+
+
+def _state(cs) -> str:
+    if cs.state.waiting:
+        return f"waiting({cs.state.waiting.reason})"
+    if cs.state.terminated:
+        return f"terminated({cs.state.terminated.reason}, code {cs.state.terminated.exit_code})"
+    return "running" + ("" if cs.ready else " (not ready)") + (f", restarts {cs.restart_count}" if cs.restart_count else "")
+
+
+def wait_ready(node: Node, namespace: str, timeout_s: float = 300) -> float:
+    """Seconds until workloads_ready; fails with what is still waiting and the pods' recent logs."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    what = ""
+    while time.monotonic() < deadline:
+        ok, what = workloads_ready(node, namespace)
+        if ok:
+            return time.monotonic() - start
+        time.sleep(1)
+    raise AssertionError(f"namespace {namespace} not ready within {timeout_s:.0f} s: {what}\n"
+                         f"{pod_logs(node, namespace)}\nkubelet:\n{node.log('kubelet', 20)}")
+
+
+def pod_logs(node: Node, namespace: str, lines: int = 15) -> str:
+    from kubernetes import client
+    out = []
+    with node.cluster.admin() as api:
+        core = client.CoreV1Api(api)
+        for pod in core.list_namespaced_pod(namespace).items:
+            for c in pod.spec.containers:
+                try:
+                    text = core.read_namespaced_pod_log(pod.metadata.name, namespace, container=c.name,
+                                                        tail_lines=lines)
+                except Exception as e:   # a pod not started yet has no log
+                    text = f"(no log: {getattr(e, 'reason', e)})"
+                out.append(f"--- {pod.metadata.name}/{c.name}\n{text}")
+    return "\n".join(out)
+
+
+def metrics(node: Node, namespace: str, service: str, port: str = "metrics") -> dict[str, float]:
+    """A Service's /metrics read through the API server's service proxy, as {name: value} (samples
+    without labels only)."""
+    from kubernetes import client
+    with node.cluster.admin() as api:
+        text = client.CoreV1Api(api).connect_get_namespaced_service_proxy_with_path(
+            f"{service}:{port}", namespace, "metrics", _preload_content=False).data.decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" in line or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def wait_metric(node: Node, namespace: str, service: str, name: str, above: float,
+                timeout_s: float = 300) -> tuple[float, float]:
+    """(value, seconds) once `name` exceeds `above`; fails with the last value and the pods' logs."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = metrics(node, namespace, service).get(name)
+        except Exception as e:   # no ready endpoint for a moment (a pod restarting)
+            last = f"unreadable: {e}"
+        if isinstance(last, float) and last > above:
+            return last, time.monotonic() - start
+        time.sleep(2)
+    raise AssertionError(f"{service} {name} did not exceed {above} within {timeout_s:.0f} s (last: {last})\n"
+                         f"{pod_logs(node, namespace)}")
+
+
+def run_subprocess(argv: list[str], timeout_s: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kw)
+
+
+VERSION_METRIC = "kuberl_learner_policy_version"
+
+
+def assert_trains(node: Node, namespace: str, report: dict, key: str, start: float, versions: int = 2) -> None:
+    """Every pod Ready, then the learner's policy version rises by `versions` and the actors report env
+    steps; records apply-to-ready and apply-to-training seconds (from `start`) under report[key]."""
+    ready_s = wait_ready(node, namespace, timeout_s=400)
+    first = metrics(node, namespace, "kuberl-learner").get(VERSION_METRIC, 0.0)
+    version, waited = wait_metric(node, namespace, "kuberl-learner", VERSION_METRIC, above=first + versions - 1)
+    steps = metrics(node, namespace, "kuberl-actor").get("kuberl_actor_env_steps_total", 0.0)
+    assert steps > 0, "the actor pods report no env steps although the learner's version rose"
+    report[key] = {"apply_to_ready_s": round(ready_s, 1), "apply_to_training_s": round(time.monotonic() - start, 1),
+                   "policy_version_at_ready": first, "policy_version_later": version}
