@@ -64,6 +64,9 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
                   saturation_hold_s=p.saturation_hold_s)
 
 
+STARVED_SHARE = 0.05   # a learner busy less than this share of an interval is measured by a lower bound
+
+
 class ReplicaRate:
     """EWMA rate of one replica from its monotonic counters (and, for learners, its starved seconds)."""
 
@@ -104,8 +107,15 @@ class ReplicaRate:
             cores = (cpu_s - cpu0) / dt
             self.cores = cores if self.cores is None else self.cores + alpha * (cores - self.cores)
         denom = dt if starved is None else dt - (starved - (b0 or 0.0))
-        if denom <= 0.05 * dt:
-            return  # a learner starved nearly all this interval says little about its capacity
+        if denom <= STARVED_SHARE * dt:
+            # A learner starved nearly all this interval says little about its capacity, except that it
+            # is at least what it trained over the most it can have been busy. That bound only ever
+            # raises the estimate: without it, a learner starved from its start (too few actors, the
+            # case that most needs a scale-up) would never get a rate and the planner never act.
+            bound = (count - c0) / (STARVED_SHARE * dt)
+            if bound > 0 and (self.rate is None or bound > self.rate):
+                self.rate = bound
+            return
         inst = (count - c0) / denom
         self.rate = inst if self.rate is None else self.rate + alpha * (inst - self.rate)
 

@@ -28,24 +28,23 @@ def render_overlay(node: Node, overlay: str) -> str:
 
 
 def provide_volumes(node: Node, count: int = 4, size: str = "10Gi") -> list[str]:
-    """hostPath PersistentVolumes under the node's work dir, for the PVCs the manifests make (there is
-    no provisioner). Owned by the images' uid 10001: fsGroup does not apply to hostPath volumes."""
+    """Fresh hostPath PersistentVolumes (new names, empty directories under the node's work dir) for the
+    PVCs the manifests make (there is no provisioner). Fresh, so no test restores another's checkpoints.
+    Owned by the images' uid 10001: fsGroup does not apply to hostPath volumes."""
     import os
+    import uuid
 
     from kubernetes import client
     names = []
     with node.cluster.admin() as api:
         core = client.CoreV1Api(api)
-        existing = {pv.metadata.name for pv in core.list_persistent_volume().items}
-        for i in range(count):
-            name = f"e2e-pv-{i}"
-            if name in existing:
-                continue
+        for _ in range(count):
+            name = f"e2e-pv-{uuid.uuid4().hex[:8]}"
             path = node.workdir / "volumes" / name
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(parents=True)
             os.chown(path, 10001, 10001)
             core.create_persistent_volume({
-                "metadata": {"name": name},
+                "metadata": {"name": name, "labels": {"kuberl-e2e": "volume"}},
                 "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
                          "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path)}}})
             names.append(name)
@@ -53,13 +52,16 @@ def provide_volumes(node: Node, count: int = 4, size: str = "10Gi") -> list[str]
 
 
 def release_volumes(node: Node) -> None:
-    """Delete the PVs a deleted namespace's claims left Released (the next test gets fresh ones)."""
+    """Delete every PV provide_volumes made and its directory (after the namespace, and so its claims,
+    is gone)."""
+    import shutil
+
     from kubernetes import client
     with node.cluster.admin() as api:
         core = client.CoreV1Api(api)
-        for pv in core.list_persistent_volume().items:
-            if pv.status.phase in ("Released", "Failed"):
-                core.delete_persistent_volume(pv.metadata.name)
+        for pv in core.list_persistent_volume(label_selector="kuberl-e2e=volume").items:
+            core.delete_persistent_volume(pv.metadata.name)
+            shutil.rmtree(node.workdir / "volumes" / pv.metadata.name, ignore_errors=True)
 
 
 def workloads_ready(node: Node, namespace: str) -> tuple[bool, str]:
@@ -130,16 +132,7 @@ def metrics(node: Node, namespace: str, service: str, port: str = "metrics") -> 
     with node.cluster.admin() as api:
         text = client.CoreV1Api(api).connect_get_namespaced_service_proxy_with_path(
             f"{service}:{port}", namespace, "metrics", _preload_content=False).data.decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("#") or "{" in line or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            values[name] = float(value)
-        except ValueError:
-            continue
-    return values
+    return _parse_metrics(text)
 
 
 def wait_metric(node: Node, namespace: str, service: str, name: str, above: float,
@@ -172,8 +165,51 @@ def assert_trains(node: Node, namespace: str, report: dict, key: str, start: flo
     steps; records apply-to-ready and apply-to-training seconds (from `start`) under report[key]."""
     ready_s = wait_ready(node, namespace, timeout_s=400)
     first = metrics(node, namespace, "kuberl-learner").get(VERSION_METRIC, 0.0)
+    assert first < 50, f"the learner started at policy version {first}: it restored someone else's checkpoint"
     version, waited = wait_metric(node, namespace, "kuberl-learner", VERSION_METRIC, above=first + versions - 1)
     steps = metrics(node, namespace, "kuberl-actor").get("kuberl_actor_env_steps_total", 0.0)
     assert steps > 0, "the actor pods report no env steps although the learner's version rose"
     report[key] = {"apply_to_ready_s": round(ready_s, 1), "apply_to_training_s": round(time.monotonic() - start, 1),
                    "policy_version_at_ready": first, "policy_version_later": version}
+
+
+def with_config(manifest: str, change) -> str:
+    """The rendered manifest with the experiment config (the kuberl-config ConfigMap) passed through
+    change(config_dict), as a user would edit k8s/base/config.yaml."""
+    import yaml
+    docs = [d for d in yaml.safe_load_all(manifest) if d]
+    for d in docs:
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kuberl-config"):
+            config = yaml.safe_load(d["data"]["config.yaml"])
+            change(config)
+            d["data"]["config.yaml"] = yaml.safe_dump(config)
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def pod_metrics(node: Node, namespace: str, pod: str, port: int = 9400) -> dict[str, float]:
+    """One pod's /metrics through the API server's pod proxy (unlabelled samples)."""
+    from kubernetes import client
+    with node.cluster.admin() as api:
+        text = client.CoreV1Api(api).connect_get_namespaced_pod_proxy_with_path(
+            f"{pod}:{port}", namespace, "metrics", _preload_content=False).data.decode()
+    return _parse_metrics(text)
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" in line or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def pods(node: Node, namespace: str, component: str) -> list:
+    from kubernetes import client
+    with node.cluster.admin() as api:
+        return client.CoreV1Api(api).list_namespaced_pod(
+            namespace, label_selector=f"app.kubernetes.io/component={component}").items

@@ -286,7 +286,8 @@ class Node:
 
     # ---- teardown ------------------------------------------------------------------------------------
     def delete_namespace(self, name: str, timeout_s: float = 120) -> None:
-        """Delete a namespace and wait until its pods are gone (kubelet has torn their sandboxes down)."""
+        """Delete a namespace and wait until it is gone: its pods too (kubelet has torn their sandboxes
+        down), so the next test can create it again."""
         from kubernetes import client
         with self.cluster.admin() as api:
             core = client.CoreV1Api(api)
@@ -294,9 +295,13 @@ class Node:
                 core.delete_namespace(name)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                if not core.list_namespaced_pod(name).items:
-                    return
+                try:
+                    core.read_namespace(name)
+                except client.ApiException as e:
+                    if e.status == 404:
+                        return
                 time.sleep(1)
+        raise RuntimeError(f"namespace {name} still there {timeout_s:.0f} s after its deletion")
 
     def stop(self) -> None:
         self._dns_stop.set()
@@ -307,7 +312,8 @@ class Node:
                     names = [n.metadata.name for n in client.CoreV1Api(api).list_namespace().items]
                 for name in names:
                     if name not in ("default", "kube-system", "kube-public", "kube-node-lease"):
-                        self.delete_namespace(name, timeout_s=60)
+                        with contextlib.suppress(RuntimeError):
+                            self.delete_namespace(name, timeout_s=60)
         for name in ("kube-proxy", "kube-scheduler", "kubelet", "dnsmasq"):
             self._stop(name)
         if self.cluster is not None:

@@ -10,41 +10,25 @@ from __future__ import annotations
 
 import time
 
-import yaml
-
-from tests.e2e.kube import kubectl, provide_volumes, release_volumes, render_overlay, wait_ready
+from tests.e2e.kube import (kubectl, pod_metrics, provide_volumes, release_volumes, render_overlay, wait_ready,
+                            with_config)
 
 NAMESPACE = "kuberl"
 MAX_ACTORS = 3
+STEPS = "kuberl_actor_env_steps_total"
 
 
-def imbalanced(manifest: str) -> str:
-    docs = [d for d in yaml.safe_load_all(manifest) if d]
-    for d in docs:
-        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kuberl-config"):
-            config = yaml.safe_load(d["data"]["config.yaml"])
-            config.setdefault("actor", {})["max_env_steps_per_s"] = 150
-            config["planner"].update(interval_s=5, actor={"min": 1, "max": MAX_ACTORS})
-            d["data"]["config.yaml"] = yaml.safe_dump(config)
-    return yaml.safe_dump_all(docs, sort_keys=False)
-
-
-def pod_steps(node, pod: str) -> float:
-    from kubernetes import client
-    with node.cluster.admin() as api:
-        text = client.CoreV1Api(api).connect_get_namespaced_pod_proxy_with_path(
-            f"{pod}:9400", NAMESPACE, "metrics", _preload_content=False).data.decode()
-    for line in text.splitlines():
-        if line.startswith("kuberl_actor_env_steps_total "):
-            return float(line.split()[1])
-    return 0.0
+def imbalanced(config: dict) -> None:
+    config.setdefault("actor", {})["max_env_steps_per_s"] = 150
+    config["planner"].update(interval_s=5, actor={"min": 1, "max": MAX_ACTORS})
 
 
 def test_planner_scales_actor_pods_and_new_pods_produce(e2e_node, e2e_images, e2e_report):
     from kubernetes import client
     provide_volumes(e2e_node)
     try:
-        kubectl(e2e_node, "apply", "-f", "-", input=imbalanced(render_overlay(e2e_node, "k8s/overlays/dev")))
+        kubectl(e2e_node, "apply", "-f", "-",
+                input=with_config(render_overlay(e2e_node, "k8s/overlays/dev"), imbalanced))
         wait_ready(e2e_node, NAMESPACE, timeout_s=400)
         with e2e_node.cluster.admin() as api:
             apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
@@ -73,7 +57,7 @@ def test_planner_scales_actor_pods_and_new_pods_produce(e2e_node, e2e_images, e2
                 for name in ready:
                     if name not in producing:
                         try:
-                            if pod_steps(e2e_node, name) > 0:
+                            if pod_metrics(e2e_node, NAMESPACE, name).get(STEPS, 0) > 0:
                                 producing[name] = time.monotonic() - decided
                         except client.ApiException:
                             pass

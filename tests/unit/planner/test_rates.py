@@ -31,6 +31,22 @@ def test_learner_capacity_excludes_time_starved_of_batches():
     assert r.rate == pytest.approx(4000.0)
 
 
+def test_a_learner_starved_from_its_start_gets_a_lower_bound_so_the_planner_can_add_actors():
+    """Too few actors: the learner waits for batches nearly all the time. Its capacity is at least what it
+    trained over the 5% of the interval it can at most have been busy (found on a real node: one actor
+    at 150 steps/s, learner starved 99.9%, and the planner never decided anything)."""
+    r = ReplicaRate(halflife_s=5.0, warmup_s=0.0, now=0.0)
+    r.update(0.0, 0.0, 0.0)
+    r.update(5.0, 512.0, 4.99)                      # one batch in 5 s, busy 0.01 s
+    assert r.rate == pytest.approx(512.0 / (0.05 * 5.0))
+    r.update(10.0, 512.0, 9.99)                      # nothing trained: no information, estimate kept
+    assert r.rate == pytest.approx(512.0 / (0.05 * 5.0))
+    r.update(15.0, 2048.0, 14.98)                    # a higher bound raises it
+    assert r.rate == pytest.approx(1536.0 / (0.05 * 5.0))
+    r.update(20.0, 4048.0, 15.98)                    # busy 4 of 5 s: measured, EWMA from the bound
+    assert 1536.0 / 0.25 > r.rate > 500.0
+
+
 def test_restart_under_the_same_name_starts_over():
     r = ReplicaRate(halflife_s=5.0, warmup_s=1.0, now=0.0)
     for t in range(6):
