@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: run test protos lint-imports clean k8s-testenv images images-cuda e2e
+.PHONY: run test protos lint-imports clean k8s-testenv images images-cuda e2e e2e-clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,7 @@ protos: $(STAMP_DEV)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos protos/kuberl/v1/*.proto
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .wheelhouse
 
 k8s-testenv:
 	bash tests/k8s/provision.sh
@@ -67,4 +67,8 @@ images-cuda:
 # deploys the overlay and the chart, and tears everything down. Not part of `make test`. See docs/deploy.md.
 e2e: $(STAMP_DEV)
 	bash tests/e2e/provision.sh
-	KUBERL_E2E=1 timeout --kill-after=30 5400 $(PY) -m pytest tests/e2e -v -o timeout=1800 $(PYTEST_ARGS)
+	KUBERL_E2E=1 timeout -s INT --kill-after=120 5400 $(PY) -m pytest tests/e2e -v -o timeout=1800 $(PYTEST_ARGS)
+
+# Undo a node whose `make e2e` was killed before it could tear down (a live one is never touched).
+e2e-clean: $(STAMP_DEV)
+	$(PY) -m tests.e2e.node sweep

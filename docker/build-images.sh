@@ -25,7 +25,15 @@ ROLES=("$@"); [ ${#ROLES[@]} -gt 0 ] || ROLES=(actor buffer learner planner)
 # Where torch comes from for the wheelhouse: PyTorch's CPU wheel index by default (PyPI's Linux torch is
 # a CUDA build, gigabytes more); empty means whatever the host's pip is configured with.
 TORCH_INDEX_URL=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
-key=$( (cat pyproject.toml; echo "$TORCH_INDEX_URL") | sha256sum | cut -c1-16)
+# The wheels are for the images' interpreter and platform, not the host's: CPython $IMAGE_PYTHON
+# (the base's python3, 3.11 for python:3.11-slim-bookworm and Debian bookworm) on glibc Linux of the
+# host's architecture.
+IMAGE_PYTHON=${IMAGE_PYTHON:-3.11}
+arch=$(uname -m)
+platform=(--python-version "$IMAGE_PYTHON" --implementation cp --abi "cp${IMAGE_PYTHON/./}" --abi abi3 --abi none
+          --platform "manylinux_2_28_$arch" --platform "manylinux_2_17_$arch" --platform "manylinux2014_$arch"
+          --platform any)
+key=$( (cat pyproject.toml; echo "$TORCH_INDEX_URL ${platform[*]}") | sha256sum | cut -c1-16)
 WHEELHOUSE=${WHEELHOUSE:-.wheelhouse/$key}
 
 build() {   # ROLE TAG PORT: the one build command ($DOCKER unquoted: it may be "sudo docker")
@@ -42,20 +50,20 @@ fi
 if [ ! -e "$WHEELHOUSE/.complete" ]; then
   echo "[images] making the wheelhouse $WHEELHOUSE (pip download; once per pyproject.toml)"
   rm -rf "$WHEELHOUSE"; mkdir -p "$WHEELHOUSE"
-  # --only-binary: what goes in must install without compilers in the image.
-  "$PYTHON" -m pip download --quiet --only-binary=:all: --dest "$WHEELHOUSE" \
-    "setuptools>=68" wheel pip 2> >(grep -v "is ignored: it is neither" >&2)
-  torch_index=(); [ -z "$TORCH_INDEX_URL" ] || torch_index=(--extra-index-url "$TORCH_INDEX_URL")
-  "$PYTHON" -m pip download --quiet --only-binary=:all: --dest "$WHEELHOUSE" "${torch_index[@]}" \
-    -r <("$PYTHON" - <<'PY'
+  reqs="$WHEELHOUSE/requirements.txt"
+  "$PYTHON" - >"$reqs" <<'PY'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 deps = list(p["dependencies"])
 for role in ("actor", "learner", "buffer", "planner"):
     deps += [d for d in p["optional-dependencies"][role] if not d.startswith("kuberl[")]
+deps += ["setuptools>=68", "wheel", "pip"]   # the build backend kuberl itself is installed with
 print("\n".join(sorted(set(deps))))
 PY
-) 2> >(grep -v "is ignored: it is neither" >&2)
+  torch_index=(); [ -z "$TORCH_INDEX_URL" ] || torch_index=(--extra-index-url "$TORCH_INDEX_URL")
+  # --only-binary: what goes in must install without compilers in the image.
+  "$PYTHON" -m pip download --quiet --only-binary=:all: "${platform[@]}" --dest "$WHEELHOUSE" \
+    "${torch_index[@]}" -r "$reqs" 2> >(grep -v "is ignored: it is neither" >&2)
   touch "$WHEELHOUSE/.complete"
 fi
 
@@ -77,8 +85,9 @@ PY
 "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$port" >/dev/null 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 50); do
+for _ in $(seq 100); do
   "$PYTHON" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/')" 2>/dev/null && break
+  kill -0 "$server" 2>/dev/null || { echo "[images] the wheelhouse server on 127.0.0.1:$port exited" >&2; exit 1; }
   sleep 0.1
 done
 

@@ -59,16 +59,35 @@ async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.Ba
         await backoff.sleep()
 
 
+STARVED_TICK_S = 0.25
+
+
+async def starved_get(queue: asyncio.Queue, metrics: Metrics):
+    """queue.get(), adding the time waited to `learner/starved_seconds_total` as the wait goes (every
+    STARVED_TICK_S), not only when it ends. The planner's TR_L is samples / (wall time - this) over
+    each interval between its reads; a long wait counted only at its end would credit one interval
+    with starvation from earlier ones (and show the intervals before it as busy)."""
+    getter = asyncio.ensure_future(queue.get())
+    last = time.perf_counter()
+    try:
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=STARVED_TICK_S)
+            now = time.perf_counter()
+            metrics.inc("learner/starved_seconds_total", now - last)
+            last = now
+            if done:
+                return getter.result()
+    finally:
+        getter.cancel()   # no-op once it has its item
+
+
 async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
                      progressed: Notifier) -> None:
     """Train on each batch as it arrives; publish when `every` updates have passed since the last."""
     published = trainer.version
     trainer.metrics.inc("learner/starved_seconds_total", 0)
     while True:
-        waited = time.perf_counter()
-        batch = await queue.get()
-        # Time with nothing to train on: the planner's TR_L is samples / (wall time - this).
-        trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - waited)
+        batch = await starved_get(queue, trainer.metrics)
         await asyncio.to_thread(trainer.train, batch)
         if trainer.version - published >= every:
             hub.publish(await asyncio.to_thread(trainer.weights))

@@ -106,7 +106,9 @@ class ReplicaRate:
         if cpu_s is not None and cpu0 is not None:
             cores = (cpu_s - cpu0) / dt
             self.cores = cores if self.cores is None else self.cores + alpha * (cores - self.cores)
-        denom = dt if starved is None else dt - (starved - (b0 or 0.0))
+        # Starved seconds are counted as they pass (services/learner/main.py), so an interval's share
+        # is within [0, dt] up to one tick; clamp, so a late count never reads as more than all of it.
+        denom = dt if starved is None else dt - min(max(starved - (b0 or 0.0), 0.0), dt)
         if denom <= STARVED_SHARE * dt:
             # A learner starved nearly all this interval says little about its capacity, except that it
             # is at least what it trained over the most it can have been busy. That bound only ever

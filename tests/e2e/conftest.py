@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.node import BASE_IMAGE, E2E_CACHE, Node, Unavailable, image_tags, iptables_rules
+from tests.e2e.node import BASE_IMAGE, E2E_CACHE, Node, Unavailable, image_tags, iptables_rules, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = Path(os.environ.get("KUBERL_E2E_REPORT", ROOT / "runs" / "e2e" / "report.json"))
@@ -50,7 +50,10 @@ def e2e_report():
 @pytest.fixture(scope="session")
 def e2e_node(tmp_path_factory, e2e_report):
     reasons = (E2E_CACHE / "unavailable").read_text().strip() if (E2E_CACHE / "unavailable").exists() else ""
-    iptables_before = iptables_rules() if os.geteuid() == 0 else ""
+    if os.geteuid() == 0:
+        for line in sweep():   # before the snapshot: what a killed run left is not "before"
+            print(f"[e2e] swept what an earlier run left: {line}")
+    iptables_before = iptables_rules() if os.geteuid() == 0 else []
     node = Node(tmp_path_factory.mktemp("node"))
     start = time.monotonic()
     try:
@@ -66,8 +69,10 @@ def e2e_node(tmp_path_factory, e2e_report):
         yield node
     finally:
         node.stop()
-        left = iptables_rules()
-        e2e_report["teardown_left_iptables_rules"] = left != iptables_before
+    left = iptables_rules()
+    e2e_report["teardown_left_iptables_rules"] = sorted(set(left) - set(iptables_before))
+    assert left == iptables_before, (f"teardown left iptables changed: added {sorted(set(left) - set(iptables_before))}, "
+                                     f"removed {sorted(set(iptables_before) - set(left))}")
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,11 @@ tests/e2e/provision.sh installs them. `Node.start()` raises Unavailable naming w
 
 Teardown (`Node.stop()`) deletes the test namespaces and waits for their pods to go (so kubelet removes
 the pods' containers, network namespaces and CNI rules), stops every process by PID (SIGTERM, then
-SIGKILL), removes leftover pod containers, unmounts what kubelet and dockerd mounted under the work
-dir, deletes the bridge, and restores the iptables rules saved before start. dockerd's data root is
-kept in the cache ($KUBERL_E2E_CACHE, default ~/.cache/kuberl/e2e/docker), so built images survive runs.
+SIGKILL), removes leftover pod containers, unmounts what kubelet and dockerd mounted, and undoes its
+host changes (undo_host: the bridge, the KUBE-*/CNI-* iptables chains and the rules jumping to them,
+the sysctls kubelet and kube-proxy set, the directories they made). dockerd's data root is kept in the
+cache ($KUBERL_E2E_CACHE, default ~/.cache/kuberl/e2e/docker), so built images survive runs. A node
+whose harness died is swept at the next start, or by `make e2e-clean`; a live one is never touched.
 
 Why each unusual setting is there (../docs/deploy.md has the list for users):
     tests/e2e/runc-clamp   dockerd's default runtime: raises kubelet's negative oomScoreAdj to 0 (this VM's
@@ -99,7 +101,7 @@ class Node:
     cluster: Cluster | None = None
     docker_host: str = ""
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    _iptables_before: str | None = None
+    _host_before: dict | None = None
     _dns_stop: threading.Event = field(default_factory=threading.Event)
     _dns_thread: threading.Thread | None = None
     _bridge_added: bool = False
@@ -114,8 +116,9 @@ class Node:
         """What sweep() needs to undo this node if this process dies before stop()."""
         STATE.parent.mkdir(parents=True, exist_ok=True)
         STATE.write_text(json.dumps({
+            "owner_pid": os.getpid(), "owner_start": _start_time(os.getpid()),
             "workdir": str(self.workdir.resolve()), "docker_host": self.docker_host,
-            "bridge_added": self._bridge_added, "iptables_before": self._iptables_before}))
+            "bridge_added": self._bridge_added, "host_before": self._host_before}))
 
     def _wait(self, name: str, ready, timeout_s: float) -> None:
         wait_for(self.workdir, name, self._procs[name], ready, timeout_s)
@@ -128,13 +131,13 @@ class Node:
 
     # ---- start ---------------------------------------------------------------------------------------
     def start(self) -> Node:
-        tools = _which_all()
+        _which_all()
         for line in sweep():
             print(f"[e2e] swept what an earlier run left: {line}")
         bins = binaries("ETCD", "KUBE_APISERVER", "KUBE_CONTROLLER_MANAGER", "KUBELET", "KUBE_SCHEDULER",
                         "KUBE_PROXY", "PAUSE")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._iptables_before = _run(tools["iptables-save"]).stdout
+        self._host_before = host_snapshot()
         self._save_state()
         self._start_bridge()
         self._save_state()
@@ -159,7 +162,7 @@ class Node:
             f"--hostname-override={NODE_NAME}", f"--bind-address={NODE_IP}", "--masquerade-all=true",
             f"--healthz-bind-address=127.0.0.1:{proxy_health}", f"--metrics-bind-address=127.0.0.1:{proxy_metrics}",
             "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0",
-            "--conntrack-tcp-timeout-close-wait=0", "--v=1"])
+            "--conntrack-tcp-timeout-close-wait=0", f"--nodeport-addresses={NODE_IP}/32", "--v=1"])
         self._wait_node_ready(120)
         # kube-proxy answers /healthz 200 once it has written the Service rules at least once.
         self._wait("kube-proxy", lambda: _http_status(f"http://127.0.0.1:{proxy_health}/healthz") == 200, 60)
@@ -304,32 +307,41 @@ class Node:
         raise RuntimeError(f"namespace {name} still there {timeout_s:.0f} s after its deletion")
 
     def stop(self) -> None:
+        """Tear everything down; every step runs even if an earlier one failed (errors are printed)."""
         self._dns_stop.set()
-        if self.cluster is not None and self.cluster.server:
-            with contextlib.suppress(Exception):
-                from kubernetes import client
-                with self.cluster.admin() as api:
-                    names = [n.metadata.name for n in client.CoreV1Api(api).list_namespace().items]
-                for name in names:
-                    if name not in ("default", "kube-system", "kube-public", "kube-node-lease"):
-                        with contextlib.suppress(RuntimeError):
-                            self.delete_namespace(name, timeout_s=60)
-        for name in ("kube-proxy", "kube-scheduler", "kubelet", "dnsmasq"):
-            self._stop(name)
-        if self.cluster is not None:
-            self.cluster.stop()
-        if self.docker_host:
-            # Pods that outlived the namespace deletion (a timeout): remove their containers.
-            ids = self.docker("ps", "-aq", "--filter", "name=k8s_", check=False).stdout.split()
-            if ids:
-                self.docker("rm", "-f", *ids, check=False)
-        self._stop("dockerd", grace_s=20)
-        self._unmount_under(self.workdir)
-        if self._bridge_added:
-            _run("ip", "link", "del", BRIDGE, check=False)
-        if self._iptables_before is not None:
-            _restore_iptables(self._iptables_before)
+        steps = [("delete namespaces", self._delete_all_namespaces)]
+        steps += [(f"stop {name}", lambda name=name: self._stop(name))
+                  for name in ("kube-proxy", "kube-scheduler", "kubelet", "dnsmasq")]
+        steps += [("stop the control plane", lambda: self.cluster is not None and self.cluster.stop()),
+                  ("remove pod containers", self._remove_pod_containers),
+                  ("stop dockerd", lambda: self._stop("dockerd", grace_s=20)),
+                  ("unmount", lambda: [_unmount_under(r) for r in (self.workdir, E2E_CACHE / "docker")]),
+                  ("undo host changes", lambda: undo_host(self._host_before, self._bridge_added))]
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:   # noqa: BLE001 - the remaining steps must still run
+                print(f"[e2e] teardown: {what} failed: {e!r}")
         STATE.unlink(missing_ok=True)
+
+    def _delete_all_namespaces(self) -> None:
+        if self.cluster is None or not self.cluster.server:
+            return
+        from kubernetes import client
+        with self.cluster.admin() as api:
+            names = [n.metadata.name for n in client.CoreV1Api(api).list_namespace().items]
+        for name in names:
+            if name not in ("default", "kube-system", "kube-public", "kube-node-lease"):
+                with contextlib.suppress(RuntimeError):
+                    self.delete_namespace(name, timeout_s=60)
+
+    def _remove_pod_containers(self) -> None:
+        """Pods that outlived the namespace deletion (a timeout): remove their containers."""
+        if not self.docker_host:
+            return
+        ids = self.docker("ps", "-aq", "--filter", "name=k8s_", check=False, timeout=60).stdout.split()
+        if ids:
+            self.docker("rm", "-f", *ids, check=False, timeout=120)
 
     def _stop(self, name: str, grace_s: float = 10) -> None:
         stop_process(self._procs.get(name), grace_s)
@@ -348,13 +360,69 @@ def _unmount_under(root: Path) -> list[str]:
     return gone
 
 
-def _restore_iptables(saved: str) -> None:
-    """Put every table back as it was before start: kubelet, kube-proxy and the CNI plugins add chains
-    (KUBE-*, CNI-*) in filter, nat and mangle."""
+# What kubelet, kube-proxy and the CNI plugins change on the host besides iptables, restored at stop.
+SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory", "kernel/keys/root_maxkeys",
+           "kernel/keys/root_maxbytes", "net/ipv4/conf/all/route_localnet", "net/ipv4/ip_forward")
+HOST_DIRS = ("/var/lib/kubelet", "/var/lib/dockershim", "/var/lib/cni", "/var/log/pods", "/var/log/containers")
+OURS = ("KUBE-", "CNI-")   # the iptables chains kubelet, kube-proxy and the CNI plugins make
+
+
+def host_snapshot() -> dict:
+    sysctls = {}
+    for key in SYSCTLS:
+        path = Path("/proc/sys") / key
+        with contextlib.suppress(OSError):
+            sysctls[key] = path.read_text().strip()
+    return {"sysctls": sysctls, "dirs_absent": [d for d in HOST_DIRS if not Path(d).exists()]}
+
+
+def remove_our_iptables() -> int:
+    """Delete the KUBE-*/CNI-* chains of filter, nat and mangle and every rule elsewhere that jumps to
+    them; rules anything else added are left alone. Returns how many rules and chains went."""
+    import shlex
+    removed = 0
     for table in ("filter", "nat", "mangle"):
-        _run("iptables", "-t", table, "-F", check=False)
-        _run("iptables", "-t", table, "-X", check=False)
-    _run("iptables-restore", input=saved, check=False)
+        out = _run("iptables-save", "-t", table, check=False).stdout
+        chains = [line[1:].split()[0] for line in out.splitlines()
+                  if line.startswith(":") and line[1:].startswith(OURS)]
+        for line in out.splitlines():
+            if not line.startswith("-A "):
+                continue
+            parts = shlex.split(line)
+            target = parts[parts.index("-j") + 1] if "-j" in parts else ""
+            if not parts[1].startswith(OURS) and target.startswith(OURS):
+                if _run("iptables", "-t", table, "-D", *parts[1:], check=False).returncode == 0:
+                    removed += 1
+        for flag in ("-F", "-X"):
+            for chain in chains:
+                _run("iptables", "-t", table, flag, chain, check=False)
+        removed += len(chains)
+    return removed
+
+
+def undo_host(before: dict | None, bridge_added: bool) -> list[str]:
+    """Undo what a node changed on the host: the bridge (if it made it), its iptables chains, the
+    sysctls kubelet and kube-proxy set, and the directories they made that were not there before."""
+    done = []
+    if bridge_added and _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+        _run("ip", "link", "del", BRIDGE, check=False)
+        done.append(f"deleted bridge {BRIDGE}")
+    n = remove_our_iptables()
+    if n:
+        done.append(f"removed {n} iptables rules and chains (KUBE-*, CNI-*)")
+    if before:
+        for key, value in before.get("sysctls", {}).items():
+            path = Path("/proc/sys") / key
+            with contextlib.suppress(OSError):
+                if path.read_text().strip() != value:
+                    path.write_text(value)
+                    done.append(f"restored sysctl {key.replace('/', '.')}={value}")
+        for d in before.get("dirs_absent", []):
+            if Path(d).exists():
+                _unmount_under(Path(d))
+                shutil.rmtree(d, ignore_errors=True)
+                done.append(f"removed {d}")
+    return done
 
 
 def _pids_mentioning(*needles: str) -> list[int]:
@@ -371,23 +439,42 @@ def _pids_mentioning(*needles: str) -> list[int]:
     return pids
 
 
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_alive(st: dict) -> bool:
+    """Whether the harness process that started the node in STATE still runs (same PID, same start)."""
+    pid = st.get("owner_pid")
+    return bool(pid) and _start_time(pid) is not None and _start_time(pid) == st.get("owner_start")
+
+
 def sweep() -> list[str]:
     """Undo a node whose harness died before stop() (SIGKILL, a lost terminal), from STATE: remove its
     pod containers, kill every process whose command line names its work dir or the docker data root,
-    unmount, delete the bridge it made and restore iptables. Returns what it did; [] when nothing was left."""
+    unmount, and undo its host changes (undo_host). Never touches a node whose harness still runs.
+    Returns what it did; [] when nothing was left."""
     if not STATE.exists():
         return []
     st = json.loads(STATE.read_text())
+    if owner_alive(st):
+        raise RuntimeError(f"an e2e node is running (harness pid {st['owner_pid']}, work dir {st['workdir']}): "
+                           f"one at a time on a machine")
     done = []
     workdir = st["workdir"]
     if st.get("docker_host"):
         docker = ["docker", "-H", st["docker_host"]]
-        ids = _run(*docker, "ps", "-aq", "--filter", "name=k8s_", check=False, timeout=30).stdout.split()
-        if ids:
-            _run(*docker, "rm", "-f", *ids, check=False, timeout=120)
-            done.append(f"removed {len(ids)} pod containers")
-    needles = (workdir, str(E2E_CACHE / "docker"))
-    pids = _pids_mentioning(*needles)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            ids = _run(*docker, "ps", "-aq", "--filter", "name=k8s_", check=False, timeout=30).stdout.split()
+            if ids:
+                _run(*docker, "rm", "-f", *ids, check=False, timeout=120)
+                done.append(f"removed {len(ids)} pod containers")
+    pids = _pids_mentioning(workdir, str(E2E_CACHE / "docker"))
+    if pids:
+        done.append(f"stopped {len(pids)} processes of {workdir}")
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -396,17 +483,10 @@ def sweep() -> list[str]:
         while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
             time.sleep(0.2)
         pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-    if needles:
-        done.append(f"stopped the processes of {workdir}")
     for root in (Path(workdir), E2E_CACHE / "docker"):
         if root.exists() and _unmount_under(root):
             done.append(f"unmounted under {root}")
-    if st.get("bridge_added") and _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
-        _run("ip", "link", "del", BRIDGE, check=False)
-        done.append(f"deleted bridge {BRIDGE}")
-    if st.get("iptables_before") is not None:
-        _restore_iptables(st["iptables_before"])
-        done.append("restored iptables")
+    done += undo_host(st.get("host_before"), st.get("bridge_added", False))
     STATE.unlink(missing_ok=True)
     return done
 
@@ -415,6 +495,8 @@ def iptables_rules() -> list[str]:
     """Every rule, every chain that is not built in, and every built-in chain's policy that is not ACCEPT,
     in every table (sorted, without counters): what must be the same before start and after stop."""
     out, table = [], ""
+    if shutil.which("iptables-save") is None:
+        return out
     for line in _run("iptables-save").stdout.splitlines():
         if line.startswith("*"):
             table = line[1:]

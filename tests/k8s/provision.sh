@@ -42,12 +42,16 @@ fi
 # 2. kube-apiserver and kube-controller-manager (and, with KUBERL_K8S_NODE=1, the node's kubelet,
 #    kube-scheduler and kube-proxy for tests/e2e), built once per source version from one source tree
 WANT=(kube-apiserver kube-controller-manager)
-[ "${KUBERL_K8S_NODE:-0}" = 1 ] && WANT+=(kubelet kube-scheduler kube-proxy)
+NEED_PKGS=(golang-go rsync golang-github-modern-go-reflect2-dev dpkg-dev)
+if [ "${KUBERL_K8S_NODE:-0}" = 1 ]; then
+  WANT+=(kubelet kube-scheduler kube-proxy pause)
+  NEED_PKGS+=(gcc libc6-dev)   # pause is static C (recommended, not required, by golang-go)
+fi
 TO_BUILD=()
 for b in "${WANT[@]}"; do [ -x "$BIN/$b" ] || TO_BUILD+=("$b"); done
 if [ ${#TO_BUILD[@]} -gt 0 ]; then
-  WHAT=""; for b in "${TO_BUILD[@]}"; do WHAT="$WHAT cmd/$b"; done
-  if apt_install golang-go rsync golang-github-modern-go-reflect2-dev dpkg-dev; then
+  WHAT=""; for b in "${TO_BUILD[@]}"; do [ "$b" = pause ] || WHAT="$WHAT cmd/$b"; done
+  if apt_install "${NEED_PKGS[@]}"; then
     work="$CACHE/build"
     rm -rf "$work"; mkdir -p "$work/lists/partial"
     echo "deb-src http://deb.debian.org/debian bookworm main" >"$work/sources.list"
@@ -67,15 +71,15 @@ if [ ${#TO_BUILD[@]} -gt 0 ]; then
       done
       mkdir -p "$work/.go/src/k8s.io" && ln -sfn "$tree" "$work/.go/src/k8s.io/kubernetes"
       say "building ${TO_BUILD[*]} (a few minutes per binary on 2 cores, once)"
-      if (cd "$work/.go/src/k8s.io/kubernetes" && GOPATH="$work/.go" GOCACHE="$work/gocache" CGO_ENABLED=0 \
-            GOFLAGS=-mod=vendor make WHAT="${WHAT# }" >"$work/build.log" 2>&1); then
+      if [ -z "$WHAT" ] || (cd "$work/.go/src/k8s.io/kubernetes" && GOPATH="$work/.go" GOCACHE="$work/gocache" \
+            CGO_ENABLED=0 GOFLAGS=-mod=vendor make WHAT="${WHAT# }" >"$work/build.log" 2>&1); then
         out="$tree/_output/local/bin/linux/$(go env GOARCH)"
         [ -d "$out" ] || out="$tree/_output/bin"
-        for b in "${TO_BUILD[@]}"; do cp "$out/$b" "$BIN/"; done
-        # kubelet runs every pod next to a pause container; build it from the same tree (static C).
-        if [ -e "$tree/build/pause/linux/pause.c" ] && [[ " ${TO_BUILD[*]} " == *" kubelet "* ]]; then
-          gcc -Os -static -o "$BIN/pause" "$tree/build/pause/linux/pause.c" -DVERSION=3.2 \
-            || unavailable "pause: gcc -static failed"
+        for b in "${TO_BUILD[@]}"; do [ "$b" = pause ] || cp "$out/$b" "$BIN/"; done
+        # kubelet runs every pod next to a pause container; built from the same tree (static C).
+        if [[ " ${TO_BUILD[*]} " == *" pause "* ]]; then
+          gcc -Os -static -o "$BIN/pause" "$tree/build/pause/linux/pause.c" -DVERSION=3.2 >"$work/pause.log" 2>&1 \
+            || { unavailable "pause: gcc -static failed: $(tail -3 "$work/pause.log")"; }
         fi
         rm -rf "$work"
         say "built into $BIN"
