@@ -1,4 +1,7 @@
-from services.common.runtime import exit_process
-from services.actor.main import main
+from services.common.runtime import exit_process, stop_cleanly_until_serving
+
+stop_cleanly_until_serving()   # before the imports below (torch: seconds)
+
+from services.actor.main import main  # noqa: E402
 
 exit_process(main())

@@ -58,6 +58,17 @@ def write_ready_file(path: str | None, endpoints: Endpoints) -> None:
     tmp.replace(path)
 
 
+def stop_cleanly_until_serving() -> None:
+    """Until run_service installs its own handlers, SIGTERM ends the process at once with exit code 0.
+
+    Every role's `__main__` calls this before importing its service (torch alone takes seconds). A
+    process asked to stop while still importing has served nothing, holds nothing and has nothing to
+    flush; the default action would end it with -15, which `kuberl up`, the planner's local backend and
+    Kubernetes all read as a crash (seen: an actor the planner added just before a run's target was
+    reached, stopped mid-import)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
+
 def run_service(role: str, args: argparse.Namespace,
                 serve: Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]) -> int:
     """Run a service until SIGTERM/SIGINT; return the process exit code."""

@@ -97,6 +97,7 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=resumed + 1)
         timings["learner_delete_to_training_s"] = round(time.monotonic() - start, 1)
         timings["learner_versions"] = {"before": last, "resumed_at": resumed}
+        timings["actor_fragments_dropped_after_learner_replaced"] = pod_metrics(e2e_node, NAMESPACE, actor).get(DROPPED, 0)
 
         # --- an actor -----------------------------------------------------------------------------
         # Its last log line (services/actor/main.py) has its final counts; follow the log to read it.
@@ -120,7 +121,9 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         assert stored - by_successor <= acked - acked_at_gone <= stored, (
             f"acknowledged after the buffer's replacement: {acked - acked_at_gone}; the new buffer stored {stored} "
             f"(of which at most {by_successor}, what the replacement actor had sent, from it)")
+        at_shutdown = re.search(r"buffer unreachable at shutdown: (\d+) fragments not delivered", out)
         timings["deleted_actor_fragments"] = {"cut": cut, "acknowledged": acked, "dropped": dropped,
+                                              "dropped_at_shutdown": int(at_shutdown.group(1)) if at_shutdown else 0,
                                               "acknowledged_by_new_buffer": acked - acked_at_gone,
                                               "stored_by_new_buffer": stored, "from_replacement_actor": by_successor}
         new_actor = _replaced(e2e_node, "actor", old=actor)
