@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.k8s.cluster import CACHE as K8S_CACHE
-from tests.k8s.cluster import Cluster, Unavailable, binaries, free_port, spawn, stop_process, tail, wait_for
+from tests.k8s.cluster import (Cluster, Unavailable, binaries, free_port, http_status, spawn, stop_process, tail,
+                               wait_for)
 
 E2E_CACHE = Path(os.environ.get("KUBERL_E2E_CACHE", Path.home() / ".cache" / "kuberl" / "e2e"))
 NODE_NAME = "kuberl-e2e-node"
@@ -78,16 +79,6 @@ def _which_all() -> dict[str, str]:
     if os.geteuid() != 0:
         raise Unavailable("the node needs root (it runs dockerd and kubelet, and adds a bridge and iptables rules)")
     return found
-
-
-def _http_status(url: str) -> int:
-    import urllib.error
-    import urllib.request
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 def _run(*argv: str, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
@@ -165,7 +156,7 @@ class Node:
             "--conntrack-tcp-timeout-close-wait=0", f"--nodeport-addresses={NODE_IP}/32", "--v=1"])
         self._wait_node_ready(120)
         # kube-proxy answers /healthz 200 once it has written the Service rules at least once.
-        self._wait("kube-proxy", lambda: _http_status(f"http://127.0.0.1:{proxy_health}/healthz") == 200, 60)
+        self._wait("kube-proxy", lambda: http_status(f"http://127.0.0.1:{proxy_health}/healthz") == 200, 60)
         if self._procs["kube-scheduler"].poll() is not None:
             raise RuntimeError(f"kube-scheduler exited:\n{self.log('kube-scheduler')}")
         return self
@@ -345,10 +336,6 @@ class Node:
 
     def _stop(self, name: str, grace_s: float = 10) -> None:
         stop_process(self._procs.get(name), grace_s)
-
-    @staticmethod
-    def _unmount_under(root: Path) -> None:
-        _unmount_under(root)
 
 
 def _unmount_under(root: Path) -> list[str]:

@@ -194,7 +194,7 @@ class Cluster:
             "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"kuberl-test=http://127.0.0.1:{peer}", "--log-level", "warn"])
-        self._wait("etcd", lambda: _get(f"{etcd_url}/health") == 200, 30)
+        self._wait("etcd", lambda: http_status(f"{etcd_url}/health") == 200, 30)
 
         port = free_port()
         self.server = f"https://{self.address}:{port}"
@@ -210,7 +210,7 @@ class Cluster:
             "--profiling=false", "--v=1", *self.apiserver_flags])
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         self._wait("kube-apiserver",
-                   lambda: _get(f"{self.server}/readyz", TOKENS["admin"], ctx) == 200, 90)
+                   lambda: http_status(f"{self.server}/readyz", TOKENS["admin"], ctx) == 200, 90)
         return self
 
     def start_controller_manager(self, timeout_s: float = 60, controllers: str = CONTROLLERS) -> None:
@@ -310,7 +310,8 @@ class Cluster:
         return name
 
 
-def _get(url: str, token: str | None = None, ctx: ssl.SSLContext | None = None) -> int:
+def http_status(url: str, token: str | None = None, ctx: ssl.SSLContext | None = None) -> int:
+    """The HTTP status of a GET (0 when nothing answers); tests/e2e/node.py uses it too."""
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=2, context=ctx) as r:
