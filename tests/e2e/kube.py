@@ -6,7 +6,6 @@ for waiting, and the API server's service proxy for /metrics (as `kubectl proxy`
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -80,11 +79,15 @@ def workloads_ready(node: Node, namespace: str) -> tuple[bool, str]:
             if want < 1 or ready < want:
                 waiting.append(f"{s.kind or type(s).__name__} {s.metadata.name}: {ready}/{want} ready")
         for pod in core.list_namespaced_pod(namespace).items:
-            conds = {c.type: c.status for c in pod.status.conditions or []}
-            if conds.get("Ready") != "True":
+            if not pod_ready(pod):
                 states = [f"{cs.name}={_state(cs)}" for cs in pod.status.container_statuses or []]
                 waiting.append(f"pod {pod.metadata.name}: {pod.status.phase} {' '.join(states)}")
     return not waiting, "; ".join(waiting)
+
+
+def pod_ready(pod) -> bool:
+    """Whether a pod (kubernetes client V1Pod) has condition Ready=True."""
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
 def _state(cs) -> str:
@@ -151,10 +154,6 @@ def wait_metric(node: Node, namespace: str, service: str, name: str, above: floa
         time.sleep(2)
     raise AssertionError(f"{service} {name} did not exceed {above} within {timeout_s:.0f} s (last: {last})\n"
                          f"{pod_logs(node, namespace)}")
-
-
-def run_subprocess(argv: list[str], timeout_s: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kw)
 
 
 VERSION_METRIC = "kuberl_learner_policy_version"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from tests.e2e.kube import (kubectl, pod_metrics, provide_volumes, release_volumes, render_overlay, wait_ready,
-                            with_config)
+from tests.e2e.kube import (kubectl, pod_metrics, pod_ready, provide_volumes, release_volumes, render_overlay,
+                            wait_ready, with_config)
 
 NAMESPACE = "kuberl"
 MAX_ACTORS = 3
@@ -52,8 +52,7 @@ def test_planner_scales_actor_pods_and_new_pods_produce(e2e_node, e2e_images, e2
             producing: dict[str, float] = {}
             while time.monotonic() < deadline:
                 pods = core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/component=actor").items
-                ready = [p.metadata.name for p in pods if any(
-                    c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+                ready = [p.metadata.name for p in pods if pod_ready(p)]
                 for name in ready:
                     if name not in producing:
                         try:

@@ -24,8 +24,8 @@ import re
 import subprocess
 import time
 
-from tests.e2e.kube import (VERSION_METRIC, kubectl, metrics, pod_metrics, pods, provide_volumes, release_volumes,
-                            render_overlay, wait_metric, wait_ready, with_config)
+from tests.e2e.kube import (VERSION_METRIC, kubectl, metrics, pod_metrics, pod_ready, pods, provide_volumes,
+                            release_volumes, render_overlay, wait_metric, wait_ready, with_config)
 from tests.k8s.cluster import binaries
 
 NAMESPACE = "kuberl"
@@ -42,8 +42,7 @@ def _replaced(node, component: str, old: str, timeout_s: float = 300) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ready = [p for p in pods(node, NAMESPACE, component) if p.metadata.name != old
-                 and p.metadata.deletion_timestamp is None
-                 and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+                 and p.metadata.deletion_timestamp is None and pod_ready(p)]
         if ready:
             return ready[0].metadata.name
         time.sleep(1)
