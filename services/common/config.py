@@ -483,15 +483,20 @@ class RolePlanConfig:
 @dataclass(frozen=True)
 class KubernetesPlannerConfig:
     """Where the planner's Kubernetes backend finds and scales the roles (all in one namespace)."""
+    # Keys of older configs that are gone, and what to write instead (see _build).
+    _replaced: typing.ClassVar[dict[str, str]] = {
+        "learner_deployment": "replaced by planner.kubernetes.learner_statefulset: the learners are a StatefulSet "
+                              "now (pod ordinal = rank in the group); rename the key (its value names the "
+                              "learner StatefulSet, default kuberl-learner)"}
     namespace: str = ""                     # "" = the pod's own namespace in a cluster, else the kubeconfig's
-    actor_deployment: str = "kuberl-actor"
-    learner_deployment: str = "kuberl-learner"
+    actor_deployment: str = "kuberl-actor"  # the actors: a Deployment
+    learner_statefulset: str = "kuberl-learner"  # the learners: a StatefulSet (pod ordinal = rank in the group)
     actor_service: str = "kuberl-actor"     # headless Services whose Endpoints list the replicas
     learner_service: str = "kuberl-learner"
     buffer_service: str = "kuberl-buffer"
     grpc_port_name: str = "grpc"            # the Service port the planner reads GetStats on
     field_manager: str = "kuberl-planner"
-    pause_annotation: str = "kuberl.io/planner-paused"  # "true" on a Deployment: the planner leaves it alone
+    pause_annotation: str = "kuberl.io/planner-paused"  # "true" on the Deployment or StatefulSet: left alone
     leader_election: bool = True            # one active planner per namespace (a coordination.k8s.io Lease)
     lease_name: str = "kuberl-planner"
     lease_duration_s: float = 15.0
@@ -509,7 +514,7 @@ class KubernetesPlannerConfig:
 class PlannerConfig:
     """The planner: how it measures, when it acts and within which bounds (see docs/planner.md)."""
     enabled: bool = True            # `kuberl up` runs the planner; false keeps topology.actors fixed
-    backend: str = "local"          # "local" (processes), "kubernetes" (Deployments) or "dry-run" (decide only)
+    backend: str = "local"          # "local" (processes), "kubernetes" (workloads' scale) or "dry-run" (decide only)
     interval_s: float = 5.0         # one decision this often
     tolerance: float = 0.15         # act only when production/consumption is outside 1 +- tolerance
     budget: float = 0.0             # total cost of actors + learners; 0 = only the per-role max bounds
@@ -532,8 +537,9 @@ class PlannerConfig:
     min_scale_gain: float = 0.5
     saturation_hold_s: float = 300.0
     actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))
-    # More than one learner: they train as a group (gradients averaged); the local backend re-forms the
-    # group from the latest checkpoint whenever the planner changes its size.
+    # More than one learner: they train as a group (gradients averaged), re-formed from the latest checkpoint
+    # whenever the planner changes its size (local backend: it restarts the group; kubernetes: the learners
+    # watch their StatefulSet's scale and re-form in their processes).
     learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
     kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
 
@@ -556,11 +562,9 @@ class PlannerConfig:
                  "must be in [0, 1] (0 = scale-ups are not checked)")
         _require(self.saturation_hold_s > 0, "saturation_hold_s", self.saturation_hold_s, "must be > 0")
         _require(self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag, "must be >= 0 (0 = no staleness target)")
-        _require(self.learner.max == 1 or self.backend != "kubernetes", "learner.max", self.learner.max,
-                 "must be 1 with the kubernetes backend: a group of learners needs stable ranks and a restart of "
-                 "every member when its size changes, which that backend does not do yet (the local backend does)")
         _require(self.budget == 0 or self.budget >= self.actor.min * self.actor.cost + self.learner.min * self.learner.cost,
                  "budget", self.budget, "cannot fit the minimum replicas of every role")
+
 
 
 @dataclass(frozen=True)
@@ -666,7 +670,10 @@ def _convert(tp, value, key: str):
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    replaced = getattr(cls, "_replaced", {})
     for k in data:
+        if k in replaced:
+            raise ConfigError(f"{prefix}{k}", f"no longer a key: {replaced[k]}")
         if k not in names:
             raise ConfigError(f"{prefix}{k}", f"unknown key (known keys here: {', '.join(sorted(names))})")
     kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}

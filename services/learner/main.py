@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -24,6 +27,7 @@ from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.learner.distributed import GradientSync, GroupBroken, GroupSpec
+from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
 from services.learner.trainer import Trainer
@@ -96,10 +100,12 @@ async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, ev
 
 
 async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
-                           progressed: Notifier, stopping: asyncio.Event) -> None:
+                           progressed: Notifier, stopping: asyncio.Event, *, elastic: bool = False) -> None:
     """Train in rounds with the other learners of the group (services/learner/distributed.py): each
     round agrees whether to stop and whether everyone holds a batch; only then does anyone train, so
-    the gradient all-reduces line up. All stop at the same round once any learner is stopping."""
+    the gradient all-reduces line up. All stop at the same round once any learner is stopping.
+    `elastic` (services/learner/membership.py): a peer's stop ends this group, and the caller forms the
+    next one; otherwise this learner waits for its own stop (its supervisor stops the whole group)."""
     sync = trainer.sync
     published = trainer.version
     trainer.metrics.inc("learner/starved_seconds_total", 0)
@@ -132,7 +138,9 @@ async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsH
             getter.cancel()
     if held is not None:
         trainer.metrics.inc("learner/batches_discarded_total")
-    if not stopping.is_set():
+    if not stopping.is_set() and elastic:
+        log.info("the group is ending (a peer left or saw a new group size)")
+    elif not stopping.is_set():
         # A peer is stopping, so the group is over; this learner's own stop should follow (its
         # supervisor stops the whole group). If it does not, exit so the group can be formed again.
         log.info("the group is stopping (a peer asked to); waiting up to %.0f s for this learner's stop",
@@ -144,12 +152,12 @@ async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsH
                               "be formed again") from None
 
 
-async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, trainer: Trainer,
+async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, current: Generation,
                           metrics: Metrics, progressed: Notifier) -> None:
     """Tell the buffer the current version after each publication, and at least once a second."""
     while True:
         request = buffer_pb2.LearnerProgress(
-            learner_id=learner_id, policy_version=trainer.version,
+            learner_id=learner_id, policy_version=current.trainer.version,
             samples_consumed_total=int(metrics.counters["learner/samples_consumed_total"]),
             batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
         try:
@@ -164,10 +172,11 @@ async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, tra
         await progressed.wait(timeout=1.0)
 
 
-async def checkpoint_loop(trainer: Trainer, interval_s: float) -> None:
+async def checkpoint_loop(current: Generation, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        await asyncio.to_thread(trainer.checkpoint)
+        if not current.saved:
+            await asyncio.to_thread(current.trainer.checkpoint)
 
 
 class StoppedBeforeGroupFormed(Exception):
@@ -209,34 +218,173 @@ async def form_group(group: GroupSpec, stop: asyncio.Event | None) -> GradientSy
     raise StoppedBeforeGroupFormed(f"stopped while waiting for the group of {group.world_size} learners to form")
 
 
+@dataclass
+class Generation:
+    """The group as it is now: its Trainer (holding its GradientSync, None alone). An elastic membership
+    replaces it each time the group is formed again; `saved`: the Trainer has written its last checkpoint
+    and is done (between two groups, or stopped while the next one formed)."""
+    trainer: Trainer
+    saved: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.sync.world_size if self.trainer.sync is not None else 1
+
+    def close(self) -> None:
+        if self.trainer.sync is not None:
+            self.trainer.sync.close()
+
+
+async def _unless_stopped(aw, stop: asyncio.Event | None, what: str):
+    """`await aw`, or raise StoppedBeforeGroupFormed(what) if `stop` is set first."""
+    task = asyncio.ensure_future(aw)
+    if stop is None:
+        return await task
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise StoppedBeforeGroupFormed(what)
+
+
+async def join(membership: FixedGroup | StatefulSetGroup, build: Callable[[GradientSync | None], Trainer],
+               metrics: Metrics, stop: asyncio.Event | None, set_ready=None) -> Trainer:
+    """Form this learner's group as its membership now says, and build the group's Trainer from rank 0's
+    newest checkpoint. While this learner's rank lies outside the group (a scale-down is removing it) it
+    waits, not ready (`set_ready(False)`). A group that fails to form is formed again if the membership
+    is elastic; a fixed one raises GroupBroken."""
+    while True:
+        n = await _unless_stopped(membership.world_size(), stop, "stopped while reading the group's size")
+        if membership.rank >= n:
+            log.info("rank %d lies outside the group of %d learners (being scaled down): waiting", membership.rank, n)
+            metrics.set("learner/group_size", n)
+            if set_ready is not None:
+                await set_ready(False)
+            await _unless_stopped(membership.wait_for_change(n), stop,
+                                  f"stopped while rank {membership.rank} was outside the group of {n} learners")
+            continue
+        sync = None
+        try:
+            if n > 1:
+                sync = await form_group(membership.spec_for(n), stop)
+            return await asyncio.to_thread(build, sync)
+        except GroupBroken as err:
+            if sync is not None:
+                sync.close()
+            if not membership.elastic:
+                raise
+            metrics.inc("learner/group_formation_failures_total")
+            log.warning("%s; forming the group again", err)
+            await _unless_stopped(asyncio.sleep(1.0), stop, "stopped while forming the group again")
+        except BaseException:
+            if sync is not None:
+                sync.close()
+            raise
+
+
+async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: Trainer, world_size: int,
+                           queue: asyncio.Queue, hub: WeightsHub, every: int, progressed: Notifier,
+                           stopping: asyncio.Event) -> None:
+    """Train as the group now is until this learner stops or, with an elastic membership, the group's size
+    changes or a peer leaves (the group breaks or stops at a round's end). A fixed group's break raises."""
+    leaving = asyncio.Event()   # this learner's stop, or a new group size
+
+    async def watch() -> None:
+        waits = {asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(membership.wait_for_change(world_size))}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        leaving.set()
+
+    watcher = asyncio.create_task(watch(), name="membership")
+    try:
+        if trainer.sync is not None:
+            try:
+                await group_train_loop(trainer, queue, hub, every, progressed, leaving, elastic=membership.elastic)
+            except GroupBroken as err:
+                if not membership.elastic or stopping.is_set():
+                    raise
+                log.warning("%s; forming the group again", err)
+            return
+        train = asyncio.create_task(train_loop(trainer, queue, hub, every, progressed), name="train-alone")
+        left = asyncio.create_task(leaving.wait())
+        await asyncio.wait({train, left}, return_when=asyncio.FIRST_COMPLETED)
+        left.cancel()
+        if train.done():
+            train.result()   # its error; train_loop never returns
+        train.cancel()       # an update in flight finishes in its thread; a checkpoint waits for it on the lock
+        with contextlib.suppress(asyncio.CancelledError):
+            await train
+    finally:
+        watcher.cancel()
+
+
+async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, build, queue: asyncio.Queue,
+                hub: WeightsHub, every: int, progressed: Notifier, stopping: asyncio.Event, set_ready) -> None:
+    """Train group after group: when one ends without this learner stopping (an elastic membership's new
+    size or lost peer), rank 0 checkpoints, and the next group starts from that checkpoint. The weights
+    already published keep being served to actors meanwhile."""
+    metrics = current.trainer.metrics
+    metrics.inc("learner/group_reforms_total", 0)
+    while True:
+        await train_generation(membership, current.trainer, current.world_size, queue, hub, every, progressed,
+                               stopping)
+        if stopping.is_set():
+            return
+        await asyncio.to_thread(current.trainer.checkpoint)
+        current.saved = True
+        current.close()
+        try:
+            trainer = await join(membership, build, metrics, stopping, set_ready)
+        except StoppedBeforeGroupFormed as err:
+            log.info("%s", err)
+            return
+        current.trainer, current.saved = trainer, False
+        metrics.inc("learner/group_reforms_total")
+        await set_ready(True)
+        hub.publish(await asyncio.to_thread(trainer.weights))
+        progressed.notify()
+
+
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, checkpoint_dir: str,
-                  learner_id: str | None = None, group: GroupSpec | None = None, stop: asyncio.Event | None = None):
+                  learner_id: str | None = None, group: GroupSpec | StatefulSetGroup | None = None,
+                  stop: asyncio.Event | None = None):
     """Start a learner; yields its Endpoints. Leaving the context runs the shutdown sequence.
-    `group`: this learner's place in a group of learners that average gradients (None or a world
-    size of 1: it trains alone); `stop` set while the group forms raises StoppedBeforeGroupFormed."""
+    `group`: this learner's place in a group of learners that average gradients: a fixed GroupSpec
+    (None or a world size of 1: it trains alone) or an elastic StatefulSetGroup
+    (services/learner/membership.py); `stop` set while the first group forms raises StoppedBeforeGroupFormed."""
     learner_id = learner_id or f"learner-{socket.gethostname()}-{os.getpid()}"
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
-    sync = await form_group(group, stop) if group is not None and group.world_size > 1 else None
-    try:
-        trainer = await asyncio.to_thread(Trainer, cfg, metrics, checkpoint_dir, sync)
-    except BaseException:
-        if sync is not None:
-            sync.close()
-        raise
+    membership = group if isinstance(group, StatefulSetGroup) else FixedGroup(group or GroupSpec(0, 1, ""))
+
+    def build(sync: GradientSync | None) -> Trainer:
+        return Trainer(cfg, metrics, checkpoint_dir, sync)
+
+    current = Generation(await join(membership, build, metrics, stop))
     hub = WeightsHub()
-    hub.publish(trainer.weights())  # actors start from the learner's initialisation (or checkpoint)
+    hub.publish(current.trainer.weights())  # actors start from the learner's initialisation (or checkpoint)
     max_bytes = cfg.buffer.max_message_mb * MiB
     servicer = LearnerServicer(hub, metrics)
-    srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2_grpc.add_LearnerServicer_to_server, servicer),
-                             [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
-                             max_message_bytes=max_bytes)
+    try:
+        srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2_grpc.add_LearnerServicer_to_server, servicer),
+                                 [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
+                                 max_message_bytes=max_bytes)
+    except BaseException:
+        current.close()
+        raise
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024)
     queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
-             trainer.version, buffer)
+             current.trainer.version, buffer)
     try:
         async with asyncio.TaskGroup() as tg:
             fetch = tg.create_task(fetch_batches(buffer_pb2_grpc.BufferStub(channel), batch_request(cfg, learner_id),
@@ -244,11 +392,10 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             progressed = Notifier()
             stub = buffer_pb2_grpc.BufferStub(channel)
             stopping = asyncio.Event()
-            every = cfg.learner.publish_interval_updates
-            train = tg.create_task(group_train_loop(trainer, queue, hub, every, progressed, stopping) if sync
-                                   else train_loop(trainer, queue, hub, every, progressed), name="train")
-            side = [tg.create_task(checkpoint_loop(trainer, cfg.learner.checkpoint_interval_s), name="checkpoint"),
-                    tg.create_task(report_progress(stub, learner_id, trainer, metrics, progressed), name="progress"),
+            train = tg.create_task(learn(membership, current, build, queue, hub, cfg.learner.publish_interval_updates,
+                                         progressed, stopping, srv.set_serving), name="train")
+            side = [tg.create_task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), name="checkpoint"),
+                    tg.create_task(report_progress(stub, learner_id, current, metrics, progressed), name="progress"),
                     tg.create_task(tick_forever(metrics), name="stats")]
             await srv.set_serving(True)
             try:
@@ -257,16 +404,16 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
                     await srv.set_serving(False)  # 1. readiness goes NOT_SERVING
                     fetch.cancel()                 # 2. stop consuming; an update in flight finishes
-                    if sync is not None:           #    (a group stops together at a round's end)
-                        stopping.set()
-                        await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
+                    stopping.set()                 #    (a group stops together at a round's end)
+                    await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
                     train.cancel()                 #    (the checkpoint below waits for it on the lock)
                     if queue.qsize():
                         metrics.inc("learner/batches_discarded_total", queue.qsize())
                         log.info("discarding %d prefetched batches at shutdown", queue.qsize())
                     for task in side:
                         task.cancel()
-                    await asyncio.to_thread(trainer.checkpoint)  # 3. final checkpoint
+                    if not current.saved:
+                        await asyncio.to_thread(current.trainer.checkpoint)  # 3. final checkpoint
                     hub.close()                    # 4. end weight streams, stop serving
                     await srv.server.stop(grace=1.0)
     finally:
@@ -274,8 +421,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         if prom is not None:
             prom.close()
         await channel.close()
-        if sync is not None:
-            sync.close()
+        current.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -292,10 +438,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "checkpoints (default $KUBERL_LEARNER_RANK or 0)")
     p.add_argument("--group", default=os.environ.get("KUBERL_LEARNER_GROUP", ""),
                    help="host:port where rank 0 hosts the group's rendezvous (default $KUBERL_LEARNER_GROUP)")
+    p.add_argument("--membership", choices=("fixed", "statefulset"),
+                   default=os.environ.get("KUBERL_LEARNER_MEMBERSHIP", "fixed"),
+                   help="fixed: --rank/--world-size as given; statefulset: the learners are a StatefulSet's pods, "
+                        "the rank is this pod's ordinal (from --learner-id), the group's size the StatefulSet's "
+                        "replicas, and the group is formed again when they change (services/learner/membership.py; "
+                        "default $KUBERL_LEARNER_MEMBERSHIP or fixed)")
+    p.add_argument("--kubernetes-api", default=os.environ.get("KUBERL_KUBERNETES_API") or None,
+                   help="with --membership=statefulset: the API server's URL (default: in-cluster; e.g. "
+                        "http://127.0.0.1:8001 through `kubectl proxy`)")
     args = p.parse_args(argv)
     try:
-        args.group_spec = GroupSpec(args.rank, args.world_size, args.group)
-    except ValueError as err:
+        if args.membership == "statefulset":
+            if args.rank != 0 or args.world_size != 1:
+                raise ValueError("--membership=statefulset takes the rank and the world size from the StatefulSet: "
+                                 "do not give --rank or --world-size")
+            args.group_spec = StatefulSetGroup(args.learner_id or socket.gethostname(), args.group,
+                                               api=args.kubernetes_api)
+        else:
+            args.group_spec = GroupSpec(args.rank, args.world_size, args.group)
+    except (ValueError, MembershipError) as err:
         p.error(str(err))
     return args
 

@@ -1,7 +1,8 @@
 """What a planner backend does: report the replicas it runs and where they serve, and set counts.
 
-Backends: `local` (a process supervisor), `kubernetes` (Deployments' scale subresource) and `dry-run`
-(decides, never applies). The planner core (services/planner/core.py) only talks to this interface.
+Backends: `local` (a process supervisor), `kubernetes` (the scale subresources of the actor Deployment
+and the learner StatefulSet) and `dry-run` (decides, never applies). The planner core
+(services/planner/core.py) only talks to this interface.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ class Conflict(Exception):
 
 
 class Refused(Exception):
-    """The backend will not manage a role (e.g. an HPA targets its Deployment); the message says why."""
+    """The backend will not manage a role (e.g. an HPA targets its workload); the message says why."""
 
 
 @dataclass

@@ -163,6 +163,20 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     # Manual overrides are applied as they are, before anything else (bounds were checked when set).
     overrides = {r: inp.role(r).override for r in ROLES if inp.role(r).override is not None}
 
+    # Learners train as one group, which forms only once every learner runs: learners that are still not
+    # ready converge_timeout_s after the change that asked for them (unschedulable, failing to start)
+    # hold up the whole group, so the count goes back to the learners that serve (the judgement of the
+    # scale-up then holds the role there for saturation_hold_s, judge_scale_up).
+    li = inp.learner
+    if ("learner" not in overrides and not li.blocked and not inp.paused and inp.last_change_at is not None
+            and inp.now - inp.last_change_at >= policy.converge_timeout_s and 0 < li.ready < current["learner"]):
+        back = max(policy.learner.min, li.ready)
+        if back < current["learner"]:
+            return out("scale", f"learner {current['learner']}->{back}: {current['learner'] - li.ready} learner(s) "
+                                f"still not ready {inp.now - inp.last_change_at:.0f} s after the last change "
+                                f"(converge_timeout_s {policy.converge_timeout_s:.0f}); the learner group cannot "
+                                f"form without them", {**current, **overrides, "learner": back})
+
     a, l = inp.actor.rate, inp.learner.rate
     if a is None or l is None or a <= 0 or l <= 0:
         missing = [r for r, v in (("actor", a), ("learner", l)) if v is None or v <= 0]
@@ -286,6 +300,11 @@ def judge_scale_up(policy: Policy, probe: ScaleUpProbe, inp: Inputs) -> Verdict:
     if ri.desired != probe.after:
         return Verdict(True, None, "the count changed again before the scale-up could be judged")
     if inp.now - probe.applied_at > policy.converge_timeout_s:
+        if ri.ready < probe.after:   # its new replicas never served: no more of them for a while
+            return Verdict(True, max(probe.before, ri.ready),
+                           f"{probe.role} {probe.before}->{probe.after}: only {ri.ready} ready after "
+                           f"{policy.converge_timeout_s:.0f} s; {probe.role} held at {max(probe.before, ri.ready)} "
+                           f"for {policy.saturation_hold_s:.0f} s")
         return Verdict(True, None, "the scale-up did not converge in time to be judged")
     if inp.now - probe.applied_at < policy.cooldown_s or ri.reporting < probe.after or ri.rate is None:
         return Verdict(False, None)

@@ -1,11 +1,14 @@
-"""The Kubernetes backend: roles are Deployments, replicas are the Endpoints of their headless Services.
+"""The Kubernetes backend: roles are workloads, replicas are the Endpoints of their headless Services.
 
-It reads each role's Deployment and its `deployments/scale` subresource, lists the HPAs of the namespace
-and the Endpoints of the role's headless Service; it writes ONLY `deployments/scale` (a merge patch that
-carries the resourceVersion it read, with the configured field manager), so a concurrent change gives
-409 -> `Conflict`, and the planner core re-reads and decides again. It refuses (`Refused`, naming the
-HPA) to scale a Deployment an HPA targets, and leaves alone a Deployment annotated
-`<pause_annotation>: "true"`. One planner writes at a time: a coordination.k8s.io/v1 Lease, renewed in a
+Each role the planner scales is a workload of one kind (WORKLOADS): the actors a Deployment, the learners
+a StatefulSet (its pods' ordinals are the learner group's ranks). For each it reads the workload
+(`deployments` / `statefulsets` get) and its scale subresource, lists the HPAs of the namespace and
+reads the Endpoints of the role's headless Service; it writes ONLY the scale subresource
+(`deployments/scale`, `statefulsets/scale`: a merge patch that carries the resourceVersion it read, with
+the configured field manager), so a concurrent change gives 409 -> `Conflict`, and the planner core
+re-reads and decides again. It refuses (`Refused`, naming the HPA) to scale a workload an HPA targets,
+and leaves alone a workload annotated `<pause_annotation>: "true"`. Both kinds go through the same code,
+parameterised by `Kind`. One planner writes at a time: a coordination.k8s.io/v1 Lease, renewed in a
 background task (client-go's algorithm, written here because the aio client's LeaseLock cannot create
 its Lease).
 
@@ -29,6 +32,7 @@ import random
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import urllib3
@@ -88,6 +92,35 @@ class TokenBucket:
             await asyncio.sleep(delay)
 
 
+@dataclass(frozen=True)
+class Kind:
+    """A workload kind the planner scales: its name in messages and HPA targets, its apps/v1 resource
+    (RBAC and URLs) and the stem of the official client's AppsV1Api methods."""
+    name: str          # "Deployment"
+    resource: str      # "deployments"; the scale subresource is "<resource>/scale"
+    method: str        # "deployment": read_namespaced_deployment, read_/patch_namespaced_deployment_scale
+
+    def call(self, apps: client.AppsV1Api, verb: str, scale: bool = False):
+        """The AppsV1Api method that does `verb` ("read", "patch") to a workload of this kind or its scale."""
+        return getattr(apps, f"{verb}_namespaced_{self.method}{'_scale' if scale else ''}")
+
+
+DEPLOYMENT = Kind("Deployment", "deployments", "deployment")
+STATEFULSET = Kind("StatefulSet", "statefulsets", "stateful_set")
+# role -> the kind of workload it runs as. Learners are a StatefulSet: rank = pod ordinal, and each learner
+# reads the StatefulSet's scale to know the group's size (services/learner/membership.py).
+WORKLOADS = {"actor": DEPLOYMENT, "learner": STATEFULSET}
+
+
+@dataclass(frozen=True)
+class Workload:
+    kind: Kind
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind.name} {self.name!r}"
+
+
 def _retry_after(headers) -> float | None:
     """Seconds from a Retry-After header (delta-seconds or an HTTP date), capped; None if absent/bad."""
     value = headers.get("Retry-After") if headers is not None else None
@@ -116,7 +149,7 @@ def _micro_time(dt: datetime | None = None) -> str:
 
 
 class KubernetesBackend:
-    """Backend over the Deployments named in `cfg` (see the module docstring).
+    """Backend over the workloads named in `cfg` (see the module docstring).
 
     `namespace` overrides cfg.namespace; `kubeconfig` is a file to load (default: in-cluster service-account
     auth, else ~/.kube/config); `api_client` (tests) is used as given and not closed. `identity` names this
@@ -137,7 +170,8 @@ class KubernetesBackend:
         self._owns_api = api_client is None
         self._timeout = request_timeout_s
         self._limiter = TokenBucket(cfg.qps, cfg.burst)
-        self._deployments = {"actor": cfg.actor_deployment, "learner": cfg.learner_deployment}
+        names = {"actor": cfg.actor_deployment, "learner": cfg.learner_statefulset}
+        self._workloads = {role: Workload(WORKLOADS[role], names[role]) for role in ROLES}
         self._services = {"actor": cfg.actor_service, "learner": cfg.learner_service, "buffer": cfg.buffer_service}
         self._read: dict[str, tuple[str, str]] = {}    # role -> (resourceVersion, pause reason) as last read
         # Leader election (client-go's timings as fractions of the lease duration).
@@ -160,8 +194,9 @@ class KubernetesBackend:
         self._core = client.CoreV1Api(self._api)
         self._autoscaling = client.AutoscalingV1Api(self._api)
         self._coordination = client.CoordinationV1Api(self._api)
-        log.info("kubernetes backend: namespace %s, deployments %s, identity %s, leader election %s",
-                 self.namespace, self._deployments, self.identity, self.cfg.leader_election)
+        log.info("kubernetes backend: namespace %s, workloads %s, identity %s, leader election %s",
+                 self.namespace, {role: str(w) for role, w in self._workloads.items()}, self.identity,
+                 self.cfg.leader_election)
         if self.cfg.leader_election:
             await self._elect_once()
             self._task = asyncio.create_task(self._elect_forever(), name="planner-lease")
@@ -195,52 +230,53 @@ class KubernetesBackend:
         hpas = await self._hpa_targets()
         return {role: await self._observe_role(role, hpas) for role in ROLES}
 
-    async def _observe_role(self, role: str, hpas: dict[str, str]) -> RoleState:
-        dep = self._deployments[role]
+    async def _observe_role(self, role: str, hpas: dict[tuple[str, str], str]) -> RoleState:
+        w = self._workloads[role]
         try:
-            desired, _, paused = await self._read_deployment(role)
+            desired, _, paused = await self._read_workload(role)
         except ApiError as e:
             if e.status != 404:
                 raise
             self._read.pop(role, None)
-            return RoleState(desired=0, blocked=f"Deployment {dep!r} not found in namespace {self.namespace!r}")
-        blocked = self._hpa_reason(dep, hpas) or paused
+            return RoleState(desired=0, blocked=f"{w} not found in namespace {self.namespace!r}")
+        blocked = self._hpa_reason(w, hpas) or paused
         return RoleState(desired=desired, replicas=await self._replicas(role), blocked=blocked)
 
-    async def _read_deployment(self, role: str) -> tuple[int, str, str]:
+    async def _read_workload(self, role: str) -> tuple[int, str, str]:
         """(desired replicas from the scale subresource, resourceVersion, pause reason or "")."""
-        dep = self._deployments[role]
-        for _ in range(3):   # the Deployment and its scale must be the same version of the object
-            obj = await self._call("get", "apps", "deployments", dep, self._apps.read_namespaced_deployment,
-                                   dep, self.namespace)
-            scale = await self._call("get", "apps", "deployments/scale", dep,
-                                     self._apps.read_namespaced_deployment_scale, dep, self.namespace)
+        w = self._workloads[role]
+        for _ in range(3):   # the workload and its scale must be the same version of the object
+            obj = await self._call("get", "apps", w.kind.resource, w.name, w.kind.call(self._apps, "read"),
+                                   w.name, self.namespace)
+            scale = await self._call("get", "apps", f"{w.kind.resource}/scale", w.name,
+                                     w.kind.call(self._apps, "read", scale=True), w.name, self.namespace)
             if scale.metadata.resource_version == obj.metadata.resource_version:
                 break
         annotations = obj.metadata.annotations or {}
         value = annotations.get(self.cfg.pause_annotation, "")
-        paused = (f"Deployment {dep!r} is annotated {self.cfg.pause_annotation}={value!r}: paused by hand; "
+        paused = (f"{w} is annotated {self.cfg.pause_annotation}={value!r}: paused by hand; "
                   f"remove the annotation to let the planner manage it") if value.strip().lower() == "true" else ""
         rv = scale.metadata.resource_version
         self._read[role] = (rv, paused)
         return (scale.spec.replicas or 0) if scale.spec else 0, rv, paused
 
-    async def _hpa_targets(self) -> dict[str, str]:
-        """Deployment name -> name of an HPA (autoscaling/v1) that targets it."""
+    async def _hpa_targets(self) -> dict[tuple[str, str], str]:
+        """(kind, name) of each workload an HPA (autoscaling/v1) targets -> that HPA's name."""
         hpas = await self._call("list", "autoscaling", "horizontalpodautoscalers", "",
                                 self._autoscaling.list_namespaced_horizontal_pod_autoscaler, self.namespace)
         targets = {}
         for hpa in hpas.items or []:
             ref = hpa.spec.scale_target_ref if hpa.spec else None
-            if ref is not None and ref.kind == "Deployment":
-                targets.setdefault(ref.name, hpa.metadata.name)
+            if ref is not None:
+                targets.setdefault((ref.kind, ref.name), hpa.metadata.name)
         return targets
 
-    def _hpa_reason(self, dep: str, hpas: dict[str, str]) -> str:
-        if dep not in hpas:
+    def _hpa_reason(self, w: Workload, hpas: dict[tuple[str, str], str]) -> str:
+        hpa = hpas.get((w.kind.name, w.name))
+        if hpa is None:
             return ""
-        return (f"HorizontalPodAutoscaler {hpas[dep]!r} targets Deployment {dep!r} in namespace "
-                f"{self.namespace!r}: the planner will not fight it (delete the HPA to let the planner manage it)")
+        return (f"HorizontalPodAutoscaler {hpa!r} targets {w} in namespace {self.namespace!r}: the planner "
+                f"will not fight it (delete the HPA to let the planner manage it)")
 
     async def buffers(self) -> list[Replica]:
         return await self._replicas("buffer")
@@ -267,10 +303,10 @@ class KubernetesBackend:
 
     # ---- apply ---------------------------------------------------------------------------------------
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
-        """Patch deployments/scale of each role in `targets`, conditional on the resourceVersion read by the
-        last observe(); raises Conflict (409: changed since), Refused (an HPA targets it, it is paused, or
-        this planner is not the leader) before writing anything, ValueError for an unknown role or a negative
-        count. dry_run: the API server validates and nothing is stored (dryRun=All)."""
+        """Patch the scale subresource of each role's workload in `targets`, conditional on the resourceVersion
+        read by the last observe(); raises Conflict (409: changed since), Refused (an HPA targets it, it is
+        paused, or this planner is not the leader) before writing anything, ValueError for an unknown role or
+        a negative count. dry_run: the API server validates and nothing is stored (dryRun=All)."""
         for role, n in targets.items():
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r}: the planner scales {ROLES}")
@@ -281,34 +317,34 @@ class KubernetesBackend:
                           f"is held by another planner); it does not write")
         hpas = await self._hpa_targets()
         for role in targets:
-            dep = self._deployments[role]
-            if reason := self._hpa_reason(dep, hpas):
+            if reason := self._hpa_reason(self._workloads[role], hpas):
                 raise Refused(f"{role}: {reason}")
             if role not in self._read:
-                await self._read_deployment(role)
+                await self._read_workload(role)
             if paused := self._read[role][1]:
                 raise Refused(f"{role}: {paused}")
         applied = {}
         for role, n in targets.items():
-            dep, (rv, _) = self._deployments[role], self._read[role]
+            w, (rv, _) = self._workloads[role], self._read[role]
             try:
                 scale = await self._call(
-                    "patch", "apps", "deployments/scale", dep, self._apps.patch_namespaced_deployment_scale,
-                    dep, self.namespace, {"metadata": {"resourceVersion": rv}, "spec": {"replicas": n}},
+                    "patch", "apps", f"{w.kind.resource}/scale", w.name, w.kind.call(self._apps, "patch", scale=True),
+                    w.name, self.namespace, {"metadata": {"resourceVersion": rv}, "spec": {"replicas": n}},
                     field_manager=self.cfg.field_manager, dry_run="All" if dry_run else None, _content_type=MERGE_PATCH)
             except ApiError as e:
                 if e.status == 409:
                     self._read.pop(role, None)
                     done = f" (already {'validated' if dry_run else 'set'}: {applied})" if applied else ""
-                    raise Conflict(f"{role}: Deployment {dep!r} changed since it was read at resourceVersion {rv}; "
+                    raise Conflict(f"{role}: {w} changed since it was read at resourceVersion {rv}; "
                                    f"re-read and decide again{done}") from e
                 raise
             applied[role] = scale.spec.replicas
             if not dry_run:
                 self._read[role] = (scale.metadata.resource_version, "")
-                log.info("scaled %s (Deployment %s/%s) to %d", role, self.namespace, dep, n)
+                log.info("scaled %s (%s %s/%s) to %d", role, w.kind.name, self.namespace, w.name, n)
+        patched = ", ".join(sorted({f"{self._workloads[role].kind.resource}/scale" for role in targets}))
         return ApplyResult(applied=applied, dry_run=dry_run,
-                           detail=("dry run (dryRun=All): nothing stored" if dry_run else "patched deployments/scale"))
+                           detail=("dry run (dryRun=All): nothing stored" if dry_run else f"patched {patched}"))
 
     # ---- leader election -----------------------------------------------------------------------------
     async def _elect_forever(self) -> None:

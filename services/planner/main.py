@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append every decision as a JSON line to this file (default: <run-dir>/decisions.jsonl "
                         "with the local backend, none otherwise)")
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE"),
-                   help="kubernetes backend: namespace of the managed Deployments (default $POD_NAMESPACE, "
+                   help="kubernetes backend: namespace of the managed workloads (default $POD_NAMESPACE, "
                         "else planner.kubernetes.namespace, else the kubeconfig's)")
     p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"),
                    help="kubernetes backend: kubeconfig file (default: in-cluster service-account auth, else $KUBECONFIG)")

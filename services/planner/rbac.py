@@ -1,17 +1,25 @@
 """Every Kubernetes API call the planner's Kubernetes backend makes, as RBAC rules.
 
 This is the single source of truth for the planner's Role: the manifests (k8s/, the Helm chart) must
-grant exactly these rules, and the backend records each call against them (tests check both).
-Each rule: (apiGroup, resource, verbs).
+grant exactly these rules (those in RESOURCE_NAMES only on the object named there), and the backend
+records each call against them (tests check both). Each rule: (apiGroup, resource, verbs).
 """
 
 RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("apps", "deployments", ("get",)),                          # its resourceVersion and pause annotation
-    ("apps", "deployments/scale", ("get", "patch")),            # the only write: the scale subresource
+    # The workloads it scales (services/planner/kube.WORKLOADS): the actor Deployment, the learner
+    # StatefulSet. Their resourceVersion and pause annotation; the only writes are their scale subresource.
+    ("apps", "deployments", ("get",)),
+    ("apps", "deployments/scale", ("get", "patch")),
+    ("apps", "statefulsets", ("get",)),
+    ("apps", "statefulsets/scale", ("get", "patch")),
     ("autoscaling", "horizontalpodautoscalers", ("list",)),     # refuse to fight an HPA
     ("", "endpoints", ("get",)),                                # discover replicas of the headless Services
     ("coordination.k8s.io", "leases", ("get", "create", "update")),  # leader election: one active planner
 )
+
+# The manifests narrow these rules to one object each (resourceNames): resource -> the planner.kubernetes
+# config key naming that object. The buffer is a StatefulSet too, and must stay out of the planner's reach.
+RESOURCE_NAMES: dict[str, str] = {"statefulsets": "learner_statefulset", "statefulsets/scale": "learner_statefulset"}
 
 
 def allowed(group: str, resource: str, verb: str) -> bool:

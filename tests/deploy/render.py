@@ -129,6 +129,19 @@ def container(workload: dict) -> dict:
     return c
 
 
+# What kubelet adds to every container's environment (the `kubernetes` Service; 10.0.0.1 as in tests/k8s).
+KUBELET_ENV = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+
+
+def pod_env(workload: dict, namespace: str = "kuberl") -> dict[str, str]:
+    """The container's environment as the workload's first pod would see it: its env, with fieldRefs for a
+    pod named <workload>-0 (a StatefulSet's ordinal 0; a Deployment's pods have other names, which no
+    parser reads) in `namespace`, and what kubelet adds (KUBELET_ENV)."""
+    fields = {"metadata.name": f"{workload['metadata']['name']}-0", "metadata.namespace": namespace}
+    return {**KUBELET_ENV, **{e["name"]: e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+                              for e in container(workload).get("env", [])}}
+
+
 def expand_vars(arg: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion in args, from the container's env (values made up for fieldRefs)."""
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)

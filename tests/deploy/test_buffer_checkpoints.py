@@ -98,8 +98,12 @@ def test_helm_enabled_renders_a_claim_mount_flag_and_grace(monkeypatch, tmp_path
     cfg, raw = loaded_config(objects, tmp_path)
     assert (cfg.buffer.checkpoint_interval_s, cfg.buffer.keep_checkpoints) == (300, 2)
     assert cfg.buffer.checkpoint_dir is None and "checkpoint_dir" not in raw["buffer"]   # the flag sets it
-    # The learner's claim and mount are untouched.
-    assert ("PersistentVolumeClaim", "kuberl-learner-checkpoints") in index(objects)
+    # The learners' claims (their StatefulSet's template) and mount are untouched.
+    learner, plain = workloads(objects)["learner"], workloads(helm_template(*DQN))["learner"]
+    assert container(learner) == container(plain)
+    assert {k: v for k, v in learner["spec"].items() if k != "template"} == {
+        k: v for k, v in plain["spec"].items() if k != "template"}
+    assert [t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]] == ["checkpoints"]
 
 
 def test_helm_values_reach_the_claim_and_the_config(monkeypatch, tmp_path):
@@ -121,15 +125,14 @@ def test_helm_values_reach_the_claim_and_the_config(monkeypatch, tmp_path):
 def test_helm_existing_claim_is_mounted_and_no_claim_is_made(monkeypatch):
     objects = helm_template(*ENABLED, "--set", "buffer.checkpoint.existingClaim=my-replay")
     assert validate(objects) == []
-    claims = {o["metadata"]["name"] for o in of_kind(objects, "PersistentVolumeClaim")}
-    assert claims == {"kuberl-learner-checkpoints"}
+    assert of_kind(objects, "PersistentVolumeClaim") == []   # (the learners' come from their StatefulSet)
     assert_checkpoints_on_claim(objects, "my-replay", monkeypatch)
 
 
 def test_helm_disabled_renders_none_of_it(monkeypatch, tmp_path):
     objects = helm_template()     # the default
     w, c, pod, volumes = buffer_parts(objects)
-    assert {o["metadata"]["name"] for o in of_kind(objects, "PersistentVolumeClaim")} == {"kuberl-learner-checkpoints"}
+    assert of_kind(objects, "PersistentVolumeClaim") == []
     assert checkpoint_dir_arg(c, monkeypatch) is None
     assert set(volumes) == {"config", "tmp"}
     assert {m["name"] for m in c["volumeMounts"]} == {"config", "tmp"}
@@ -176,10 +179,9 @@ def test_kustomize_component_renders_and_validates(overlay, monkeypatch):
     assert validate(objects) == []
     pvc = index(objects)[("PersistentVolumeClaim", "kuberl-buffer-replay")]
     assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and pvc["spec"]["resources"]["requests"]["storage"] == "10Gi"
-    # The labels k8s/base gives its objects (the learner's claim's), though the component adds no `labels:`
-    # transformer: that would relabel every object of the overlay that adds it (its Namespace, say).
-    learner_pvc = index(objects)[("PersistentVolumeClaim", "kuberl-learner-checkpoints")]
-    assert pvc["metadata"]["labels"] == {**learner_pvc["metadata"]["labels"], "app.kubernetes.io/component": "buffer"}
+    # The labels k8s/base gives its buffer objects, though the component adds no `labels:` transformer:
+    # that would relabel every object of the overlay that adds it (its Namespace, say).
+    assert pvc["metadata"]["labels"] == index(objects)[("Service", "kuberl-buffer")]["metadata"]["labels"]
     assert pvc["metadata"].get("namespace") == "kuberl"
     assert_checkpoints_on_claim(objects, "kuberl-buffer-replay", monkeypatch)
     # It adds to the buffer and nothing else: every other object is as the overlay renders it.
@@ -241,7 +243,9 @@ def test_applies_with_server_side_dry_run(render, k8s_cluster, k8s_namespace):
     applied = [line for line in out.stdout.splitlines() if line.endswith("serverside-applied (server dry run)")]
     assert len(applied) == len(objects), out.stdout
     assert any(line.startswith("statefulset.apps/") for line in applied)
-    assert any(line.startswith("persistentvolumeclaim/") for line in applied)
+    claims = of_kind(objects, "PersistentVolumeClaim")   # none with existingClaim: the user made it
+    assert len(claims) == (render != "helm existingClaim")
+    assert sum(line.startswith("persistentvolumeclaim/") for line in applied) == len(claims)
 
 
 # ---- the buffer, as the rendered pod runs it ----------------------------------------------------------------

@@ -5,26 +5,31 @@ the services actually serve and accept: each container's args parse with the rol
 parser; ports, probe ports and probe health-service names are the services' own; peers are addressed
 through headless Services that exist and select the right pods; grace periods outlast each role's
 shutdown deadline; the config in the ConfigMap loads with the strict loader and names the objects the
-planner scales; the planner's Role grants exactly services/planner/rbac.py RULES; the NetworkPolicies
-allow exactly the flows in docs/architecture.md (section 6); and the Dockerfiles and `make images`
-agree with all of it.
+planner scales; the planner's Role grants exactly services/planner/rbac.py RULES, and the learners' Role
+exactly services/learner/membership.py RBAC_RULES on their own StatefulSet; the learners' --group is rank
+0 of their StatefulSet behind its governing Service; the NetworkPolicies allow exactly the flows in
+docs/architecture.md (section 6); and the Dockerfiles and `make images` agree with all of it.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
+from unittest import mock
 from urllib.parse import urlparse
 
 import pytest
 import yaml
 
 from services.common.config import load_config
-from services.planner.rbac import RULES
+from services.planner.kube import WORKLOADS
+from services.planner.rbac import RESOURCE_NAMES, RULES
 from tests.deploy.render import (ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
-                                 role_of, workloads)
+                                 pod_env, role_of, workloads)
 
+API_ROLES = ("learner", "planner")   # the roles whose pods call the Kubernetes API (and so get a token)
 HEALTH_NAMES = {"actor": "kuberl.v1.Actor", "buffer": "kuberl.v1.Buffer", "learner": "kuberl.v1.Learner",
                 "planner": "kuberl.v1.Planner"}
 RENDERS = {
@@ -65,12 +70,14 @@ def named_port(c: dict, name: str) -> int:
 
 
 def parsed_args(workload: dict):
-    """The container's args, $(VAR)-expanded from its env, parsed by the role's own parser."""
+    """The container's args, $(VAR)-expanded from its env as its first pod sees it, parsed by the role's own
+    parser in that pod's environment (parsers read defaults from it)."""
     c = container(workload)
-    env = {e["name"]: f"value-of-{e['name']}" for e in c.get("env", [])}
+    env = pod_env(workload)
     args = [expand_vars(a, env) for a in c["args"]]
     try:
-        return parser_of(role_of(workload))(args)
+        with mock.patch.dict(os.environ, env):
+            return parser_of(role_of(workload))(args)
     except SystemExit:
         pytest.fail(f"{role_of(workload)}: the role's parser rejects the manifest's args {args}")
 
@@ -94,20 +101,50 @@ def test_health_names_are_the_registered_services():
     assert health_names_in_protos() == HEALTH_NAMES
 
 
-def test_planner_role_grants_exactly_the_rbac_rules(render):
-    (role,) = of_kind(render, "Role")
-    assert not of_kind(render, "ClusterRole") and not of_kind(render, "ClusterRoleBinding")
-    granted = []
-    for rule in role["rules"]:
-        assert set(rule) == {"apiGroups", "resources", "verbs"}, f"unexpected keys in {rule}"
-        granted += [(g, r, tuple(rule["verbs"])) for g in rule["apiGroups"] for r in rule["resources"]]
-    assert sorted(granted) == sorted(RULES)
-    (binding,) = of_kind(render, "RoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
-    planner = workloads(render)["planner"]
+def role_rules(render, role: str) -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
+    """The rules of `role`'s Role as (apiGroup, resource, verbs, resourceNames), after checking that it is the
+    only Role of that role, bound by the only RoleBinding of that role to the role's pods' ServiceAccount."""
+    (obj,) = [r for r in of_kind(render, "Role") if role_of(r) == role]
+    (binding,) = [b for b in of_kind(render, "RoleBinding") if role_of(b) == role]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": obj["metadata"]["name"]}
     (subject,) = binding["subjects"]
     assert subject["kind"] == "ServiceAccount"
-    assert subject["name"] == planner["spec"]["template"]["spec"]["serviceAccountName"]
+    assert subject["name"] == workloads(render)[role]["spec"]["template"]["spec"]["serviceAccountName"]
+    rules = []
+    for rule in obj["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs", "resourceNames"}, f"unexpected keys in {rule}"
+        rules += [(g, r, tuple(rule["verbs"]), tuple(rule.get("resourceNames", ()))) for g in rule["apiGroups"]
+                  for r in rule["resources"]]
+    return rules
+
+
+def test_only_the_planner_and_the_learners_have_roles(render):
+    assert not of_kind(render, "ClusterRole") and not of_kind(render, "ClusterRoleBinding")
+    assert sorted(role_of(r) for r in of_kind(render, "Role")) == sorted(API_ROLES)
+    assert sorted(role_of(b) for b in of_kind(render, "RoleBinding")) == sorted(API_ROLES)
+
+
+def test_planner_role_grants_exactly_the_rbac_rules(render, tmp_path):
+    cfg, _ = config_of(render, tmp_path)
+    rules = role_rules(render, "planner")
+    assert sorted((g, r, verbs) for g, r, verbs, _ in rules) == sorted(RULES)
+    # Narrowed to the objects rbac.RESOURCE_NAMES names (the learner StatefulSet: not the buffer's).
+    names = {r: names for _, r, _, names in rules}
+    assert names == {r: ((getattr(cfg.planner.kubernetes, RESOURCE_NAMES[r]),) if r in RESOURCE_NAMES else ())
+                     for _, r, _ in RULES}
+    assert workloads(render)["buffer"]["metadata"]["name"] not in {n for ns in names.values() for n in ns}
+
+
+def test_learner_role_grants_exactly_the_membership_rules_on_its_statefulset(render, tmp_path):
+    """services/learner/membership.py reads the scale of its own StatefulSet, and the manifests grant that and
+    nothing more: RBAC_RULES, on that one StatefulSet."""
+    from services.learner.membership import RBAC_RULES
+    cfg, _ = config_of(render, tmp_path)
+    learner = workloads(render)["learner"]
+    assert learner["kind"] == "StatefulSet" and learner["metadata"]["name"] == cfg.planner.kubernetes.learner_statefulset
+    rules = role_rules(render, "learner")
+    assert sorted((g, r, verbs) for g, r, verbs, _ in rules) == sorted(RBAC_RULES)
+    assert {names for *_, names in rules} == {(learner["metadata"]["name"],)}
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -140,10 +177,10 @@ def test_container_matches_what_the_service_serves_and_accepts(render, role):
     if role != "planner":
         assert deadline is not None, f"services.{role}.main.SHUTDOWN_DEADLINE_S is gone: check the grace period"
     assert pod["terminationGracePeriodSeconds"] > (deadline or 0) + 5
-    # Only the planner gets an API token; each role runs as its own ServiceAccount.
+    # Only the planner and the learners get an API token; each role runs as its own ServiceAccount.
     sa = index(render)[("ServiceAccount", pod["serviceAccountName"])]
     assert role_of(sa) == role
-    assert pod["automountServiceAccountToken"] is sa["automountServiceAccountToken"] is (role == "planner")
+    assert pod["automountServiceAccountToken"] is sa["automountServiceAccountToken"] is (role in API_ROLES)
     # Non-root, as the images' USER.
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
@@ -170,18 +207,46 @@ def test_peers_are_headless_services_that_select_the_right_pods(render):
         names = {p["name"] for p in container(target)["ports"]}
         for p in spec["ports"]:
             assert p["targetPort"] in names
-            assert p["appProtocol"] == ("grpc" if p["name"] == "grpc" else "http")
-    if "StatefulSet" in {w["kind"] for w in ws.values()}:
-        assert services[ws["buffer"]["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+            assert p.get("appProtocol") == {"grpc": "grpc", "metrics": "http"}.get(p["name"])   # rendezvous: raw TCP
+    for w in ws.values():
+        if w["kind"] == "StatefulSet":
+            assert services[w["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+
+
+def test_learner_group_meets_at_rank_0_of_its_statefulset(render):
+    """The learners' --group is where rank 0 listens: pod <statefulset>-0 (rank = ordinal, as
+    services/learner/membership.py reads it from --learner-id=$(POD_NAME)) under the StatefulSet's governing
+    Service, which publishes it before it is Ready, at the port its container names `rendezvous`."""
+    from services.learner.membership import split_ordinal
+    w = workloads(render)["learner"]
+    name, spec = w["metadata"]["name"], w["spec"]
+    assert w["kind"] == "StatefulSet"
+    # Every rank must start before rank 0 can turn Ready (OrderedReady would wait for it forever).
+    assert spec["podManagementPolicy"] == "Parallel"
+    c = container(w)
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    args = parsed_args(w)
+    assert args.membership == "statefulset" and "--learner-id=$(POD_NAME)" in c["args"]
+    assert split_ordinal(f"{name}-0") == (name, 0)
+    host, port = args.group.rsplit(":", 1)
+    assert host == f"{name}-0.{spec['serviceName']}"
+    assert int(port) == named_port(c, "rendezvous")
+    group = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}[spec["serviceName"]]["spec"]
+    assert group["clusterIP"] == "None" and group["publishNotReadyAddresses"] is True
+    assert selects(group["selector"], pod_labels(w))
+    (rendezvous,) = group["ports"]
+    assert rendezvous["name"] == rendezvous["targetPort"] == "rendezvous" and rendezvous["port"] == int(port)
 
 
 def test_planner_managed_counts_are_not_in_the_templates(render, tmp_path):
     cfg, _ = config_of(render, tmp_path)
     k = cfg.planner.kubernetes
-    deployments = {d["metadata"]["name"]: d for d in of_kind(render, "Deployment")}
-    for role, name in (("actor", k.actor_deployment), ("learner", k.learner_deployment)):
-        assert role_of(deployments[name]) == role
-        assert "replicas" not in deployments[name]["spec"], f"{name}: the planner is the only writer of replicas"
+    objects = index(render)
+    for role, name in (("actor", k.actor_deployment), ("learner", k.learner_statefulset)):
+        w = objects[(WORKLOADS[role].name, name)]    # of the kind the planner's backend scales
+        assert role_of(w) == role
+        assert "replicas" not in w["spec"], f"{name}: the planner is the only writer of replicas"
     buffer = workloads(render)["buffer"]
     assert buffer["kind"] == "StatefulSet" and buffer["spec"]["replicas"] == 1   # out of the planner Role's reach
 
@@ -189,7 +254,7 @@ def test_planner_managed_counts_are_not_in_the_templates(render, tmp_path):
 def test_config_map_loads_and_names_the_objects_the_planner_uses(render, tmp_path):
     cfg, _ = config_of(render, tmp_path)
     assert cfg.planner.backend == "kubernetes"
-    assert cfg.planner.learner.max == 1
+    assert cfg.planner.learner.max > 1   # the learners scale, as a group
     k = cfg.planner.kubernetes
     ws = workloads(render)
     services = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}
@@ -204,16 +269,23 @@ def test_config_map_loads_and_names_the_objects_the_planner_uses(render, tmp_pat
 
 
 def test_learner_checkpoints_are_on_a_volume(render):
+    """Each learner pod mounts its own claim from the StatefulSet's volumeClaimTemplates at --checkpoint-dir
+    (rank 0's holds the checkpoints: only rank 0 writes them)."""
     w = workloads(render)["learner"]
     args = parsed_args(w)
     mounts = {m["mountPath"]: m["name"] for m in container(w)["volumeMounts"]}
-    volume = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}[mounts[args.checkpoint_dir]]
-    if "persistentVolumeClaim" in volume:
-        claim = volume["persistentVolumeClaim"]["claimName"]
-        assert index(render)[("PersistentVolumeClaim", claim)]["spec"]["accessModes"] == ["ReadWriteOnce"]
-        assert w["spec"]["strategy"]["type"] == "Recreate"   # a RWO volume cannot follow a rolling update
+    name = mounts[args.checkpoint_dir]
+    templates = {t["metadata"]["name"]: t for t in w["spec"].get("volumeClaimTemplates", [])}
+    volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+    if name in templates:
+        assert name not in volumes     # a pod volume of that name would shadow the claim
+        assert templates[name]["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert templates[name]["spec"]["resources"]["requests"]["storage"]
+        # A StatefulSet replaces a pod only after the old one is gone: a RWO claim is never wanted twice.
+        assert w["spec"].get("updateStrategy", {}).get("type", "RollingUpdate") == "RollingUpdate"
     else:
-        assert "emptyDir" in volume    # helm learner.persistence.enabled=false
+        assert "emptyDir" in volumes[name]    # helm learner.persistence.enabled=false
+    assert not of_kind(render, "PersistentVolumeClaim")   # no claim shared by every learner pod
 
 
 def test_every_role_has_a_disruption_budget(render):
@@ -227,6 +299,9 @@ def test_every_role_has_a_disruption_budget(render):
 # ---- NetworkPolicy: evaluate the policies and compare with the flows in docs/architecture.md section 6 ----
 # Entities: the four roles (namespace "app"), another pod in that namespace, Prometheus (namespace
 # "monitoring"), cluster DNS, an external simulator and the kube-apiserver (outside the pod network).
+# Pods of one role may talk to each other (learners do). Each role also listens on an unnamed,
+# unlisted port (EPHEMERAL, as gloo's between learners), which only a rule without ports opens.
+EPHEMERAL = ("ephemeral", (43817, "TCP"))
 OTHERS = {
     "client": {"namespace": "app", "labels": {"run": "kuberl-cli"}, "ports": {}},
     "prometheus": {"namespace": "monitoring", "labels": {"app": "prometheus"}, "ports": {}},
@@ -239,6 +314,10 @@ EXPECTED_FLOWS = {
     ("actor", "buffer", "grpc"), ("learner", "buffer", "grpc"), ("actor", "learner", "grpc"),
     ("planner", "actor", "grpc"), ("planner", "buffer", "grpc"), ("planner", "learner", "grpc"),
     ("planner", "apiserver", "https"), ("planner", "apiserver", "https-alt"),
+    # The learner group: rank 0's rendezvous, gloo's connections between every pair, on any port. And the
+    # StatefulSet's scale, read from the API server (services/learner/membership.py).
+    *{("learner", "learner", port) for port in ("grpc", "metrics", "rendezvous", "ephemeral")},
+    ("learner", "apiserver", "https"), ("learner", "apiserver", "https-alt"),
     *{(role, "kube-dns", port) for role in ROLES for port in ("dns-udp", "dns-tcp")},
     # External simulators connect to actors from anywhere, inside the cluster or out.
     *{(other, "actor", "grpc") for other in OTHERS},
@@ -289,10 +368,10 @@ def test_network_policies_allow_exactly_the_design_flows(render):
     entities = dict(OTHERS)
     for role, w in ws.items():
         c = container(w)
-        entities[role] = {"namespace": "app", "labels": pod_labels(w),
-                          "ports": {p["name"]: (p["containerPort"], p.get("protocol", "TCP")) for p in c["ports"]}}
+        entities[role] = {"namespace": "app", "labels": pod_labels(w), "ports": dict(
+            [*((p["name"], (p["containerPort"], p.get("protocol", "TCP"))) for p in c["ports"]), EPHEMERAL])}
     flows = {(s, d, port) for s, src in entities.items() for d, dst in entities.items()
-             if s != d and (s in ws or d in ws) for port in dst["ports"]
+             if (s != d or s in ws) and (s in ws or d in ws) for port in dst["ports"]
              if _allowed(policies, src, "egress", dst, dst, port) and _allowed(policies, dst, "ingress", src, dst, port)}
     assert flows == EXPECTED_FLOWS, (f"allowed but not in docs/architecture.md: {sorted(flows - EXPECTED_FLOWS)}; "
                                      f"in docs/architecture.md but blocked: {sorted(EXPECTED_FLOWS - flows)}")
@@ -371,7 +450,9 @@ def test_manifests_run_the_images_make_builds():
 def _comparable(objects: list[dict], tmp_path) -> dict:
     """What must agree between the two: object kinds and names (the ConfigMap without kustomize's hash),
     each container's args, ports, probes, resources, env and mounts, each pod's grace period, accounts and
-    security context, each Service's ports, the Role's rules, the PDB budgets and the loaded config."""
+    security context, each StatefulSet's governing Service, pod management and claim templates, each
+    Service's ports and whether it publishes unready pods, the Roles' rules, the PDB budgets and the loaded
+    config."""
     names = sorted((o["kind"], re.sub(r"^(kuberl-config)-[a-z0-9]+$", r"\1", o["metadata"]["name"])) for o in objects)
     pods = {}
     for role, w in workloads(objects).items():
@@ -381,13 +462,16 @@ def _comparable(objects: list[dict], tmp_path) -> dict:
         pods[role] = {"kind": w["kind"], "replicas": w["spec"].get("replicas"), "strategy": w["spec"].get("strategy"),
                       "container": c, **{k: spec[k] for k in ("terminationGracePeriodSeconds", "serviceAccountName",
                                                               "automountServiceAccountToken", "securityContext")},
-                      "volumes": sorted(v["name"] for v in spec["volumes"])}
-    services = {s["metadata"]["name"]: s["spec"]["ports"] for s in of_kind(objects, "Service")}
-    (role,) = of_kind(objects, "Role")
+                      "volumes": sorted(v["name"] for v in spec["volumes"]),
+                      **{k: w["spec"].get(k) for k in ("serviceName", "podManagementPolicy")},
+                      "claims": {t["metadata"]["name"]: t["spec"] for t in w["spec"].get("volumeClaimTemplates", [])}}
+    services = {s["metadata"]["name"]: (s["spec"]["ports"], s["spec"].get("publishNotReadyAddresses", False))
+                for s in of_kind(objects, "Service")}
+    rules = {r["metadata"]["name"]: r["rules"] for r in of_kind(objects, "Role")}
     pdbs = {p["metadata"]["name"]: {k: v for k, v in p["spec"].items() if k != "selector"}
             for p in of_kind(objects, "PodDisruptionBudget")}
     cfg, _ = config_of(objects, tmp_path)
-    return {"names": names, "pods": pods, "services": services, "rules": role["rules"], "pdbs": pdbs,
+    return {"names": names, "pods": pods, "services": services, "rules": rules, "pdbs": pdbs,
             "config": cfg.to_dict()}
 
 

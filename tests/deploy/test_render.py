@@ -26,7 +26,11 @@ def test_overlay_renders_and_validates_strictly(overlay):
     objects = kustomize(overlay)
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "StatefulSet", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-            "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim"} <= kinds
+            "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    # The learners' checkpoint claims come from their StatefulSet's volumeClaimTemplates, one per pod.
+    assert "PersistentVolumeClaim" not in kinds
+    (learner,) = [o for o in objects if o["metadata"]["name"] == "kuberl-learner" and o["kind"] == "StatefulSet"]
+    assert [t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]] == ["checkpoints"]
     assert validate(objects) == []
 
 
@@ -54,8 +58,9 @@ def test_helm_template_validates_strictly(variant):
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
         services = [s for s in of_kind(objects, "Service")
-                    if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())]
-        assert len(services) == 4   # it selects every role's Service
+                    if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+                    and "metrics" in {p["name"] for p in s["spec"]["ports"]}]
+        assert len(services) == 4   # it scrapes every role's Service (the learner group's has no metrics port)
     else:
         assert monitors == []
 
@@ -69,14 +74,35 @@ def test_helm_lint_strict():
 
 @pytest.mark.parametrize("values, message", [
     (["--set", "actor.replicas=3"], "replicas"),                              # the planner is the only writer
-    (["--set", "config.planner.learner.max=2"], "max"),                        # one learner so far
+    (["--set", "config.planner.learner.max=0"], "max"),                        # at least one learner
     (["--set", "config.planner.backend=local"], "backend"),                    # in a cluster: kubernetes
     (["--set", "buffer.resources.requests=null"], "requests"),             # requests everywhere
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "nameOverride=Not_A_Name"], "nameOverride"),
+    (["--set", "learner.persistence.existingClaim=mine"], "existingClaim"),    # one claim per learner pod now
+    (["--set", "learner.persistence.size=5GB"], "learner.persistence.size"),
 ])
 def test_values_schema_rejects_bad_values(values, message):
     with pytest.raises(RenderError) as err:
         helm_template(*values)
     assert "values don't meet the specifications of the schema" in str(err.value)
     assert message in str(err.value)
+
+
+def test_learner_claims_come_from_the_statefulset_template():
+    """Each learner pod's checkpoint claim is the StatefulSet's `checkpoints` template: its size and class
+    from Helm learner.persistence (none when disabled), 5 Gi in k8s/base and 1 Gi in the dev overlay."""
+    def template(objects):
+        (learner,) = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["labels"][
+            "app.kubernetes.io/component"] == "learner"]
+        return {t["metadata"]["name"]: t["spec"] for t in learner["spec"].get("volumeClaimTemplates", [])}
+
+    assert template(helm_template()) == {"checkpoints": {"accessModes": ["ReadWriteOnce"],
+                                                         "resources": {"requests": {"storage": "5Gi"}}}}
+    assert template(helm_template("--set", "learner.persistence.size=20Gi",
+                                  "--set", "learner.persistence.storageClassName=fast-ssd")) == {
+        "checkpoints": {"accessModes": ["ReadWriteOnce"], "storageClassName": "fast-ssd",
+                        "resources": {"requests": {"storage": "20Gi"}}}}
+    assert template(helm_template("--set", "learner.persistence.enabled=false")) == {}
+    for overlay, size in (("base", "5Gi"), ("overlays/dev", "1Gi"), ("overlays/gpu", "5Gi")):
+        assert template(kustomize(overlay))["checkpoints"]["resources"]["requests"]["storage"] == size, overlay

@@ -9,8 +9,9 @@ supply torch here; the images default to PyTorch's CPU index).
 
 Then: `python -m services.<role> --help` answers; the buffer's and the planner's environments hold no
 torch (nor gymnasium); and the buffer, learner and actor started from their own environments, with the
-args and config the kustomize base renders, report SERVING to the images' HEALTHCHECK command, train
-together, and exit 0 on SIGTERM within their pods' terminationGracePeriodSeconds.
+args and config the kustomize base renders (the learner alone, `--membership=fixed`: no API server here),
+report SERVING to the images' HEALTHCHECK command, train together, and exit 0 on SIGTERM within their
+pods' terminationGracePeriodSeconds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import grpc
 import pytest
 
 from services.cli.stats import get_stats
-from tests.deploy.render import ROLES, ROOT, container, expand_vars, kustomize, of_kind, workloads
+from tests.deploy.render import ROLES, ROOT, container, expand_vars, kustomize, of_kind, pod_env, workloads
 from tests.deploy.test_crosscheck import dockerfile
 
 INSTALL_TIMEOUT_S = 600
@@ -99,8 +100,7 @@ def _start(venv: Path, workload: dict, overrides: dict[str, str], workdir: Path)
     """Start the role from its venv with the manifest's args (flags in `overrides` replaced); returns the
     process and its gRPC address (from --ready-file)."""
     c = container(workload)
-    env = {e["name"]: f"{workload['metadata']['name']}-0" for e in c.get("env", [])}
-    args = [expand_vars(a, env) for a in c["args"]]
+    args = [expand_vars(a, pod_env(workload)) for a in c["args"]]
     args = [a for a in args if a.split("=", 1)[0] not in overrides]
     ready = workdir / f"{c['name']}.ready"
     args += [f"{k}={v}" for k, v in overrides.items()] + [f"--ready-file={ready}"]
@@ -134,8 +134,10 @@ def test_roles_serve_from_their_own_environments(venvs, tmp_path):
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["buffer"], buffer = _start(venvs["buffer"], ws["buffer"], common, tmp_path)
+        # One learner, alone: --membership=statefulset would read its StatefulSet's scale from an API server.
         procs["learner"], learner = _start(venvs["learner"], ws["learner"], {
-            **common, "--buffer": buffer, "--checkpoint-dir": str(tmp_path / "checkpoints")}, tmp_path)
+            **common, "--buffer": buffer, "--checkpoint-dir": str(tmp_path / "checkpoints"), "--membership": "fixed"},
+            tmp_path)
         procs["actor"], actor = _start(venvs["actor"], ws["actor"], {
             **common, "--buffer": buffer, "--learner": learner}, tmp_path)
         for role, address in (("buffer", buffer), ("learner", learner), ("actor", actor)):

@@ -6,8 +6,9 @@ is 1.20 (tests/e2e/node.py), which does not serve two things they use:
     policy/v1 PodDisruptionBudget (1.21+)    dropped: so voluntary-disruption limits are NOT checked here
     native gRPC probes (`grpc:`, 1.24+)      turned into exec probes of the image's own health check
                                              (`kuberl-healthcheck --service S 127.0.0.1:PORT`), same
-                                             service name, port and thresholds: so the probe *semantics*
-                                             are checked, but not kubelet's gRPC prober itself
+                                             service name, port, period and thresholds (a timeout of at
+                                             least 20 s: it starts a Python process): so the probe
+                                             *semantics* are checked, but not kubelet's gRPC prober itself
 
 Nothing else is changed. NetworkPolicies are applied but not enforced (the CNI bridge plugin has no
 policy engine), so they are not checked either. `UNCHECKED` lists these for the docs and test output.
@@ -25,6 +26,7 @@ UNCHECKED = (
     "NetworkPolicy enforcement: the CNI bridge plugin enforces none",
 )
 HEALTHCHECK = "/opt/kuberl/bin/kuberl-healthcheck"
+EXEC_PROBE_TIMEOUT_S = 20
 
 
 def _exec_probe(probe: dict, ports: dict[str, int]) -> dict:
@@ -34,9 +36,12 @@ def _exec_probe(probe: dict, ports: dict[str, int]) -> dict:
     command = [HEALTHCHECK]
     if grpc.get("service"):
         command += ["--service", grpc["service"]]
-    # The exec runs inside the container: its own timeout must end before kubelet's (default 1 s).
+    # The exec runs inside the container: its own timeout must end before kubelet's (default 1 s). It
+    # also starts a Python process, which a native gRPC probe does not: on a 2-core node under load
+    # that alone took over 5 s, and three such liveness timeouts restarted healthy pods. So the exec
+    # probe gets at least 20 s; the probe's period and thresholds are kept.
     timeout_s = probe.get("timeoutSeconds", 1)
-    probe["timeoutSeconds"] = max(timeout_s, 3)
+    probe["timeoutSeconds"] = max(timeout_s, EXEC_PROBE_TIMEOUT_S)
     command += ["--timeout", str(max(probe["timeoutSeconds"] - 1, 1)), f"127.0.0.1:{port}"]
     probe["exec"] = {"command": command}
     return probe

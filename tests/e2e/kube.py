@@ -7,6 +7,7 @@ for waiting, and the API server's service proxy for /metrics (as `kubectl proxy`
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.e2e.adapt import adapt
@@ -26,10 +27,18 @@ def render_overlay(node: Node, overlay: str) -> str:
     return adapt(kubectl(node, "kustomize", str(ROOT / overlay)))
 
 
-def provide_volumes(node: Node, count: int = 4, size: str = "10Gi") -> list[str]:
+# Learner pods the 2-core e2e node has room for beside the other roles (each asks for 500m in the dev
+# overlay and in test_helm's values); the tests cap planner.learner.max at it (fit_node).
+NODE_LEARNERS = 2
+
+
+def provide_volumes(node: Node, count: int = 1 + NODE_LEARNERS, size: str = "10Gi") -> list[str]:
     """Fresh hostPath PersistentVolumes (new names, empty directories under the node's work dir) for the
-    PVCs the manifests make (there is no provisioner). Fresh, so no test restores another's checkpoints.
-    Owned by the images' uid 10001: fsGroup does not apply to hostPath volumes."""
+    PVCs the manifests make (there is no provisioner): one per learner pod (the StatefulSet's
+    volumeClaimTemplates give each its own claim, checkpoints-kuberl-learner-<i>), up to NODE_LEARNERS,
+    and one for the buffer's replay claim (k8s/components/buffer-checkpoints, Helm buffer.checkpoint).
+    Fresh, so no test restores another's checkpoints. Owned by the images' uid 10001: fsGroup does not
+    apply to hostPath volumes."""
     import os
     import uuid
 
@@ -61,6 +70,18 @@ def release_volumes(node: Node) -> None:
         for pv in core.list_persistent_volume(label_selector="kuberl-e2e=volume").items:
             core.delete_persistent_volume(pv.metadata.name)
             shutil.rmtree(node.workdir / "volumes" / pv.metadata.name, ignore_errors=True)
+
+
+@contextmanager
+def fresh_namespace(node: Node, namespace: str):
+    """A test's deployment scope: fresh volumes for its claims (provide_volumes) and, on leaving, its
+    namespace deleted (its pods and claims with it) and the volumes released."""
+    provide_volumes(node)
+    try:
+        yield
+    finally:
+        node.delete_namespace(namespace)
+        release_volumes(node)
 
 
 def workloads_ready(node: Node, namespace: str) -> tuple[bool, str]:
@@ -169,6 +190,13 @@ def assert_trains(node: Node, namespace: str, report: dict, key: str, start: flo
     assert steps > 0, "the actor pods report no env steps although the learner's version rose"
     report[key] = {"apply_to_ready_s": round(ready_s, 1), "apply_to_training_s": round(time.monotonic() - start, 1),
                    "policy_version_at_ready": first, "policy_version_later": version}
+
+
+def fit_node(config: dict) -> None:
+    """The experiment config (a with_config change) with no more learners than the node has room and
+    volumes for (NODE_LEARNERS): a learner pod past that would stay Pending."""
+    learner = config.setdefault("planner", {}).setdefault("learner", {})
+    learner["max"] = min(learner.get("max", NODE_LEARNERS), NODE_LEARNERS)
 
 
 def with_config(manifest: str, change) -> str:

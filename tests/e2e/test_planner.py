@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import time
 
-from tests.e2e.kube import (kubectl, pod_metrics, pod_ready, provide_volumes, release_volumes, render_overlay,
-                            wait_ready, with_config)
+from tests.e2e.kube import fresh_namespace, kubectl, pod_metrics, pod_ready, render_overlay, wait_ready, with_config
 
 NAMESPACE = "kuberl"
 MAX_ACTORS = 3
@@ -20,13 +19,14 @@ STEPS = "kuberl_actor_env_steps_total"
 
 def imbalanced(config: dict) -> None:
     config.setdefault("actor", {})["max_env_steps_per_s"] = 150
-    config["planner"].update(interval_s=5, actor={"min": 1, "max": MAX_ACTORS})
+    # One learner throughout: this test is about the actors (the learner StatefulSet is scaled the same way,
+    # through its scale subresource: tests/integration/test_planner_kube_e2e.py).
+    config["planner"].update(interval_s=5, actor={"min": 1, "max": MAX_ACTORS}, learner={"min": 1, "max": 1})
 
 
 def test_planner_scales_actor_pods_and_new_pods_produce(e2e_node, e2e_images, e2e_report):
     from kubernetes import client
-    provide_volumes(e2e_node)
-    try:
+    with fresh_namespace(e2e_node, NAMESPACE):
         kubectl(e2e_node, "apply", "-f", "-",
                 input=with_config(render_overlay(e2e_node, "k8s/overlays/dev"), imbalanced))
         wait_ready(e2e_node, NAMESPACE, timeout_s=400)
@@ -66,6 +66,3 @@ def test_planner_scales_actor_pods_and_new_pods_produce(e2e_node, e2e_images, e2
             assert len(producing) >= replicas, (f"{replicas} actors wanted; producing: {sorted(producing)}")
         e2e_report["planner_scale_up"] = {
             "replicas": replicas, "decision_to_all_producing_s": round(max(producing.values()), 1)}
-    finally:
-        e2e_node.delete_namespace(NAMESPACE)
-        release_volumes(e2e_node)

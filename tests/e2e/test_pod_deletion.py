@@ -10,8 +10,9 @@ learner's policy version rises). The accounting is the reliability issue's, made
   What the old buffer held is gone with it (a PPO FIFO is not checkpointed, docs/deploy.md); while no
   buffer serves, the actor's bounded send queue drops its oldest unsent fragments, counted in
   `actor/fragments_dropped_total` (reported here, never acknowledged);
-- learner: the replacement resumes from the checkpoint the old one wrote at SIGTERM on its PVC, so its
-  first policy version is at least the old one's last;
+- learner: the StatefulSet's replacement pod (the same name, kuberl-learner-0, and the same claim,
+  checkpoints-kuberl-learner-0) resumes from the checkpoint the old one wrote at SIGTERM, so its first
+  policy version is at least the old one's last;
 - actor: the replacement produces. The deleted actor's final log line (followed with `kubectl logs
   -f`) gives its acknowledged total A1 and shows nothing rejected; the new buffer's
   `fragments_received_total` R, read as the old actor has gone, must be A1 - A0 plus at most what the
@@ -24,8 +25,8 @@ import re
 import subprocess
 import time
 
-from tests.e2e.kube import (VERSION_METRIC, kubectl, metrics, pod_metrics, pod_ready, pods, provide_volumes,
-                            release_volumes, render_overlay, wait_metric, wait_ready, with_config)
+from tests.e2e.kube import (VERSION_METRIC, fresh_namespace, kubectl, metrics, pod_metrics, pod_ready, pods,
+                            render_overlay, wait_metric, wait_ready, with_config)
 from tests.k8s.cluster import binaries
 
 NAMESPACE = "kuberl"
@@ -35,6 +36,7 @@ ACKED = "kuberl_actor_fragments_acked_total"
 
 def fixed_topology(config: dict) -> None:
     config["planner"]["actor"] = {"min": 1, "max": 1}   # the planner must not add or remove actors here
+    config["planner"]["learner"] = {"min": 1, "max": 1}   # nor learners: one learner pod, kuberl-learner-0
     config["learner"]["checkpoint_interval_s"] = 5
 
 
@@ -61,9 +63,8 @@ def _restarts(node, component: str) -> int:
 
 
 def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e_report):
-    provide_volumes(e2e_node)
     timings = {}
-    try:
+    with fresh_namespace(e2e_node, NAMESPACE):
         kubectl(e2e_node, "apply", "-f", "-",
                 input=with_config(render_overlay(e2e_node, "k8s/overlays/dev"), fixed_topology))
         wait_ready(e2e_node, NAMESPACE, timeout_s=400)
@@ -86,10 +87,11 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
 
         # --- the learner --------------------------------------------------------------------------
         (learner,) = [p.metadata.name for p in pods(e2e_node, NAMESPACE, "learner")]
+        assert learner == "kuberl-learner-0"   # rank 0 of the StatefulSet, whose claim holds the checkpoints
         last = pod_metrics(e2e_node, NAMESPACE, learner)[VERSION_METRIC]
         start = time.monotonic()
         kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", learner, "--wait=true", timeout_s=200)
-        new_learner = _replaced(e2e_node, "learner", old=learner)
+        new_learner = _replaced(e2e_node, "learner", old="")   # a StatefulSet's replacement keeps the name
         resumed = pod_metrics(e2e_node, NAMESPACE, new_learner)[VERSION_METRIC]
         # The old learner trained on while it drained; the final checkpoint holds its last version.
         assert resumed >= last, f"the new learner resumed at version {resumed}, below the old one's {last}"
@@ -134,6 +136,3 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=version + 1)
         timings["actor_delete_to_training_s"] = round(time.monotonic() - start, 1)
         e2e_report["pod_deletion"] = timings
-    finally:
-        e2e_node.delete_namespace(NAMESPACE)
-        release_volumes(e2e_node)

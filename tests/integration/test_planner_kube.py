@@ -1,7 +1,8 @@
-"""The planner's Kubernetes backend against a real kube-apiserver + etcd (tests/k8s/cluster.py): scaling
-through deployments/scale, 409s, 403s under the minimal Role from services/planner/rbac.py, refusing to
-fight an HPA (with kube-controller-manager acting), the pause annotation, dry run, Endpoints discovery,
-Lease leader election, and the client-side rate limit and Retry-After handling."""
+"""The planner's Kubernetes backend against a real kube-apiserver + etcd (tests/k8s/cluster.py): scaling the
+actor Deployment through deployments/scale and the learner StatefulSet through statefulsets/scale, 409s,
+403s under the minimal Role from services/planner/rbac.py, refusing to fight an HPA on either (with
+kube-controller-manager acting), the pause annotation on either, dry run, Endpoints discovery, Lease
+leader election, and the client-side rate limit and Retry-After handling."""
 
 from __future__ import annotations
 
@@ -18,34 +19,52 @@ from kubernetes import client
 from services.common.config import KubernetesPlannerConfig
 from services.planner import rbac
 from services.planner.backend import Conflict, DryRunBackend, Refused
-from services.planner.kube import ApiError, KubernetesBackend, TokenBucket
+from services.planner.kube import DEPLOYMENT, STATEFULSET, WORKLOADS, ApiError, Kind, KubernetesBackend, TokenBucket
 from tests.k8s.cluster import TOKENS, expand, grant
 
 ACTOR, LEARNER = "kuberl-actor", "kuberl-learner"
+NAMES = {"actor": ACTOR, "learner": LEARNER}   # KubernetesPlannerConfig's defaults
+ROLE_OF = {name: role for role, name in NAMES.items()}
 MERGE = "application/merge-patch+json"
+# The planner's Role as the manifests grant it: rbac.RULES, the StatefulSet rules on the learners' only.
+RESOURCE_NAMES = {resource: [LEARNER] for resource in rbac.RESOURCE_NAMES}
 
 
-def deployment(name: str, replicas: int = 1, annotations: dict | None = None) -> dict:
+def workload(kind: Kind, name: str, replicas: int = 1, annotations: dict | None = None) -> dict:
     labels = {"app": name}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "annotations": annotations or {}},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": {"containers": [
-                         {"name": "main", "image": "kuberl/test:0"}]}}}}
+    spec = {"replicas": replicas, "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [
+                {"name": "main", "image": "kuberl/test:0"}]}}}
+    if kind == STATEFULSET:
+        spec["serviceName"] = f"{name}-group"
+    return {"apiVersion": "apps/v1", "kind": kind.name, "metadata": {"name": name, "annotations": annotations or {}},
+            "spec": spec}
 
 
-def make_roles(api, ns: str, actors: int = 1, learners: int = 1, actor_annotations: dict | None = None) -> None:
-    apps = client.AppsV1Api(api)
-    apps.create_namespaced_deployment(ns, deployment(ACTOR, actors, actor_annotations))
-    apps.create_namespaced_deployment(ns, deployment(LEARNER, learners))
+def apps_call(api, verb: str, name: str, scale: bool = False):
+    """The AppsV1Api method that does `verb` to the workload `name` (the actor Deployment or the learner
+    StatefulSet, as kube.WORKLOADS says) or to its scale."""
+    return WORKLOADS[ROLE_OF[name]].call(client.AppsV1Api(api), verb, scale)
+
+
+def make_roles(api, ns: str, actors: int = 1, learners: int = 1, annotations: dict[str, dict] | None = None) -> None:
+    """The actor Deployment and the learner StatefulSet; `annotations`: role -> its workload's annotations."""
+    for role, replicas in (("actor", actors), ("learner", learners)):
+        apps_call(api, "create", NAMES[role])(ns, workload(WORKLOADS[role], NAMES[role], replicas,
+                                                           (annotations or {}).get(role)))
 
 
 def spec_replicas(api, ns: str, name: str = ACTOR) -> int:
-    return client.AppsV1Api(api).read_namespaced_deployment(name, ns).spec.replicas
+    return apps_call(api, "read", name)(name, ns).spec.replicas
 
 
 def resource_version(api, ns: str, name: str = ACTOR) -> str:
-    return client.AppsV1Api(api).read_namespaced_deployment(name, ns).metadata.resource_version
+    return apps_call(api, "read", name)(name, ns).metadata.resource_version
+
+
+def scale_by_hand(api, ns: str, name: str, replicas: int) -> None:
+    """What `kubectl scale` does: a patch of the scale subresource."""
+    apps_call(api, "patch", name, scale=True)(name, ns, {"spec": {"replicas": replicas}}, _content_type=MERGE)
 
 
 @pytest.fixture
@@ -92,28 +111,40 @@ async def test_scale_up_and_down_through_the_scale_subresource(k8s_admin, k8s_na
     # a second write without a fresh observe uses the resourceVersion of its own last write
     assert (await b.apply({"actor": 2})).applied == {"actor": 2}
     assert spec_replicas(k8s_admin, k8s_namespace) == 2
-    # the only write it ever makes is the scale subresource
-    assert {c for c in b.calls if c[2] not in ("get", "list", "watch")} == {("apps", "deployments/scale", "patch")}
+
+    # the learners, a StatefulSet, the same way: up, down, both roles at once
+    result = await b.apply({"learner": 3})
+    assert result.applied == {"learner": 3} and result.detail == "patched statefulsets/scale"
+    assert spec_replicas(k8s_admin, k8s_namespace, LEARNER) == 3
+    assert spec_replicas(k8s_admin, k8s_namespace) == 2
+    assert (await b.observe())["learner"].desired == 3
+    assert (await b.apply({"learner": 2, "actor": 4})).applied == {"learner": 2, "actor": 4}
+    assert (spec_replicas(k8s_admin, k8s_namespace), spec_replicas(k8s_admin, k8s_namespace, LEARNER)) == (4, 2)
+    # the only writes it ever makes are the scale subresources
+    assert {c for c in b.calls if c[2] not in ("get", "list", "watch")} == {
+        ("apps", "deployments/scale", "patch"), ("apps", "statefulsets/scale", "patch")}
 
 
-async def test_a_concurrent_change_is_a_conflict_and_a_fresh_read_then_succeeds(k8s_admin, k8s_namespace, backends):
-    make_roles(k8s_admin, k8s_namespace, actors=2)
+@pytest.mark.parametrize("role", ["actor", "learner"])
+async def test_a_concurrent_change_is_a_conflict_and_a_fresh_read_then_succeeds(k8s_admin, k8s_namespace, backends, role):
+    name = NAMES[role]
+    make_roles(k8s_admin, k8s_namespace, actors=2, learners=2)
     b = await backends(k8s_namespace)
-    assert (await b.observe())["actor"].desired == 2
+    assert (await b.observe())[role].desired == 2
     # someone else (a person with kubectl scale) changes it between observe and apply
-    client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale(
-        ACTOR, k8s_namespace, {"spec": {"replicas": 5}}, _content_type=MERGE)
-    with pytest.raises(Conflict, match="changed since it was read"):
-        await b.apply({"actor": 3})
-    assert spec_replicas(k8s_admin, k8s_namespace) == 5   # their change stands
-    assert (await b.observe())["actor"].desired == 5      # the core re-reads and decides again
-    assert (await b.apply({"actor": 3})).applied == {"actor": 3}
-    assert spec_replicas(k8s_admin, k8s_namespace) == 3
+    scale_by_hand(k8s_admin, k8s_namespace, name, 5)
+    with pytest.raises(Conflict, match=f"{role}: {WORKLOADS[role].name} '{name}' changed since it was read"):
+        await b.apply({role: 3})
+    assert spec_replicas(k8s_admin, k8s_namespace, name) == 5   # their change stands
+    assert (await b.observe())[role].desired == 5      # the core re-reads and decides again
+    assert (await b.apply({role: 3})).applied == {role: 3}
+    assert spec_replicas(k8s_admin, k8s_namespace, name) == 3
 
 
-async def test_minimal_role_scales_deployments_and_is_forbidden_everything_else(k8s_cluster, k8s_admin, k8s_namespace,
-                                                                                 backends, tmp_path):
-    """The planner as a token-auth user bound to a Role built from rbac.RULES, through a kubeconfig."""
+async def test_minimal_role_scales_its_workloads_and_is_forbidden_everything_else(k8s_cluster, k8s_admin, k8s_namespace,
+                                                                                  backends, tmp_path):
+    """The planner as a token-auth user bound to a Role built from rbac.RULES (its StatefulSet rules on the
+    learners' only, as the manifests grant them), through a kubeconfig."""
     ns = k8s_namespace
     make_roles(k8s_admin, ns, actors=1)
     client.AppsV1Api(k8s_admin).create_namespaced_stateful_set(ns, {
@@ -121,15 +152,15 @@ async def test_minimal_role_scales_deployments_and_is_forbidden_everything_else(
                                                "template": {"metadata": {"labels": {"app": "o"}},
                                                             "spec": {"containers": [{"name": "m", "image": "x"}]}}}})
     client.CoreV1Api(k8s_admin).create_namespaced_secret(ns, {"metadata": {"name": "s"}, "stringData": {"k": "v"}})
-    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner")
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner", resource_names=RESOURCE_NAMES)
 
     kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "planner.kubeconfig", user="kuberl-planner", namespace=ns)
     b = await backends(None, kubeconfig=str(kubeconfig), leader_election=True, lease_duration_s=5)
     assert b.namespace == ns            # from the kubeconfig's context
     assert b.leader                     # leases: get/create/update are granted
     await b.observe()
-    assert (await b.apply({"actor": 2})).applied == {"actor": 2}
-    assert spec_replicas(k8s_admin, ns) == 2
+    assert (await b.apply({"actor": 2, "learner": 2})).applied == {"actor": 2, "learner": 2}
+    assert (spec_replicas(k8s_admin, ns), spec_replicas(k8s_admin, ns, LEARNER)) == (2, 2)
 
     with k8s_cluster.client(TOKENS["kuberl-planner"]) as planner:
         apps, core = client.AppsV1Api(planner), client.CoreV1Api(planner)
@@ -141,35 +172,41 @@ async def test_minimal_role_scales_deployments_and_is_forbidden_everything_else(
                 "metadata": {"name": "p"}, "spec": {"containers": [{"name": "m", "image": "x"}]}}),
             "read a Secret": lambda: core.read_namespaced_secret("s", ns),
             "list Secrets": lambda: core.list_namespaced_secret(ns),
-            "scale a StatefulSet": lambda: apps.patch_namespaced_stateful_set_scale(
+            "scale another StatefulSet": lambda: apps.patch_namespaced_stateful_set_scale(
                 "other", ns, {"spec": {"replicas": 3}}, _content_type=MERGE),
+            "read another StatefulSet": lambda: apps.read_namespaced_stateful_set("other", ns),
+            "patch the learner StatefulSet": lambda: apps.patch_namespaced_stateful_set(
+                LEARNER, ns, {"spec": {"template": {"spec": {"containers": [{"name": "main", "image": "evil"}]}}}},
+                _content_type=MERGE),
             "delete the Deployment": lambda: apps.delete_namespaced_deployment(ACTOR, ns),
         }
         for what, call in forbidden.items():
             with pytest.raises(client.ApiException) as e:
                 call()
             assert e.value.status == 403, what
-    assert spec_replicas(k8s_admin, ns) == 2
+    assert (spec_replicas(k8s_admin, ns), spec_replicas(k8s_admin, ns, LEARNER)) == (2, 2)
     assert client.AppsV1Api(k8s_admin).read_namespaced_stateful_set("other", ns).spec.replicas == 1
 
 
-async def test_a_missing_permission_is_a_clear_error_naming_verb_and_resource(k8s_cluster, k8s_admin, k8s_namespace, backends):
-    """A Role without the scale write (a broken manifest): the planner still observes, and apply says what it
-    lacked; the planner identity here is a ServiceAccount (impersonated)."""
-    ns = k8s_namespace
+@pytest.mark.parametrize("role", ["actor", "learner"])
+async def test_a_missing_permission_is_a_clear_error_naming_verb_and_resource(k8s_cluster, k8s_admin, k8s_namespace,
+                                                                              backends, role):
+    """A Role without the scale write of one kind (a broken manifest): the planner still observes, and apply
+    says what it lacked; the planner identity here is a ServiceAccount (impersonated)."""
+    ns, name, scale = k8s_namespace, NAMES[role], f"{WORKLOADS[role].resource}/scale"
     make_roles(k8s_admin, ns)
-    rules = [(g, r, tuple(v for v in verbs if not (r == "deployments/scale" and v == "patch"))) for g, r, verbs in rbac.RULES]
-    grant(k8s_admin, ns, "planner-without-scale", rules, service_account="kuberl-planner")
+    rules = [(g, r, tuple(v for v in verbs if not (r == scale and v == "patch"))) for g, r, verbs in rbac.RULES]
+    grant(k8s_admin, ns, "planner-without-scale", rules, service_account="kuberl-planner", resource_names=RESOURCE_NAMES)
     with k8s_cluster.as_service_account(ns, "kuberl-planner") as api:
         b = await backends(ns, api=api)
-        assert (await b.observe())["actor"].desired == 1
+        assert (await b.observe())[role].desired == 1
         with pytest.raises(ApiError) as e:
-            await b.apply({"actor": 2})
+            await b.apply({role: 2})
         assert e.value.status == 403
         message = str(e.value)
-        assert f"patch apps/deployments/scale '{ACTOR}' in namespace '{ns}'" in message
+        assert f"patch apps/{scale} '{name}' in namespace '{ns}'" in message
         assert "HTTP 403 Forbidden" in message and "system:serviceaccount" in message and "rbac.py" in message
-    assert spec_replicas(k8s_admin, ns) == 1
+    assert spec_replicas(k8s_admin, ns, name) == 1
 
 
 async def test_a_call_not_in_the_rbac_rules_is_a_bug(k8s_admin, k8s_namespace, backends):
@@ -182,69 +219,79 @@ async def test_a_call_not_in_the_rbac_rules_is_a_bug(k8s_admin, k8s_namespace, b
     assert ("apps", "deployments", "delete") not in b.calls
 
 
-async def test_refuses_to_fight_an_hpa(k8s_controller_manager, k8s_admin, k8s_namespace, backends):
-    ns = k8s_namespace
-    make_roles(k8s_admin, ns, actors=4)
+OTHER = {"actor": "learner", "learner": "actor"}
+
+
+@pytest.mark.parametrize("role", ["actor", "learner"])
+async def test_refuses_to_fight_an_hpa(k8s_controller_manager, k8s_admin, k8s_namespace, backends, role):
+    """An HPA on the actor Deployment or on the learner StatefulSet: that role is blocked, the other is not."""
+    ns, name, kind, other = k8s_namespace, NAMES[role], WORKLOADS[role], OTHER[role]
+    make_roles(k8s_admin, ns, **{f"{role}s": 4})
     client.AutoscalingV1Api(k8s_admin).create_namespaced_horizontal_pod_autoscaler(ns, {
-        "metadata": {"name": "actor-hpa"},
-        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": ACTOR},
+        "metadata": {"name": f"{role}-hpa"},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": kind.name, "name": name},
                  "minReplicas": 4, "maxReplicas": 6, "targetCPUUtilizationPercentage": 50}})
     # what would happen without the refusal: a scale to 2 is undone by the HPA within a sync or two
-    client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale(ACTOR, ns, {"spec": {"replicas": 2}}, _content_type=MERGE)
+    scale_by_hand(k8s_admin, ns, name, 2)
     deadline = time.monotonic() + 30
-    while spec_replicas(k8s_admin, ns) != 4:
+    while spec_replicas(k8s_admin, ns, name) != 4:
         assert time.monotonic() < deadline, "the HPA did not restore its minimum"
         await asyncio.sleep(0.3)
 
     b = await backends(ns)
     state = await b.observe()
-    assert "HorizontalPodAutoscaler 'actor-hpa'" in state["actor"].blocked
-    assert state["learner"].blocked == ""
-    with pytest.raises(Refused, match="'actor-hpa' targets Deployment 'kuberl-actor'"):
-        await b.apply({"actor": 2})
-    with pytest.raises(Refused, match="actor-hpa"):
-        await b.apply({"actor": 2}, dry_run=True)
-    with pytest.raises(Refused, match="actor-hpa"):   # nothing is written when any role is refused
-        await b.apply({"learner": 1, "actor": 5})
-    assert spec_replicas(k8s_admin, ns) == 4
-    assert ("apps", "deployments/scale", "patch") not in b.calls
+    assert f"HorizontalPodAutoscaler '{role}-hpa'" in state[role].blocked
+    assert state[other].blocked == ""
+    with pytest.raises(Refused, match=f"'{role}-hpa' targets {kind.name} '{name}'"):
+        await b.apply({role: 2})
+    with pytest.raises(Refused, match=f"{role}-hpa"):
+        await b.apply({role: 2}, dry_run=True)
+    with pytest.raises(Refused, match=f"{role}-hpa"):   # nothing is written when any role is refused
+        await b.apply({other: 2, role: 5})
+    assert spec_replicas(k8s_admin, ns, name) == 4
+    assert spec_replicas(k8s_admin, ns, NAMES[other]) == 1
+    assert not {c for c in b.calls if c[2] == "patch"}
     # the role no HPA targets is still the planner's (retry: the controllers bump resourceVersions)
     for _ in range(5):
         await b.observe()
         try:
-            assert (await b.apply({"learner": 1})).applied == {"learner": 1}
+            assert (await b.apply({other: 2})).applied == {other: 2}
             break
         except Conflict:
             continue
     else:
-        pytest.fail("learner never applied")
+        pytest.fail(f"{other} never applied")
+    assert spec_replicas(k8s_admin, ns, NAMES[other]) == 2
 
 
-async def test_pause_annotation(k8s_admin, k8s_namespace, backends):
-    ns = k8s_namespace
+@pytest.mark.parametrize("role", ["actor", "learner"])
+async def test_pause_annotation(k8s_admin, k8s_namespace, backends, role):
+    ns, name = k8s_namespace, NAMES[role]
     key = KubernetesPlannerConfig().pause_annotation
-    make_roles(k8s_admin, ns, actors=2, actor_annotations={key: "true"})
+    make_roles(k8s_admin, ns, actors=2, learners=2, annotations={role: {key: "true"}})
     b = await backends(ns)
     state = await b.observe()
-    assert key in state["actor"].blocked and state["actor"].desired == 2
+    assert key in state[role].blocked and state[role].desired == 2
+    assert f"{WORKLOADS[role].name} '{name}' is annotated {key}='true'" in state[role].blocked
+    assert state[OTHER[role]].blocked == ""
     with pytest.raises(Refused, match="paused"):
-        await b.apply({"actor": 3})
-    assert spec_replicas(k8s_admin, ns) == 2
+        await b.apply({role: 3})
+    assert spec_replicas(k8s_admin, ns, name) == 2
 
-    apps = client.AppsV1Api(k8s_admin)
-    apps.patch_namespaced_deployment(ACTOR, ns, {"metadata": {"annotations": {key: "false"}}}, _content_type=MERGE)
-    assert (await b.observe())["actor"].blocked == ""
+    annotate = apps_call(k8s_admin, "patch", name)
+    annotate(name, ns, {"metadata": {"annotations": {key: "false"}}}, _content_type=MERGE)
+    assert (await b.observe())[role].blocked == ""
     # paused by hand between observe and apply: the write is conditional, so it cannot slip through
-    apps.patch_namespaced_deployment(ACTOR, ns, {"metadata": {"annotations": {key: "true"}}}, _content_type=MERGE)
+    annotate(name, ns, {"metadata": {"annotations": {key: "true"}}}, _content_type=MERGE)
     with pytest.raises(Conflict):
-        await b.apply({"actor": 3})
-    assert key in (await b.observe())["actor"].blocked
-    assert spec_replicas(k8s_admin, ns) == 2
+        await b.apply({role: 3})
+    assert key in (await b.observe())[role].blocked
+    assert spec_replicas(k8s_admin, ns, name) == 2
 
-    apps.patch_namespaced_deployment(ACTOR, ns, {"metadata": {"annotations": {key: None}}}, _content_type=MERGE)
+    annotate(name, ns, {"metadata": {"annotations": {key: None}}}, _content_type=MERGE)
     await b.observe()
-    assert (await b.apply({"actor": 3})).applied == {"actor": 3}
-    assert spec_replicas(k8s_admin, ns) == 3
+    assert (await b.apply({role: 3})).applied == {role: 3}
+    assert spec_replicas(k8s_admin, ns, name) == 3
 
 
 async def test_dry_run_changes_nothing(k8s_admin, k8s_namespace, backends):
@@ -252,23 +299,27 @@ async def test_dry_run_changes_nothing(k8s_admin, k8s_namespace, backends):
     make_roles(k8s_admin, ns, actors=1)
     b = await backends(ns)
     await b.observe()
-    before = resource_version(k8s_admin, ns)
-    result = await b.apply({"actor": 5, "learner": 1}, dry_run=True)
-    assert result.dry_run and result.applied == {"actor": 5, "learner": 1}
-    assert spec_replicas(k8s_admin, ns) == 1 and resource_version(k8s_admin, ns) == before
+    before = {name: resource_version(k8s_admin, ns, name) for name in (ACTOR, LEARNER)}
+    result = await b.apply({"actor": 5, "learner": 3}, dry_run=True)
+    assert result.dry_run and result.applied == {"actor": 5, "learner": 3}
+    assert spec_replicas(k8s_admin, ns) == 1 and spec_replicas(k8s_admin, ns, LEARNER) == 1
+    assert {name: resource_version(k8s_admin, ns, name) for name in (ACTOR, LEARNER)} == before
     with pytest.raises(ApiError) as e:   # the server validates it for real: a negative count is 422
         await b._call("patch", "apps", "deployments/scale", ACTOR, client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale,
                       ACTOR, ns, {"spec": {"replicas": -1}}, dry_run="All", _content_type=MERGE)
     assert e.value.status == 422
     # a dry run still applies the resourceVersion precondition
-    client.AppsV1Api(k8s_admin).patch_namespaced_deployment_scale(ACTOR, ns, {"spec": {"replicas": 2}}, _content_type=MERGE)
+    scale_by_hand(k8s_admin, ns, ACTOR, 2)
+    scale_by_hand(k8s_admin, ns, LEARNER, 2)
     with pytest.raises(Conflict):
         await b.apply({"actor": 5}, dry_run=True)
-    assert spec_replicas(k8s_admin, ns) == 2
+    with pytest.raises(Conflict):
+        await b.apply({"learner": 3}, dry_run=True)
+    assert spec_replicas(k8s_admin, ns) == 2 and spec_replicas(k8s_admin, ns, LEARNER) == 2
 
 
 async def test_the_dry_run_backend_decides_through_the_cluster_and_never_writes(k8s_admin, k8s_namespace, backends):
-    """`kuberl planner --backend dry-run` in a cluster: observes the real Deployments; every apply,
+    """`kuberl planner --backend dry-run` in a cluster: observes the real workloads; every apply,
     whatever the caller asks, is a server-side dry run."""
     ns = k8s_namespace
     make_roles(k8s_admin, ns, actors=2)
@@ -282,9 +333,9 @@ async def test_the_dry_run_backend_decides_through_the_cluster_and_never_writes(
 
 async def test_replicas_come_from_the_endpoints_of_the_headless_services(k8s_admin, k8s_namespace, backends):
     ns = k8s_namespace
-    make_roles(k8s_admin, ns, actors=3)
+    make_roles(k8s_admin, ns, actors=3, learners=2)
     core = client.CoreV1Api(k8s_admin)
-    for svc in (ACTOR, LEARNER):
+    for svc in (ACTOR, LEARNER, "kuberl-buffer"):
         core.create_namespaced_service(ns, {"metadata": {"name": svc}, "spec": {
             "clusterIP": "None", "selector": {"app": svc},
             "ports": [{"name": "metrics", "port": 9000}, {"name": "grpc", "port": 50053}]}})
@@ -296,7 +347,12 @@ async def test_replicas_come_from_the_endpoints_of_the_headless_services(k8s_adm
         "addresses": [{"ip": "10.1.0.1", "targetRef": pod("actor-a")}, {"ip": "10.1.0.2", "targetRef": pod("actor-b")}],
         "notReadyAddresses": [{"ip": "10.1.0.3", "targetRef": pod("actor-c")}],
         "ports": [{"name": "metrics", "port": 9000}, {"name": "grpc", "port": 50053}]}]})
+    # The learner StatefulSet's pods, by ordinal; the second one still starting.
     core.create_namespaced_endpoints(ns, {"metadata": {"name": LEARNER}, "subsets": [{
+        "addresses": [{"ip": "10.1.0.7", "targetRef": pod(f"{LEARNER}-0")}],
+        "notReadyAddresses": [{"ip": "10.1.0.8", "targetRef": pod(f"{LEARNER}-1")}],
+        "ports": [{"name": "grpc", "port": 50052}]}]})
+    core.create_namespaced_endpoints(ns, {"metadata": {"name": "kuberl-buffer"}, "subsets": [{
         "addresses": [{"ip": "10.1.0.9"}], "ports": [{"name": "metrics", "port": 9000}]}]})
 
     b = await backends(ns)
@@ -305,20 +361,32 @@ async def test_replicas_come_from_the_endpoints_of_the_headless_services(k8s_adm
     assert [(r.name, r.address, r.ready) for r in actor] == [
         ("actor-a", "10.1.0.1:50053", True), ("actor-b", "10.1.0.2:50053", True), ("actor-c", "10.1.0.3:50053", False)]
     assert state["actor"].desired == 3 and state["actor"].ready == 2
+    learner = sorted(state["learner"].replicas, key=lambda r: r.name)
+    assert [(r.name, r.address, r.ready) for r in learner] == [
+        (f"{LEARNER}-0", "10.1.0.7:50052", True), (f"{LEARNER}-1", "10.1.0.8:50052", False)]
+    assert state["learner"].desired == 2 and state["learner"].ready == 1
     # an Endpoints without the grpc port: the replica exists but has no address to read stats from
-    assert [(r.name, r.address) for r in state["learner"].replicas] == [("10.1.0.9", "")]
-    assert state["learner"].ready == 0
+    assert [(r.name, r.address) for r in await b.buffers()] == [("10.1.0.9", "")]
 
     core.delete_namespaced_endpoints(LEARNER, ns)   # no Endpoints yet: no replicas, not an error
     assert (await b.observe())["learner"].replicas == []
 
 
-async def test_a_missing_deployment_blocks_the_role_with_a_reason(k8s_admin, k8s_namespace, backends):
-    client.AppsV1Api(k8s_admin).create_namespaced_deployment(k8s_namespace, deployment(ACTOR, 1))
+async def test_a_missing_workload_blocks_the_role_with_a_reason(k8s_admin, k8s_namespace, backends):
+    """The learners must be a StatefulSet: a learner Deployment of that name (an install from before the
+    learners were a StatefulSet) is not theirs, and the reason names the kind wanted."""
+    apps = client.AppsV1Api(k8s_admin)
+    apps.create_namespaced_deployment(k8s_namespace, workload(DEPLOYMENT, ACTOR, 1))
+    apps.create_namespaced_deployment(k8s_namespace, workload(DEPLOYMENT, LEARNER, 1))
     b = await backends(k8s_namespace)
     state = await b.observe()
     assert state["actor"].blocked == "" and state["actor"].desired == 1
-    assert state["learner"].blocked == f"Deployment '{LEARNER}' not found in namespace '{k8s_namespace}'"
+    assert state["learner"].blocked == f"StatefulSet '{LEARNER}' not found in namespace '{k8s_namespace}'"
+    assert state["learner"].desired == 0
+    with pytest.raises(ApiError) as e:   # nothing to write to either
+        await b.apply({"learner": 2})
+    assert e.value.status == 404 and f"get apps/statefulsets '{LEARNER}'" in str(e.value)
+    assert apps.read_namespaced_deployment(LEARNER, k8s_namespace).spec.replicas == 1
 
 
 async def test_leader_election_one_leads_and_another_takes_over(k8s_admin, k8s_namespace, backends):
@@ -407,7 +475,7 @@ async def test_calls_are_rate_limited(k8s_admin, k8s_namespace, backends):
     make_roles(k8s_admin, k8s_namespace)
     b = await backends(k8s_namespace, qps=10.0, burst=1)
     started = time.monotonic()
-    await b.observe()        # 7 calls: the HPA list, then Deployment, scale and Endpoints per role
+    await b.observe()        # 7 calls: the HPA list, then workload, scale and Endpoints per role
     assert time.monotonic() - started >= 0.55
 
 

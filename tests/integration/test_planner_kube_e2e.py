@@ -1,11 +1,14 @@
 """The planner process end to end on Kubernetes: `python -m services.planner --backend kubernetes` with
-only the minimal Role of services/planner/rbac.py, discovering a real actor and learner through the
-Endpoints of headless Services (the buffer's too), reading their GetStats, and scaling the actor Deployment through the
-scale subresource of a real kube-apiserver (no kubelet runs: the Deployment's pods never start, so the
-new replicas never report and the planner must not stack a second change on the first)."""
+only the minimal Role of services/planner/rbac.py (its StatefulSet rules on the learners' only, as the
+manifests grant it), discovering a real actor and learner through the Endpoints of headless Services (the
+buffer's too), reading their GetStats, and scaling through the scale subresources of a real
+kube-apiserver: the actor Deployment when the actors are the bottleneck, the learner StatefulSet when the
+learners are (no kubelet runs: the new pods never start, so the new replicas never report and the planner
+must not stack a second change on the first)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 
@@ -17,8 +20,8 @@ from kuberl.v1 import planner_pb2 as ppb
 from kuberl.v1 import planner_pb2_grpc
 from services.planner import rbac
 from tests.helpers import TINY_DQN, Service, wait_for, write_config
+from tests.integration.test_planner_kube import ACTOR, LEARNER, RESOURCE_NAMES, make_roles, spec_replicas
 from tests.k8s.cluster import grant
-from tests.integration.test_planner_kube import ACTOR, LEARNER, make_roles, spec_replicas
 
 
 def host_ip() -> str | None:
@@ -40,19 +43,18 @@ def endpoints(core, ns: str, name: str, ip: str, port: int, pod: str) -> None:
         "ports": [{"name": "grpc", "port": port}]}]})
 
 
-def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_cluster, k8s_admin, k8s_namespace):
+@contextlib.contextmanager
+def planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns: str, config: dict):
+    """A real buffer, learner and actor on this machine, found through the Endpoints of Services named as
+    in a cluster (the learner as StatefulSet pod kuberl-learner-0); the actor Deployment and learner
+    StatefulSet at one replica; and the planner process as a token user bound to the planner's Role.
+    Yields (planner Service, PlannerStub) once the planner holds the Lease."""
     ip = host_ip()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address here: Kubernetes Endpoints cannot point at loopback")
-    ns = k8s_namespace
-    config = write_config(tmp_path / "c.yaml", {
-        **TINY_DQN, "dqn": {**TINY_DQN["dqn"], "replay_ratio": 8.0},
-        "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 50},
-        "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
-                    "actor": {"max": 4, "max_step_up": 2},
-                    "kubernetes": {"namespace": ns, "lease_duration_s": 4}}})
-    make_roles(k8s_admin, ns, actors=1)
-    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner")
+    config = write_config(tmp_path / "c.yaml", config)
+    make_roles(k8s_admin, ns, actors=1, learners=1)
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner", resource_names=RESOURCE_NAMES)
     kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "kubeconfig", user="kuberl-planner", namespace=ns)
 
     procs = []
@@ -69,8 +71,8 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
         aaddr = actor.wait_ready()
         core = client.CoreV1Api(k8s_admin)
         endpoints(core, ns, ACTOR, ip, int(aaddr.rsplit(":", 1)[1]), "actor-pod-0")
-        endpoints(core, ns, LEARNER, ip, int(laddr.rsplit(":", 1)[1]), "learner-pod-0")
-        endpoints(core, ns, "kuberl-buffer", ip, int(baddr.rsplit(":", 1)[1]), "buffer-pod-0")
+        endpoints(core, ns, LEARNER, ip, int(laddr.rsplit(":", 1)[1]), f"{LEARNER}-0")
+        endpoints(core, ns, "kuberl-buffer", ip, int(baddr.rsplit(":", 1)[1]), "kuberl-buffer-0")
 
         planner = Service("planner", tmp_path, config, "--kubeconfig", str(kubeconfig), "--journal",
                           str(tmp_path / "decisions.jsonl"))
@@ -82,38 +84,88 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
             assert status.backend == "kubernetes"
             wait_for(lambda: stub.GetStatus(ppb.GetStatusRequest(), timeout=10).leader, timeout=30,
                      what="the planner to take the Lease")
-
-            # The planner measures the real actor (50 steps/s) against the learner's capacity and scales up.
-            wait_for(lambda: spec_replicas(k8s_admin, ns) > 1, timeout=120, interval=0.5,
-                     what=f"the actor Deployment scaled up; planner log:\n{planner.output()[-3000:]}")
-            assert spec_replicas(k8s_admin, ns) == 3                      # one step of +2
-            assert spec_replicas(k8s_admin, ns, LEARNER) == 1             # the learner stays at its max of 1
-            journal = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
-            scaled = [d for d in journal if d.get("applied")]
-            assert len(scaled) == 1 and scaled[0]["backend"] == "kubernetes" and scaled[0]["ratio"] < 0.85
-            actor_role = {r["role"]: r for r in scaled[0]["roles"]}["actor"]
-            assert actor_role["rate_per_replica"] == pytest.approx(50, rel=0.3)
-            # The buffer, found through its Service's Endpoints too, reports what reaches it.
-            assert scaled[0]["buffer_samples_received_per_s"] > 0 and "buffer_size_samples" in scaled[0]
-
-            # No kubelet: the two new pods never report, so nothing more is stacked on the change.
-            first = int(scaled[0]["id"])  # uint64 is a string in proto JSON
-            wait_for(lambda: stub.GetStatus(ppb.GetStatusRequest(), timeout=10).last_decision.id > first + 2,
-                     timeout=30, what="more decisions")
-            last = stub.GetStatus(ppb.GetStatusRequest(), timeout=10).last_decision
-            assert last.action == ppb.DECISION_ACTION_SUPPRESSED and "not converged" in last.reason
-            assert spec_replicas(k8s_admin, ns) == 3
-
-            # Preview asks the apiserver for a dry run and changes nothing.
-            preview = stub.Preview(ppb.PreviewRequest(), timeout=30)
-            assert preview.dry_run and not preview.applied and spec_replicas(k8s_admin, ns) == 3
-
-            # A manual override goes through the same subresource.
-            d = stub.SetReplicas(ppb.SetReplicasRequest(role="actor", replicas=1, ttl_s=60), timeout=30)
-            assert d.applied and not d.error, d
-            assert spec_replicas(k8s_admin, ns) == 1
+            yield planner, stub
         assert planner.terminate() == 0
         assert "stopped cleanly" in planner.output()
     finally:
         for p in reversed(procs):
             p.kill()
+
+
+def applied_decisions(tmp_path) -> list[dict]:
+    journal = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    return [d for d in journal if d.get("applied")]
+
+
+def no_change_stacked(stub, first: dict) -> None:
+    """No kubelet: the new pods never report, so the decisions after `first` are suppressed."""
+    first_id = int(first["id"])  # uint64 is a string in proto JSON
+    wait_for(lambda: stub.GetStatus(ppb.GetStatusRequest(), timeout=10).last_decision.id > first_id + 2,
+             timeout=30, what="more decisions")
+    last = stub.GetStatus(ppb.GetStatusRequest(), timeout=10).last_decision
+    assert last.action == ppb.DECISION_ACTION_SUPPRESSED and "not converged" in last.reason
+
+
+def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_cluster, k8s_admin, k8s_namespace):
+    ns = k8s_namespace
+    config = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "replay_ratio": 8.0},
+              "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 50},
+              "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
+                          "actor": {"max": 4, "max_step_up": 2},
+                          "kubernetes": {"namespace": ns, "lease_duration_s": 4}}}
+    with planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns, config) as (planner, stub):
+        # The planner measures the real actor (50 steps/s) against the learner's capacity and scales up.
+        wait_for(lambda: spec_replicas(k8s_admin, ns) > 1, timeout=120, interval=0.5,
+                 what=f"the actor Deployment scaled up; planner log:\n{planner.output()[-3000:]}")
+        assert spec_replicas(k8s_admin, ns) == 3                      # one step of +2
+        assert spec_replicas(k8s_admin, ns, LEARNER) == 1             # the learner stays at its max of 1
+        scaled = applied_decisions(tmp_path)
+        assert len(scaled) == 1 and scaled[0]["backend"] == "kubernetes" and scaled[0]["ratio"] < 0.85
+        actor_role = {r["role"]: r for r in scaled[0]["roles"]}["actor"]
+        assert actor_role["rate_per_replica"] == pytest.approx(50, rel=0.3)
+        # The buffer, found through its Service's Endpoints too, reports what reaches it.
+        assert scaled[0]["buffer_samples_received_per_s"] > 0 and "buffer_size_samples" in scaled[0]
+
+        no_change_stacked(stub, scaled[0])
+        assert spec_replicas(k8s_admin, ns) == 3
+
+        # Preview asks the apiserver for a dry run and changes nothing.
+        preview = stub.Preview(ppb.PreviewRequest(), timeout=30)
+        assert preview.dry_run and not preview.applied and spec_replicas(k8s_admin, ns) == 3
+
+        # A manual override goes through the same subresource.
+        d = stub.SetReplicas(ppb.SetReplicasRequest(role="actor", replicas=1, ttl_s=60), timeout=30)
+        assert d.applied and not d.error, d
+        assert spec_replicas(k8s_admin, ns) == 1
+
+
+def test_planner_scales_the_learner_statefulset_when_the_learners_are_the_bottleneck(tmp_path, k8s_cluster, k8s_admin,
+                                                                                   k8s_namespace):
+    """One actor at 500 env steps/s feeds a learner that must train on each sample 256 times (the replay
+    ratio): far more production than the learner can consume, whatever this machine's speed, and the actor
+    count is fixed at 1. The planner adds learners: it patches statefulsets/scale of the learner
+    StatefulSet (one step of +2), and leaves the actor Deployment alone."""
+    ns = k8s_namespace
+    config = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "replay_ratio": 256.0},
+              "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 500},
+              "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
+                          "actor": {"min": 1, "max": 1}, "learner": {"min": 1, "max": 4, "max_step_up": 2},
+                          "kubernetes": {"namespace": ns, "lease_duration_s": 4}}}
+    with planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns, config) as (planner, stub):
+        wait_for(lambda: spec_replicas(k8s_admin, ns, LEARNER) > 1, timeout=120, interval=0.5,
+                 what=f"the learner StatefulSet scaled up; planner log:\n{planner.output()[-3000:]}")
+        assert spec_replicas(k8s_admin, ns, LEARNER) == 3             # one step of +2
+        assert spec_replicas(k8s_admin, ns) == 1                      # the actors are fixed at 1
+        scaled = applied_decisions(tmp_path)
+        assert len(scaled) == 1 and scaled[0]["backend"] == "kubernetes" and scaled[0]["ratio"] > 1.15
+        roles = {r["role"]: r for r in scaled[0]["roles"]}
+        assert (roles["learner"]["current"], roles["learner"]["target"]) == (1, 3)
+        assert roles["learner"]["rate_per_replica"] > 0                # measured from the real learner
+
+        no_change_stacked(stub, scaled[0])
+        assert spec_replicas(k8s_admin, ns, LEARNER) == 3
+
+        # A manual override of the learners goes through the StatefulSet's scale subresource too.
+        d = stub.SetReplicas(ppb.SetReplicasRequest(role="learner", replicas=1, ttl_s=60), timeout=30)
+        assert d.applied and not d.error, d
+        assert spec_replicas(k8s_admin, ns, LEARNER) == 1

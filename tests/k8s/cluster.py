@@ -27,9 +27,9 @@ Plain API (usable without pytest, e.g. `with start_cluster(tmpdir) as c: ...`):
     Cluster.kubectl(*args, user=.., input=..) runs kubectl against it; returns CompletedProcess (no raise)
     Cluster.create_namespace(prefix) / Cluster.start_controller_manager() / .stop_controller_manager()
     Cluster.stop()                            SIGTERM, then SIGKILL after 5 s (1.20 can hang on SIGTERM)
-    grant(api, namespace, name, rules, user=.. | service_account=..)
-        a Role from (apiGroup, resource, verbs) tuples (e.g. services.planner.rbac.RULES) and a
-        RoleBinding of it to a user or ServiceAccount
+    grant(api, namespace, name, rules, user=.. | service_account=.., resource_names=..)
+        a Role from (apiGroup, resource, verbs) tuples (e.g. services.planner.rbac.RULES), optionally
+        narrowed to named objects per resource, and a RoleBinding of it to a user or ServiceAccount
     expand(rules) -> set[(group, resource, verb)]
 
 Token users (TOKENS): "admin" (system:masters) and "kuberl-planner" (no groups, no permissions until a
@@ -341,15 +341,19 @@ def expand(rules) -> set[tuple[str, str, str]]:
     return {(g, r, v) for g, r, verbs in rules for v in verbs}
 
 
-def grant(api, namespace: str, name: str, rules, *, user: str | None = None, service_account: str | None = None) -> None:
-    """Create Role NAME holding `rules` ((apiGroup, resource, verbs) tuples) and bind it to a user or to a
-    ServiceAccount of `namespace`."""
+def grant(api, namespace: str, name: str, rules, *, user: str | None = None, service_account: str | None = None,
+          resource_names: dict[str, list[str]] | None = None) -> None:
+    """Create Role NAME holding `rules` ((apiGroup, resource, verbs) tuples), those whose resource is in
+    `resource_names` only on the objects named there, and bind it to a user or to a ServiceAccount of
+    `namespace`."""
     from kubernetes import client
     assert (user is None) != (service_account is None), "grant to exactly one of user / service_account"
     rbac = client.RbacAuthorizationV1Api(api)
+    names = resource_names or {}
     rbac.create_namespaced_role(namespace, {
         "metadata": {"name": name},
-        "rules": [{"apiGroups": [g], "resources": [r], "verbs": list(verbs)} for g, r, verbs in rules]})
+        "rules": [{"apiGroups": [g], "resources": [r], "verbs": list(verbs),
+                   **({"resourceNames": list(names[r])} if r in names else {})} for g, r, verbs in rules]})
     subject = ({"kind": "User", "name": user, "apiGroup": "rbac.authorization.k8s.io"} if user else
                {"kind": "ServiceAccount", "name": service_account, "namespace": namespace})
     rbac.create_namespaced_role_binding(namespace, {

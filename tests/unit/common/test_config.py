@@ -160,8 +160,6 @@ def test_wrong_types(data, key, match):
     ({"ppo": {"batch_steps": 2, "num_minibatches": 4}}, "ppo.num_minibatches", "must be 1..batch_steps"),
     ({"topology": {"learners": 2}}, "topology.learners", "must lie within planner.learner.min..max (1..1)"),
     ({"topology": {"learners": 0}}, "topology.learners", "must be 1..64"),
-    ({"planner": {"backend": "kubernetes", "learner": {"max": 2}}}, "planner.learner.max",
-     "must be 1 with the kubernetes backend"),
     ({"planner": {"min_scale_gain": 1.5}}, "planner.min_scale_gain", "must be in [0, 1]"),
     ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
@@ -178,6 +176,21 @@ def test_impossible_values(data, key, match):
 def test_a_learner_group_fits_the_planner_bounds_or_runs_without_the_planner():
     assert config_from_dict({"topology": {"learners": 2}, "planner": {"learner": {"max": 2}}}).topology.learners == 2
     assert config_from_dict({"topology": {"learners": 3}, "planner": {"enabled": False}}).topology.learners == 3
+
+
+def test_learner_groups_are_allowed_with_the_kubernetes_backend():
+    """The learners are a StatefulSet there, whose size the planner sets within planner.learner."""
+    cfg = config_from_dict({"planner": {"backend": "kubernetes", "learner": {"min": 1, "max": 4}}})
+    assert (cfg.planner.learner.min, cfg.planner.learner.max) == (1, 4)
+    assert cfg.planner.kubernetes.learner_statefulset == "kuberl-learner"
+
+
+def test_a_replaced_key_names_its_replacement():
+    """An old config naming the learner Deployment is told which key took its place, not just 'unknown'."""
+    e = error({"planner": {"kubernetes": {"learner_deployment": "kuberl-learner"}}})
+    assert e.key == "planner.kubernetes.learner_deployment"
+    assert "no longer a key" in str(e) and "replaced by planner.kubernetes.learner_statefulset" in str(e)
+    assert "StatefulSet" in str(e)
 
 
 def test_yaml11_exponent_strings_are_numbers(tmp_path):

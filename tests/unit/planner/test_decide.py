@@ -234,3 +234,31 @@ def test_a_ceiling_below_the_current_count_scales_down_through_the_window():
     assert d.proposed["actor"] == 1 and d.action == "scale" and d.targets["actor"] == 2   # one step down
     held = decide(POLICY, inputs(3, 1, 30, 600, ceilings={"actor": 1}, recent_proposals=((-10.0, {"actor": 3}),)))
     assert held.action == "suppressed" and "3 was proposed" in held.reason
+
+
+# -- learners that never come up hold up the whole group ----------------------------------------------
+GROUPS = Policy(actor=POLICY.actor, learner=RoleBounds(min=1, max=4), tolerance=0.15, cooldown_s=20,
+                scale_down_window_s=60, converge_timeout_s=120)
+
+
+def test_learners_still_not_ready_after_the_converge_timeout_are_taken_back():
+    # Two learners wanted, one ready 200 s later (the other unschedulable): the group cannot form, so the
+    # learners report no rate; the count goes back to the one that serves, without waiting for rates.
+    d = decide(GROUPS, inputs(4, 2, 100, None, learner_ready=1, last_change_at=-200.0))
+    assert d.action == "scale" and d.targets == {"actor": 4, "learner": 1}
+    assert "1 learner(s) still not ready 200 s after the last change" in d.reason
+    # Within converge_timeout_s it is only a change in flight.
+    d = decide(GROUPS, inputs(4, 2, 100, 400, learner_ready=1, learner_reporting=1, last_change_at=-60.0))
+    assert d.action == "suppressed" and "not converged" in d.reason
+    # A manual override, a paused planner or a blocked role are left as they are.
+    for kw in ({"learner_override": 2}, {"paused": True}, {"learner_blocked": "paused by hand"}):
+        d = decide(GROUPS, inputs(4, 2, 100, None, learner_ready=1, last_change_at=-200.0, **kw))
+        assert d.targets["learner"] == 2, (kw, d.reason)
+
+
+def test_a_scale_up_whose_replicas_never_served_holds_the_role_where_it_was():
+    probe = ScaleUpProbe("learner", before=1, after=2, total_before=400.0, applied_at=0.0)
+    inp = Inputs(now=200.0, actor=RoleInputs(desired=4, rate=100.0),
+                 learner=RoleInputs(desired=2, ready=1, reporting=1, rate=None))
+    v = judge_scale_up(GROUPS, probe, inp)
+    assert (v.done, v.ceiling) == (True, 1) and "only 1 ready after 120 s" in v.reason

@@ -13,6 +13,9 @@ planner: {port: 50054, service: kuberl.v1.Planner}
 
 {{- define "kuberl.metricsPort" -}}9400{{- end -}}
 
+{{/* Where rank 0 of the learner group hosts its rendezvous (the learner container's port "rendezvous"). */}}
+{{- define "kuberl.rendezvousPort" -}}29500{{- end -}}
+
 {{/* Labels of one role's objects; the selector is the first two. Call with (dict "ctx" $ "role" "actor"). */}}
 {{- define "kuberl.selectorLabels" -}}
 app.kubernetes.io/name: kuberl
@@ -41,7 +44,7 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- $planner := get $cfg "planner" | default dict -}}
 {{- $k8s := get $planner "kubernetes" | default dict -}}
 {{- $_ := set $k8s "actor_deployment" (printf "%s-actor" $name) -}}
-{{- $_ = set $k8s "learner_deployment" (printf "%s-learner" $name) -}}
+{{- $_ = set $k8s "learner_statefulset" (printf "%s-learner" $name) -}}
 {{- $_ = set $k8s "actor_service" (printf "%s-actor" $name) -}}
 {{- $_ = set $k8s "learner_service" (printf "%s-learner" $name) -}}
 {{- $_ = set $k8s "buffer_service" (printf "%s-buffer" $name) -}}
@@ -68,8 +71,9 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 
 {{/*
 The pod template shared by every role. Call with (dict "ctx" $ "role" "learner" "args" (list ...)
-"env" (list ...) "mounts" (list ...) "volumes" (list ...) "token" false), and optionally "grace" (seconds, in
-place of <role>.terminationGracePeriodSeconds) and "fsGroup" true (a writable volume: the learner always).
+"env" (list ...) "mounts" (list ...) "volumes" (list ...) "token" false), and optionally "ports" (container ports
+after grpc and metrics), "grace" (seconds, in place of <role>.terminationGracePeriodSeconds) and "fsGroup" true
+(a writable volume: the learner always).
 */}}
 {{- define "kuberl.podTemplate" -}}
 {{- $r := index (include "kuberl.roles" . | fromYaml) .role -}}
@@ -134,6 +138,9 @@ spec:
       ports:
         - {name: grpc, containerPort: {{ $r.port }}, protocol: TCP}
         - {name: metrics, containerPort: {{ include "kuberl.metricsPort" . }}, protocol: TCP}
+        {{- range .ports }}
+        - {{ toJson . }}
+        {{- end }}
       # Native gRPC probes (grpc.health.v1, numeric port). Readiness asks for the role's service,
       # which turns NOT_SERVING as soon as shutdown starts.
       startupProbe:

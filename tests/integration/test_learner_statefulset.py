@@ -1,0 +1,178 @@
+"""Learners as the pods of a StatefulSet (services/learner/membership.py), as real processes against a
+stand-in for the API server's `statefulsets/scale`: the group follows the replica count the planner
+writes, forming again inside the same processes (no restart), and survives a pod that is killed and
+comes back, as a StatefulSet brings it back."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kuberl.v1 import learner_pb2_grpc
+from services.common.procs import free_port
+from services.learner.membership import MembershipError, ScaleReader, split_ordinal
+from tests.helpers import TINY_PPO, Service, stats, wait_for, write_config
+
+NAMESPACE, NAME = "rl", "kuberl-learner"
+SCALE_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/{NAME}/scale"
+
+
+class FakeScaleApi:
+    """`GET .../statefulsets/kuberl-learner/scale` answering the replicas the test sets; any other path
+    404; `status` (when set) answers that HTTP status instead. Records the Authorization headers seen."""
+
+    def __init__(self, replicas: int):
+        self.replicas, self.status, self.auth = replicas, 0, set()
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                api.auth.add(self.headers.get("Authorization", ""))
+                if api.status or self.path != SCALE_PATH:
+                    self.send_response(api.status or 404)
+                    body = b'{"kind": "Status"}'
+                else:
+                    self.send_response(200)
+                    body = json.dumps({"kind": "Scale", "spec": {"replicas": api.replicas}}).encode()
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def api():
+    fake = FakeScaleApi(replicas=1)
+    yield fake
+    fake.close()
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kuberl.v1.Learner"),
+                                                    timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _learner(tmp_path, config, buffer, api, rendezvous: str, ordinal: int) -> Service:
+    return Service("learner", tmp_path, config, "--buffer", buffer.address, "--checkpoint-dir",
+                   str(tmp_path / f"ck-{ordinal}"), "--membership", "statefulset", "--group", rendezvous,
+                   "--learner-id", f"{NAME}-{ordinal}", "--kubernetes-api", api.url, env={"POD_NAMESPACE": NAMESPACE})
+
+
+def _stat(lrn: Service, key: str) -> float:
+    return stats(lrn.address, learner_pb2_grpc.LearnerStub)[key]
+
+
+def test_the_group_follows_the_statefulsets_replicas_and_a_killed_pod_coming_back(tmp_path, api):
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "learner": {**TINY_PPO["learner"],
+                                                                        "publish_interval_updates": 1}})
+    buffer = Service("buffer", tmp_path, config)
+    buffer.wait_ready()
+    rendezvous = f"127.0.0.1:{free_port()}"
+    first = _learner(tmp_path, config, buffer, api, rendezvous, 0)
+    first.wait_ready(timeout=120)
+    actor = Service("actor", tmp_path, config, "--buffer", buffer.address, "--learner", first.address)
+    actor.wait_ready()
+    second = None
+    try:
+        assert _stat(first, "learner/group_size") == 1 and _stat(first, "learner/rank") == 0
+        wait_for(lambda: _stat(first, "learner/policy_version") >= 3, timeout=120, interval=0.5,
+                 what="learner 0 training alone")
+
+        # The planner writes replicas 2; the StatefulSet controller starts pod 1.
+        api.replicas = 2
+        second = _learner(tmp_path, config, buffer, api, rendezvous, 1)
+        second.wait_ready(timeout=120)
+        wait_for(lambda: _stat(first, "learner/group_size") == 2 and _stat(second, "learner/group_size") == 2,
+                 timeout=120, interval=0.5, what="a group of 2")
+        assert _stat(first, "learner/group_reforms_total") == 1 and _stat(second, "learner/rank") == 1
+        version = _stat(first, "learner/policy_version")
+        wait_for(lambda: _stat(second, "learner/policy_version") >= version + 3, timeout=120, interval=0.5,
+                 what="the group of 2 training")
+        assert _stat(second, "learner/samples_total") > 0
+        assert "took rank 0's state" in second.output()
+        assert first.popen.poll() is None, "learner 0 was formed into the new group without restarting"
+
+        # Pod 1 is killed (a node failure); rank 0's group breaks and waits at the rendezvous until the
+        # StatefulSet brings pod 1 back under the same name.
+        second.kill()
+        wait_for(lambda: "forming the group again" in first.output(), timeout=120, what="rank 0 seeing its peer gone")
+        second = _learner(tmp_path, config, buffer, api, rendezvous, 1)
+        second.wait_ready(timeout=120)
+        wait_for(lambda: _stat(first, "learner/group_reforms_total") == 2 and _stat(second, "learner/group_size") == 2,
+                 timeout=120, interval=0.5, what="the group formed again with the new pod 1")
+        version = _stat(first, "learner/policy_version")
+        wait_for(lambda: _stat(first, "learner/policy_version") >= version + 3, timeout=120, interval=0.5,
+                 what="the re-formed group training")
+
+        # Scaled down to 1: pod 1 leaves the group (not ready) before its SIGTERM; rank 0 trains alone.
+        api.replicas = 1
+        wait_for(lambda: _stat(first, "learner/group_size") == 1, timeout=120, interval=0.5,
+                 what="rank 0 alone again")
+        wait_for(lambda: not _serving(second.address), timeout=60, interval=0.5, what="pod 1 not ready")
+        assert "lies outside the group of 1 learners" in second.output()
+        assert second.terminate() == 0
+        version = _stat(first, "learner/policy_version")
+        wait_for(lambda: _stat(first, "learner/policy_version") >= version + 3, timeout=120, interval=0.5,
+                 what="rank 0 training alone after the scale-down")
+        assert _stat(first, "learner/group_reforms_total") == 3
+    finally:
+        codes = {"actor": actor.terminate(), "learner-0": first.terminate()}
+        if second is not None:
+            second.kill()
+        codes["buffer"] = buffer.terminate()
+    assert set(codes.values()) == {0}, (codes, first.output()[-3000:])
+    # Only rank 0 writes checkpoints; each re-formation started from one.
+    assert list((tmp_path / "ck-0").glob("ckpt-*.pt")) and not list((tmp_path / "ck-1").glob("ckpt-*.pt"))
+    assert api.auth == {""}, "no token is sent where none is mounted and the API was given explicitly"
+
+
+def test_scale_reader_names_what_is_wrong(tmp_path, api):
+    reader = ScaleReader(NAMESPACE, NAME, api=api.url)
+    assert reader.replicas() == 1
+    token = tmp_path / "token"
+    token.write_text("secret-token\n")
+    assert ScaleReader(NAMESPACE, NAME, api=api.url, token_file=token).replicas() == 1
+    assert "Bearer secret-token" in api.auth
+    api.status = 403
+    with pytest.raises(MembershipError, match=r"HTTP 403.*must be granted .*statefulsets/scale.*'kuberl-learner'"):
+        reader.replicas()
+    api.status = 0
+    with pytest.raises(MembershipError, match=r"HTTP 404.*no such StatefulSet"):
+        ScaleReader(NAMESPACE, "other", api=api.url).replicas()
+    with pytest.raises(MembershipError, match=r"reading the ServiceAccount token .*automountServiceAccountToken"):
+        ScaleReader(NAMESPACE, NAME, api=api.url, token_file=tmp_path / "missing").replicas()
+    api.replicas = -1
+    with pytest.raises(MembershipError, match="no valid spec.replicas"):
+        reader.replicas()
+
+
+def test_statefulset_membership_flags_are_checked(tmp_path, monkeypatch):
+    assert split_ordinal("kuberl-learner-12") == ("kuberl-learner", 12)
+    with pytest.raises(ValueError, match="is not <statefulset>-<ordinal>"):
+        split_ordinal("learner")
+    config = write_config(tmp_path / "c.yaml", TINY_PPO)
+    for args, said in ((["--learner-id", "kuberl-learner-0", "--group", "h:1", "--rank", "1"], "do not give --rank"),
+                       (["--learner-id", "learner", "--group", "h:1"], "is not <statefulset>-<ordinal>"),
+                       (["--learner-id", "kuberl-learner-0"], "needs --group"),
+                       (["--learner-id", "kuberl-learner-0", "--group", "h:1"], "KUBERNETES_SERVICE_HOST")):
+        lrn = Service("learner", tmp_path, config, "--buffer", "127.0.0.1:1", "--membership", "statefulset", *args,
+                      env={"POD_NAMESPACE": NAMESPACE, "KUBERNETES_SERVICE_HOST": ""})
+        assert lrn.popen.wait(60) == 2 and said in lrn.output(), lrn.output()
