@@ -68,7 +68,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kuberl.v1 import actor_pb2, buffer_pb2
 from kuberl.v1 import common_pb2 as pb
-from services.common.config import config_from_dict
+from services.common.config import TlsConfig, config_from_dict
+from services.common.tls import open_channel
 from tests.fragments import make_fragment
 from tests.helpers import ROOT, TINY_PPO
 
@@ -228,8 +229,8 @@ class Rpc:
         return f"/{self.service}/{self.method}"
 
 
-def _discover(address: str, include_grpc: bool) -> list[Rpc]:
-    with grpc.insecure_channel(address) as channel:
+def _discover(address: str, include_grpc: bool, tls: TlsConfig | None) -> list[Rpc]:
+    with open_channel(address, tls) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         pool = descriptor_pool.DescriptorPool(db)
         rpcs = []
@@ -242,10 +243,10 @@ def _discover(address: str, include_grpc: bool) -> list[Rpc]:
         return rpcs
 
 
-async def discover(address: str, include_grpc: bool = False) -> list[Rpc]:
+async def discover(address: str, include_grpc: bool = False, tls: TlsConfig | None = None) -> list[Rpc]:
     """Every RPC the server at `address` lists through reflection (a blocking client, in a thread:
     the server may be running on this event loop)."""
-    return await asyncio.to_thread(_discover, address, include_grpc)
+    return await asyncio.to_thread(_discover, address, include_grpc, tls)
 
 
 # -- frames -------------------------------------------------------------------------------------------
@@ -561,24 +562,25 @@ class Report:
 
 async def fuzz_server(address: str, *, max_message: int, calls_per_rpc: int, seed: int, deadline: float | None = None,
                       include_grpc: bool = False, oversize_per_rpc: int = 1, stream_wait_s: float = 2.0,
-                      alive=lambda: True) -> dict[str, Report]:
+                      alive=lambda: True, tls: TlsConfig | None = None) -> dict[str, Report]:
     """Fuzz every RPC of the server at `address`: `calls_per_rpc` malformed calls each (kinds in
     turn, contents from `seed`) plus `oversize_per_rpc` frames over `max_message` bytes; stops early
     past `deadline` (loop time; None: never) or when the server stops answering health (a death).
-    `alive()` also tells a death (a process that exited)."""
+    `alive()` also tells a death (a process that exited). `tls`: the server's (the clients dial as
+    its peers do)."""
     rng = random.Random(seed)
-    rpcs = await discover(address, include_grpc)
+    rpcs = await discover(address, include_grpc, tls)
     frames = Frames(rng, rpcs)
     reports = {s: Report(s) for s in dict.fromkeys(r.service for r in rpcs)}
     loop = asyncio.get_running_loop()
     options = [("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
     async with AsyncExitStack() as stack:
-        others = await stack.enter_async_context(grpc.aio.insecure_channel(address))  # another client
+        others = await stack.enter_async_context(open_channel(address, tls, aio=True))  # another client
         bystanders = {s: Bystander(others, s) for s in reports}
         for b in bystanders.values():
             stack.callback(b.close)
             await b.start()
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(address, options=options))
+        channel = await stack.enter_async_context(open_channel(address, tls, aio=True, options=options))
         for rpc in rpcs:
             report = reports[rpc.service]
             if report.deaths or report.stopped_early:

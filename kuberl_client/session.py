@@ -25,7 +25,14 @@ An error from the actor (the stream ends with a non-OK status) is raised as Sess
 status code's name (e.g. "INVALID_ARGUMENT") and the actor's message; the session is then over
 (reconnect with the same session_id to resume its episodes). One client serves one thread.
 
-Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors and services.common.spaces.
+TLS (an actor with tls.enabled; docs/security.md): `ca_file` is the CA bundle that verifies the
+actor's certificate; `cert_file`/`key_file` this simulator's client certificate, needed when the
+actor requires one (tls.client_auth: require); `server_name` the name checked in the actor's
+certificate instead of the host dialled. Any of them turns TLS on; `tls=True` with none of them
+verifies the actor against the system's CAs.
+
+Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors, services.common.spaces and
+services.common.tls (and the config's TlsConfig).
 """
 
 from __future__ import annotations
@@ -39,14 +46,17 @@ import numpy as np
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from services.common import spaces
+from services.common.config import TlsConfig
 from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 from services.common.tensors import TensorError, decode, dtype_code, encode
+from services.common.tls import Names, channel_credentials, open_channel
 
 __all__ = ["Box", "Discrete", "EnvSessionClient", "MultiDiscrete", "SessionError", "SessionTimeout"]
 
 _END = object()          # queue sentinel: half-close the request stream
 _POLL_S = 1.0            # how often an idle request iterator / watchdog re-checks for shutdown
 MAX_MESSAGE_BYTES = 64 << 20
+TLS_NAMES = Names(cert="cert_file", key="key_file", ca="ca_file")  # how TLS errors name the parameters
 
 
 class SessionError(Exception):
@@ -126,6 +136,9 @@ class EnvSessionClient:
     num_actions: a Discrete action space's n; or action_space: Discrete, MultiDiscrete or Box (this
     package's). num_envs: env copies stepped in lockstep (1..1024).
     timeout_s: the longest wait for any answer from the actor (connecting included).
+    ca_file, cert_file, key_file, server_name, tls: TLS to the actor (see the module's docstring); a
+    file that cannot be read, or a key that does not match its certificate, raises ValueError naming
+    the parameter and the file.
 
     After `reset` / `step`: `step_id` (of the last step sent), `policy_version` (of the last actions),
     and from the actor's acceptance `resumed`, `session_timeout_s`.
@@ -134,7 +147,9 @@ class EnvSessionClient:
     def __init__(self, address: str, *, session_id: str, num_envs: int, obs_shape=None, obs_dtype="float32",
                  obs_keys: dict | None = None, num_actions: int | None = None,
                  action_space: ActionSpace | None = None, simulator: str = "python", timeout_s: float = 30.0,
-                 wait_for_ready: bool = True, channel_options: list | None = None):
+                 wait_for_ready: bool = True, channel_options: list | None = None, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None,
+                 tls: bool | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if (num_actions is None) == (action_space is None):
@@ -154,6 +169,11 @@ class EnvSessionClient:
         self.num_envs = int(num_envs)
         self.simulator, self.timeout_s, self.wait_for_ready = simulator, float(timeout_s), wait_for_ready
         self._obs_code = dtype_code(self.obs_dtype)  # TensorError (a ValueError) for dtypes with no wire code
+        self.tls = TlsConfig(enabled=bool(ca_file or cert_file or key_file or server_name) if tls is None else tls,
+                             cert_file=cert_file or "", key_file=key_file or "", ca_file=ca_file or "",
+                             server_name=server_name or "")
+        if self.tls.enabled:
+            channel_credentials(self.tls, TLS_NAMES)  # unreadable files are refused here, not at connect
         self._options = channel_options if channel_options is not None else [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -178,7 +198,7 @@ class EnvSessionClient:
         self._check_usable()
         if self._call is not None:
             raise RuntimeError("hello was already sent on this session")
-        self._channel = grpc.insecure_channel(self.address, options=self._options)
+        self._channel = open_channel(self.address, self.tls, options=self._options, names=TLS_NAMES)
         self._watchdog = _Watchdog(self._expire, name=f"env-session-watchdog-{self.session_id}")
         self._watchdog.start()
         stub = actor_pb2_grpc.ActorStub(self._channel)

@@ -125,7 +125,11 @@ function usage(script, message) {
     '  --reply-timeout S     give up (exit 1) when the actor sends nothing for this long (default 300)\n' +
     '  --reconnect-every S   hand the session over to a new stream (and connection) this often; the actor\n' +
     '                        resumes it, nothing is lost (default 240; 0 = never: the actor\'s server ends\n' +
-    '                        connections after about 5 min + 30 s grace, which ends a longer stream)');
+    '                        connections after about 5 min + 30 s grace, which ends a longer stream)\n' +
+    'TLS (an actor with tls.enabled; docs/security.md), from the environment; none set: plaintext:\n' +
+    '  KUBERL_TLS_CA           PEM CA bundle that verifies the actor (unset: the system\'s CAs)\n' +
+    '  KUBERL_TLS_CERT, _KEY   PEM client certificate and key (when the actor requires one)\n' +
+    '  KUBERL_TLS_SERVER_NAME  the name checked in the actor\'s certificate instead of the host');
   process.exit(message ? 2 : 0);
 }
 
@@ -171,6 +175,26 @@ function parseArgs(script, name, argv) {
   return opts;
 }
 
+// TLS to the actor, from the environment (see usage): { credentials, options } for a client.
+function channelSecurity(grpc, script) {
+  const fs = require('fs');
+  const { KUBERL_TLS_CA: ca, KUBERL_TLS_CERT: cert, KUBERL_TLS_KEY: key, KUBERL_TLS_SERVER_NAME: serverName } = process.env;
+  if (!ca && !cert && !key && !serverName) return { credentials: grpc.credentials.createInsecure(), options: {} };
+  if (!cert !== !key) usage(script, 'KUBERL_TLS_CERT and KUBERL_TLS_KEY: a client certificate needs its key (set both)');
+  const read = (name, file) => {
+    try {
+      return fs.readFileSync(file);
+    } catch (e) {
+      return usage(script, `${name}: cannot read ${file}: ${e.message}`);
+    }
+  };
+  return {
+    credentials: grpc.credentials.createSsl(ca ? read('KUBERL_TLS_CA', ca) : null,
+      key ? read('KUBERL_TLS_KEY', key) : null, cert ? read('KUBERL_TLS_CERT', cert) : null),
+    options: serverName ? { 'grpc.ssl_target_name_override': serverName } : {},
+  };
+}
+
 // ---- the session ---------------------------------------------------------------------------------
 
 function mean(xs) {
@@ -201,6 +225,7 @@ function runSimulator(deps, sim) {
   const STATUS_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([name, code]) => [code, name]));
 
   const opts = parseArgs(sim.script, sim.name, process.argv.slice(2));
+  const security = channelSecurity(grpc, sim.script);
   const N = opts.envs;
   const OBS_DIM = sim.obsDim;
   const envs = sim.make(N, opts.seed);
@@ -329,7 +354,8 @@ function runSimulator(deps, sim) {
   // age (5 min, then 30 s grace), so a stream must not outlive the connection it started on.
   function openStream() {
     sessions += 1;
-    client = new kuberl.Actor(opts.actor, grpc.credentials.createInsecure(), {
+    client = new kuberl.Actor(opts.actor, security.credentials, {
+      ...security.options,
       'grpc.max_receive_message_length': 64 * 1024 * 1024,
       'grpc.max_send_message_length': 64 * 1024 * 1024,
       'grpc.use_local_subchannel_pool': 1, // a new connection, not one shared with the previous stream
@@ -426,7 +452,7 @@ function runSimulator(deps, sim) {
     });
   }
 
-  const probe = new kuberl.Actor(opts.actor, grpc.credentials.createInsecure());
+  const probe = new kuberl.Actor(opts.actor, security.credentials, security.options);
   const deadline = new Date(Date.now() + opts.connectTimeout * 1000);
   probe.waitForReady(deadline, (err) => {
     probe.close();

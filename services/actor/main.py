@@ -21,12 +21,12 @@ from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights
-from services.common.config import ExperimentConfig, load_config
+from services.common.config import ExperimentConfig
 from services.common.fragments import new_incarnation
 from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
 from services.common.nets import spec_of
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 
 # The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,
@@ -60,7 +60,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     loop = asyncio.get_running_loop()
     external = cfg.env.mode == "external"
     max_bytes = cfg.buffer.max_message_mb * MiB
-    buffer_ch, learner_ch = make_channel(buffer, max_bytes), make_channel(learner, max_bytes)
+    buffer_ch, learner_ch = make_channel(buffer, max_bytes, tls=cfg.tls), make_channel(learner, max_bytes, tls=cfg.tls)
     pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics,
                     max_bytes=int(cfg.actor.queue_mb * MiB))
     rollout = hub = inference = worker = None
@@ -77,7 +77,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
     srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2_grpc.add_ActorServicer_to_server, servicer),
                              [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
-                             max_connection_age_s=None)  # simulator sessions are long-lived streams
+                             max_connection_age_s=None, tls=cfg.tls)  # simulator sessions are long-lived streams
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     worker_done: asyncio.Future = loop.create_future()
 
@@ -160,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    cfg = load_config(args.config)
+    cfg = load_role_config(args)
     async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
                        learner=args.learner, actor_id=args.actor_id, actor_index=args.actor_index) as endpoints:
         write_ready_file(args.ready_file, endpoints)

@@ -13,10 +13,10 @@ from kuberl.v1 import buffer_pb2
 from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
-from services.common.config import ExperimentConfig, load_config
+from services.common.config import ExperimentConfig
 from services.common.grpcutil import MiB, start_server
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     servicer = BufferServicer(store, metrics)
     srv = await start_server(listen, lambda s: add_to_server(servicer, s),
                              [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
-                             max_message_bytes=cfg.buffer.max_message_mb * MiB)
+                             max_message_bytes=cfg.buffer.max_message_mb * MiB, tls=cfg.tls)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
              f"replay of {store.replay.capacity}" if store.replay is not None
@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    cfg = load_config(args.config)
+    cfg = load_role_config(args)
     async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None,
                        checkpoint_dir=args.checkpoint_dir) as endpoints:
         write_ready_file(args.ready_file, endpoints)

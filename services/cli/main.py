@@ -23,6 +23,8 @@ planner API (--planner ADDR, default $KUBERL_PLANNER or 127.0.0.1:50054):
   status               pause state, overrides, replicas, last decision
   decisions [-f]       the recorded decisions (follow new ones with -f)
 
+TLS: every command takes --tls-ca/--tls-cert/--tls-key FILE over the config's tls section (docs/security.md).
+
 `kuberl <command> --help` describes each command's flags.
 """
 ROLES = ("actor", "buffer", "learner", "planner")

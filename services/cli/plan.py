@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 
 from kuberl.v1 import planner_pb2 as ppb
 from kuberl.v1 import planner_pb2_grpc
+from services.common.runtime import add_client_arguments, client_channel
 
 ACTION = {ppb.DECISION_ACTION_HOLD: "hold", ppb.DECISION_ACTION_SCALE: "scale",
           ppb.DECISION_ACTION_SUPPRESSED: "suppressed"}
@@ -69,10 +70,11 @@ def main(command: str, argv=None) -> int:
     elif command == "decisions":
         p.add_argument("--follow", "-f", action="store_true", help="keep printing new decisions")
         p.add_argument("--after", type=int, default=0, help="only decisions with a larger id")
+    add_client_arguments(p)
     args = p.parse_args(argv)
     if command == "scale" and args.replicas < 0:
         p.error(f"replicas: {args.replicas} must be >= 0")
-    with grpc.insecure_channel(args.planner) as channel:
+    with client_channel(p, args, args.planner) as channel:
         stub = planner_pb2_grpc.PlannerStub(channel)
         try:
             if command == "plan":

@@ -10,6 +10,7 @@ from google.protobuf.json_format import MessageToDict
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
+from services.common.runtime import add_client_arguments, client_channel
 
 NO_EPISODES = 1 << 62  # an episode cursor past any actor's count: metrics only
 STUBS = (buffer_pb2_grpc.BufferStub, learner_pb2_grpc.LearnerStub, actor_pb2_grpc.ActorStub,
@@ -37,10 +38,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--episodes", type=int, default=10, metavar="N",
                    help="actors: include the newest N finished episodes (default 10; 0 = none)")
+    add_client_arguments(p)
     args = p.parse_args(argv)
     if args.episodes < 0:
         p.error(f"--episodes: {args.episodes} is negative")
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(p, args, args.address) as channel:
         try:
             resp = get_stats(channel, args.timeout, episodes_after=NO_EPISODES)
             total = int(resp.metrics.get("actor/episodes_total", 0))

@@ -30,10 +30,12 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
-from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
+from services.common.config import ConfigError, ExperimentConfig, TlsConfig, dump_config, load_config
 from services.common.procs import ServiceProcess, free_port
+from services.common.runtime import add_tls_arguments, with_tls_flags
 from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                        format_event, learner_specs)
+from services.common.tls import TlsError, check_role, open_channel
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
@@ -69,11 +71,11 @@ class Member:
     stub: object = None
     stats: dict = field(default_factory=dict)
 
-    def connect(self, address: str) -> None:
+    def connect(self, address: str, tls: TlsConfig) -> None:
         if self.channel is not None:
             self.channel.close()
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address, tls)
         self.stub = STUBS[self.role](self.channel)
 
 
@@ -133,7 +135,7 @@ class LocalRun:
                 raise RuntimeError(f"{m.name} did not start serving within {READY_TIMEOUT_S:.0f} s:\n"
                                    f"{m.proc.log_tail()}")
             time.sleep(0.02)
-        m.connect(m.proc.address)
+        m.connect(m.proc.address, self.cfg.tls)
         log.info("%s serving on %s, metrics on http://%s/metrics (pid %d, log %s)", m.name, m.address,
                  m.proc.metrics, m.proc.popen.pid, m.proc.log_path)
 
@@ -203,10 +205,10 @@ class LocalRun:
                 self.members.remove(m)
                 self.retired.append(m)
             elif address != m.address:  # restarted by the planner
-                m.connect(address)
+                m.connect(address, self.cfg.tls)
         for (role, name), address in live.items():
             m = Member(role, name)
-            m.connect(address)
+            m.connect(address, self.cfg.tls)
             self.members.append(m)
         d = status.last_decision
         if d.id > self.last_decision_id:
@@ -331,7 +333,7 @@ class LocalRun:
                     m.channel.close()
                 m.channel, m.stub, m.address = None, None, ""
             if m.proc is not None and m.channel is None and m.proc.poll_ready():
-                m.connect(m.proc.address)
+                m.connect(m.proc.address, self.cfg.tls)
         self.print_events()
         for p in died:
             if p.name in self.sup.given_up:  # the run cannot go on
@@ -407,13 +409,15 @@ class LocalRun:
             self.started = time.monotonic()
             if self.planned:
                 planner = self._role("planner")[0].address
+                if self.cfg.tls.enabled:  # the run's config holds the TLS files to dial with
+                    planner += f" --config {self.dir / 'config.yaml'}"
                 print(f"planner API on {planner} ({self.cfg.planner.backend} backend): e.g. "
                       f"`kuberl decisions -f --planner {planner}`, `kuberl scale actor 2 --planner {planner}`",
                       flush=True)
             if self.external:
                 print("waiting for simulators: connect them over EnvSession to "
-                      + ", ".join(p.address for p in self._role("actor")) + " (see docs/external-simulators.md)",
-                      flush=True)
+                      + ", ".join(p.address for p in self._role("actor")) + " (see docs/external-simulators.md"
+                      + (", over TLS: docs/security.md" if self.cfg.tls.enabled else "") + ")", flush=True)
             while True:
                 time.sleep(self.cfg.run.poll_interval_s)
                 self.supervise()
@@ -474,12 +478,19 @@ def main(argv=None) -> int:
     p.add_argument("--planner-port", type=int, default=None,
                    help=f"the planner's API listens on 127.0.0.1:(this) (default {PLANNER_PORT} when it is free and no "
                         "external actor's port, else a free port; the address is printed)")
+    add_tls_arguments(p)  # written into the run's config.yaml, which every process reads
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s up: %(message)s")
     try:
         cfg = load_config(args.config)
     except (ConfigError, OSError) as err:
         print(f"kuberl up: {args.config}: {err}", file=sys.stderr)
+        return 2
+    try:
+        cfg = with_tls_flags(cfg, args)
+        check_role(cfg.tls)  # every process serves with these files: refused here, before any starts
+    except TlsError as err:
+        print(f"kuberl up: {err}", file=sys.stderr)
         return 2
     try:
         run = LocalRun(cfg, args.run_dir or cfg.run.run_dir, args.name, progress=not args.quiet,

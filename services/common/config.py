@@ -566,6 +566,23 @@ class PlannerConfig:
                  "budget", self.budget, "cannot fit the minimum replicas of every role")
 
 
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on every gRPC endpoint, from PEM files (a mounted Secret; see docs/security.md). Each process's
+    --tls-cert/--tls-key/--tls-ca/--tls-client-auth/--tls-server-name flags override these
+    (services/common/runtime.with_tls_flags); the files are checked when a role starts."""
+    enabled: bool = False
+    cert_file: str = ""        # this process's certificate chain: served, and presented when dialling other roles
+    key_file: str = ""         # cert_file's private key (unencrypted)
+    ca_file: str = ""          # the CA bundle that verifies peers: servers dialled, and clients under client_auth: require
+    client_auth: str = "require"  # "require": servers accept only clients with a certificate from ca_file (mTLS);
+    #                               "none": server-side TLS only (e.g. an actor whose simulators have no certificate)
+    server_name: str = ""      # the name checked in servers' certificates ("" = the host dialled)
+
+    def __post_init__(self):
+        _require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,
+                 "must be 'require' (servers verify client certificates: mutual TLS) or 'none'")
+
 
 @dataclass(frozen=True)
 class ExperimentConfig:
@@ -583,6 +600,7 @@ class ExperimentConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self):
         _require(self.algorithm in algorithms.REGISTRY, "algorithm", self.algorithm,

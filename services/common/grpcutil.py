@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import logging
 import random
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -25,6 +27,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+from services.common.tls import open_channel, server_credentials
+
+if TYPE_CHECKING:
+    from services.common.config import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +242,20 @@ class _Health(HealthServicer):
             name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
 
 
+def is_loopback(host: str) -> bool:
+    """True for a host only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def start_server(listen: str, register, service_names: list[str], *,
-                       max_message_bytes: int, max_connection_age_s: float | None = 300.0) -> Serving:
+                       max_message_bytes: int, max_connection_age_s: float | None = 300.0,
+                       tls: TlsConfig | None = None) -> Serving:
     """Create a server, let `register(server)` add servicers, add health + reflection, bind, start.
 
     `register` adds each servicer with `add_servicer` (or `add_handlers`), so that malformed
@@ -246,7 +265,15 @@ async def start_server(listen: str, register, service_names: list[str], *,
     Health starts NOT_SERVING; the caller flips it when ready. `max_connection_age_s` (None = no limit)
     makes clients reconnect, and so rebalance onto new pods; it also ends every stream on the
     connection, so services whose clients hold long sessions (actors) pass None.
+
+    `tls` on: every RPC, health and reflection included, is served over TLS on this one port, with
+    client certificates required under `client_auth: require` (services/common/tls.py); the
+    certificate files are read again when they change. Off on an address other hosts can reach: one
+    warning says so.
     """
+    host = listen.rsplit(":", 1)[0]
+    secure = tls is not None and tls.enabled
+    credentials = server_credentials(tls) if secure else None  # TlsError before anything is bound
     server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
     register(server)
     health = _Health()
@@ -254,26 +281,33 @@ async def start_server(listen: str, register, service_names: list[str], *,
     add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, health)
     reflector = reflection.aio.ReflectionServicer([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME])
     add_servicer(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflector)
-    host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen)
+    port = server.add_secure_port(listen, credentials) if secure else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not bind {listen}")
+    if secure:
+        log.info("serving TLS on %s with %s (%s)", listen, tls.cert_file, "client certificates required"
+                 if tls.client_auth == "require" else "no client certificate asked for")
+    elif not is_loopback(host):
+        log.warning("serving %s on %s without TLS: anyone who can reach this address can call every RPC; "
+                    "set tls.enabled (docs/security.md)", ", ".join(service_names) or "gRPC", listen)
     await server.start()
     serving = Serving(server, health, service_names, f"{host}:{port}")
     await serving.set_serving(False)
     return serving
 
 
-def make_channel(target: str, max_message_bytes: int, receive_window_bytes: int | None = None) -> grpc.aio.Channel:
+def make_channel(target: str, max_message_bytes: int, receive_window_bytes: int | None = None, *,
+                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
     """One channel per peer per process; round-robin over DNS results (headless Services).
 
     `receive_window_bytes` pins the HTTP/2 receive window (BDP probing off) so that at most about
     that much unread data waits in transit per stream: a learner uses it to keep batches from
-    going stale in socket buffers, where no one can count or drop them.
+    going stale in socket buffers, where no one can count or drop them. `tls` on: the peer's
+    certificate is verified and this process's presented (services/common/tls.open_channel).
     """
     window = [] if receive_window_bytes is None else [
         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
-    return grpc.aio.insecure_channel(target, options=[
+    return open_channel(target, tls, aio=True, options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.lb_policy_name", "round_robin"),

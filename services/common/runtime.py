@@ -2,13 +2,15 @@
 
 `run_service` runs `serve(args, stop)` on uvloop; SIGTERM and SIGINT set `stop`, after which the
 service runs its own shutdown sequence. A crash in any background loop ends the process with
-exit code 1 (Kubernetes restarts it); a clean stop exits 0.
+exit code 1 (Kubernetes restarts it); a clean stop exits 0; a config or TLS setting that cannot work
+(a ConfigError or TlsError raised as the service starts) exits 2, as a bad flag does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +37,78 @@ def base_parser(role: str, default_port: int, description: str) -> argparse.Argu
     p.add_argument("--ready-file", default=None,
                    help="write {address, metrics, pid} as JSON here once serving (used by `kuberl up`)")
     p.add_argument("--log-level", default=os.environ.get("KUBERL_LOG_LEVEL", "INFO"))
+    add_tls_arguments(p)
     return p
+
+
+def add_tls_arguments(p: argparse.ArgumentParser, server: bool = True) -> None:
+    """The --tls-* flags: every role's, and the CLI's (no --tls-client-auth for a command that serves
+    nothing). Each overrides its key of the config's `tls` section; a certificate, key or CA given here
+    (or by $KUBERL_TLS_*) turns TLS on (docs/security.md)."""
+    g = p.add_argument_group("TLS (over the config's tls section; docs/security.md)")
+    g.add_argument("--tls-cert", default=os.environ.get("KUBERL_TLS_CERT") or None, metavar="FILE",
+                   help="PEM certificate chain served and presented as client certificate (default $KUBERL_TLS_CERT, "
+                        "else tls.cert_file)")
+    g.add_argument("--tls-key", default=os.environ.get("KUBERL_TLS_KEY") or None, metavar="FILE",
+                   help="its PEM private key (default $KUBERL_TLS_KEY, else tls.key_file)")
+    g.add_argument("--tls-ca", default=os.environ.get("KUBERL_TLS_CA") or None, metavar="FILE",
+                   help="PEM CA bundle that verifies peers (default $KUBERL_TLS_CA, else tls.ca_file)")
+    if server:
+        g.add_argument("--tls-client-auth", choices=("require", "none"), default=None,
+                       help="require and verify client certificates (mutual TLS), or not (else tls.client_auth)")
+    g.add_argument("--tls-server-name", default=os.environ.get("KUBERL_TLS_SERVER_NAME") or None, metavar="NAME",
+                   help="the name checked in servers' certificates instead of the host dialled "
+                        "(default $KUBERL_TLS_SERVER_NAME, else tls.server_name)")
+
+
+TLS_FLAGS = {"tls_cert": "cert_file", "tls_key": "key_file", "tls_ca": "ca_file", "tls_client_auth": "client_auth",
+             "tls_server_name": "server_name"}
+
+
+def with_tls_flags(cfg, args: argparse.Namespace):
+    """`cfg` (an ExperimentConfig) with the --tls-* flags of `args` over its `tls` section. A certificate,
+    key or CA given by flag or environment turns TLS on."""
+    given = {key: getattr(args, flag) for flag, key in TLS_FLAGS.items() if getattr(args, flag, None) is not None}
+    if not given:
+        return cfg
+    on = cfg.tls.enabled or bool({"cert_file", "key_file", "ca_file"} & given.keys())
+    return dataclasses.replace(cfg, tls=dataclasses.replace(cfg.tls, enabled=on, **given))
+
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    """A client command's TLS flags (`kuberl stats`, the planner commands, the images' healthcheck), and
+    --config, whose tls section they dial with: inside a pod, $KUBERL_CONFIG is the role's own."""
+    p.add_argument("--config", default=os.environ.get("KUBERL_CONFIG"),
+                   help="experiment config YAML whose tls section to dial with (default $KUBERL_CONFIG; none: "
+                        "plaintext unless --tls-* flags are given)")
+    add_tls_arguments(p, server=False)
+
+
+def client_channel(p: argparse.ArgumentParser, args: argparse.Namespace, target: str):
+    """A blocking channel to `target` as --config's tls section and the --tls-* flags say; a config or
+    TLS file that cannot work ends the command as a bad flag does (exit code 2). A client needs no
+    certificate of its own unless the server requires one (client_auth: require)."""
+    from services.common.config import ConfigError, ExperimentConfig, load_config
+    from services.common.tls import TlsError, open_channel
+
+    try:
+        cfg = load_config(args.config) if args.config else ExperimentConfig()
+        return open_channel(target, with_tls_flags(cfg, args).tls)
+    except (ConfigError, TlsError) as err:
+        p.error(str(err))
+    except OSError as err:  # the config file
+        p.error(f"--config: cannot read {args.config}: {err.strerror or err}")
+
+
+def load_role_config(args: argparse.Namespace):
+    """The experiment config of a role process: --config's file with the --tls-* flags over it, its TLS
+    files checked (a ConfigError or TlsError ends the process with exit code 2, see run_service)."""
+    from services.common.config import load_config
+    from services.common.tls import check_role
+
+    cfg = with_tls_flags(load_config(args.config), args)
+    check_role(cfg.tls)
+    return cfg
 
 
 def configure_logging(level: str, role: str) -> None:
@@ -84,8 +157,14 @@ def run_service(role: str, args: argparse.Namespace,
 
     import uvloop
 
+    from services.common.config import ConfigError
+    from services.common.tls import TlsError
+
     try:
         uvloop.run(main())
+    except (ConfigError, TlsError) as err:  # raised before serving: the config or a flag cannot work
+        log.critical("%s cannot start: %s", role, err)
+        return 2
     except Exception as exc:  # a background loop crashed: end loudly, let the supervisor restart us
         for err in (exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]):
             log.critical("%s failed: %s", role, err, exc_info=err)

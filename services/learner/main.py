@@ -19,12 +19,12 @@ import torch
 
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services import algorithms
-from services.common.config import ExperimentConfig, load_config
+from services.common.config import ExperimentConfig
 from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
                                       start_server)
 from services.common.notify import Notifier
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.learner.distributed import GradientSync, GroupBroken, GroupSpec
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
@@ -376,12 +376,12 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     try:
         srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2_grpc.add_LearnerServicer_to_server, servicer),
                                  [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
-                                 max_message_bytes=max_bytes)
+                                 max_message_bytes=max_bytes, tls=cfg.tls)
     except BaseException:
         current.close()
         raise
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
-    channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024)
+    channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
     queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
              current.trainer.version, buffer)
@@ -463,7 +463,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    cfg = load_config(args.config)
+    cfg = load_role_config(args)
     try:
         async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
                            checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id,

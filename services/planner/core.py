@@ -31,6 +31,7 @@ from services import algorithms
 from services.common.config import ExperimentConfig
 from services.common.notify import Notifier
 from services.common.stats import Metrics
+from services.common.tls import TlsError, open_channel
 from services.planner.backend import ROLES, Backend, Conflict, Refused, RoleState
 from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide,
                                      judge_scale_up)
@@ -169,16 +170,24 @@ class Planner:
     def _stub(self, role: str, address: str):
         ch = self.channels.get(address)
         if ch is None:
-            ch = self.channels[address] = grpc.aio.insecure_channel(address)
+            ch = self.channels[address] = open_channel(address, self.cfg.tls, aio=True)
         return {"actor": actor_pb2_grpc.ActorStub, "learner": learner_pb2_grpc.LearnerStub,
                 "buffer": buffer_pb2_grpc.BufferStub}[role](ch)
 
-    async def _read_buffer(self, name: str, address: str) -> None:
+    async def _get_stats(self, role: str, name: str, address: str, request: pb.GetStatsRequest):
+        """The GetStats of `role` replica `name`, or None (counted) when it cannot be read."""
         try:
-            resp = await self._stub("buffer", address).GetStats(pb.GetStatsRequest(), timeout=STATS_TIMEOUT_S)
+            return await self._stub(role, address).GetStats(request, timeout=STATS_TIMEOUT_S)
         except grpc.RpcError as err:
-            self.metrics.inc("planner/stats_errors_total")
-            log.debug("stats from buffer %s (%s) failed: %s", name, address, err.code().name)
+            log.debug("stats from %s %s (%s) failed: %s", role, name, address, err.code().name)
+        except TlsError as err:  # this planner's own certificate files (mid-rotation?): tried again next time
+            log.warning("stats from %s %s (%s) not read: %s", role, name, address, err)
+        self.metrics.inc("planner/stats_errors_total")
+        return None
+
+    async def _read_buffer(self, name: str, address: str) -> None:
+        resp = await self._get_stats("buffer", name, address, pb.GetStatsRequest())
+        if resp is None:
             return
         self.buffer_stats[name] = (self.clock(), {k: resp.metrics[k] for k in BUFFER_KEYS if k in resp.metrics})
 
@@ -194,12 +203,8 @@ class Planner:
         return out
 
     async def _read(self, role: str, name: str, address: str, tracker: ReplicaRate) -> None:
-        try:
-            resp = await self._stub(role, address).GetStats(pb.GetStatsRequest(episodes_after=2**63),
-                                                            timeout=STATS_TIMEOUT_S)
-        except grpc.RpcError as err:
-            self.metrics.inc("planner/stats_errors_total")
-            log.debug("stats from %s %s (%s) failed: %s", role, name, address, err.code().name)
+        resp = await self._get_stats(role, name, address, pb.GetStatsRequest(episodes_after=2**63))
+        if resp is None:
             return
         count_key, busy_key = COUNTERS[role]
         m = resp.metrics

@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kuberl.v1 import planner_pb2, planner_pb2_grpc
-from services.common.config import ExperimentConfig, load_config
+from services.common.config import ExperimentConfig, dump_config, load_config
 from services.common.grpcutil import MiB, add_servicer, start_server
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.planner.backend import DryRunBackend
 from services.planner.core import Planner
@@ -65,7 +65,13 @@ def make_backend(cfg: ExperimentConfig, args: argparse.Namespace, metrics: Metri
     else:
         if args.config is None:
             raise SystemExit("the local backend starts processes with the same config: pass --config FILE")
-        inner = LocalBackend(cfg, config_path=Path(args.config), run_dir=Path(args.run_dir), buffer=args.buffer,
+        config = Path(args.config)
+        if cfg.tls != load_config(config).tls:
+            # This planner's --tls-* flags reach the processes it starts through the config they read.
+            config = Path(args.run_dir) / "planner-config.yaml"
+            config.parent.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, config)
+        inner = LocalBackend(cfg, config_path=config, run_dir=Path(args.run_dir), buffer=args.buffer,
                              actor_port=args.actor_port, metrics=metrics)
     return DryRunBackend(inner) if kind == "dry-run" else inner
 
@@ -79,7 +85,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
     servicer = PlannerServicer(planner, metrics)
     srv = await start_server(listen, lambda s: add_servicer(s, planner_pb2_grpc.add_PlannerServicer_to_server, servicer),
                              [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
-                             max_message_bytes=4 * MiB)
+                             max_message_bytes=4 * MiB, tls=cfg.tls)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     try:
         await backend.start()
@@ -104,7 +110,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    cfg = load_config(args.config)
+    cfg = load_role_config(args)
     metrics = Metrics("planner")
     backend = make_backend(cfg, args, metrics)
     journal = args.journal or (Path(args.run_dir) / "decisions.jsonl" if isinstance(

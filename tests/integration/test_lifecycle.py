@@ -135,8 +135,8 @@ def test_a_crashing_loop_ends_the_process_loudly(tmp_path):
 def test_bad_config_exits_with_an_error_naming_the_key(tmp_path):
     config = write_config(tmp_path / "bad.yaml", {"ppo": {"clip_coeff": 0.1}})
     buffer = Service("buffer", tmp_path, config)
-    assert buffer.popen.wait(60) == 1
-    assert "ppo.clip_coeff: unknown key" in buffer.output()
+    assert buffer.popen.wait(60) == 2   # as a bad flag: nothing a restart could fix
+    assert "buffer cannot start: ppo.clip_coeff: unknown key" in buffer.output()
 
 
 def test_buffer_runs_without_torch_or_gymnasium(tmp_path):
