@@ -245,10 +245,11 @@ async def _unless_stopped(aw, stop: asyncio.Event | None, what: str):
         await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise StoppedBeforeGroupFormed(what)
+        if not task.done():   # stopped, or this coroutine cancelled: nothing may poll on behind it
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise StoppedBeforeGroupFormed(what)
+    return task.result()
 
 
 async def join(membership: FixedGroup | StatefulSetGroup, build: Callable[[GradientSync | None], Trainer],
@@ -308,17 +309,22 @@ async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: T
             try:
                 await group_train_loop(trainer, queue, hub, every, progressed, leaving, elastic=membership.elastic)
             except GroupBroken as err:
-                if not membership.elastic or stopping.is_set():
+                if not membership.elastic:
                     raise
-                log.warning("%s; forming the group again", err)
+                if stopping.is_set():   # stopping anyway: the shutdown's final checkpoint follows
+                    log.warning("%s (while stopping)", err)
+                else:
+                    log.warning("%s; forming the group again", err)
             return
         train = asyncio.create_task(train_loop(trainer, queue, hub, every, progressed), name="train-alone")
         left = asyncio.create_task(leaving.wait())
-        await asyncio.wait({train, left}, return_when=asyncio.FIRST_COMPLETED)
-        left.cancel()
-        if train.done():
-            train.result()   # its error; train_loop never returns
-        train.cancel()       # an update in flight finishes in its thread; a checkpoint waits for it on the lock
+        try:
+            await asyncio.wait({train, left}, return_when=asyncio.FIRST_COMPLETED)
+            if train.done():
+                train.result()   # its error; train_loop never returns
+        finally:
+            left.cancel()
+            train.cancel()       # an update in flight finishes in its thread; a checkpoint waits for it on the lock
         with contextlib.suppress(asyncio.CancelledError):
             await train
     finally:
@@ -337,9 +343,10 @@ async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, 
                                stopping)
         if stopping.is_set():
             return
+        # Leave the old group before the checkpoint: the peers are already forming the next one.
+        current.close()
         await asyncio.to_thread(current.trainer.checkpoint)
         current.saved = True
-        current.close()
         try:
             trainer = await join(membership, build, metrics, stopping, set_ready)
         except StoppedBeforeGroupFormed as err:
@@ -347,6 +354,8 @@ async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, 
             return
         current.trainer, current.saved = trainer, False
         metrics.inc("learner/group_reforms_total")
+        if stopping.is_set():   # the shutdown has begun (readiness is already NOT_SERVING)
+            return
         await set_ready(True)
         hub.publish(await asyncio.to_thread(trainer.weights))
         progressed.notify()

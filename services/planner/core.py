@@ -151,6 +151,7 @@ class Planner:
         self.overrides: dict[str, OverrideState] = {}
         self.probes: dict[str, ScaleUpProbe] = {}        # applied scale-ups not judged yet
         self.ceilings: dict[str, tuple[int, float]] = {}  # role -> (saturation ceiling, monotonic expiry)
+        self.learner_scale_up: tuple[float, int, int] | None = None  # see track_learner_scale_up
         self.last_change_at: float | None = None
         self.observing_since = clock()
         self.proposals: deque[tuple[float, dict[str, int]]] = deque()
@@ -274,7 +275,8 @@ class Planner:
         return Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
                       paused=self.paused, last_change_at=self.last_change_at,
                       observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
-                      policy_lag=self.policy_lag(now), ceilings=self._ceilings())
+                      policy_lag=self.policy_lag(now), ceilings=self._ceilings(),
+                      learner_scale_up=self.learner_scale_up)
 
     def _ceilings(self) -> dict[str, int]:
         return {r: n for r, (n, _) in self.ceilings.items()}
@@ -294,6 +296,26 @@ class Planner:
                 self.metrics.inc("planner/saturations_total")
                 changed = True
         return changed
+
+    def track_learner_scale_up(self, inp: Inputs) -> bool:
+        """Follow the planner's last learner scale-up until its learners are all ready. If they are not
+        converge_timeout_s after it, the group cannot form (decide() takes the count back): the learners
+        are held at the count before it for saturation_hold_s, so the planner does not ask again at
+        once. Returns True when that hold was set now."""
+        if self.learner_scale_up is None:
+            return False
+        applied_at, before, after = self.learner_scale_up
+        li = inp.learner
+        if li.desired != after or li.ready >= after:
+            self.learner_scale_up = None   # converged, or the count changed since
+            return False
+        if inp.now - applied_at < self.policy.converge_timeout_s or "learner" in self.ceilings:
+            return False
+        self.ceilings["learner"] = (before, inp.now + self.policy.saturation_hold_s)
+        self.metrics.inc("planner/saturations_total")
+        log.info("learner scale-up %d->%d: only %d ready after %.0f s; holding the learners at %d for %.0f s",
+                 before, after, li.ready, inp.now - applied_at, before, self.policy.saturation_hold_s)
+        return True
 
     def _probe(self, d: Decision, inp: Inputs) -> None:
         """Remember each role the planner just scaled up, to judge later what the new replicas added."""
@@ -318,8 +340,10 @@ class Planner:
             for attempt in range(CONFLICT_RETRIES + 1):
                 await self.measure()
                 inp = self.inputs()
-                if apply and self._judge(inp):  # a scale-up that did not pay caps its role from now on
-                    inp = replace(inp, ceilings=self._ceilings())
+                if apply:  # a scale-up that did not pay, or whose learners never came up, caps its role
+                    self._judge(inp)
+                    self.track_learner_scale_up(inp)
+                    inp = replace(inp, ceilings=self._ceilings(), learner_scale_up=self.learner_scale_up)
                 d = decide(self.policy, inp)
                 if d.action != "scale":
                     break
@@ -349,6 +373,9 @@ class Planner:
             if applied:
                 self.last_change_at = self.clock()
                 self._probe(d, inp)
+                before, after = d.current["learner"], d.targets["learner"]
+                if after > before and inp.learner.override is None:
+                    self.learner_scale_up = (self.last_change_at, before, after)
             if error:
                 self.metrics.inc("planner/apply_errors_total")
             msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error)

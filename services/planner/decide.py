@@ -109,6 +109,8 @@ class Inputs:
     recent_proposals: tuple[tuple[float, dict[str, int]], ...] = ()
     policy_lag: float | None = None            # learners' recent mean policy lag, versions (None = unknown)
     ceilings: dict[str, int] = field(default_factory=dict)  # saturation ceilings in force: role -> max count
+    # The planner's last learner scale-up while it has not converged: (applied at, count before, count after).
+    learner_scale_up: tuple[float, int, int] | None = None
 
     def role(self, role: str) -> RoleInputs:
         return self.actor if role == "actor" else self.learner
@@ -163,19 +165,19 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     # Manual overrides are applied as they are, before anything else (bounds were checked when set).
     overrides = {r: inp.role(r).override for r in ROLES if inp.role(r).override is not None}
 
-    # Learners train as one group, which forms only once every learner runs: learners that are still not
-    # ready converge_timeout_s after the change that asked for them (unschedulable, failing to start)
-    # hold up the whole group, so the count goes back to the learners that serve (the judgement of the
-    # scale-up then holds the role there for saturation_hold_s, judge_scale_up).
-    li = inp.learner
-    if ("learner" not in overrides and not li.blocked and not inp.paused and inp.last_change_at is not None
-            and inp.now - inp.last_change_at >= policy.converge_timeout_s and 0 < li.ready < current["learner"]):
-        back = max(policy.learner.min, li.ready)
-        if back < current["learner"]:
-            return out("scale", f"learner {current['learner']}->{back}: {current['learner'] - li.ready} learner(s) "
-                                f"still not ready {inp.now - inp.last_change_at:.0f} s after the last change "
-                                f"(converge_timeout_s {policy.converge_timeout_s:.0f}); the learner group cannot "
-                                f"form without them", {**current, **overrides, "learner": back})
+    # Learners train as one group, which forms only once every learner runs: a learner scale-up of the
+    # planner's whose learners are still not all ready converge_timeout_s later (a pod that cannot be
+    # scheduled or fails to start) holds up the whole group, so it is taken back to the count before it
+    # (the removed pods are the ones it added: a StatefulSet removes the highest ordinals). The planner
+    # core holds the learners there for saturation_hold_s (Planner.track_learner_scale_up).
+    li, su = inp.learner, inp.learner_scale_up
+    if su is not None and "learner" not in overrides and not li.blocked and not inp.paused:
+        applied_at, before, after = su
+        if current["learner"] == after and li.ready < after and inp.now - applied_at >= policy.converge_timeout_s:
+            return out("scale", f"learner {after}->{before}: only {li.ready} of {after} learners ready "
+                                f"{inp.now - applied_at:.0f} s after the scale-up (converge_timeout_s "
+                                f"{policy.converge_timeout_s:.0f}); the learner group cannot form without them",
+                       {**current, **overrides, "learner": before})
 
     a, l = inp.actor.rate, inp.learner.rate
     if a is None or l is None or a <= 0 or l <= 0:

@@ -131,3 +131,38 @@ async def test_a_scale_up_that_adds_nothing_sets_a_ceiling_and_the_planner_retur
     # it never climbed past the first scale-up: the ceiling held every later decision
     assert max(counts) == 3
     await planner.close()
+
+
+async def test_learners_that_never_come_up_after_a_scale_up_are_taken_back_and_held_there():
+    """A learner group forms only once every learner runs: when the planner's learner scale-up still has
+    a learner not ready converge_timeout_s later, the count goes back and is held for saturation_hold_s."""
+    cfg = config_from_dict({**TINY_PPO, "planner": {"learner": {"max": 4}, "converge_timeout_s": 120,
+                                                    "saturation_hold_s": 300}})
+    backend = NotReadyLearners(actors=1)
+    backend.desired["learner"] = 2
+    now = [1000.0]
+    planner = Planner(cfg, backend, clock=lambda: now[0])
+    planner.learner_scale_up = (1000.0, 1, 2)   # as applying the planner's own scale-up 1 -> 2 leaves it
+    planner.last_change_at = 1000.0
+
+    now[0] = 1060.0   # still converging: left alone
+    d = await planner.step()
+    assert not d.applied and backend.desired["learner"] == 2
+    now[0] = 1121.0   # one learner still not ready: taken back, and held
+    d = await planner.step()
+    assert d.applied and backend.applied == [{"learner": 1}] and "only 1 of 2 learners ready" in d.reason
+    assert planner.ceilings["learner"] == (1, 1121.0 + 300)
+    now[0] = 1130.0   # the count changed: nothing followed any more
+    await planner.step()
+    assert planner.learner_scale_up is None and backend.applied == [{"learner": 1}]
+    await planner.close()
+
+
+class NotReadyLearners(MemoryBackend):
+    """Learner 0 serves, every other learner stays not ready (e.g. unschedulable)."""
+
+    async def observe(self) -> dict[str, RoleState]:
+        states = await super().observe()
+        states["learner"] = RoleState(desired=self.desired["learner"], replicas=[
+            Replica(name=f"learner-{i}", address="127.0.0.1:9" if i == 0 else "", ready=i == 0) for i in range(self.desired["learner"])])
+        return states

@@ -1,5 +1,6 @@
 """Decision tables for the planner's pure decision module."""
 
+import dataclasses
 import math
 
 import pytest
@@ -241,18 +242,29 @@ GROUPS = Policy(actor=POLICY.actor, learner=RoleBounds(min=1, max=4), tolerance=
                 scale_down_window_s=60, converge_timeout_s=120)
 
 
-def test_learners_still_not_ready_after_the_converge_timeout_are_taken_back():
-    # Two learners wanted, one ready 200 s later (the other unschedulable): the group cannot form, so the
-    # learners report no rate; the count goes back to the one that serves, without waiting for rates.
-    d = decide(GROUPS, inputs(4, 2, 100, None, learner_ready=1, last_change_at=-200.0))
+def scaled_up(inp: Inputs, scale_up: tuple[float, int, int]) -> Inputs:
+    return dataclasses.replace(inp, learner_scale_up=scale_up)
+
+
+def test_a_learner_scale_up_still_not_ready_after_the_converge_timeout_is_taken_back():
+    # The planner raised the learners 1 -> 2 200 s ago and one is still not ready (unschedulable): the
+    # group cannot form, so the learners report no rate; the count goes back to 1 without waiting for rates.
+    d = decide(GROUPS, scaled_up(inputs(4, 2, 100, None, learner_ready=1), (-200.0, 1, 2)))
     assert d.action == "scale" and d.targets == {"actor": 4, "learner": 1}
-    assert "1 learner(s) still not ready 200 s after the last change" in d.reason
+    assert "only 1 of 2 learners ready 200 s after the scale-up" in d.reason
+    # No learner ready at all (rank 0 restarting while it waits for the group): the same.
+    d = decide(GROUPS, scaled_up(inputs(4, 2, 100, None, learner_ready=0), (-200.0, 1, 2)))
+    assert d.targets["learner"] == 1
     # Within converge_timeout_s it is only a change in flight.
-    d = decide(GROUPS, inputs(4, 2, 100, 400, learner_ready=1, learner_reporting=1, last_change_at=-60.0))
+    d = decide(GROUPS, scaled_up(inputs(4, 2, 100, 400, learner_ready=1, learner_reporting=1, last_change_at=-60.0),
+                                 (-60.0, 1, 2)))
     assert d.action == "suppressed" and "not converged" in d.reason
-    # A manual override, a paused planner or a blocked role are left as they are.
+    # Unready learners without a scale-up of the planner's behind them (a rolling update, a pod
+    # restarting long after the last change) are not taken back; nor under an override, a pause or a block.
+    d = decide(GROUPS, inputs(4, 2, 100, 400, learner_ready=1, last_change_at=-500.0))
+    assert d.targets["learner"] == 2, d.reason
     for kw in ({"learner_override": 2}, {"paused": True}, {"learner_blocked": "paused by hand"}):
-        d = decide(GROUPS, inputs(4, 2, 100, None, learner_ready=1, last_change_at=-200.0, **kw))
+        d = decide(GROUPS, scaled_up(inputs(4, 2, 100, None, learner_ready=1, **kw), (-200.0, 1, 2)))
         assert d.targets["learner"] == 2, (kw, d.reason)
 
 
