@@ -78,7 +78,8 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
                   stop: threading.Event | None = None, seed: int | None = None, timeout_s: float = 30.0,
                   simulator: str | None = None, reconnect_s: float | None = 240.0,
                   max_reconnects: int = 3, ca_file: str | None = None, cert_file: str | None = None,
-                  key_file: str | None = None, server_name: str | None = None, tls: bool | None = None) -> dict:
+                  key_file: str | None = None, server_name: str | None = None, tls: bool | None = None,
+                  token: str | None = None, token_file: str | None = None) -> dict:
     """Step `env` with the actor's actions until `max_steps` vector steps or `stop` is set.
 
     env: a gymnasium VectorEnv made with autoreset_mode SAME_STEP, or a plain Env (wrapped, num_envs=1).
@@ -96,6 +97,8 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     of the one step in flight when it broke is then not counted by the actor. Errors the actor sends
     (INVALID_ARGUMENT, ...) are raised as SessionError.
     ca_file, cert_file, key_file, server_name, tls: TLS to the actor, as EnvSessionClient takes them.
+    token, token_file: the bearer token, as EnvSessionClient takes them (a token file is read again at
+    each reconnect, so a rotated token is picked up).
     """
     envs = as_vector_env(env)
     space_kw, start = _spaces(envs)
@@ -105,7 +108,8 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     def connect() -> EnvSessionClient:
         return EnvSessionClient(address, session_id=session_id, **space_kw, num_envs=n, timeout_s=timeout_s,
                                 simulator=simulator or f"gymnasium:{spec_id}"[:128], ca_file=ca_file,
-                                cert_file=cert_file, key_file=key_file, server_name=server_name, tls=tls)
+                                cert_file=cert_file, key_file=key_file, server_name=server_name, tls=tls,
+                                token=token, token_file=token_file)
 
     obs, info = envs.reset(seed=seed)
     masks = _masks(info)

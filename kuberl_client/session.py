@@ -31,8 +31,12 @@ actor requires one (tls.client_auth: require); `server_name` the name checked in
 certificate instead of the host dialled. Any of them turns TLS on; `tls=True` with none of them
 verifies the actor against the system's CAs.
 
-Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors, services.common.spaces and
-services.common.tls (and the config's TlsConfig).
+Tokens (an actor with auth.token_files; docs/security.md): `token` (or `token_file`, whose first token
+is read) is sent as `authorization: Bearer <token>` metadata; the actor answers a missing or unknown
+one with UNAUTHENTICATED. Without TLS the token is sent anyway, with one warning per process.
+
+Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors, services.common.spaces,
+services.common.tls and services.common.auth (and the config's TlsConfig).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import numpy as np
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from services.common import spaces
+from services.common.auth import AuthError, bearer_metadata, read_client_token
 from services.common.config import TlsConfig
 from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 from services.common.tensors import TensorError, decode, dtype_code, encode
@@ -139,6 +144,7 @@ class EnvSessionClient:
     ca_file, cert_file, key_file, server_name, tls: TLS to the actor (see the module's docstring); a
     file that cannot be read, or a key that does not match its certificate, raises ValueError naming
     the parameter and the file.
+    token, token_file: the bearer token for an actor with auth.token_files (at most one of them).
 
     After `reset` / `step`: `step_id` (of the last step sent), `policy_version` (of the last actions),
     and from the actor's acceptance `resumed`, `session_timeout_s`.
@@ -149,7 +155,7 @@ class EnvSessionClient:
                  action_space: ActionSpace | None = None, simulator: str = "python", timeout_s: float = 30.0,
                  wait_for_ready: bool = True, channel_options: list | None = None, ca_file: str | None = None,
                  cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None,
-                 tls: bool | None = None):
+                 tls: bool | None = None, token: str | None = None, token_file: str | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if (num_actions is None) == (action_space is None):
@@ -174,6 +180,12 @@ class EnvSessionClient:
                              server_name=server_name or "")
         if self.tls.enabled:
             channel_credentials(self.tls, TLS_NAMES)  # unreadable files are refused here, not at connect
+        if token and token_file:
+            raise ValueError("give token or token_file, not both")
+        try:
+            self._token = read_client_token(token_file, "token_file") if token_file else (token or None)
+        except AuthError as err:
+            raise ValueError(str(err)) from None
         self._options = channel_options if channel_options is not None else [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -202,7 +214,8 @@ class EnvSessionClient:
         self._watchdog = _Watchdog(self._expire, name=f"env-session-watchdog-{self.session_id}")
         self._watchdog.start()
         stub = actor_pb2_grpc.ActorStub(self._channel)
-        self._call = stub.EnvSession(self._request_iter(), wait_for_ready=self.wait_for_ready)
+        self._call = stub.EnvSession(self._request_iter(), wait_for_ready=self.wait_for_ready,
+                                     metadata=bearer_metadata(self._token, self.tls.enabled) or None)
         hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator)
         if self.obs_keys is None:
             hello.observation_space.box.shape[:] = self.obs_shape

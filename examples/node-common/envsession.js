@@ -129,7 +129,10 @@ function usage(script, message) {
     'TLS (an actor with tls.enabled; docs/security.md), from the environment; none set: plaintext:\n' +
     '  KUBERL_TLS_CA           PEM CA bundle that verifies the actor (unset: the system\'s CAs)\n' +
     '  KUBERL_TLS_CERT, _KEY   PEM client certificate and key (when the actor requires one)\n' +
-    '  KUBERL_TLS_SERVER_NAME  the name checked in the actor\'s certificate instead of the host');
+    '  KUBERL_TLS_SERVER_NAME  the name checked in the actor\'s certificate instead of the host\n' +
+    'Tokens (an actor with auth.token_files; docs/security.md), from the environment:\n' +
+    '  KUBERL_TOKEN            sent as "authorization: Bearer <token>" (without TLS: sent, with a warning)\n' +
+    '  KUBERL_TOKEN_FILE       a file whose first token is sent (read again at every reconnect)');
   process.exit(message ? 2 : 0);
 }
 
@@ -179,7 +182,9 @@ function parseArgs(script, name, argv) {
 function channelSecurity(grpc, script) {
   const fs = require('fs');
   const { KUBERL_TLS_CA: ca, KUBERL_TLS_CERT: cert, KUBERL_TLS_KEY: key, KUBERL_TLS_SERVER_NAME: serverName } = process.env;
-  if (!ca && !cert && !key && !serverName) return { credentials: grpc.credentials.createInsecure(), options: {} };
+  if (!ca && !cert && !key && !serverName) {
+    return { credentials: grpc.credentials.createInsecure(), options: {}, secure: false };
+  }
   if (!cert !== !key) usage(script, 'KUBERL_TLS_CERT and KUBERL_TLS_KEY: a client certificate needs its key (set both)');
   const read = (name, file) => {
     try {
@@ -192,7 +197,35 @@ function channelSecurity(grpc, script) {
     credentials: grpc.credentials.createSsl(ca ? read('KUBERL_TLS_CA', ca) : null,
       key ? read('KUBERL_TLS_KEY', key) : null, cert ? read('KUBERL_TLS_CERT', cert) : null),
     options: serverName ? { 'grpc.ssl_target_name_override': serverName } : {},
+    secure: true,
   };
+}
+
+// The bearer token metadata for EnvSession, from $KUBERL_TOKEN or the first token of $KUBERL_TOKEN_FILE
+// (read at every call, so a rotated token is picked up at the next reconnect); empty without either.
+let warnedPlaintext = false;
+function tokenMetadata(grpc, script, secure) {
+  const metadata = new grpc.Metadata();
+  let token = process.env.KUBERL_TOKEN || '';
+  const file = process.env.KUBERL_TOKEN_FILE;
+  if (!token && file) {
+    let text;
+    try {
+      text = require('fs').readFileSync(file, 'utf8');
+    } catch (e) {
+      return usage(script, `KUBERL_TOKEN_FILE: cannot read ${file}: ${e.message}`);
+    }
+    const line = text.split('\n').map((l) => l.split('#')[0].trim()).find((l) => l);
+    if (!line) usage(script, `KUBERL_TOKEN_FILE: ${file} holds no token`);
+    token = line.split(/\s+/)[0];
+  }
+  if (!token) return metadata;
+  if (!secure && !warnedPlaintext) {
+    warnedPlaintext = true;
+    process.stderr.write('warning: sending a bearer token without TLS: anyone on the path can read it\n');
+  }
+  metadata.set('authorization', `Bearer ${token.trim()}`);
+  return metadata;
 }
 
 // ---- the session ---------------------------------------------------------------------------------
@@ -361,7 +394,7 @@ function runSimulator(deps, sim) {
       'grpc.use_local_subchannel_pool': 1, // a new connection, not one shared with the previous stream
     });
     const myClient = client;
-    const stream = client.EnvSession();
+    const stream = client.EnvSession(tokenMetadata(grpc, sim.script, security.secure));
     call = stream;
     const openedAt = elapsed();
     let nextStepId = 0; // step_id of the next EnvStep to send on this stream

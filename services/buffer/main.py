@@ -43,7 +43,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     servicer = BufferServicer(store, metrics)
     srv = await start_server(listen, lambda s: add_to_server(servicer, s),
                              [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
-                             max_message_bytes=cfg.buffer.max_message_mb * MiB, tls=cfg.tls)
+                             max_message_bytes=cfg.buffer.max_message_mb * MiB, tls=cfg.tls,
+                             auth=cfg.auth, metrics=metrics)
     prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
     log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
              f"replay of {store.replay.capacity}" if store.replay is not None

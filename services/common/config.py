@@ -585,6 +585,29 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """Bearer tokens on the RPCs people and simulators call, and caps on EnvSession sessions
+    (services/common/auth.py, docs/security.md). No token files: those RPCs stay open, as before."""
+    token_files: tuple[str, ...] = ()  # files of accepted tokens, one per line
+    #                               ("TOKEN" or "TOKEN scope1,scope2"; scopes envsession, planner:write, read;
+    #                               none = all); re-read when they change, so tokens rotate without a restart
+    protect_reads: bool = False     # GetStats and the planner's read-only RPCs also need a token (scope read)
+    client_token_file: str = ""     # the token this role sends when it calls others (the planner's GetStats reads)
+    max_sessions_per_token: int = 0     # EnvSession sessions open at once per token (per peer host without
+    #                                     tokens); 0 = unlimited
+    new_sessions_per_minute: float = 0  # new EnvSession sessions a minute per token (a token bucket); 0 = unlimited
+
+    def __post_init__(self):
+        for i, path in enumerate(self.token_files):
+            _require(isinstance(path, str) and bool(path.strip()), f"token_files[{i}]", path,
+                     "must be a file path")
+        _require(self.max_sessions_per_token >= 0, "max_sessions_per_token", self.max_sessions_per_token,
+                 "must be >= 0 (0 = unlimited)")
+        _require(math.isfinite(self.new_sessions_per_minute) and self.new_sessions_per_minute >= 0,
+                 "new_sessions_per_minute", self.new_sessions_per_minute, "must be >= 0 (0 = unlimited)")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment. `algorithm` names the one of services/algorithms that trains, and the
     section of its settings (`ppo`, `dqn`, `sac`)."""
@@ -601,6 +624,7 @@ class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self):
         _require(self.algorithm in algorithms.REGISTRY, "algorithm", self.algorithm,

@@ -28,10 +28,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from services.common.auth import AuthInterceptor
 from services.common.tls import open_channel, server_credentials
 
 if TYPE_CHECKING:
-    from services.common.config import TlsConfig
+    from services.common.config import AuthConfig, TlsConfig
+    from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +257,8 @@ def is_loopback(host: str) -> bool:
 
 async def start_server(listen: str, register, service_names: list[str], *,
                        max_message_bytes: int, max_connection_age_s: float | None = 300.0,
-                       tls: TlsConfig | None = None) -> Serving:
+                       tls: TlsConfig | None = None, auth: AuthConfig | None = None,
+                       metrics: Metrics | None = None) -> Serving:
     """Create a server, let `register(server)` add servicers, add health + reflection, bind, start.
 
     `register` adds each servicer with `add_servicer` (or `add_handlers`), so that malformed
@@ -270,11 +273,18 @@ async def start_server(listen: str, register, service_names: list[str], *,
     client certificates required under `client_auth: require` (services/common/tls.py); the
     certificate files are read again when they change. Off on an address other hosts can reach: one
     warning says so.
+
+    `auth` (the config's auth section): bearer tokens and EnvSession caps (services/common/auth.py);
+    `metrics` counts refusals. No token files on an address other hosts can reach, for a service with
+    RPCs that would need one: one warning says so.
     """
     host = listen.rsplit(":", 1)[0]
     secure = tls is not None and tls.enabled
     credentials = server_credentials(tls) if secure else None  # TlsError before anything is bound
-    server = grpc.aio.server(options=server_options(max_message_bytes, max_connection_age_s))
+    role = service_names[0].rsplit(".", 1)[-1].lower() if service_names else "grpc"
+    interceptors = [AuthInterceptor(auth, role, metrics)] if auth is not None else []  # AuthError before binding
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=server_options(max_message_bytes, max_connection_age_s))
     register(server)
     health = _Health()
     # Health and reflection go through the same parsing registration as the services' own RPCs.
@@ -290,6 +300,12 @@ async def start_server(listen: str, register, service_names: list[str], *,
     elif not is_loopback(host):
         log.warning("serving %s on %s without TLS: anyone who can reach this address can call every RPC; "
                     "set tls.enabled (docs/security.md)", ", ".join(service_names) or "gRPC", listen)
+    guarded = [m for m in ("Actor/EnvSession", "Planner/SetReplicas")
+               if any(name.endswith("." + m.split("/")[0]) for name in service_names)]
+    if guarded and not (auth and auth.token_files) and not is_loopback(host):
+        log.warning("serving %s on %s without tokens: anyone who can reach this address can call %s; set "
+                    "auth.token_files (docs/security.md)", ", ".join(service_names), listen,
+                    "EnvSession" if "Actor/EnvSession" in guarded else "the planner's write RPCs")
     await server.start()
     serving = Serving(server, health, service_names, f"{host}:{port}")
     await serving.set_serving(False)

@@ -82,19 +82,33 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
                    help="experiment config YAML whose tls section to dial with (default $KUBERL_CONFIG; none: "
                         "plaintext unless --tls-* flags are given)")
     add_tls_arguments(p, server=False)
+    p.add_argument("--token-file", default=os.environ.get("KUBERL_TOKEN_FILE") or None, metavar="FILE",
+                   help="file whose first token is sent as 'authorization: Bearer' (default $KUBERL_TOKEN_FILE; "
+                        "else $KUBERL_TOKEN itself; else the config's auth.client_token_file; docs/security.md)")
 
 
 def client_channel(p: argparse.ArgumentParser, args: argparse.Namespace, target: str):
     """A blocking channel to `target` as --config's tls section and the --tls-* flags say; a config or
     TLS file that cannot work ends the command as a bad flag does (exit code 2). A client needs no
-    certificate of its own unless the server requires one (client_auth: require)."""
+    certificate of its own unless the server requires one (client_auth: require). Every call carries the
+    bearer token of --token-file, $KUBERL_TOKEN or auth.client_token_file, when there is one."""
+    from services.common.auth import AuthError, read_client_token, with_token
     from services.common.config import ConfigError, ExperimentConfig, load_config
     from services.common.tls import TlsError, open_channel
 
     try:
-        cfg = load_config(args.config) if args.config else ExperimentConfig()
-        return open_channel(target, with_tls_flags(cfg, args).tls)
-    except (ConfigError, TlsError) as err:
+        cfg = with_tls_flags(load_config(args.config) if args.config else ExperimentConfig(), args)
+        token_file = getattr(args, "token_file", None)
+        if token_file:
+            token = read_client_token(token_file, "--token-file")
+        elif os.environ.get("KUBERL_TOKEN"):
+            token = os.environ["KUBERL_TOKEN"].strip()
+        elif cfg.auth.client_token_file:
+            token = read_client_token(cfg.auth.client_token_file, "auth.client_token_file")
+        else:
+            token = None
+        return with_token(open_channel(target, cfg.tls), token, cfg.tls.enabled)
+    except (AuthError, ConfigError, TlsError) as err:
         p.error(str(err))
     except OSError as err:  # the config file
         p.error(f"--config: cannot read {args.config}: {err.strerror or err}")
@@ -157,12 +171,13 @@ def run_service(role: str, args: argparse.Namespace,
 
     import uvloop
 
+    from services.common.auth import AuthError
     from services.common.config import ConfigError
     from services.common.tls import TlsError
 
     try:
         uvloop.run(main())
-    except (ConfigError, TlsError) as err:  # raised before serving: the config or a flag cannot work
+    except (AuthError, ConfigError, TlsError) as err:  # raised before serving: the config or a flag cannot work
         log.critical("%s cannot start: %s", role, err)
         return 2
     except Exception as exc:  # a background loop crashed: end loudly, let the supervisor restart us

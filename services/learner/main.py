@@ -385,7 +385,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     try:
         srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2_grpc.add_LearnerServicer_to_server, servicer),
                                  [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
-                                 max_message_bytes=max_bytes, tls=cfg.tls)
+                                 max_message_bytes=max_bytes, tls=cfg.tls, auth=cfg.auth, metrics=metrics)
     except BaseException:
         current.close()
         raise

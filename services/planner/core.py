@@ -28,6 +28,7 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services import algorithms
+from services.common.auth import AuthError, bearer_metadata, read_client_token
 from services.common.config import ExperimentConfig
 from services.common.notify import Notifier
 from services.common.stats import Metrics
@@ -178,10 +179,15 @@ class Planner:
     async def _get_stats(self, role: str, name: str, address: str, request: pb.GetStatsRequest):
         """The GetStats of `role` replica `name`, or None (counted) when it cannot be read."""
         try:
-            return await self._stub(role, address).GetStats(request, timeout=STATS_TIMEOUT_S)
+            # The role's own token (auth.client_token_file), read at every call so that a rotated one is
+            # sent; needed by roles with auth.protect_reads.
+            token_file = self.cfg.auth.client_token_file
+            token = read_client_token(token_file, "auth.client_token_file") if token_file else None
+            return await self._stub(role, address).GetStats(
+                request, timeout=STATS_TIMEOUT_S, metadata=bearer_metadata(token, self.cfg.tls.enabled) or None)
         except grpc.RpcError as err:
             log.debug("stats from %s %s (%s) failed: %s", role, name, address, err.code().name)
-        except TlsError as err:  # this planner's own certificate files (mid-rotation?): tried again next time
+        except (AuthError, TlsError) as err:  # this planner's own certificate or token files: tried next time
             log.warning("stats from %s %s (%s) not read: %s", role, name, address, err)
         self.metrics.inc("planner/stats_errors_total")
         return None

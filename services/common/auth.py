@@ -1,0 +1,375 @@
+"""Bearer tokens and session caps on the RPCs that people and simulators call (docs/security.md).
+
+The settings are the config's `auth` section (services/common/config.AuthConfig):
+
+- `TokenStore`: the tokens of `auth.token_files`, one per line (`TOKEN` or `TOKEN scope1,scope2`, `#`
+  comments), read again when a file changes (its mtime, size or inode), so that tokens are rotated
+  without a restart. Only SHA-256 digests are kept, and every presented token is compared with every
+  known one with `hmac.compare_digest` on equal-length digests: no early exit, no length leak.
+- `AuthInterceptor`: the server interceptor every role installs (`start_server`). EnvSession needs
+  scope `envsession`, the planner's write RPCs `planner:write`, and with `auth.protect_reads` the
+  read-only ones (GetStats, the planner's status, decisions and preview) `read`. Health, reflection and
+  the roles' internal RPCs (PushTrajectories, StreamBatches, ReportProgress, SubscribeWeights) are never
+  asked for a token: probes need health, and mTLS guards the internal ones. It also caps EnvSession
+  sessions per token (per peer host without tokens): `auth.max_sessions_per_token` open at once and
+  `auth.new_sessions_per_minute` (a token bucket).
+- `bearer_metadata` / `read_client_token`: what clients send.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+if TYPE_CHECKING:
+    from services.common.config import AuthConfig
+    from services.common.stats import Metrics
+
+log = logging.getLogger(__name__)
+
+SCOPES = ("envsession", "planner:write", "read")
+ENV_SESSION = "/kuberl.v1.Actor/EnvSession"
+PLANNER_WRITES = frozenset(f"/kuberl.v1.Planner/{m}" for m in ("Apply", "SetReplicas", "ClearOverride", "Pause",
+                                                              "Resume"))
+PLANNER_READS = frozenset(f"/kuberl.v1.Planner/{m}" for m in ("Preview", "WatchDecisions", "GetStatus"))
+STATS = frozenset(f"/kuberl.v1.{s}/GetStats" for s in ("Actor", "Buffer", "Learner", "Planner"))
+
+
+class AuthError(ValueError):
+    """A token file that cannot be used; the message names the setting and the file."""
+
+
+def scope_of(method: str, protect_reads: bool) -> str | None:
+    """The scope an RPC needs, or None when it is open (health, reflection, internal RPCs, and reads
+    unless `protect_reads`)."""
+    if method == ENV_SESSION:
+        return "envsession"
+    if method in PLANNER_WRITES:
+        return "planner:write"
+    if protect_reads and (method in PLANNER_READS or method in STATS):
+        return "read"
+    return None
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+def parse_tokens(text: str, where: str) -> list[tuple[bytes, frozenset[str]]]:
+    """(digest, scopes) per token line of a token file; no scopes = every scope."""
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise AuthError(f"{where}:{n}: a line is 'TOKEN' or 'TOKEN scope1,scope2' (scopes: {', '.join(SCOPES)})")
+        scopes = frozenset(s for s in (parts[1].split(",") if len(parts) == 2 else ()) if s)
+        unknown = sorted(scopes - set(SCOPES))
+        if unknown:
+            raise AuthError(f"{where}:{n}: unknown scope {', '.join(unknown)} (known: {', '.join(SCOPES)})")
+        out.append((_digest(parts[0].encode()), frozenset(SCOPES) if not scopes else scopes))
+    return out
+
+
+class TokenStore:
+    """The tokens of `files`, read again when one changes; a change that does not load is logged and the
+    previous tokens kept."""
+
+    def __init__(self, files: list[str] | tuple[str, ...]):
+        self.files = tuple(files)
+        self.lock = threading.Lock()
+        try:
+            stamp = self._stamp()  # before reading: a change in between is read again at the next call
+        except OSError:
+            stamp = None
+        self.tokens = self._load()  # AuthError naming the file when one cannot be read
+        self.stamp = stamp
+
+    def _stamp(self) -> tuple:
+        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, self.files))
+
+    def _load(self) -> list[tuple[bytes, frozenset[str]]]:
+        tokens = []
+        for path in self.files:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as err:
+                raise AuthError(f"auth.token_files: cannot read {path}: {getattr(err, 'strerror', None) or err}") \
+                    from None
+            tokens += parse_tokens(text, f"auth.token_files: {path}")
+        if not tokens:
+            raise AuthError(f"auth.token_files: {', '.join(self.files)} hold no token")
+        return tokens
+
+    def current(self) -> list[tuple[bytes, frozenset[str]]]:
+        with self.lock:
+            try:
+                stamp = self._stamp()
+            except OSError:
+                return self.tokens  # a file is being replaced: look again at the next call
+            if stamp != self.stamp:
+                self.stamp = stamp
+                try:
+                    self.tokens = self._load()
+                    log.info("token files changed: %d tokens now accepted", len(self.tokens))
+                except AuthError as err:
+                    log.warning("token files changed but do not load, keeping the previous tokens: %s", err)
+            return self.tokens
+
+    def scopes(self, token: str) -> frozenset[str] | None:
+        """The scopes of `token`, None when it is not known. Every known token is compared."""
+        presented = _digest(token.encode())
+        found = None
+        for digest, scopes in self.current():
+            if hmac.compare_digest(digest, presented) and found is None:
+                found = scopes
+        return found
+
+
+MAX_BUCKETS = 10_000  # token buckets kept before full ones (no recent sessions) are dropped
+
+
+class _Bucket:
+    def __init__(self, per_minute: float):
+        self.capacity = max(1.0, per_minute)
+        self.rate = per_minute / 60.0
+        self.level, self.at = self.capacity, time.monotonic()
+
+    def full(self) -> bool:
+        return self.level + (time.monotonic() - self.at) * self.rate >= self.capacity
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        self.at = now
+        if self.level < 1.0:
+            return False
+        self.level -= 1.0
+        return True
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass
+class _Caps:
+    max_open: int
+    per_minute: float
+    metrics: Metrics | None
+
+    def __post_init__(self):
+        self.open: dict[str, int] = defaultdict(int)
+        self.buckets: dict[str, _Bucket] = {}
+
+    def acquire(self, key: str) -> None:
+        if self.max_open and self.open[key] >= self.max_open:
+            self._refuse("cap", f"auth.max_sessions_per_token: {self.max_open} sessions already open "
+                                f"for this {'token' if key.startswith('token:') else 'peer'}")
+        if self.per_minute:
+            if len(self.buckets) >= MAX_BUCKETS:  # many clients: forget those whose buckets refilled
+                self.buckets = {k: b for k, b in self.buckets.items() if not b.full()}
+            bucket = self.buckets.setdefault(key, _Bucket(self.per_minute))
+            if not bucket.take():
+                self._refuse("rate", f"auth.new_sessions_per_minute: more than {self.per_minute:g} new sessions a "
+                                     f"minute for this {'token' if key.startswith('token:') else 'peer'}")
+        self.open[key] += 1
+
+    def release(self, key: str) -> None:
+        self.open[key] -= 1
+        if self.open[key] <= 0:
+            del self.open[key]
+
+    def _refuse(self, reason: str, details: str):
+        if self.metrics is not None:
+            self.metrics.inc("actor/sessions_refused_total")
+            self.metrics.inc(f"actor/sessions_refused_{reason}_total")
+        raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+
+
+def _bearer(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            value = value.decode("latin-1") if isinstance(value, bytes) else value
+            if value[:7].lower() == "bearer ":
+                return value[7:].strip()
+            return None
+    return None
+
+
+def _peer_host(context) -> str:
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Asks for tokens and scopes (when tokens are configured) and caps EnvSession sessions."""
+
+    def __init__(self, auth: AuthConfig, role: str, metrics: Metrics | None = None):
+        self.store = TokenStore(auth.token_files) if auth.token_files else None
+        self.protect_reads = auth.protect_reads
+        self.role, self.metrics = role, metrics
+        self.caps = _Caps(auth.max_sessions_per_token, auth.new_sessions_per_minute, metrics) \
+            if auth.max_sessions_per_token or auth.new_sessions_per_minute else None
+        if metrics is not None and self.store is not None:
+            for name in ("auth_refused_total", "auth_denied_total"):
+                metrics.inc(f"{role}/{name}", 0)
+        if metrics is not None and self.caps is not None and role == "actor":
+            for name in ("sessions_refused_cap_total", "sessions_refused_rate_total"):
+                metrics.inc(f"actor/{name}", 0)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        scope = scope_of(method, self.protect_reads) if self.store is not None else None
+        capped = self.caps is not None and method == ENV_SESSION
+        if handler is None or (scope is None and not capped):
+            return handler
+        return _guarded(handler, method, lambda context: self._admit(context, method, scope, capped), self._release)
+
+    def _admit(self, context, method: str, scope: str | None, capped: bool) -> str | None:
+        key = None
+        if scope is not None:
+            token = _bearer(context)
+            scopes = self.store.scopes(token) if token else None
+            if scopes is None:
+                self._count("auth_refused_total")
+                raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                               f"{method}: {'no bearer token' if not token else 'the bearer token is not known'}; send "
+                               f"'authorization: Bearer <token>' metadata with a token of auth.token_files")
+            if scope not in scopes:
+                self._count("auth_denied_total")
+                raise _Refused(grpc.StatusCode.PERMISSION_DENIED, f"{method}: the token lacks scope '{scope}'")
+            key = "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+        if capped:
+            key = key or "peer:" + _peer_host(context)
+            self.caps.acquire(key)
+            return key
+        return None
+
+    def _release(self, key: str | None) -> None:
+        if key is not None:
+            self.caps.release(key)
+
+    def _count(self, name: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc(f"{self.role}/{name}")
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str, admit, release) -> grpc.RpcMethodHandler:
+    """`handler` run only once `admit(context)` passed (its key given to `release` when the RPC ends)."""
+    kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+        ("stream" if handler.response_streaming else "unary")
+    behavior = getattr(handler, kind)
+
+    async def check(context):
+        try:
+            return admit(context)
+        except _Refused as err:
+            await context.abort(err.code, err.details)
+
+    if inspect.isasyncgenfunction(behavior):
+        async def wrapped(request, context):
+            key = await check(context)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            finally:
+                release(key)
+    else:
+        async def wrapped(request, context):
+            key = await check(context)
+            try:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                release(key)
+
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(wrapped, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+# -- clients ------------------------------------------------------------------------------------------
+def read_client_token(path: str, setting: str = "token_file") -> str:
+    """The first token of a token file (scopes and comments ignored)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise AuthError(f"{setting}: cannot read {path}: {err.strerror or err}") from None
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            return line.split()[0]
+    raise AuthError(f"{setting}: {path} holds no token")
+
+
+_warned_plaintext = False
+
+
+def bearer_metadata(token: str | None, secure: bool) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries `token` (none without one); over plaintext, one warning per process."""
+    global _warned_plaintext
+    if not token:
+        return ()
+    if not secure and not _warned_plaintext:
+        _warned_plaintext = True
+        log.warning("sending a bearer token without TLS: anyone on the path can read it (docs/security.md)")
+    return (("authorization", f"Bearer {token}"),)
+
+
+class _MetadataClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `metadata` to every call of a blocking channel."""
+
+    def __init__(self, metadata):
+        self.metadata = tuple(metadata)
+
+    def _details(self, details):
+        return _Details(details.method, details.timeout, (*(details.metadata or ()), *self.metadata),
+                        details.credentials, getattr(details, "wait_for_ready", None),
+                        getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+@dataclass(frozen=True)
+class _Details(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: tuple
+    credentials: object
+    wait_for_ready: bool | None
+    compression: object
+
+
+def with_token(channel: grpc.Channel, token: str | None, secure: bool) -> grpc.Channel:
+    """`channel` sending `token` as bearer metadata on every call (as it is without a token)."""
+    metadata = bearer_metadata(token, secure)
+    return grpc.intercept_channel(channel, _MetadataClient(metadata)) if metadata else channel
