@@ -30,7 +30,8 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
-from services.common.config import ConfigError, ExperimentConfig, TlsConfig, dump_config, load_config
+from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
+from services.common.auth import AuthError, read_client_token, with_token
 from services.common.procs import ServiceProcess, free_port
 from services.common.runtime import add_tls_arguments, with_tls_flags
 from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
@@ -71,11 +72,15 @@ class Member:
     stub: object = None
     stats: dict = field(default_factory=dict)
 
-    def connect(self, address: str, tls: TlsConfig) -> None:
+    def connect(self, address: str, cfg: ExperimentConfig) -> None:
+        """A channel to `address` with the run's TLS settings and, where the roles protect their reads
+        (auth.protect_reads), the run's client token (auth.client_token_file, read at each connect)."""
         if self.channel is not None:
             self.channel.close()
         self.address = address
-        self.channel = open_channel(address, tls)
+        token_file = cfg.auth.client_token_file
+        token = read_client_token(token_file, "auth.client_token_file") if token_file else None
+        self.channel = with_token(open_channel(address, cfg.tls), token, cfg.tls.enabled)
         self.stub = STUBS[self.role](self.channel)
 
 
@@ -135,7 +140,7 @@ class LocalRun:
                 raise RuntimeError(f"{m.name} did not start serving within {READY_TIMEOUT_S:.0f} s:\n"
                                    f"{m.proc.log_tail()}")
             time.sleep(0.02)
-        m.connect(m.proc.address, self.cfg.tls)
+        m.connect(m.proc.address, self.cfg)
         log.info("%s serving on %s, metrics on http://%s/metrics (pid %d, log %s)", m.name, m.address,
                  m.proc.metrics, m.proc.popen.pid, m.proc.log_path)
 
@@ -205,10 +210,10 @@ class LocalRun:
                 self.members.remove(m)
                 self.retired.append(m)
             elif address != m.address:  # restarted by the planner
-                m.connect(address, self.cfg.tls)
+                m.connect(address, self.cfg)
         for (role, name), address in live.items():
             m = Member(role, name)
-            m.connect(address, self.cfg.tls)
+            m.connect(address, self.cfg)
             self.members.append(m)
         d = status.last_decision
         if d.id > self.last_decision_id:
@@ -333,7 +338,7 @@ class LocalRun:
                     m.channel.close()
                 m.channel, m.stub, m.address = None, None, ""
             if m.proc is not None and m.channel is None and m.proc.poll_ready():
-                m.connect(m.proc.address, self.cfg.tls)
+                m.connect(m.proc.address, self.cfg)
         self.print_events()
         for p in died:
             if p.name in self.sup.given_up:  # the run cannot go on
@@ -436,7 +441,7 @@ class LocalRun:
         except KeyboardInterrupt:
             reason = "interrupted"
             print("\ninterrupted: stopping every process", flush=True)
-        except RuntimeError as err:
+        except (RuntimeError, TlsError, AuthError) as err:   # the last two: files broken mid-run (rotation)
             reason, error = "failed", str(err)
             print(f"kuberl up: {err}", file=sys.stderr, flush=True)
         finally:

@@ -76,9 +76,8 @@ def parse_tokens(text: str, where: str) -> list[tuple[bytes, frozenset[str]]]:
         if len(parts) > 2:
             raise AuthError(f"{where}:{n}: a line is 'TOKEN' or 'TOKEN scope1,scope2' (scopes: {', '.join(SCOPES)})")
         scopes = frozenset(s for s in (parts[1].split(",") if len(parts) == 2 else ()) if s)
-        unknown = sorted(scopes - set(SCOPES))
-        if unknown:
-            raise AuthError(f"{where}:{n}: unknown scope {', '.join(unknown)} (known: {', '.join(SCOPES)})")
+        if scopes - set(SCOPES):   # not echoed: a line written the wrong way round would print its token
+            raise AuthError(f"{where}:{n}: an unknown scope after the token (known: {', '.join(SCOPES)})")
         out.append((_digest(parts[0].encode()), frozenset(SCOPES) if not scopes else scopes))
     return out
 
@@ -90,19 +89,35 @@ class TokenStore:
     def __init__(self, files: list[str] | tuple[str, ...]):
         self.files = tuple(files)
         self.lock = threading.Lock()
-        try:
-            stamp = self._stamp()  # before reading: a change in between is read again at the next call
-        except OSError:
-            stamp = None
-        self.tokens = self._load()  # AuthError naming the file when one cannot be read
+        stamp = self._stamp()  # before reading: a change in between is read again at the next call
+        self.tokens = self._load(self.files)  # AuthError naming the file when one cannot be read
         self.stamp = stamp
 
     def _stamp(self) -> tuple:
-        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, self.files))
-
-    def _load(self) -> list[tuple[bytes, frozenset[str]]]:
-        tokens = []
+        """Each file's (mtime, size, inode), or None for a file that is gone."""
+        stamps = []
         for path in self.files:
+            try:
+                st = os.stat(path)
+                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def _reload(self) -> list[tuple[bytes, frozenset[str]]]:
+        """The tokens of the files still there: a deleted file (a token file taken out of a Secret)
+        revokes its tokens. All of them gone is refused (the previous tokens are kept)."""
+        present = [path for path in self.files if os.path.exists(path)]
+        if len(present) < len(self.files):
+            log.warning("token files gone, their tokens no longer accepted: %s",
+                        ", ".join(sorted(set(self.files) - set(present))))
+        if not present:
+            raise AuthError(f"auth.token_files: none of {', '.join(self.files)} exists")
+        return self._load(present)
+
+    def _load(self, files) -> list[tuple[bytes, frozenset[str]]]:
+        tokens = []
+        for path in files:
             try:
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
@@ -111,19 +126,16 @@ class TokenStore:
                     from None
             tokens += parse_tokens(text, f"auth.token_files: {path}")
         if not tokens:
-            raise AuthError(f"auth.token_files: {', '.join(self.files)} hold no token")
+            raise AuthError(f"auth.token_files: {', '.join(files)} hold no token")
         return tokens
 
     def current(self) -> list[tuple[bytes, frozenset[str]]]:
         with self.lock:
-            try:
-                stamp = self._stamp()
-            except OSError:
-                return self.tokens  # a file is being replaced: look again at the next call
+            stamp = self._stamp()
             if stamp != self.stamp:
                 self.stamp = stamp
                 try:
-                    self.tokens = self._load()
+                    self.tokens = self._reload()
                     log.info("token files changed: %d tokens now accepted", len(self.tokens))
                 except AuthError as err:
                     log.warning("token files changed but do not load, keeping the previous tokens: %s", err)
@@ -178,12 +190,14 @@ class _Caps:
         self.buckets: dict[str, _Bucket] = {}
 
     def acquire(self, key: str) -> None:
-        if self.max_open and self.open[key] >= self.max_open:
+        if self.max_open and self.open.get(key, 0) >= self.max_open:
             self._refuse("cap", f"auth.max_sessions_per_token: {self.max_open} sessions already open "
                                 f"for this {'token' if key.startswith('token:') else 'peer'}")
         if self.per_minute:
-            if len(self.buckets) >= MAX_BUCKETS:  # many clients: forget those whose buckets refilled
-                self.buckets = {k: b for k, b in self.buckets.items() if not b.full()}
+            if len(self.buckets) >= MAX_BUCKETS:  # many clients: forget those whose buckets refilled, and
+                # at most MAX_BUCKETS of the rest (the oldest first: dicts keep insertion order)
+                kept = [(k, b) for k, b in self.buckets.items() if not b.full()]
+                self.buckets = dict(kept[len(kept) - MAX_BUCKETS // 2:] if len(kept) > MAX_BUCKETS // 2 else kept)
             bucket = self.buckets.setdefault(key, _Bucket(self.per_minute))
             if not bucket.take():
                 self._refuse("rate", f"auth.new_sessions_per_minute: more than {self.per_minute:g} new sessions a "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -325,8 +324,7 @@ async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: T
         finally:
             left.cancel()
             train.cancel()       # an update in flight finishes in its thread; a checkpoint waits for it on the lock
-        with contextlib.suppress(asyncio.CancelledError):
-            await train
+        await asyncio.wait({train})   # (not `await train`: that would take its cancellation for this task's)
     finally:
         watcher.cancel()
 

@@ -315,7 +315,11 @@ class Planner:
         if li.desired != after or li.ready >= after:
             self.learner_scale_up = None   # converged, or the count changed since
             return False
-        if inp.now - applied_at < self.policy.converge_timeout_s or "learner" in self.ceilings:
+        if li.override is not None:   # a person holds the learners: their count, not the planner's
+            self.learner_scale_up = None
+            return False
+        held = self.ceilings.get("learner")
+        if inp.now - applied_at < self.policy.converge_timeout_s or (held is not None and held[0] <= before):
             return False
         self.ceilings["learner"] = (before, inp.now + self.policy.saturation_hold_s)
         self.metrics.inc("planner/saturations_total")

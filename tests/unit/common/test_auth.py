@@ -22,7 +22,7 @@ def _write(path, text: str) -> str:
 def test_token_lines_scopes_and_comments(tmp_path):
     tokens = parse_tokens("# comment\n\nabc   # trailing\ndef read,planner:write\n", "f")
     assert [scopes for _, scopes in tokens] == [frozenset(auth.SCOPES), frozenset({"read", "planner:write"})]
-    with pytest.raises(AuthError, match="f:1: unknown scope admin"):
+    with pytest.raises(AuthError, match="f:1: an unknown scope after the token"):
         parse_tokens("abc admin", "f")
     with pytest.raises(AuthError, match="f:2: a line is"):
         parse_tokens("a\nabc read extra", "f")
@@ -39,6 +39,18 @@ def test_store_rereads_changed_files_and_keeps_the_last_good_tokens(tmp_path):
     _write(path, "# nothing\n")                          # a file that does not load: the previous tokens stay
     assert store.scopes("new") == frozenset({"envsession"})
     assert store.scopes("") is None and store.scopes("n" * 10_000) is None
+
+
+def test_a_deleted_token_file_revokes_its_tokens_and_the_others_still_reload(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    store = TokenStore([_write(old, "old-token\n"), _write(new, "new-token\n")])
+    assert store.scopes("old-token") and store.scopes("new-token")
+    os.remove(old)                                       # revoked by taking the file out of the Secret
+    assert store.scopes("old-token") is None and store.scopes("new-token")
+    _write(new, "new-token\nnewer-token\n")             # the remaining file is still followed
+    assert store.scopes("newer-token")
+    os.remove(new)                                       # none left: refused, the last tokens stay
+    assert store.scopes("newer-token")
 
 
 def test_store_refuses_missing_or_empty_files(tmp_path):

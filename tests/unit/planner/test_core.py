@@ -158,6 +158,21 @@ async def test_learners_that_never_come_up_after_a_scale_up_are_taken_back_and_h
     await planner.close()
 
 
+async def test_a_learner_override_ends_the_follow_up_of_the_planners_scale_up():
+    cfg = config_from_dict({**TINY_PPO, "planner": {"learner": {"max": 4}, "converge_timeout_s": 120}})
+    backend = NotReadyLearners(actors=1)
+    backend.desired["learner"] = 2
+    now = [1000.0]
+    planner = Planner(cfg, backend, clock=lambda: now[0], wall=lambda: now[0])
+    planner.learner_scale_up = (1000.0, 1, 2)
+    await planner.set_override("learner", 2, ttl_s=3600)   # a person holds the learners at 2
+    now[0] = 1200.0
+    d = await planner.step()
+    assert backend.desired["learner"] == 2 and "learner" not in planner.ceilings and planner.learner_scale_up is None
+    assert "only 1 of 2 learners ready" not in d.reason
+    await planner.close()
+
+
 class NotReadyLearners(MemoryBackend):
     """Learner 0 serves, every other learner stays not ready (e.g. unschedulable)."""
 
