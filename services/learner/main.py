@@ -204,17 +204,10 @@ async def form_group(group: GroupSpec, stop: asyncio.Event | None) -> GradientSy
             pass
 
     threading.Thread(target=join, name="join-learner-group", daemon=True).start()
-    if stop is None:
-        return await forming
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({forming, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if forming.done():
-        return forming.result()
-    forming.cancel()
-    # The joining thread stays blocked in the rendezvous; the process ends without waiting for it
-    # (services exit through runtime.exit_process).
-    raise StoppedBeforeGroupFormed(f"stopped while waiting for the group of {group.world_size} learners to form")
+    # Stopped first: the joining thread stays blocked in the rendezvous; the process ends without
+    # waiting for it (services exit through runtime.exit_process).
+    return await _unless_stopped(forming, stop, f"stopped while waiting for the group of {group.world_size} "
+                                                f"learners to form")
 
 
 @dataclass
