@@ -105,6 +105,17 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1, what: str 
         time.sleep(interval)
 
 
+def http_get(address: str, path: str, timeout: float = 30.0) -> tuple[int, str]:
+    """(status, body) of GET http://address/path, error statuses included (the metrics port's probes)."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
 def stats(address: str, stub_cls, timeout: float = 5.0) -> dict[str, float]:
     with grpc.insecure_channel(address) as ch:
         return dict(stub_cls(ch).GetStats(pb.GetStatsRequest(), timeout=timeout).metrics)

@@ -78,7 +78,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2_grpc.add_ActorServicer_to_server, servicer),
                              [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
                              max_connection_age_s=None, tls=cfg.tls, auth=cfg.auth, metrics=metrics)  # simulator sessions are long-lived streams
-    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
+    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
     worker_done: asyncio.Future = loop.create_future()
 
     def done(exc):

@@ -45,7 +45,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                              [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
                              max_message_bytes=cfg.buffer.max_message_mb * MiB, tls=cfg.tls,
                              auth=cfg.auth, metrics=metrics)
-    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
+    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
     log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
              f"replay of {store.replay.capacity}" if store.replay is not None
              else f"FIFO of {store.fifo.capacity_steps} steps")

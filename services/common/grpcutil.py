@@ -19,6 +19,7 @@ import inspect
 import ipaddress
 import logging
 import random
+import threading
 from typing import TYPE_CHECKING
 
 import grpc
@@ -66,6 +67,32 @@ class Serving:
 
     def __init__(self, server: grpc.aio.Server, health: HealthServicer, names: list[str], address: str):
         self.server, self.health, self.names, self.address = server, health, names, address
+        self.loop = asyncio.get_running_loop()
+
+    def probe(self, ready: bool, timeout_s: float) -> str | None:
+        """From any thread but the server's: None when the server's event loop runs a callback within
+        `timeout_s` and (with `ready`) every service of the server is SERVING, else why not. What the
+        HTTP probes of the metrics port answer (services/common/prometheus.py): a gRPC health check
+        answered from the same loop, for kubelets and load balancers that cannot present the client
+        certificate a gRPC probe would need under mutual TLS."""
+        answered = threading.Event()
+        statuses: dict[str, int] = {}
+
+        def look():
+            statuses.update({name: self.health.status(name) for name in self.names})
+            answered.set()
+
+        try:
+            self.loop.call_soon_threadsafe(look)
+        except RuntimeError:
+            return "the server's event loop is closed"
+        if not answered.wait(timeout_s):
+            return f"the server's event loop did not answer within {timeout_s:g} s"
+        if ready:
+            down = [name for name, status in statuses.items() if status != health_pb2.HealthCheckResponse.SERVING]
+            if down:
+                return f"{', '.join(down)} not serving"
+        return None
 
     async def set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -238,6 +265,10 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
 class _Health(HealthServicer):
     """grpcio's asyncio health servicer, plus the Health/List RPC it leaves to the generated base
     class (a synchronous UNIMPLEMENTED stub, which grpcio would also answer garbage for with UNKNOWN)."""
+
+    def status(self, name: str) -> int:
+        """The status a Check of `name` reports now (SERVICE_UNKNOWN for a name never set)."""
+        return self._server_status.get(name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
 
     async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
         return health_pb2.HealthListResponse(statuses={

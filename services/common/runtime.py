@@ -38,6 +38,13 @@ def base_parser(role: str, default_port: int, description: str) -> argparse.Argu
                    help="write {address, metrics, pid} as JSON here once serving (used by `kuberl up`)")
     p.add_argument("--log-level", default=os.environ.get("KUBERL_LOG_LEVEL", "INFO"))
     add_tls_arguments(p)
+    g = p.add_argument_group("tokens (over the config's auth section; docs/security.md)")
+    g.add_argument("--auth-token-files", default=os.environ.get("KUBERL_AUTH_TOKEN_FILES") or None, metavar="FILE[,FILE]",
+                   help="files of the bearer tokens this role accepts (default $KUBERL_AUTH_TOKEN_FILES, "
+                        "else auth.token_files)")
+    g.add_argument("--token-file", default=os.environ.get("KUBERL_TOKEN_FILE") or None, metavar="FILE",
+                   help="file whose first token this role sends when it calls others, as the CLI's --token-file "
+                        "(default $KUBERL_TOKEN_FILE, else auth.client_token_file)")
     return p
 
 
@@ -73,6 +80,22 @@ def with_tls_flags(cfg, args: argparse.Namespace):
         return cfg
     on = cfg.tls.enabled or bool({"cert_file", "key_file", "ca_file"} & given.keys())
     return dataclasses.replace(cfg, tls=dataclasses.replace(cfg.tls, enabled=on, **given))
+
+
+def with_auth_flags(cfg, args: argparse.Namespace):
+    """`cfg` with a role's --auth-token-files and --token-file over its `auth` section: what lets one
+    ConfigMap serve pods that mount their token Secret (k8s/components/tokens, the chart's auth values)."""
+    from services.common.config import ConfigError
+
+    given = {}
+    if getattr(args, "auth_token_files", None) is not None:
+        files = tuple(f.strip() for f in args.auth_token_files.split(",") if f.strip())
+        if not files:
+            raise ConfigError("--auth-token-files ($KUBERL_AUTH_TOKEN_FILES)", f"{args.auth_token_files!r} names no file")
+        given["token_files"] = files
+    if getattr(args, "token_file", None) is not None:
+        given["client_token_file"] = args.token_file
+    return dataclasses.replace(cfg, auth=dataclasses.replace(cfg.auth, **given)) if given else cfg
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,12 +138,12 @@ def client_channel(p: argparse.ArgumentParser, args: argparse.Namespace, target:
 
 
 def load_role_config(args: argparse.Namespace):
-    """The experiment config of a role process: --config's file with the --tls-* flags over it, its TLS
-    files checked (a ConfigError or TlsError ends the process with exit code 2, see run_service)."""
+    """The experiment config of a role process: --config's file with the --tls-* and token flags over it,
+    its TLS files checked (a ConfigError or TlsError ends the process with exit code 2, see run_service)."""
     from services.common.config import load_config
     from services.common.tls import check_role
 
-    cfg = with_tls_flags(load_config(args.config), args)
+    cfg = with_auth_flags(with_tls_flags(load_config(args.config), args), args)
     check_role(cfg.tls)
     return cfg
 

@@ -380,7 +380,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     except BaseException:
         current.close()
         raise
-    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
+    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
     channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
     queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,

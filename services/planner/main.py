@@ -86,7 +86,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
     srv = await start_server(listen, lambda s: add_servicer(s, planner_pb2_grpc.add_PlannerServicer_to_server, servicer),
                              [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
                              max_message_bytes=4 * MiB, tls=cfg.tls, auth=cfg.auth, metrics=metrics)
-    prom = serve_metrics(metrics, metrics_listen) if metrics_listen else None
+    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
     try:
         await backend.start()
         async with asyncio.TaskGroup() as tg:

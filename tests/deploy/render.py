@@ -25,13 +25,18 @@ from tests.k8s.cluster import CACHE, Unavailable, binaries
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 CHART = K8S / "helm" / "kuberl"
-OVERLAYS = ("base", "overlays/dev", "overlays/gpu")
+OVERLAYS = ("base", "overlays/dev", "overlays/gpu", "overlays/secure")
+# The chart with mutual TLS (certificates from cert-manager), tokens, simulators without certificates
+# allowed from anywhere: the Helm counterpart of overlays/secure.
+HELM_SECURE = ("--set", "tls.enabled=true", "--set", "tls.certManager.enabled=true",
+               "--set", "tls.certManager.issuerRef.name=kuberl-ca", "--set", "auth.enabled=true",
+               "--set", "networkPolicy.simulatorsFrom[0].ipBlock.cidr=0.0.0.0/0")
 COMPONENTS = ("components/buffer-checkpoints",)   # kustomize Components, added to an overlay by users
 # The oldest Kubernetes minor still in common support, and the newest the schemas know.
 SCHEMA_VERSIONS = ("1.30.0", "1.37.0")
 ROLES = ("actor", "buffer", "learner", "planner")
 # Kinds that are not in the core schemas (CRDs): validated by their own checks, not by the schemas.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
 
 
 def tool(name: str) -> str:

@@ -2,7 +2,7 @@
 
 Every render (each kustomize overlay, the Helm chart with several value sets) is checked against what
 the services actually serve and accept: each container's args parse with the role's own argument
-parser; ports, probe ports and probe health-service names are the services' own; peers are addressed
+parser; ports and probe paths are the services' own; peers are addressed
 through headless Services that exist and select the right pods; grace periods outlast each role's
 shutdown deadline; the config in the ConfigMap loads with the strict loader and names the objects the
 planner scales; the planner's Role grants exactly services/planner/rbac.py RULES, and the learners' Role
@@ -24,9 +24,10 @@ import pytest
 import yaml
 
 from services.common.config import load_config
+from services.common.prometheus import PROBE_TIMEOUT_S, PROBES
 from services.planner.kube import WORKLOADS
 from services.planner.rbac import RESOURCE_NAMES, RULES
-from tests.deploy.render import (ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
+from tests.deploy.render import (HELM_SECURE, ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
                                  pod_env, role_of, workloads)
 
 API_ROLES = ("learner", "planner")   # the roles whose pods call the Kubernetes API (and so get a token)
@@ -39,7 +40,12 @@ RENDERS = {
     "helm defaults": lambda: helm_template(),
     "helm gpu": lambda: helm_template("--set", "learner.gpu.enabled=true"),
     "helm renamed": lambda: helm_template("--set", "nameOverride=rl", "--set", "learner.persistence.enabled=false"),
+    # Mutual TLS, tokens and external simulators let in (docs/security.md; tests/deploy/test_security.py).
+    "kustomize secure": lambda: kustomize("overlays/secure"),
+    "helm secure": lambda: helm_template(*HELM_SECURE),
 }
+# The renders whose actor NetworkPolicy lets external simulators in (from anywhere outside the pod network).
+SIMULATORS_LET_IN = {"kustomize secure", "helm secure"}
 
 
 @pytest.fixture(scope="module", params=list(RENDERS))
@@ -155,11 +161,14 @@ def test_container_matches_what_the_service_serves_and_accepts(render, role):
     default_port = port_of(parser_of(role)([]).listen)
     # gRPC: the service's default port everywhere (the images EXPOSE it too; see test_dockerfiles).
     assert port_of(args.listen) == named_port(c, "grpc") == default_port
-    # Native gRPC probes: numeric port, the role's own health name for startup/readiness, the whole
-    # server ("") for liveness.
-    for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": default_port, "service": HEALTH_NAMES[role]}, probe
-    assert c["livenessProbe"]["grpc"].get("service", "") == "" and c["livenessProbe"]["grpc"]["port"] == default_port
+    # HTTP probes of the metrics port, which serves them (services/common/prometheus.PROBES): readiness
+    # (and startup) the role's services SERVING, liveness its event loop answering; each with a timeout
+    # longer than the endpoint's own wait, so that a slow loop is a 503 with its reason.
+    wants_ready = {"startupProbe": True, "readinessProbe": True, "livenessProbe": False}
+    for probe, ready in wants_ready.items():
+        http = c[probe]["httpGet"]
+        assert http["port"] == "metrics" and PROBES[http["path"]] is ready, (probe, http)
+        assert c[probe]["timeoutSeconds"] > PROBE_TIMEOUT_S, probe
     # Metrics: --metrics-listen, the container port and the scrape annotation agree.
     annotations = w["spec"]["template"]["metadata"]["annotations"]
     assert port_of(args.metrics_listen) == named_port(c, "metrics") == int(annotations["prometheus.io/port"])
@@ -224,7 +233,7 @@ def test_learner_group_meets_at_rank_0_of_its_statefulset(render):
     # Every rank must start before rank 0 can turn Ready (OrderedReady would wait for it forever).
     assert spec["podManagementPolicy"] == "Parallel"
     c = container(w)
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
     assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
     args = parsed_args(w)
     assert args.membership == "statefulset" and "--learner-id=$(POD_NAME)" in c["args"]
@@ -319,8 +328,7 @@ EXPECTED_FLOWS = {
     *{("learner", "learner", port) for port in ("grpc", "metrics", "rendezvous", "ephemeral")},
     ("learner", "apiserver", "https"), ("learner", "apiserver", "https-alt"),
     *{(role, "kube-dns", port) for role in ROLES for port in ("dns-udp", "dns-tcp")},
-    # External simulators connect to actors from anywhere, inside the cluster or out.
-    *{(other, "actor", "grpc") for other in OTHERS},
+    # External simulators reach actors only where a render lets them in (SIMULATORS_LET_IN).
     # The planner's API: from pods in its own namespace (docs/deploy.md).
     ("client", "planner", "grpc"),
     # Metrics: Prometheus may run in any namespace, so any pod outside the kuberl roles may scrape
@@ -360,7 +368,9 @@ def _allowed(policies: list[dict], target: dict, direction: str, peer: dict, dst
                for p in mine for rule in p["spec"].get(key, []))
 
 
-def test_network_policies_allow_exactly_the_design_flows(render):
+def test_network_policies_allow_exactly_the_design_flows(render, request):
+    let_in = request.node.callspec.params["render"] in SIMULATORS_LET_IN   # from anything outside the pod network
+    expected = EXPECTED_FLOWS | {(other, "actor", "grpc") for other, e in OTHERS.items() if let_in and e["namespace"] is None}
     policies = of_kind(render, "NetworkPolicy")
     if not policies:
         pytest.skip("this render turns NetworkPolicies off (networkPolicy.enabled=false)")
@@ -373,8 +383,8 @@ def test_network_policies_allow_exactly_the_design_flows(render):
     flows = {(s, d, port) for s, src in entities.items() for d, dst in entities.items()
              if (s != d or s in ws) and (s in ws or d in ws) for port in dst["ports"]
              if _allowed(policies, src, "egress", dst, dst, port) and _allowed(policies, dst, "ingress", src, dst, port)}
-    assert flows == EXPECTED_FLOWS, (f"allowed but not in docs/architecture.md: {sorted(flows - EXPECTED_FLOWS)}; "
-                                     f"in docs/architecture.md but blocked: {sorted(EXPECTED_FLOWS - flows)}")
+    assert flows == expected, (f"allowed but not in docs/architecture.md: {sorted(flows - expected)}; "
+                               f"in docs/architecture.md but blocked: {sorted(expected - flows)}")
 
 
 # ---- Dockerfiles and `make images` ---------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """The rendered manifests against a real kube-apiserver (tests/k8s/cluster.py: v1.20 on loopback).
 
-1.20 predates two things the manifests use, so where the server does not serve them the objects are
-adapted, and only there: PodDisruptionBudgets are policy/v1 (served from 1.21) and are left out;
-native gRPC probes (1.24) are removed from the containers. Everything else goes to the server as
-rendered. Offline strict validation against current schemas (test_render.py) covers what is left out.
+1.20 predates one thing the manifests use, so where the server does not serve it the objects are
+adapted, and only there: PodDisruptionBudgets are policy/v1 (served from 1.21) and are left out.
+Everything else, the probes (httpGet) included, goes to the server as rendered. Offline strict validation against current schemas (test_render.py) covers what is left out.
 
 - The rendered base applies with server-side apply in dry-run mode, and the server rejects a broken
   object the same way (so the dry run does validate).
@@ -25,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -43,24 +43,14 @@ def served(cluster) -> set[str]:
     return set(out.stdout.split())
 
 
-def server_minor(cluster) -> int:
-    out = cluster.kubectl("version", "-o", "json")
-    return int(json.loads(out.stdout)["serverVersion"]["minor"].rstrip("+"))
-
-
 def for_this_server(cluster, objects: list[dict]) -> tuple[list[dict], list[str]]:
     """The objects as this API server can take them, and what was changed (see the module docstring)."""
-    versions, minor = served(cluster), server_minor(cluster)
+    versions = served(cluster)
     kept, changes = [], []
     for obj in copy.deepcopy(objects):
         if obj["apiVersion"] not in versions:
             changes.append(f"left out {obj['kind']}/{obj['metadata']['name']}: {obj['apiVersion']} is not served")
             continue
-        for c in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if minor < 24 and "grpc" in c.get(probe, {}):
-                    del c[probe]
-                    changes.append(f"removed {obj['metadata']['name']} {probe} (gRPC probes need 1.24)")
         kept.append(obj)
     return kept, changes
 
@@ -74,7 +64,7 @@ def test_rendered_base_applies_with_server_side_dry_run(k8s_cluster, k8s_namespa
     from kubernetes import client
     rendered = kustomize("base")
     objects, changes = for_this_server(k8s_cluster, rendered)
-    # Only what 1.20 cannot take is adapted: the four policy/v1 PDBs and the gRPC probes.
+    # Only what 1.20 cannot take is adapted: the four policy/v1 PDBs.
     assert len(objects) == len(rendered) - (len(of_kind(rendered, "PodDisruptionBudget"))
                                             if "policy/v1" not in served(k8s_cluster) else 0), changes
     out = apply(k8s_cluster, k8s_namespace, objects, "--dry-run=server")
@@ -295,11 +285,16 @@ def test_planner_process_runs_with_the_rendered_args(k8s_cluster, k8s_namespace,
             assert proc.poll() is None, (tmp_path / "planner.log").read_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        address = json.loads(ready.read_text())["address"]
-        probe = c["readinessProbe"]["grpc"]["service"]
-        check = subprocess.run([sys.executable, "docker/healthcheck.py", "--service", probe, address],
+        endpoints = json.loads(ready.read_text())
+        address = endpoints["address"]
+        check = subprocess.run([sys.executable, "docker/healthcheck.py", "--service", "kuberl.v1.Planner", address],
                                capture_output=True, text=True, timeout=30)
         assert check.returncode == 0 and "SERVING" in check.stdout, check.stderr
+        # What the kubelet asks: the rendered probes' paths on the metrics port.
+        for probe in ("readinessProbe", "livenessProbe"):
+            path = c[probe]["httpGet"]["path"]
+            with urllib.request.urlopen(f"http://{endpoints['metrics']}{path}", timeout=30) as resp:
+                assert resp.status == 200, (probe, path)
         lease = client.CoordinationV1Api(k8s_admin).read_namespaced_lease(cfg.planner.kubernetes.lease_name, k8s_namespace)
         assert lease.spec.holder_identity
         grace = planner["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]

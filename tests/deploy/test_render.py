@@ -35,12 +35,12 @@ def test_overlay_renders_and_validates_strictly(overlay):
 
 
 def test_validation_is_strict_and_catches_mistakes():
-    """The validator is not a rubber stamp: a misspelt field, a wrong type and a named gRPC probe port fail."""
+    """The validator is not a rubber stamp: a misspelt field, a wrong type and a probe without a port fail."""
     deployment = index(kustomize("base"))[("Deployment", "kuberl-actor")]
     broken = []
     for mutate in (lambda c: c.update(containerPorts=c.pop("ports")),            # unknown field
                    lambda c: c["resources"]["requests"].update(cpu=[1]),         # wrong type
-                   lambda c: c["readinessProbe"]["grpc"].update(port="grpc")):    # gRPC probes need a number
+                   lambda c: c["readinessProbe"]["httpGet"].pop("port")):        # a probe needs its port
         d = copy.deepcopy(deployment)
         mutate(d["spec"]["template"]["spec"]["containers"][0])
         broken.append(d)

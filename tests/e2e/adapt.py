@@ -1,14 +1,12 @@
 """The one place where shipped manifests are changed to run on the e2e node (kubelet/apiserver 1.20).
 
 The shipped manifests (k8s/, the Helm chart) target Kubernetes 1.24+. The node this harness can build
-is 1.20 (tests/e2e/node.py), which does not serve two things they use:
+is 1.20 (tests/e2e/node.py), which does not serve one thing they use:
 
     policy/v1 PodDisruptionBudget (1.21+)    dropped: so voluntary-disruption limits are NOT checked here
-    native gRPC probes (`grpc:`, 1.24+)      turned into exec probes of the image's own health check
-                                             (`kuberl-healthcheck --service S 127.0.0.1:PORT`), same
-                                             service name, port, period and thresholds (a timeout of at
-                                             least 20 s: it starts a Python process): so the probe
-                                             *semantics* are checked, but not kubelet's gRPC prober itself
+
+The probes are plain httpGet probes of each role's metrics port (/readyz, /livez), which the 1.20
+kubelet runs as any later one does: they are checked as shipped.
 
 Nothing else is changed. NetworkPolicies are applied but not enforced (the CNI bridge plugin has no
 policy engine), so they are not checked either. `UNCHECKED` lists these for the docs and test output.
@@ -22,44 +20,15 @@ import yaml
 
 UNCHECKED = (
     "PodDisruptionBudgets (policy/v1, Kubernetes 1.21+): dropped for the 1.20 node",
-    "kubelet's native gRPC probes (1.24+): run as exec probes of kuberl-healthcheck instead",
     "NetworkPolicy enforcement: the CNI bridge plugin enforces none",
 )
-HEALTHCHECK = "/opt/kuberl/bin/kuberl-healthcheck"
-EXEC_PROBE_TIMEOUT_S = 20
-
-
-def _exec_probe(probe: dict, ports: dict[str, int]) -> dict:
-    grpc = probe.pop("grpc")
-    port = grpc["port"]
-    port = ports.get(port, port) if isinstance(port, str) else port
-    command = [HEALTHCHECK]
-    if grpc.get("service"):
-        command += ["--service", grpc["service"]]
-    # The exec runs inside the container: its own timeout must end before kubelet's (default 1 s). It
-    # also starts a Python process, which a native gRPC probe does not: on a 2-core node under load
-    # that alone took over 5 s, and three such liveness timeouts restarted healthy pods. So the exec
-    # probe gets at least 20 s; the probe's period and thresholds are kept.
-    timeout_s = probe.get("timeoutSeconds", 1)
-    probe["timeoutSeconds"] = max(timeout_s, EXEC_PROBE_TIMEOUT_S)
-    command += ["--timeout", str(max(probe["timeoutSeconds"] - 1, 1)), f"127.0.0.1:{port}"]
-    probe["exec"] = {"command": command}
-    return probe
 
 
 def adapt_doc(doc: dict) -> dict | None:
     """One rendered object as the 1.20 node can run it, or None where it cannot be served at all."""
     if doc.get("kind") == "PodDisruptionBudget":
         return None
-    doc = copy.deepcopy(doc)
-    spec = doc.get("spec", {}).get("template", {}).get("spec")
-    if spec:
-        for container in spec.get("containers", []) + spec.get("initContainers", []):
-            ports = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
-            for key in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if "grpc" in container.get(key, {}):
-                    _exec_probe(container[key], ports)
-    return doc
+    return copy.deepcopy(doc)
 
 
 def adapt(rendered: str) -> str:

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from services.common.prometheus import prometheus_name
-from tests.helpers import TINY_PPO, Service, stats, wait_for, write_config
+from tests.helpers import TINY_PPO, Service, http_get, stats, wait_for, write_config
 
 STUBS = {"buffer": buffer_pb2_grpc.BufferStub, "learner": learner_pb2_grpc.LearnerStub,
          "actor": actor_pb2_grpc.ActorStub}
@@ -88,3 +88,12 @@ def test_metrics_agree_with_get_stats(running, role):
         if compared_rates >= 3:
             break
     assert compared_rates >= 3, "never caught the rates between two ticks"
+
+
+@pytest.mark.parametrize("role", ["buffer", "learner", "actor"])
+def test_probes_on_the_metrics_port(running, role):
+    """What the manifests' httpGet probes ask of every role (k8s/base): live and ready while it serves."""
+    assert http_get(running[role].metrics, "/livez") == (200, "ok\n")
+    assert http_get(running[role].metrics, "/readyz") == (200, "ok\n")
+    code, body = http_get(running[role].metrics, "/healthz")
+    assert code == 404 and "/metrics, /livez, /readyz" in body

@@ -112,3 +112,26 @@ def test_full_buckets_are_forgotten_when_there_are_many(monkeypatch):
         bucket.level = bucket.capacity           # refilled
     caps.acquire("d")
     assert set(caps.buckets) == {"d"}
+
+
+def test_role_flags_and_environment_over_the_auth_section(tmp_path, monkeypatch):
+    """How a pod that mounts the token Secret gets its files with the shared ConfigMap's config
+    (k8s/components/tokens): $KUBERL_AUTH_TOKEN_FILES and $KUBERL_TOKEN_FILE, or the flags over them."""
+    from services.common.runtime import base_parser, load_role_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("auth: {token_files: [/from/config], protect_reads: true}\n")
+    monkeypatch.setenv("KUBERL_AUTH_TOKEN_FILES", "/run/a/tokens, /run/b/tokens")
+    monkeypatch.setenv("KUBERL_TOKEN_FILE", "/run/a/planner")
+    cfg = load_role_config(base_parser("planner", 0, "").parse_args(["--config", str(config)]))
+    assert cfg.auth.token_files == ("/run/a/tokens", "/run/b/tokens")
+    assert cfg.auth.client_token_file == "/run/a/planner" and cfg.auth.protect_reads
+    cfg = load_role_config(base_parser("planner", 0, "").parse_args(
+        ["--config", str(config), "--auth-token-files", "/x", "--token-file", "/y"]))
+    assert (cfg.auth.token_files, cfg.auth.client_token_file) == (("/x",), "/y")
+    monkeypatch.delenv("KUBERL_AUTH_TOKEN_FILES")
+    monkeypatch.delenv("KUBERL_TOKEN_FILE")
+    cfg = load_role_config(base_parser("planner", 0, "").parse_args(["--config", str(config)]))
+    assert (cfg.auth.token_files, cfg.auth.client_token_file) == (("/from/config",), "")
+    with pytest.raises(ConfigError, match=r"--auth-token-files \(\$KUBERL_AUTH_TOKEN_FILES\): ' , ' names no file"):
+        load_role_config(base_parser("planner", 0, "").parse_args(["--config", str(config), "--auth-token-files", " , "]))

@@ -78,6 +78,33 @@ after grpc and metrics), "grace" (seconds, in place of <role>.terminationGracePe
 {{- define "kuberl.podTemplate" -}}
 {{- $r := index (include "kuberl.roles" . | fromYaml) .role -}}
 {{- $v := index .ctx.Values .role -}}
+{{- $name := include "kuberl.name" .ctx -}}
+{{- $args := .args | default list -}}
+{{- $env := .env | default list -}}
+{{- $mounts := .mounts | default list -}}
+{{- $volumes := .volumes | default list -}}
+{{- /* TLS (values tls): the role's Secret as a directory, and $KUBERL_TLS_* over the config (as k8s/components/tls). */ -}}
+{{- with .ctx.Values.tls -}}
+{{- if .enabled -}}
+{{- $dir := "/var/run/secrets/kuberl/tls" -}}
+{{- $env = concat (list (dict "name" "KUBERL_TLS_CERT" "value" (printf "%s/tls.crt" $dir)) (dict "name" "KUBERL_TLS_KEY" "value" (printf "%s/tls.key" $dir)) (dict "name" "KUBERL_TLS_CA" "value" (printf "%s/ca.crt" $dir)) (dict "name" "KUBERL_TLS_SERVER_NAME" "value" .serverName)) $env -}}
+{{- $mounts = append $mounts (dict "name" "tls" "mountPath" $dir "readOnly" true) -}}
+{{- $volumes = append $volumes (dict "name" "tls" "secret" (dict "secretName" (printf "%s-%s-tls" $name $.role))) -}}
+{{- if and (eq $.role "actor") (eq .actorClientAuth "none") -}}
+{{- $args = append $args "--tls-client-auth=none" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* Tokens (values auth): the Secret as a directory, $KUBERL_AUTH_TOKEN_FILES and the planner's $KUBERL_TOKEN_FILE (as k8s/components/tokens). */ -}}
+{{- if .ctx.Values.auth.enabled -}}
+{{- $dir := "/var/run/secrets/kuberl/tokens" -}}
+{{- $env = prepend $env (dict "name" "KUBERL_AUTH_TOKEN_FILES" "value" (printf "%s/tokens" $dir)) -}}
+{{- if eq .role "planner" -}}
+{{- $env = append $env (dict "name" "KUBERL_TOKEN_FILE" "value" (printf "%s/planner" $dir)) -}}
+{{- end -}}
+{{- $mounts = append $mounts (dict "name" "tokens" "mountPath" $dir "readOnly" true) -}}
+{{- $volumes = append $volumes (dict "name" "tokens" "secret" (dict "secretName" (.ctx.Values.auth.secretName | default (printf "%s-tokens" $name)))) -}}
+{{- end -}}
 metadata:
   labels:
     {{- include "kuberl.labels" . | nindent 4 }}
@@ -128,10 +155,10 @@ spec:
         - --config=/etc/kuberl/config.yaml
         - --listen=0.0.0.0:{{ $r.port }}
         - --metrics-listen=0.0.0.0:{{ include "kuberl.metricsPort" . }}
-        {{- range .args }}
+        {{- range $args }}
         - {{ . }}
         {{- end }}
-      {{- with .env }}
+      {{- with $env }}
       env:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -141,18 +168,21 @@ spec:
         {{- range .ports }}
         - {{ toJson . }}
         {{- end }}
-      # Native gRPC probes (grpc.health.v1, numeric port). Readiness asks for the role's service,
-      # which turns NOT_SERVING as soon as shutdown starts.
+      # HTTP probes of the metrics port (services/common/prometheus.py): /readyz is the gRPC health of
+      # the role's service (NOT_SERVING from the start of shutdown), /livez that its event loop
+      # answers. A native gRPC probe could not present the client certificate mutual TLS asks for.
       startupProbe:
-        grpc: {port: {{ $r.port }}, service: {{ $r.service }}}
+        httpGet: {path: /readyz, port: metrics}
+        timeoutSeconds: 4
         periodSeconds: 2
         failureThreshold: {{ ternary 30 (ternary 60 90 (eq .role "buffer")) (eq .role "planner") }}
       readinessProbe:
-        grpc: {port: {{ $r.port }}, service: {{ $r.service }}}
+        httpGet: {path: /readyz, port: metrics}
+        timeoutSeconds: 4
         periodSeconds: 5
         failureThreshold: 1
       livenessProbe:
-        grpc: {port: {{ $r.port }}}
+        httpGet: {path: /livez, port: metrics}
         periodSeconds: 10
         timeoutSeconds: 5
         failureThreshold: 3
@@ -170,14 +200,14 @@ spec:
         capabilities: {drop: [ALL]}
       volumeMounts:
         - {name: config, mountPath: /etc/kuberl, readOnly: true}
-        {{- range .mounts }}
+        {{- range $mounts }}
         - {{ toJson . }}
         {{- end }}
         - {name: tmp, mountPath: /tmp}
   volumes:
     - name: config
       configMap: {name: {{ include "kuberl.name" .ctx }}-config}
-    {{- range .volumes }}
+    {{- range $volumes }}
     - {{ toJson . }}
     {{- end }}
     - name: tmp
