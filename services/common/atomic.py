@@ -1,4 +1,5 @@
-"""Files written so that a crash at any point leaves either the old file or the whole new one.
+"""Files written so that a crash at any point leaves either the old file or the whole new one, and
+files read again when they change (`stamps`).
 
 Used for the learner's and the buffer's checkpoints: the data goes to a temp file in the same
 directory (named `.<final name>.<random>.tmp`, never read as a checkpoint), is flushed and fsync'd,
@@ -40,3 +41,17 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Pat
         raise
     fsync_dir(path.parent)
     return path
+
+
+def stamps(paths) -> tuple[tuple[int, int, int] | None, ...]:
+    """Each file's (mtime, size, inode), None for one that is gone: how the readers of mounted Secrets
+    (tls.py's certificates, auth.py's tokens) tell that a file changed. The kubelet updates a Secret
+    volume by swapping a symlink, which changes the inode even when size and mtime happen to agree."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.common.atomic import stamps
+
 if TYPE_CHECKING:
     from services.common.config import AuthConfig
     from services.common.stats import Metrics
@@ -94,15 +96,7 @@ class TokenStore:
         self.stamp = stamp
 
     def _stamp(self) -> tuple:
-        """Each file's (mtime, size, inode), or None for a file that is gone."""
-        stamps = []
-        for path in self.files:
-            try:
-                st = os.stat(path)
-                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                stamps.append(None)
-        return tuple(stamps)
+        return stamps(self.files)  # None for a file that is gone
 
     def _reload(self) -> list[tuple[bytes, frozenset[str]]]:
         """The tokens of the files still there: a deleted file (a token file taken out of a Secret)

@@ -22,13 +22,14 @@ not reloaded on rotation (docs/security.md, "What is still open").
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+
+from services.common.atomic import stamps
 
 if TYPE_CHECKING:
     from services.common.config import TlsConfig
@@ -131,7 +132,7 @@ class _Reloading:
         self.initial = self._load()
 
     def _stamp(self) -> tuple:
-        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, self.paths))
+        return stamps(self.paths)
 
     def _load(self):
         cert, key = read_pair(self.tls.cert_file, self.tls.key_file)
@@ -142,9 +143,8 @@ class _Reloading:
         """A new configuration if the files changed and load, else None (keep the current one)."""
         try:
             with self.lock:
-                try:
-                    stamp = self._stamp()
-                except OSError:
+                stamp = self._stamp()
+                if None in stamp:
                     return None  # a file is being replaced: look again at the next handshake
                 if stamp == self.stamp:
                     return None
