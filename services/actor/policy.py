@@ -2,7 +2,8 @@
 
 Shared by local envs (rollout.py) and external simulator sessions (sessions.py). `offer_weights`
 may be called from any thread; `swap` and `act` run on the one thread that does inference, so a
-version is swapped in only between two `act` calls.
+version is swapped in only between two `act` calls. A `greedy` policy (`kuberl serve`'s default)
+acts deterministically instead of exploring: it serves a trained policy, it does not collect data.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class Policy:
-    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, seed: int, metrics: Metrics):
+    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, seed: int, metrics: Metrics, greedy: bool = False):
         torch.manual_seed(seed)
         self.cfg, self.spec, self.metrics = cfg, spec, metrics
         self.rng = np.random.default_rng(seed)
@@ -30,6 +31,8 @@ class Policy:
         self.acting = algorithms.get(cfg.algorithm).acting(cfg, spec, self.rng, metrics)
         self.net = self.acting.net
         self.net.eval()
+        # `Acting.greedy` shares `net`, so the weights swapped into `net` are the ones it acts with.
+        self.greedy = self.acting.greedy().eval() if greedy else None
         self.version: int | None = None  # None until the learner's first weights arrive
         self.have_weights = threading.Event()
         self.newer_weights = threading.Event()  # set while weights newer than `version` wait for `swap`
@@ -59,8 +62,12 @@ class Policy:
         them (`Algorithm.fragment_extras`, e.g. PPO's behaviour log-probs). `env_steps`: this actor's
         so far (DQN anneals exploration by it). `mask` [N, M] bool: the allowed actions, for an
         algorithm that `takes_action_masks`. Actions are in the space's layout; a Box action is the
-        unclipped sample (the caller clips what it sends to the env)."""
+        unclipped sample (the caller clips what it sends to the env). A `greedy` policy returns the
+        most likely actions (Box: within bounds) and no extras."""
         x = torch.from_numpy(np.ascontiguousarray(obs))
+        if self.greedy is not None:
+            actions = self.greedy(x) if mask is None else self.greedy(x, torch.from_numpy(np.ascontiguousarray(mask)))
+            return actions.numpy(), {}
         if mask is None:
             return self.acting.act(x, self.version, env_steps)
         return self.acting.act(x, self.version, env_steps, mask=torch.from_numpy(np.ascontiguousarray(mask)))

@@ -72,7 +72,9 @@ class Algorithm:
 
     def acting(self, cfg: ExperimentConfig, spec, rng, metrics):
         """The actor's part (`<package>.acting.Acting`): `net`, the policy network the learner's weights
-        load into, and `act(obs, version, env_steps)` -> (actions, {fragment extra: [N] array})."""
+        load into, `act(obs, version, env_steps)` -> (actions, {fragment extra: [N] array}), and
+        `greedy()`, the network's deterministic policy as a module obs -> actions (no exploration; Box
+        actions within bounds), which `kuberl eval` runs and `kuberl export` writes."""
         self.check_spec(spec)
         return self._part("acting", "Acting")(cfg, spec, rng, metrics)
 

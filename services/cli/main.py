@@ -1,4 +1,5 @@
-"""`kuberl <command>`: run one role (`actor`, `buffer`, `learner`), a whole local run (`up`), or read `stats`."""
+"""`kuberl <command>`: run one role (`actor`, `buffer`, `learner`), a whole local run (`up`), read `stats`,
+or use a trained policy (`eval`, `export`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ commands:
   actor         run an actor service
   planner       run the planner service (balances actors and learners)
   stats ADDR    print a service's GetStats as JSON
+
+after training (docs/after-training.md):
+  eval RUN_DIR_OR_CHECKPOINT   run the trained policy for N episodes: return and length statistics
+                               (--json, --stochastic, --video FILE.mp4|FILE.gif)
+  export CHECKPOINT            write the policy as one file for C++/C#/JS (--format onnx|torchscript)
 
 planner API (--planner ADDR, default $KUBERL_PLANNER or 127.0.0.1:50054):
   plan [--apply]       preview the planner's decision now (or take and apply it)
@@ -46,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in PLANNER_COMMANDS:
         from services.cli.plan import main as plan
         return plan(cmd, rest)
+    if cmd == "eval":
+        from services.cli.evaluate import main as evaluate
+        return evaluate(rest)
+    if cmd == "export":
+        from services.cli.export import main as export
+        return export(rest)
     if cmd == "stats":
         from services.cli.stats import main as stats
         return stats(rest)

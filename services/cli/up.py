@@ -6,7 +6,9 @@ false`, `kuberl up` starts a fixed topology itself). It polls every process's st
 the planner's decisions, and stops at the target return, the step budget or Ctrl-C. The run directory
 holds the resolved config, metrics.csv (one row per poll), episodes.csv (one row per finished episode:
 the learning curve), TensorBoard scalars (tb/), checkpoints/, one log per process (logs/), the
-planner's decisions.jsonl and summary.json.
+planner's decisions.jsonl and summary.json. When training ends (target return, step or time budget), the
+final checkpoint is evaluated deterministically (config `evaluation`, `kuberl eval`) and the result goes
+into summary.json as `evaluation`.
 """
 
 from __future__ import annotations
@@ -395,6 +397,26 @@ class LocalRun:
                 out.append(d)
         return out
 
+    def evaluate(self, reason: str) -> dict | None:
+        """The final checkpoint's deterministic evaluation (config `evaluation`, services/cli/evaluate.py),
+        printed and returned for summary.json; None when it is off or training did not end normally
+        (interrupted or failed: no one waits for it then)."""
+        if not self.cfg.evaluation.after_training or reason in ("interrupted", "failed"):
+            return None
+        from services.cli.evaluate import describe, evaluate_after_training
+
+        e = self.cfg.evaluation
+        print(f"evaluating the final checkpoint: {e.episodes} episodes, deterministic actions "
+              f"(evaluation.after_training: false turns this off)", flush=True)
+        result = evaluate_after_training(self.cfg, self.dir)
+        if result is not None and "error" in result:
+            print(f"evaluation failed: {result['error']}", flush=True)
+        elif result is not None:
+            partial = (f" (stopped at evaluation.max_seconds: {result['episodes']} of {e.episodes} episodes)"
+                       if result["episodes"] < e.episodes else "")
+            print(f"evaluation of {Path(result['checkpoint']).name}{partial}:\n{describe(result)}", flush=True)
+        return result
+
     def run(self) -> dict:
         reason, error = "interrupted", None
         self.tb = None
@@ -454,6 +476,7 @@ class LocalRun:
         learner = self._role("learner")[0].stats if self._role("learner") else {}
         tally = self.tally
         losses = tally.losses()
+        evaluation = self.evaluate(reason)
         summary = {"reason": reason, "error": error, "env_steps": self.env_steps, "episodes": self.episodes,
                    "episodes_read": tally.episodes_read, "episodes_skipped": tally.episodes_skipped,
                    "mean_return": self.mean_return, "return_window": len(self.returns), "wall_s": round(wall, 3),
@@ -462,7 +485,7 @@ class LocalRun:
                    "policy_version": learner.get("learner/policy_version"),
                    "exit_codes": self.exit_codes(), "run_dir": str(self.dir),
                    "last_stats": {p.name: p.stats for p in self.members + self.retired if p.role != "planner"},
-                   "decisions": self.decisions()}
+                   "decisions": self.decisions(), "evaluation": evaluation}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         skipped = f" ({tally.episodes_skipped:,} skipped)" if tally.episodes_skipped else ""
         print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes{skipped}, mean return "

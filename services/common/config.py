@@ -464,6 +464,27 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """How a trained policy is evaluated (docs/after-training.md): its deterministic actions (argmax,
+    the Gaussian's mean) over whole episodes on env copies of their own, by `kuberl eval` and, on the
+    final checkpoint, by `kuberl up` when training ends (into summary.json). Each copy runs a fixed
+    share of the episodes, so short episodes are not over-represented (SB3's evaluate_policy)."""
+    episodes: int = 10                # episodes per evaluation (`kuberl eval --episodes` overrides)
+    num_envs: int = 5                 # env copies stepped in parallel (at most `episodes` are used)
+    seed: int = 1_000_000             # copy i is seeded seed + i: apart from the actors' env.seed + 1000 * i
+    after_training: bool = True       # `kuberl up` evaluates the final checkpoint; false: it does not
+    max_seconds: float = 120.0        # `kuberl up`'s evaluation stops after this long and reports the
+    #                                   episodes finished by then (0 = no limit); `kuberl eval` has none
+
+    def __post_init__(self):
+        _require(self.episodes >= 1, "episodes", self.episodes, "must be >= 1")
+        _require(self.num_envs >= 1, "num_envs", self.num_envs, "must be >= 1")
+        _require(self.seed >= 0, "seed", self.seed, "must be >= 0 (gymnasium seeds are non-negative)")
+        _require(math.isfinite(self.max_seconds) and self.max_seconds >= 0, "max_seconds", self.max_seconds,
+                 "must be >= 0 (0 = no limit)")
+
+
+@dataclass(frozen=True)
 class RolePlanConfig:
     """The planner's bounds and step sizes for one scalable role (actor or learner)."""
     min: int = 1
@@ -622,6 +643,7 @@ class ExperimentConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)

@@ -62,23 +62,29 @@ def _import_ale():
     return ale_py
 
 
-def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
+def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: str | None = None):
     """A vector env of `num_envs` (default cfg.num_envs) copies, SAME_STEP autoreset. Blocking.
 
+    `render_mode` (e.g. "rgb_array", for `kuberl eval --video`) is passed to every copy; Atari games
+    then need env.atari.backend "gymnasium" (ale-py's vector env does not render).
     Raises ValueError naming `env.id` for an unknown game.
     """
     gym = _import_gym()
     n = cfg.num_envs if num_envs is None else num_envs
+    render = {} if render_mode is None else {"render_mode": render_mode}
     if not is_atari(cfg.id):
         return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
                             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-                            wrappers=[_flatten_dict], max_episode_steps=cfg.max_episode_steps)
+                            wrappers=[_flatten_dict], max_episode_steps=cfg.max_episode_steps, **render)
     ale_py = _import_ale()
     a = cfg.atari
     game = atari_game(cfg.id)
     if game not in ale_py.roms.get_all_rom_ids():
         raise ValueError(f"env.id: {cfg.id!r} is not an Atari game ale-py knows (ROM {game!r} not found)")
     if a.backend == "ale_vector":
+        if render_mode is not None:
+            raise ValueError(f"env.atari.backend: 'ale_vector' envs do not render ({render_mode!r} asked for); "
+                             "use the 'gymnasium' backend")
         from ale_py.vector_env import AtariVectorEnv
 
         frames = {} if cfg.max_episode_steps is None else {
@@ -102,7 +108,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None):
     return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
                         wrappers=[wrap], frameskip=1, repeat_action_probability=a.repeat_action_probability,
-                        full_action_space=a.full_action_space, max_episode_steps=cfg.max_episode_steps)
+                        full_action_space=a.full_action_space, max_episode_steps=cfg.max_episode_steps, **render)
 
 
 def _flatten_dict(env):

@@ -100,3 +100,17 @@ class Head(nn.Module):
         if isinstance(space, MultiDiscrete):
             return MultiCategorical(_masked(out, mask), space.nvec)
         return ModeCategorical(logits=_masked(out, mask))
+
+    def mode(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution's most likely action straight from the layer's output, without building the
+        distribution: the argmax of the (masked) logits of each choice, or the Gaussian's mean. Traceable
+        (no data-dependent Python), so it is what an exported policy graph holds."""
+        space = self.space
+        if isinstance(space, Box):
+            if mask is not None:
+                raise ValueError(f"{space} takes no action mask")
+            return out.view(-1, *space.shape)
+        if isinstance(space, MultiDiscrete):
+            parts = torch.split(_masked(out, mask), list(space.nvec), dim=-1)
+            return torch.stack([part.argmax(-1) for part in parts], dim=-1)
+        return _masked(out, mask).argmax(-1)

@@ -13,6 +13,7 @@ from torch import nn
 from services.common import envs
 from services.common.config import EnvConfig
 from services.common.heads import Head, out_features
+from services.common.spaces import ActionSpace, Box
 from services.common.envs import EnvSpec, spec_of  # noqa: F401  (re-exported: the networks' view of an env)
 
 
@@ -105,6 +106,10 @@ class QNetwork(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.q(obs.flatten(1).float() if self._flat else obs)
 
+    def mode(self, obs: torch.Tensor) -> torch.Tensor:
+        """The greedy action: argmax_a Q(s, a)."""
+        return self(obs).argmax(dim=1)
+
 
 class ObsNormalizer(nn.Module):
     """Running mean and variance of flat observations, clipped after normalising (gymnasium's
@@ -191,10 +196,36 @@ class ActorCritic(nn.Module):
         """The action distribution at `obs` ([B, ...]); `mask` [B, M] bool: the allowed actions."""
         return self.head(self.actor(self._features(obs)), mask)
 
+    def mode(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The most likely action at `obs` (heads.Head.mode): argmax of the logits, or the Gaussian's mean."""
+        return self.head.mode(self.actor(self._features(obs)), mask)
+
     def dist_and_value(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
         """Both heads from one pass through the torso (what the PPO update needs per minibatch)."""
         x = self._features(obs)
         return self.head(self.actor(x), mask), self.critic(x).squeeze(-1)
+
+
+class GreedyPolicy(nn.Module):
+    """A policy network's deterministic actions as a module of its own: `net.mode(obs)` (argmax of Q or
+    of the logits, the Gaussian's mean, SAC's squashed mean), Box actions clipped into the space's
+    bounds as actors clip what they send to the env. What `kuberl eval` runs by default and `kuberl
+    export` writes: its forward holds no distribution objects and no Python branching on data, so it
+    traces into one graph, observation normalisation (a submodule of `net`) included."""
+
+    def __init__(self, net: nn.Module, space: ActionSpace):
+        super().__init__()
+        self.net = net
+        self.bounded = isinstance(space, Box)
+        if self.bounded:
+            self.register_buffer("low", torch.as_tensor(space.low_array, dtype=torch.float32))
+            self.register_buffer("high", torch.as_tensor(space.high_array, dtype=torch.float32))
+
+    def forward(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        action = self.net.mode(obs) if mask is None else self.net.mode(obs, mask)
+        if self.bounded:  # (minimum/maximum rather than clamp with tensor bounds: every ONNX opset has them)
+            action = torch.maximum(torch.minimum(action, self.high), self.low)
+        return action
 
 
 def to_numpy(module: nn.Module) -> dict[str, np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.nets import QNetwork
+from services.common.nets import GreedyPolicy, QNetwork
 
 
 def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
@@ -43,3 +43,7 @@ class Acting:
         explore = self.rng.random(len(action)) < eps
         action[explore] = self.rng.integers(0, self.spec.num_actions, int(explore.sum()))
         return action, {}
+
+    def greedy(self) -> torch.nn.Module:
+        """The network's deterministic policy (argmax of Q, no exploration), for evaluation and export."""
+        return GreedyPolicy(self.net, self.spec.action)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.nets import ActorCritic
+from services.common.nets import ActorCritic, GreedyPolicy
 
 
 class Acting:
     def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
+        self.spec = spec
         self.net = ActorCritic(spec, cfg.ppo.hidden_sizes, cfg.ppo.normalize_observations, cfg.ppo.obs_clip)
 
     @torch.inference_mode()
@@ -21,3 +22,8 @@ class Acting:
         dist = self.net.dist(obs, mask)
         action = dist.sample()
         return action.numpy(), {"behaviour_logprob": dist.log_prob(action).numpy()}
+
+    def greedy(self) -> torch.nn.Module:
+        """The network's deterministic policy (the most likely action: argmax of the logits, or the
+        Gaussian's mean clipped into the Box), for evaluation and export."""
+        return GreedyPolicy(self.net, self.spec.action)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from services.algorithms.sac.networks import SquashedGaussianActor
+from services.common.nets import GreedyPolicy
 
 
 class Acting:
@@ -24,3 +25,8 @@ class Acting:
             return self.rng.uniform(box.low_array, box.high_array, (len(obs), *box.shape)).astype(np.float32), {}
         action, _ = self.net.sample(obs)
         return action.numpy(), {}
+
+    def greedy(self) -> torch.nn.Module:
+        """The network's deterministic policy (the squashed Gaussian mean, tanh(mean) * scale + bias),
+        for evaluation and export."""
+        return GreedyPolicy(self.net, self.spec.action)

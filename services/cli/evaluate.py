@@ -1,0 +1,315 @@
+"""`kuberl eval RUN_DIR_OR_CHECKPOINT`: run a trained policy for whole episodes and report how it does.
+
+The policy acts deterministically by default (`Acting.greedy`: argmax, the Gaussian's mean), or as
+actors act with `--stochastic` (PPO samples, DQN is epsilon-greedy at its final epsilon, SAC samples
+its squashed Gaussian). Episodes run on the run's env (the same preprocessing as the actors') in
+`num_envs` copies stepped together; copy i is seeded `seed + i` and runs a fixed share of the episodes,
+so the short episodes that finish first are not over-represented (SB3's evaluate_policy does the
+same). The statistics are over episode returns as the env reports them (Atari: whole games,
+unclipped) and episode lengths in env steps.
+
+`--video FILE.mp4|FILE.gif` then records a few more episodes, one after another, on one more env copy
+made with `render_mode="rgb_array"`, writing each frame as it is rendered through imageio (its ffmpeg
+plugin for MP4, Pillow for GIF). An episode of L steps gives L frames: the first observation's and
+one after every step but the last (the vector env has already reset when the last step returns).
+
+`kuberl up` calls `evaluate_after_training` on the final checkpoint when training ends
+(`evaluation` in the experiment config) and writes the result into summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from services.common.config import ExperimentConfig, is_atari
+
+log = logging.getLogger(__name__)
+VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run as asked (e.g. a video of an env that does not render)."""
+
+
+def stats(values: list[float]) -> dict[str, float | None]:
+    """mean, std (population), min and max of `values`; None each when there are none."""
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "std": float(a.std()), "min": float(a.min()), "max": float(a.max())}
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn as episodes finish; silent when stderr is no terminal."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def step(self, ret: float) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                             f"episodes, last return {ret:.1f}  ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _act_fn(trained, deterministic: bool) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
+    """obs [N, ...], mask [N, M] or None -> actions [N, ...] in the space's layout."""
+    import torch
+
+    if not deterministic:  # what an actor does with these weights
+        return lambda obs, mask: trained.policy.act(obs, 0, mask)[0]
+    net = trained.greedy()
+
+    def act(obs: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        with torch.inference_mode():
+            x = torch.from_numpy(np.ascontiguousarray(obs))
+            return (net(x) if mask is None else net(x, torch.from_numpy(mask))).numpy()
+    return act
+
+
+def _masks(trained, info: dict, n: int) -> np.ndarray | None:
+    """The envs' `info["action_mask"]` where the env reports one and the algorithm takes masks (as the
+    actor's rollout applies them); None otherwise."""
+    from services import algorithms
+    from services.common.spaces import check_mask
+
+    space = trained.spec.action
+    if not (space.mask_width and "action_mask" in info and algorithms.get(trained.cfg.algorithm).takes_action_masks):
+        return None
+    mask = np.asarray(info["action_mask"], dtype=bool)
+    check_mask(space, mask, (n,))
+    return mask
+
+
+def _make_envs(env_cfg, n: int, render_mode: str | None = None):
+    """The env copies to evaluate on; EvalError naming env.id when they cannot be made here (e.g. the
+    run's env is an external simulator)."""
+    from services.common.envs import make_vector_env
+
+    try:
+        return make_vector_env(env_cfg, num_envs=n, render_mode=render_mode)
+    except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
+        lines = str(err).strip().splitlines()
+        raise EvalError(f"env.id {env_cfg.id!r} cannot be made here ({type(err).__name__}"
+                        f"{': ' + lines[0] if lines else ''})") from None
+
+
+def _step(envs, space, actions: np.ndarray):
+    from services.common.spaces import Box
+
+    return envs.step(space.clip(actions) if isinstance(space, Box) else actions)
+
+
+def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episode=None,
+                 deadline: float | None = None) -> tuple[list[float], list[int]]:
+    """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies; returns (returns, lengths)
+    in the order they finished. Copy i runs (episodes + i) // n of them. Blocking. With `deadline`
+    (time.monotonic()), stops there and returns the episodes finished so far."""
+    n = min(num_envs, episodes)
+    share = np.array([(episodes + i) // n for i in range(n)])  # sums to `episodes`, and no copy waits for another
+    done = np.zeros(n, dtype=np.int64)
+    ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
+    returns: list[float] = []
+    lengths: list[int] = []
+    envs = _make_envs(trained.cfg.env, n)
+    try:
+        obs, info = envs.reset(seed=seed)
+        mask = _masks(trained, info, n)
+        while (done < share).any() and (deadline is None or time.monotonic() < deadline):
+            obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
+            mask = _masks(trained, info, n)
+            ret += r
+            length += 1
+            for i in np.flatnonzero(term | trunc):
+                if done[i] < share[i]:
+                    returns.append(float(ret[i]))
+                    lengths.append(int(length[i]))
+                    if on_episode is not None:
+                        on_episode(float(ret[i]))
+                done[i] += 1
+                ret[i], length[i] = 0.0, 0
+    finally:
+        envs.close()
+    return returns, lengths
+
+
+def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: float) -> dict:
+    """Record `episodes` episodes one after another into `path` (.mp4 or .gif). Blocking. Returns their
+    returns, lengths and the frames written (the sum of the lengths). Raises EvalError for another
+    suffix or an env that does not render rgb_array frames."""
+    import imageio.v2 as imageio
+
+    path = Path(path)
+    if path.suffix.lower() not in VIDEO_SUFFIXES:
+        raise EvalError(f"--video {path}: {path.suffix or 'no suffix'} is not a video format written here; "
+                        f"use {' or '.join(VIDEO_SUFFIXES)}")
+    env_cfg = trained.cfg.env
+    if is_atari(env_cfg.id):  # ale-py's vector env does not render; gymnasium's ALE env does, same preprocessing
+        env_cfg = dataclasses.replace(env_cfg, atari=dataclasses.replace(env_cfg.atari, backend="gymnasium"))
+    # pygame (classic control's renderer) draws off-screen for rgb_array; without this SDL probes for a
+    # display and prints complaints where there is none.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    if not is_atari(env_cfg.id):  # (ALE envs all render) asked before making it: an env may refuse the argument
+        import gymnasium as gym
+
+        probe = gym.make(env_cfg.id)
+        modes = list(probe.metadata.get("render_modes") or [])
+        probe.close()
+        if "rgb_array" not in modes:
+            raise EvalError(f"--video: env {env_cfg.id} does not render rgb_array frames "
+                            f"(its render modes: {', '.join(modes) or 'none'})")
+    envs = _make_envs(env_cfg, 1, render_mode="rgb_array")
+    try:
+        if path.suffix.lower() == ".gif":
+            writer = imageio.get_writer(path, mode="I", duration=1000.0 / fps, loop=0)
+        else:  # macro_block_size 1: keep the env's frame size (ffmpeg's default would rescale it)
+            writer = imageio.get_writer(path, fps=fps, macro_block_size=1)
+        returns, lengths, frames = [], [], 0
+        with writer:
+            obs, info = envs.reset(seed=seed)
+            mask = _masks(trained, info, 1)
+            ret, length = 0.0, 0
+            while len(returns) < episodes:
+                writer.append_data(np.asarray(envs.envs[0].render()))
+                frames += 1
+                obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
+                mask = _masks(trained, info, 1)
+                ret, length = ret + float(r[0]), length + 1
+                if term[0] or trunc[0]:
+                    returns.append(ret)
+                    lengths.append(length)
+                    ret, length = 0.0, 0
+    finally:
+        envs.close()
+    return {"path": str(path), "episodes": episodes, "frames": frames, "fps": fps, "returns": returns,
+            "lengths": lengths}
+
+
+def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bool = True,
+             progress: bool = False, deadline: float | None = None) -> dict:
+    """Evaluate a loaded policy (services/cli/trained.py); the JSON-ready result. Blocking."""
+    act = _act_fn(trained, deterministic)
+    bar = Progress(episodes, "eval", progress)
+    try:
+        returns, lengths = run_episodes(trained, act, episodes, num_envs, seed, bar.step, deadline)
+    finally:
+        bar.close()
+    return {"checkpoint": str(trained.checkpoint), "algorithm": trained.cfg.algorithm, "env_id": trained.cfg.env.id,
+            "policy_version": trained.version, "deterministic": deterministic, "episodes": len(returns),
+            "episodes_asked": episodes, "num_envs": min(num_envs, episodes), "seed": seed,
+            "return": stats(returns), "length": stats([float(n) for n in lengths]),
+            "returns": returns, "lengths": lengths}
+
+
+def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict | None:
+    """`kuberl up`'s evaluation of the run's final checkpoint (`evaluation` in the config): None when
+    `evaluation.after_training` is off, else `evaluate`'s result, or {"error": ...} when it could not
+    run (it never fails the run). Blocking: at most about `evaluation.max_seconds`."""
+    e = cfg.evaluation
+    if not e.after_training:
+        return None
+    import torch
+
+    from services.cli.trained import TrainedPolicyError, load_trained
+
+    torch.set_num_threads(cfg.actor.torch_threads)
+    started = time.monotonic()
+    try:
+        trained = load_trained(run_dir, seed=e.seed)
+        result = evaluate(trained, e.episodes, e.num_envs, e.seed,
+                          deadline=started + e.max_seconds if e.max_seconds else None)
+    except (TrainedPolicyError, EvalError, ValueError, OSError) as err:
+        log.warning("evaluation after training failed: %s", err)
+        return {"error": str(err)}
+    result["wall_s"] = round(time.monotonic() - started, 3)
+    return result
+
+
+def describe(result: dict) -> str:
+    """The result as the lines `kuberl eval` prints."""
+    r, n = result["return"], result["length"]
+    if not result["episodes"]:
+        return "no episode finished"
+    return (f"return  mean {r['mean']:10.2f}  std {r['std']:8.2f}  min {r['min']:10.2f}  max {r['max']:10.2f}\n"
+            f"length  mean {n['mean']:10.1f}  std {n['std']:8.1f}  min {n['min']:10.0f}  max {n['max']:10.0f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kuberl eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a `kuberl up` run directory (its newest checkpoint is used) or a ckpt-*.pt file")
+    p.add_argument("--episodes", type=int, default=None, help="episodes to run (default: evaluation.episodes, 10)")
+    p.add_argument("--num-envs", type=int, default=None,
+                   help="env copies stepped in parallel (default: evaluation.num_envs, 5)")
+    p.add_argument("--seed", type=int, default=None, help="copy i is seeded SEED + i (default: evaluation.seed)")
+    p.add_argument("--stochastic", action="store_true",
+                   help="act as the actors do (sample; DQN: epsilon-greedy) instead of deterministically")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object, nothing else on stdout")
+    p.add_argument("--video", default=None, metavar="FILE",
+                   help="also record episodes into FILE (.mp4 or .gif) from the env's rgb_array rendering")
+    p.add_argument("--video-episodes", type=int, default=3, help="episodes recorded into --video (default 3)")
+    p.add_argument("--fps", type=float, default=30.0, help="frames per second of --video (default 30)")
+    args = p.parse_args(argv)
+    for name in ("episodes", "num_envs", "video_episodes"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            print(f"kuberl eval: --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1", file=sys.stderr)
+            return 2
+    if not math.isfinite(args.fps) or args.fps <= 0:
+        print(f"kuberl eval: --fps {args.fps}: must be > 0", file=sys.stderr)
+        return 2
+    if args.video is not None and Path(args.video).suffix.lower() not in VIDEO_SUFFIXES:
+        print(f"kuberl eval: --video {args.video}: not a video format written here; use "
+              f"{' or '.join(VIDEO_SUFFIXES)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s eval: %(message)s")
+    import torch
+
+    from services.cli.trained import TrainedPolicyError, load_trained
+
+    torch.set_num_threads(1)
+    try:
+        trained = load_trained(args.path)
+        e = trained.cfg.evaluation
+        episodes = args.episodes or e.episodes
+        seed = e.seed if args.seed is None else args.seed
+        if not args.json:
+            print(f"evaluating {trained.description} on {episodes} episodes, "
+                  f"{'stochastic' if args.stochastic else 'deterministic'} actions", flush=True)
+        result = evaluate(trained, episodes, args.num_envs or e.num_envs, seed, not args.stochastic,
+                          progress=True)
+        result["video"] = None
+        if args.video is not None:
+            result["video"] = record_video(trained, _act_fn(trained, not args.stochastic), args.video,
+                                           args.video_episodes, seed + 10_000, args.fps)
+    except (TrainedPolicyError, EvalError) as err:
+        print(f"kuberl eval: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(describe(result))
+    if (v := result["video"]) is not None:
+        print(f"video: {v['path']}: {v['episodes']} episode{'s' if v['episodes'] != 1 else ''}, "
+              f"{v['frames']} frames at {v['fps']:g} fps "
+              f"(returns {', '.join(f'{x:g}' for x in v['returns'])})")
+    return 0

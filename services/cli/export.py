@@ -1,0 +1,183 @@
+"""`kuberl export CHECKPOINT --format onnx|torchscript`: the trained policy as one file that a C++, C#
+or JavaScript program loads (ONNX Runtime, or libtorch's torch::jit::load), without Python or kuberl.
+
+What is exported is the algorithm's deterministic policy (`Acting.greedy`: argmax of the logits or of
+Q, the Gaussian's mean, SAC's squashed mean, Box actions clipped into the space's bounds) with the
+checkpoint's weights, loaded as an actor loads them (services/cli/trained.py). Its one input, `obs`,
+is a batch of observations as the actors' envs produce them ([batch, *observation shape], of the
+observation dtype: float32 vectors, uint8 Atari frames); its one output, `action`, is a batch of env
+actions (int64 indices for Discrete, int64 [batch, choices] for MultiDiscrete, float32 [batch, *shape]
+for Box). Everything the network does to an observation is inside the graph: the Atari torso's /255,
+and PPO's running observation normalisation (`ppo.normalize_observations`), whose mean and variance
+become constants of the graph.
+
+ONNX uses torch's torch.export-based exporter (the default since torch 2.9; it needs the onnx and
+onnxscript packages), with a dynamic batch dimension. TorchScript is written by tracing
+(torch.jit.trace); torch marks TorchScript as deprecated, so prefer ONNX for new consumers. Both
+exporters warn about their own internals; those warnings are silenced here, not the errors.
+
+After writing, the file is loaded back (onnxruntime, or torch.jit.load) and its actions on random
+observations are compared with the torch policy's: a mismatch is an error (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
+CHECK_BATCH = 64  # random observations the written file is checked on
+OPSET = 18
+
+
+class ExportError(ValueError):
+    """An export that cannot be made as asked; the message says what is wrong."""
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """torch's exporters warn about their own deprecated internals (FutureWarning, DeprecationWarning)
+    and log what they skip (torchvision's operators); neither concerns the policy being exported."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def sample_observations(spec, n: int, seed: int = 0) -> np.ndarray:
+    """`n` random observations of the policy's input layout: uint8 frames uniform over 0..255, other
+    observations standard normal (scaled by 3, to reach the normaliser's clip and a Box's bounds)."""
+    rng = np.random.default_rng(seed)
+    shape = (n, *spec.obs_shape)
+    if spec.obs_dtype == np.uint8:
+        return rng.integers(0, 256, shape, dtype=np.uint8)
+    return (3.0 * rng.standard_normal(shape)).astype(spec.obs_dtype)
+
+
+def metadata(trained) -> dict[str, str]:
+    """What a consumer needs besides the graph: where it came from and the spaces' layout."""
+    spec = trained.spec
+    return {"kuberl.algorithm": trained.cfg.algorithm, "kuberl.env_id": trained.cfg.env.id,
+            "kuberl.policy_version": str(trained.version),
+            "kuberl.observation": json.dumps({"shape": list(spec.obs_shape), "dtype": spec.obs_dtype.name}),
+            "kuberl.action_space": str(spec.action)}
+
+
+def export_onnx(trained, path: Path) -> None:
+    import torch
+
+    module = trained.greedy()
+    example = (torch.from_numpy(sample_observations(trained.spec, 2)),)
+    with _quiet_exporter():
+        program = torch.onnx.export(module, example, None, input_names=["obs"], output_names=["action"],
+                                    dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},),
+                                    opset_version=OPSET, verbose=False, optimize=True)
+        program.model.metadata_props.update(metadata(trained))
+        program.save(str(path))
+
+
+def export_torchscript(trained, path: Path) -> None:
+    import torch
+
+    module = trained.greedy()
+    example = torch.from_numpy(sample_observations(trained.spec, 2))
+    with _quiet_exporter(), torch.no_grad():
+        traced = torch.jit.trace(module, example, check_trace=False)
+        torch.jit.save(traced, str(path), _extra_files={"kuberl.json": json.dumps(metadata(trained))})
+
+
+def check(trained, path: Path, fmt: str, n: int = CHECK_BATCH) -> float:
+    """Load the written file back and compare its actions with the torch policy's on `n` random
+    observations (a batch size other than the export's example, so the batch dimension is dynamic).
+    Returns the largest absolute difference; raises ExportError on a mismatch."""
+    import torch
+
+    obs = sample_observations(trained.spec, n, seed=1)
+    with torch.inference_mode():
+        want = trained.greedy()(torch.from_numpy(obs)).numpy()
+    if fmt == "onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        (got,) = session.run(["action"], {"obs": obs})
+    else:
+        with _quiet_exporter(), torch.inference_mode():
+            got = torch.jit.load(str(path))(torch.from_numpy(obs)).numpy()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise ExportError(f"{path}: gives actions {got.dtype} {list(got.shape)}, the policy {want.dtype} "
+                          f"{list(want.shape)}")
+    if np.issubdtype(want.dtype, np.integer):
+        if (bad := int((got != want).sum())):
+            raise ExportError(f"{path}: {bad} of {n} actions differ from the torch policy's")
+        return 0.0
+    diff = float(np.abs(got - want).max())
+    if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise ExportError(f"{path}: actions differ from the torch policy's by up to {diff:g}")
+    return diff
+
+
+def export(trained, fmt: str, path: str | Path) -> Path:
+    """Write `trained`'s deterministic policy to `path` in `fmt` ("onnx" or "torchscript"). Blocking."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: not a format written here; use {' or '.join(FORMATS)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (export_onnx if fmt == "onnx" else export_torchscript)(trained, path)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kuberl export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", metavar="CHECKPOINT", help="a ckpt-*.pt file, or a run directory (its newest checkpoint)")
+    # (no argparse `choices`: an unknown format gets the same one-line error, exit 2, as every other refusal)
+    p.add_argument("--format", default="onnx", help=f"{' or '.join(FORMATS)} (default onnx)")
+    p.add_argument("-o", "--output", default=None,
+                   help="the file to write (default: policy-v<version>.onnx or .pt in the current directory)")
+    p.add_argument("--no-check", action="store_true", help="do not load the file back and compare its actions")
+    args = p.parse_args(argv)
+    if args.format not in FORMATS:
+        print(f"kuberl export: --format {args.format!r}: not a format written here; use {' or '.join(FORMATS)}",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s export: %(message)s")
+    import torch
+
+    from services.cli.trained import TrainedPolicyError, load_trained
+
+    torch.set_num_threads(1)
+    try:
+        trained = load_trained(args.path)
+        out = Path(args.output or f"policy-v{trained.version}{FORMATS[args.format]}")
+        export(trained, args.format, out)
+    except (TrainedPolicyError, ExportError) as err:
+        print(f"kuberl export: {err}", file=sys.stderr)
+        return 2
+    spec = trained.spec
+    print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format}): {trained.description}\n"
+          f"  input  obs     {spec.obs_dtype.name} [batch, {', '.join(map(str, spec.obs_shape))}]\n"
+          f"  output action  {spec.action.dtype.name} [batch{''.join(', ' + str(d) for d in spec.action.shape)}]"
+          f"  ({spec.action})")
+    if args.no_check:
+        return 0
+    try:
+        diff = check(trained, out, args.format)
+    except ExportError as err:
+        print(f"kuberl export: {err}", file=sys.stderr)
+        return 1
+    runtime = "onnxruntime" if args.format == "onnx" else "torch.jit.load"
+    print(f"checked: {runtime} gives the torch policy's actions on {CHECK_BATCH} random observations"
+          + (f" (largest difference {diff:.2g})" if diff else ""))
+    return 0

@@ -1,0 +1,120 @@
+"""A trained policy read back from disk, for `kuberl eval`, `kuberl export` and `kuberl serve`: from a `kuberl up` run
+directory (its newest checkpoint) or from one learner checkpoint file.
+
+The config the policy was trained with comes from the checkpoint itself (the learner writes the
+resolved config into every checkpoint), else from the run directory's config.yaml. The weights reach
+the policy network the way they reach an actor: the algorithm's learner part loads the checkpoint (as
+a restarted learner does) and its `policy` is handed to the actor's `Policy` as published weights, so
+what is evaluated or exported is exactly what actors would run. Nothing here writes to the run
+directory: a learner may still be writing checkpoints into it.
+
+Every failure to find or read a policy is a `TrainedPolicyError` whose one-line message names the path
+and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services import algorithms
+from services.actor.policy import Policy
+from services.common.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from services.common.nets import EnvSpec, spec_of, to_numpy
+from services.common.stats import Metrics
+from services.learner import checkpoint
+
+
+class TrainedPolicyError(ValueError):
+    """A path that holds no usable trained policy; the message names the path and why."""
+
+
+@dataclass
+class Trained:
+    """A checkpoint's policy, loaded into the actor's `Policy` (its `acting` part holds the network)."""
+    cfg: ExperimentConfig
+    checkpoint: Path
+    version: int
+    spec: EnvSpec
+    policy: Policy
+
+    def greedy(self) -> torch.nn.Module:
+        """The deterministic policy (`Acting.greedy`), in eval mode: obs [B, ...] -> actions [B, ...]."""
+        return self.policy.acting.greedy().eval()
+
+    @property
+    def description(self) -> str:
+        """e.g. `ckpt-000000000042.pt (ppo on CartPole-v1, policy version 42)`, for messages."""
+        return f"{self.checkpoint.name} ({self.cfg.algorithm} on {self.cfg.env.id}, policy version {self.version})"
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint `path` names: a file as it is; a run directory's (or a checkpoints directory's)
+    newest `ckpt-*.pt`. Raises TrainedPolicyError when there is none."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.is_dir():
+        found = checkpoint.latest(p / "checkpoints") or checkpoint.latest(p)
+        if found is None:
+            raise TrainedPolicyError(f"{p}: not a run directory with checkpoints: no checkpoints/ckpt-*.pt "
+                                     "(nor ckpt-*.pt) in it")
+        return found
+    raise TrainedPolicyError(f"{p}: no such run directory or checkpoint file")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _config(ckpt: Path, state: dict) -> ExperimentConfig:
+    """The checkpoint's own config, else the run directory's config.yaml (the checkpoint's grandparent
+    in a run directory: <run>/checkpoints/ckpt-*.pt)."""
+    if state.get("config") is not None:
+        try:
+            return config_from_dict(state["config"])
+        except ConfigError as err:
+            raise TrainedPolicyError(f"{ckpt}: the config it holds is not valid here: {err}") from None
+    for candidate in (ckpt.parent.parent / "config.yaml", ckpt.parent / "config.yaml"):
+        if candidate.is_file():
+            try:
+                return load_config(candidate)
+            except (ConfigError, OSError) as err:
+                raise TrainedPolicyError(f"{candidate}: {err}") from None
+    raise TrainedPolicyError(f"{ckpt}: the checkpoint holds no config and no config.yaml is beside it "
+                             "or in its run directory")
+
+
+def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metrics: Metrics | None = None) -> Trained:
+    """Read the policy at `path` (a run directory or a checkpoint file) onto the CPU. Blocking (disk,
+    and the env is made once to read its spaces). Raises TrainedPolicyError naming what is wrong.
+    `greedy`: the `Policy` acts deterministically (`Policy.act`); `metrics`: the actor metrics it
+    reports into (default: its own)."""
+    ckpt = find_checkpoint(path)
+    try:
+        state = checkpoint.load(ckpt)
+    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a file that is not a checkpoint
+        raise TrainedPolicyError(f"{ckpt}: not a kuberl learner checkpoint ({_first_line(err)})") from None
+    cfg = _config(ckpt, state)
+    try:
+        spec = spec_of(cfg.env)
+    except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
+        raise TrainedPolicyError(f"{ckpt}: env.id {cfg.env.id!r} of its config cannot be made here "
+                                 f"({_first_line(err)})") from None
+    algorithm = algorithms.get(cfg.algorithm)
+    # The learner part on the CPU whatever device it trained on: checkpoints hold CPU tensors.
+    on_cpu = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, device="cpu"))
+    learner = algorithm.learner(on_cpu, spec, Metrics("learner"))
+    try:
+        learner.load_state_dict(state["algo"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as err:
+        raise TrainedPolicyError(f"{ckpt}: its state does not fit the {cfg.algorithm} network of its config "
+                                 f"({_first_line(err)})") from None
+    policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy)
+    policy.offer_weights(learner.version, to_numpy(learner.policy))
+    policy.swap()
+    return Trained(cfg, ckpt, learner.version, spec, policy)

@@ -1,0 +1,118 @@
+"""`kuberl eval` on untrained policies: exact episode counts over parallel copies, action masks applied,
+GIF and Atari videos with one frame per step, `kuberl up`'s switch, and one-line refusals (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from services.cli import evaluate
+from services.cli.trained import load_trained
+from services.common.config import config_from_dict
+from services.common.heads import Head
+from services.common.spaces import Box, Discrete, MultiDiscrete
+from tests.policies import untrained
+
+CARTPOLE = {"algorithm": "ppo", "env": {"id": "CartPole-v1"}, "ppo": {"hidden_sizes": [16]}}
+MASKED = {"algorithm": "ppo", "env": {"id": "kuberl_envs:MaskedChoice-v0"}, "ppo": {"hidden_sizes": [16]}}
+
+
+def test_head_mode_is_the_distributions_mode():
+    out = torch.randn(6, 7)
+    mask = torch.rand(6, 7) < 0.6
+    mask[:, 0] = mask[:, 4] = True  # at least one allowed value per choice
+    for space, m in ((Discrete(7), mask), (MultiDiscrete((4, 3)), mask), (Box.of((7,), -1.0, 1.0), None)):
+        head = Head(space)
+        torch.testing.assert_close(head.mode(out, m), head(out, m).mode())
+
+
+def test_every_asked_episode_runs_over_uneven_copies(tmp_path, capsys):
+    untrained(tmp_path / "run", CARTPOLE)
+    assert evaluate.main([str(tmp_path / "run"), "--episodes", "7", "--num-envs", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["episodes"] == result["episodes_asked"] == 7 and result["num_envs"] == 3
+    assert result["policy_version"] == 0 and result["video"] is None
+    assert result["length"]["min"] >= 1 and result["return"]["max"] == max(result["returns"])
+
+
+def test_eval_applies_the_envs_action_masks(tmp_path, capsys):
+    """MaskedChoice ends an episode with -5 at the first disallowed action; masked, even an untrained
+    policy never takes one."""
+    untrained(tmp_path / "run", MASKED)
+    assert evaluate.main([str(tmp_path / "run"), "--episodes", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["lengths"] == [16] * 4 and min(result["returns"]) >= 0
+
+
+def test_a_gif_video(tmp_path, capsys):
+    import imageio.v2 as imageio
+
+    untrained(tmp_path / "run", {**CARTPOLE, "env": {"id": "CartPole-v1", "max_episode_steps": 20}})
+    gif = tmp_path / "cartpole.gif"
+    assert evaluate.main([str(tmp_path / "run"), "--episodes", "1", "--json", "--video", str(gif),
+                          "--video-episodes", "2", "--fps", "50"]) == 0
+    video = json.loads(capsys.readouterr().out)["video"]
+    assert video["episodes"] == 2 and video["frames"] == sum(video["lengths"]) and video["fps"] == 50
+    reader = imageio.get_reader(gif)
+    try:
+        # Pillow merges identical consecutive frames of a GIF (adding up their durations): at most one a step.
+        assert 1 <= len(reader) <= video["frames"] <= 40 and reader.get_data(0).shape[:2] == (400, 600)
+    finally:
+        reader.close()
+
+
+def test_an_atari_video_renders_the_game(tmp_path, capsys):
+    pytest.importorskip("ale_py", reason="ale-py is in the actor extra")
+    import imageio.v2 as imageio
+
+    untrained(tmp_path / "run", {"algorithm": "dqn", "env": {"id": "ALE/Pong-v5", "max_episode_steps": 12}})
+    mp4 = tmp_path / "pong.mp4"
+    assert evaluate.main([str(tmp_path / "run"), "--episodes", "1", "--json", "--video", str(mp4),
+                          "--video-episodes", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    video = result["video"]
+    assert result["lengths"] == [12] and video["frames"] == sum(video["lengths"]) >= 1
+    reader = imageio.get_reader(mp4)
+    try:  # the full colour screen, not the 84x84 grey observation
+        assert reader.count_frames() == video["frames"] and reader.get_data(0).shape == (210, 160, 3)
+    finally:
+        reader.close()
+
+
+def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
+    untrained(tmp_path / "masked", MASKED)
+    untrained(tmp_path / "run", CARTPOLE)
+    cases = [([str(tmp_path / "masked"), "--episodes", "1", "--video", str(tmp_path / "m.mp4")],
+              "--video: env kuberl_envs:MaskedChoice-v0 does not render rgb_array frames (its render modes: none)"),
+             ([str(tmp_path / "run"), "--video", str(tmp_path / "v.avi")],
+              "not a video format written here; use .mp4 or .gif"),
+             ([str(tmp_path / "nowhere")], "no such run directory or checkpoint file"),
+             ([str(tmp_path / "run" / "config.yaml")], "config.yaml: not a kuberl learner checkpoint ("),
+             ([str(tmp_path / "run"), "--episodes", "0"], "--episodes 0: must be >= 1")]
+    for argv, message in cases:
+        assert evaluate.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("kuberl eval: ") and err.count("\n") == 1, err
+
+
+def test_up_evaluates_unless_the_config_says_not_to(tmp_path):
+    untrained(tmp_path / "run", CARTPOLE)
+    off = config_from_dict({**CARTPOLE, "evaluation": {"after_training": False}})
+    assert evaluate.evaluate_after_training(off, tmp_path / "run") is None
+    on = config_from_dict({**CARTPOLE, "evaluation": {"episodes": 2, "num_envs": 2}})
+    result = evaluate.evaluate_after_training(on, tmp_path / "run")
+    assert result["episodes"] == 2 and result["deterministic"] and result["wall_s"] >= 0
+    assert evaluate.evaluate_after_training(on, tmp_path / "nowhere") == {
+        "error": f"{tmp_path / 'nowhere'}: no such run directory or checkpoint file"}
+
+
+def test_trained_policy_holds_the_checkpoints_weights(tmp_path):
+    ckpt = untrained(tmp_path / "run", CARTPOLE)
+    state = torch.load(ckpt, weights_only=True)
+    trained = load_trained(ckpt)
+    for name, value in trained.policy.acting.net.state_dict().items():
+        torch.testing.assert_close(value, state["algo"]["net"][name])
+    assert trained.greedy()(torch.zeros(1, 4)).shape == (1,)

@@ -1,0 +1,111 @@
+"""`kuberl export`: the written ONNX file, loaded with onnxruntime, gives the torch policy's actions
+(Discrete and Box, observation normalisation folded in); TorchScript likewise with torch.jit.load; and
+refusals are one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+
+from services.cli import export
+from services.cli.trained import load_trained
+from tests.policies import untrained
+
+CARTPOLE_PPO = {"algorithm": "ppo", "env": {"id": "CartPole-v1"}, "ppo": {"hidden_sizes": [16]}}
+CARTPOLE_DQN = {"algorithm": "dqn", "env": {"id": "CartPole-v1"}, "dqn": {"hidden_sizes": [16]}}
+PENDULUM_PPO = {"algorithm": "ppo", "env": {"id": "Pendulum-v1"},
+                "ppo": {"hidden_sizes": [16], "normalize_observations": True}}
+PENDULUM_SAC = {"algorithm": "sac", "env": {"id": "Pendulum-v1"}, "sac": {"hidden_sizes": [16]}}
+
+
+def _moved_statistics(algo):
+    """Observation statistics far from the initial (0, 1) and a policy whose mean is not ~0 (the output
+    layer's std is 0.01), so an export that dropped the normalisation gives other actions."""
+    net = algo.net
+    with torch.no_grad():
+        net.obs_norm.mean.copy_(torch.tensor([0.5, -0.5, 2.0], dtype=torch.float64))
+        net.obs_norm.var.copy_(torch.tensor([0.1, 4.0, 9.0], dtype=torch.float64))
+        net.obs_norm.count.fill_(1000.0)
+        net.actor[-1].weight.mul_(100.0)
+
+
+def _onnx_actions(path, obs: np.ndarray) -> np.ndarray:
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["obs"] and [o.name for o in session.get_outputs()] == ["action"]
+    return session.run(None, {"obs": obs})[0]
+
+
+@pytest.mark.parametrize("cfg,edit", [(CARTPOLE_PPO, None), (CARTPOLE_DQN, None), (PENDULUM_PPO, _moved_statistics),
+                                      (PENDULUM_SAC, None)], ids=["ppo-discrete", "dqn-discrete", "ppo-box-normalised",
+                                                                  "sac-box"])
+def test_onnx_gives_the_torch_policys_actions(tmp_path, cfg, edit):
+    untrained(tmp_path / "run", cfg, edit)
+    trained = load_trained(tmp_path / "run")
+    path = export.export(trained, "onnx", tmp_path / "policy.onnx")
+    obs = export.sample_observations(trained.spec, 100, seed=7)
+    with torch.inference_mode():
+        want = trained.greedy()(torch.from_numpy(obs)).numpy()
+    got = _onnx_actions(path, obs)
+    assert got.dtype == want.dtype == trained.spec.action.dtype and got.shape == want.shape
+    if np.issubdtype(want.dtype, np.integer):
+        assert set(np.unique(want)) == {0, 1}, "random observations should reach both actions"
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert (np.abs(got) <= 2.0 + 1e-6).all()  # Pendulum's torque bounds, clipped in the graph
+    if edit is not None:  # the normalisation is in the graph: without it the actions differ
+        with torch.inference_mode():
+            net = trained.policy.acting.net
+            raw = net.head.mode(net.actor(torch.from_numpy(obs))).clamp(-2.0, 2.0).numpy()
+        assert not np.allclose(raw, got, atol=1e-3)
+    assert export.check(trained, path, "onnx") < 1e-4
+
+
+def test_torchscript_round_trip_and_cli(tmp_path, capsys):
+    untrained(tmp_path / "run", PENDULUM_PPO, _moved_statistics)
+    out = tmp_path / "policy.pt"
+    assert export.main([str(tmp_path / "run"), "--format", "torchscript", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out} (" in text and "input  obs     float32 [batch, 3]" in text
+    assert "output action  float32 [batch, 1]" in text and "checked: torch.jit.load" in text
+    extra = {"kuberl.json": ""}
+    with pytest.warns(DeprecationWarning, match="torch.jit.load"):  # torch's notice; the format still loads
+        module = torch.jit.load(str(out), _extra_files=extra)
+    assert json.loads(extra["kuberl.json"])["kuberl.env_id"] == "Pendulum-v1"
+    trained = load_trained(out.parent / "run")
+    obs = torch.from_numpy(export.sample_observations(trained.spec, 5, seed=3))
+    with torch.inference_mode():
+        torch.testing.assert_close(module(obs), trained.greedy()(obs))
+
+
+def test_cli_onnx_default_name_and_metadata(tmp_path, capsys, monkeypatch):
+    ckpt = untrained(tmp_path / "run", CARTPOLE_PPO)
+    monkeypatch.chdir(tmp_path)
+    assert export.main([str(ckpt)]) == 0
+    text = capsys.readouterr().out
+    assert "wrote policy-v0.onnx" in text and "output action  int64 [batch]  (Discrete(2))" in text
+    assert "checked: onnxruntime gives the torch policy's actions on 64 random observations" in text
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "policy-v0.onnx")).metadata_props}
+    assert props["kuberl.env_id"] == "CartPole-v1" and props["kuberl.policy_version"] == "0"
+
+
+def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
+    ckpt = untrained(tmp_path / "run", CARTPOLE_PPO)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [([str(ckpt), "--format", "tflite"], "--format 'tflite': not a format written here; use onnx or torchscript"),
+             ([str(tmp_path / "missing")], "no such run directory or checkpoint file"),
+             ([str(empty)], "not a run directory with checkpoints"),
+             ([str(junk)], "junk.pt: not a kuberl learner checkpoint (")]
+    for argv, message in cases:
+        assert export.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("kuberl export: ") and err.count("\n") == 1, err
