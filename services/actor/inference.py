@@ -2,7 +2,8 @@
 
 Sessions call `act(obs, mask)` and await their slice of the batch. The loop takes whatever is pending when
 it comes round (no artificial delay), so the batch grows with load and latency stays one forward
-pass when idle. Torch runs in a worker thread; weights are swapped in only between batches.
+pass when idle. Torch runs in a worker thread; weights are swapped in only between batches. A hub that
+records nothing (`kuberl serve`) cuts no fragments, so on-policy pacing never holds its replies.
 """
 
 from __future__ import annotations

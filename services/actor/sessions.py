@@ -5,6 +5,10 @@ Each session steps `num_envs` env copies in lockstep; its transitions are cut in
 `rollout_steps` steps exactly as rollout.py does for local envs. A session that ends for any reason
 pushes its unfinished fragment with the last step of every still-running episode marked truncated,
 so the learner bootstraps there instead of seeing a false terminal state.
+
+A hub without `on_fragment` (`kuberl serve`: inference only) checks everything exactly as a training
+actor's does and keeps the sessions' episode statistics, but records no transitions: no fragment
+buffers are allocated, no fragment is cut, nothing is pushed.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class SessionHub:
                  incarnation: int = 0):
         self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
         self.on_fragment = on_fragment
+        self.records = on_fragment is not None  # False: serving only, no transitions kept
         self.algorithm = algorithms.get(cfg.algorithm)
         # Fragments carry the simulators' masks when the space has them and the algorithm takes them.
         self.masks = bool(spec.action.mask_width) and self.algorithm.takes_action_masks
@@ -87,7 +92,8 @@ class SessionHub:
         for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced"):
             metrics.inc(f"actor/{name}_total", 0)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
-        metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
+        if self.records:
+            metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
 
     # -- hello -------------------------------------------------------------------------------------
     def open(self, hello: actor_pb2.EnvHello) -> tuple[Session, bool]:
@@ -168,6 +174,9 @@ class SessionHub:
                                                    f"values flattened)")
 
     def _new_buffers(self, s: Session) -> None:
+        s.t, s.final_obs, s.final_index, s.versions, s.masked = 0, [], [], [], False
+        if not self.records:
+            return
         T, N, shape = s.T, s.num_envs, self.spec.obs_shape
         s.buffers = {"obs": np.empty((T + 1, N, *shape), self.spec.obs_dtype),
                      "actions": np.empty((T, N, *self.spec.action.shape), self.spec.action.dtype),
@@ -176,7 +185,6 @@ class SessionHub:
                      **{name: np.empty((T, N), np.float32) for name in self.algorithm.fragment_extras}}
         if self.masks:
             s.buffers["action_mask"] = np.ones((T, N, self.spec.action.mask_width), bool)
-        s.t, s.final_obs, s.final_index, s.versions, s.masked = 0, [], [], [], False
 
     # -- steps -------------------------------------------------------------------------------------
     def observe(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
@@ -194,7 +202,8 @@ class SessionHub:
         try:
             obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
             if step.step_id == 0:
-                s.buffers["obs"][s.t] = obs
+                if self.records:
+                    s.buffers["obs"][s.t] = obs
                 return obs
             rewards = self._tensor(step, "rewards", (N,), np.dtype(np.float32))
             if not np.isfinite(rewards).all():
@@ -208,23 +217,25 @@ class SessionHub:
                 raise TensorError("final_observations", "given, but no env ended")
         except TensorError as err:
             raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
-        b, t = s.buffers, s.t
-        b["rewards"][t], b["terminated"][t], b["truncated"][t] = rewards, term, trunc
-        b["obs"][t + 1] = obs
-        for k, i in enumerate(done):
-            s.final_obs.append(final[k])
-            s.final_index.append(t * N + i)
+        if self.records:
+            b, t = s.buffers, s.t
+            b["rewards"][t], b["terminated"][t], b["truncated"][t] = rewards, term, trunc
+            b["obs"][t + 1] = obs
+            for k, i in enumerate(done):
+                s.final_obs.append(final[k])
+                s.final_index.append(t * N + i)
         ep = s.episodes
         ep.returns += rewards
         ep.lengths += 1
         for i in done:
             self._finish_episode(ep, i)
-        s.t += 1
         self.env_steps += N
         self.metrics.inc("actor/env_steps_total", N)
-        if s.t == s.T:
-            self._emit(s, s.t)
-            b["obs"][0] = obs
+        if self.records:
+            s.t += 1
+            if s.t == s.T:
+                self._emit(s, s.t)
+                s.buffers["obs"][0] = obs
         return obs
 
     def _mask(self, s: Session, step) -> np.ndarray:
@@ -252,7 +263,10 @@ class SessionHub:
 
     def record_actions(self, s: Session, actions: np.ndarray, extras: dict[str, np.ndarray], version: int) -> None:
         """Store the actions chosen for the session's current observations, with what the algorithm
-        recorded while choosing them (`Algorithm.fragment_extras`)."""
+        recorded while choosing them (`Algorithm.fragment_extras`). Serving only: just the step count."""
+        s.next_step += 1
+        if not self.records:
+            return
         s.buffers["actions"][s.t] = actions
         if self.masks:
             s.buffers["action_mask"][s.t] = True if s.mask is None else s.mask
@@ -260,7 +274,6 @@ class SessionHub:
         for name in self.algorithm.fragment_extras:
             s.buffers[name][s.t] = extras[name]
         s.versions.append(version)
-        s.next_step += 1
 
     def to_send(self, actions: np.ndarray) -> np.ndarray:
         """Actions as the simulator receives them: int64 for discrete spaces, float32 clipped to the

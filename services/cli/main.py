@@ -1,5 +1,5 @@
 """`kuberl <command>`: run one role (`actor`, `buffer`, `learner`), a whole local run (`up`), read `stats`,
-or use a trained policy (`eval`, `export`)."""
+or use a trained policy (`eval`, `export`, `serve`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ after training (docs/after-training.md):
   eval RUN_DIR_OR_CHECKPOINT   run the trained policy for N episodes: return and length statistics
                                (--json, --stochastic, --video FILE.mp4|FILE.gif)
   export CHECKPOINT            write the policy as one file for C++/C#/JS (--format onnx|torchscript)
+  serve CHECKPOINT             serve the policy to simulators over Actor.EnvSession, as an inference-only
+                               actor (--listen ADDR, default 0.0.0.0:50055; --stochastic,
+                               --follow-learner ADDR)
 
 planner API (--planner ADDR, default $KUBERL_PLANNER or 127.0.0.1:50054):
   plan [--apply]       preview the planner's decision now (or take and apply it)
@@ -55,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "eval":
         from services.cli.evaluate import main as evaluate
         return evaluate(rest)
+    if cmd == "serve":  # a service process, as the roles are
+        from services.common.runtime import exit_process, stop_cleanly_until_serving
+        stop_cleanly_until_serving()
+        from services.cli.serve import main as serve
+        exit_process(serve(rest))
     if cmd == "export":
         from services.cli.export import main as export
         return export(rest)

@@ -176,6 +176,27 @@ def test_shutdown_refuses_new_sessions_and_flushes_open_ones():
     assert err.value.code == "UNAVAILABLE"
 
 
+
+def test_a_hub_without_a_fragment_sink_checks_everything_and_records_nothing():
+    """`kuberl serve`: the same checks and episode statistics, no buffers, no fragments, no pacing quota."""
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": T}})
+    h = SessionHub(cfg, SPEC, "serve-x", Metrics("actor"), on_fragment=None)
+    with pytest.raises(SessionError) as err:
+        h.open(hello(shape=(4,)))
+    assert err.value.code == "INVALID_ARGUMENT" and str(err.value).startswith("observation_space")
+    s, _ = h.open(hello())
+    drive(h, s, steps=3 * T, end_at=2)  # three fragments' worth of steps
+    assert s.buffers == {} and s.t == 0 and s.versions == [] and s.next_step == 3 * T + 1
+    assert h.seq == 0 and "actor/fragments_total" not in h.metrics.counters
+    assert h.env_steps == 3 * T * N and h.metrics.counters["actor/env_steps_total"] == 3 * T * N
+    assert h.episodes.count == 1 and h.episodes.episodes[0].episode_return == 2.0
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(5, obs_at(5)))
+    assert err.value.code == "FAILED_PRECONDITION"
+    h.close_all()
+    assert not h.sessions and h.seq == 0
+
+
 # -- every space ------------------------------------------------------------------------------------
 BOX = Box.of((2,), -1.0, [1.0, 2.0])
 MD = MultiDiscrete((3, 2))
