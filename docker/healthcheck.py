@@ -5,7 +5,7 @@
 
 NAME is "" for the server as a whole or a service's full name (kuberl.v1.Buffer, ...): every kuberl
 server reports both, and turns both NOT_SERVING when it starts to shut down. Kubernetes does not use
-this (the manifests use native gRPC probes); Docker and Compose do.
+this (the manifests probe /readyz and /livez on the metrics port); Docker and Compose do.
 
 A role serving TLS is checked over TLS, as the role itself dials: with the tls section of --config
 (default $KUBERL_CONFIG, the role's own in its image) and the --tls-* flags or $KUBERL_TLS_*

@@ -1,8 +1,8 @@
 """`kuberl eval RUN_DIR_OR_CHECKPOINT`: run a trained policy for whole episodes and report how it does.
 
 The policy acts deterministically by default (`Acting.greedy`: argmax, the Gaussian's mean), or as
-actors act with `--stochastic` (PPO samples, DQN is epsilon-greedy at its final epsilon, SAC samples
-its squashed Gaussian). Episodes run on the run's env (the same preprocessing as the actors') in
+actors act with `--stochastic` (PPO samples, DQN is epsilon-greedy at the epsilon its policy version
+implies, SAC samples its squashed Gaussian). Episodes run on the run's env (the same preprocessing as the actors') in
 `num_envs` copies stepped together; copy i is seeded `seed + i` and runs a fixed share of the episodes,
 so the short episodes that finish first are not over-represented (SB3's evaluate_policy does the
 same). The statistics are over episode returns as the env reports them (Atari: whole games,
@@ -222,10 +222,11 @@ def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bo
 
 def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict | None:
     """`kuberl up`'s evaluation of the run's final checkpoint (`evaluation` in the config): None when
-    `evaluation.after_training` is off, else `evaluate`'s result, or {"error": ...} when it could not
-    run (it never fails the run). Blocking: at most about `evaluation.max_seconds`."""
+    `evaluation.after_training` is off or the env is external simulators' (not one this process can
+    make: `kuberl eval` it where it can), else `evaluate`'s result, or {"error": ...} when it could not
+    run (it never fails the run). Blocking: at most about `evaluation.max_seconds` of episodes."""
     e = cfg.evaluation
-    if not e.after_training:
+    if not e.after_training or cfg.env.mode == "external":
         return None
     import torch
 
@@ -237,9 +238,10 @@ def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict 
         trained = load_trained(run_dir, seed=e.seed)
         result = evaluate(trained, e.episodes, e.num_envs, e.seed,
                           deadline=started + e.max_seconds if e.max_seconds else None)
-    except (TrainedPolicyError, EvalError, ValueError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - torch, gymnasium, a renderer: the run's summary comes first
         log.warning("evaluation after training failed: %s", err)
-        return {"error": str(err)}
+        return {"error": f"{type(err).__name__}: {err}" if not isinstance(err, (TrainedPolicyError, EvalError))
+                else str(err)}
     result["wall_s"] = round(time.monotonic() - started, 3)
     return result
 

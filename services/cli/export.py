@@ -100,32 +100,41 @@ def export_torchscript(trained, path: Path) -> None:
 
 def check(trained, path: Path, fmt: str, n: int = CHECK_BATCH) -> float:
     """Load the written file back and compare its actions with the torch policy's on `n` random
-    observations (a batch size other than the export's example, so the batch dimension is dynamic).
-    Returns the largest absolute difference; raises ExportError on a mismatch."""
+    observations, then on one (batch sizes other than the export's example, so the batch dimension is
+    dynamic; one is what a program acting for one agent sends). Returns the largest absolute difference;
+    raises ExportError on a mismatch."""
     import torch
 
-    obs = sample_observations(trained.spec, n, seed=1)
-    with torch.inference_mode():
-        want = trained.greedy()(torch.from_numpy(obs)).numpy()
     if fmt == "onnx":
         import onnxruntime
 
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        (got,) = session.run(["action"], {"obs": obs})
+
+        def run(obs: np.ndarray) -> np.ndarray:
+            return session.run(["action"], {"obs": obs})[0]
     else:
-        with _quiet_exporter(), torch.inference_mode():
-            got = torch.jit.load(str(path))(torch.from_numpy(obs)).numpy()
-    if got.shape != want.shape or got.dtype != want.dtype:
-        raise ExportError(f"{path}: gives actions {got.dtype} {list(got.shape)}, the policy {want.dtype} "
-                          f"{list(want.shape)}")
-    if np.issubdtype(want.dtype, np.integer):
-        if (bad := int((got != want).sum())):
-            raise ExportError(f"{path}: {bad} of {n} actions differ from the torch policy's")
-        return 0.0
-    diff = float(np.abs(got - want).max())
-    if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
-        raise ExportError(f"{path}: actions differ from the torch policy's by up to {diff:g}")
-    return diff
+        with _quiet_exporter():
+            loaded = torch.jit.load(str(path))
+
+        def run(obs: np.ndarray) -> np.ndarray:
+            return loaded(torch.from_numpy(obs)).numpy()
+    largest = 0.0
+    for obs in (batch := sample_observations(trained.spec, n, seed=1), batch[:1]):
+        with torch.inference_mode():
+            want = trained.greedy()(torch.from_numpy(obs)).numpy()
+            got = run(obs)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise ExportError(f"{path}: gives actions {got.dtype} {list(got.shape)}, the policy {want.dtype} "
+                              f"{list(want.shape)}")
+        if np.issubdtype(want.dtype, np.integer):
+            if (bad := int((got != want).sum())):
+                raise ExportError(f"{path}: {bad} of {len(obs)} actions differ from the torch policy's")
+            continue
+        diff = float(np.abs(got - want).max())
+        if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise ExportError(f"{path}: actions differ from the torch policy's by up to {diff:g}")
+        largest = max(largest, diff)
+    return largest
 
 
 def export(trained, fmt: str, path: str | Path) -> Path:
@@ -170,6 +179,10 @@ def main(argv=None) -> int:
           f"  input  obs     {spec.obs_dtype.name} [batch, {', '.join(map(str, spec.obs_shape))}]\n"
           f"  output action  {spec.action.dtype.name} [batch{''.join(', ' + str(d) for d in spec.action.shape)}]"
           f"  ({spec.action})")
+    from services import algorithms
+    if spec.action.mask_width and algorithms.get(trained.cfg.algorithm).takes_action_masks:
+        print(f"  note: the graph has no action-mask input: it may choose actions your env would mask "
+              f"({spec.action} takes masks); apply the mask to its choice yourself", file=sys.stderr)
     if args.no_check:
         return 0
     try:
@@ -178,6 +191,6 @@ def main(argv=None) -> int:
         print(f"kuberl export: {err}", file=sys.stderr)
         return 1
     runtime = "onnxruntime" if args.format == "onnx" else "torch.jit.load"
-    print(f"checked: {runtime} gives the torch policy's actions on {CHECK_BATCH} random observations"
+    print(f"checked: {runtime} gives the torch policy's actions on {CHECK_BATCH} random observations and on one"
           + (f" (largest difference {diff:.2g})" if diff else ""))
     return 0

@@ -403,12 +403,19 @@ class LocalRun:
         (interrupted or failed: no one waits for it then)."""
         if not self.cfg.evaluation.after_training or reason in ("interrupted", "failed"):
             return None
+        if self.cfg.env.mode == "external":  # (evaluate_after_training skips it too)
+            print("not evaluated: the env is the external simulators' (env.mode: external)", flush=True)
+            return None
         from services.cli.evaluate import describe, evaluate_after_training
 
         e = self.cfg.evaluation
         print(f"evaluating the final checkpoint: {e.episodes} episodes, deterministic actions "
               f"(evaluation.after_training: false turns this off)", flush=True)
-        result = evaluate_after_training(self.cfg, self.dir)
+        try:
+            result = evaluate_after_training(self.cfg, self.dir)
+        except KeyboardInterrupt:  # the run itself is over: its summary is still written
+            print("evaluation interrupted", flush=True)
+            return {"error": "interrupted"}
         if result is not None and "error" in result:
             print(f"evaluation failed: {result['error']}", flush=True)
         elif result is not None:

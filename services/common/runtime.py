@@ -61,8 +61,10 @@ def add_tls_arguments(p: argparse.ArgumentParser, server: bool = True) -> None:
     g.add_argument("--tls-ca", default=os.environ.get("KUBERL_TLS_CA") or None, metavar="FILE",
                    help="PEM CA bundle that verifies peers (default $KUBERL_TLS_CA, else tls.ca_file)")
     if server:
-        g.add_argument("--tls-client-auth", choices=("require", "none"), default=None,
-                       help="require and verify client certificates (mutual TLS), or not (else tls.client_auth)")
+        g.add_argument("--tls-client-auth", choices=("require", "none"),
+                       default=os.environ.get("KUBERL_TLS_CLIENT_AUTH") or None,
+                       help="require and verify client certificates (mutual TLS), or not (default "
+                            "$KUBERL_TLS_CLIENT_AUTH, else tls.client_auth)")
     g.add_argument("--tls-server-name", default=os.environ.get("KUBERL_TLS_SERVER_NAME") or None, metavar="NAME",
                    help="the name checked in servers' certificates instead of the host dialled "
                         "(default $KUBERL_TLS_SERVER_NAME, else tls.server_name)")
@@ -139,12 +141,17 @@ def client_channel(p: argparse.ArgumentParser, args: argparse.Namespace, target:
 
 def load_role_config(args: argparse.Namespace):
     """The experiment config of a role process: --config's file with the --tls-* and token flags over it,
-    its TLS files checked (a ConfigError or TlsError ends the process with exit code 2, see run_service)."""
+    its TLS files and the token it sends checked (a ConfigError, TlsError or AuthError ends the process with
+    exit code 2, see run_service)."""
     from services.common.config import load_config
     from services.common.tls import check_role
 
+    from services.common.auth import read_client_token
+
     cfg = with_auth_flags(with_tls_flags(load_config(args.config), args), args)
     check_role(cfg.tls)
+    if cfg.auth.client_token_file:  # read at every call later (rotation); a missing one must not go unnoticed
+        read_client_token(cfg.auth.client_token_file, "auth.client_token_file (--token-file, $KUBERL_TOKEN_FILE)")
     return cfg
 
 

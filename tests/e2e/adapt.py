@@ -1,6 +1,6 @@
 """The one place where shipped manifests are changed to run on the e2e node (kubelet/apiserver 1.20).
 
-The shipped manifests (k8s/, the Helm chart) target Kubernetes 1.24+. The node this harness can build
+The shipped manifests (k8s/, the Helm chart) target Kubernetes 1.21+. The node this harness can build
 is 1.20 (tests/e2e/node.py), which does not serve one thing they use:
 
     policy/v1 PodDisruptionBudget (1.21+)    dropped: so voluntary-disruption limits are NOT checked here

@@ -75,7 +75,7 @@ def test_up_evaluates_its_final_checkpoint_into_the_summary(tmp_path):
     config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "planner": {"enabled": False},
                                                 "run": {"target_return": None, "max_env_steps": 2000,
                                                         "poll_interval_s": 0.2},
-                                                "evaluation": {"episodes": 3, "num_envs": 2}})
+                                                "evaluation": {"episodes": 3, "num_envs": 2, "max_seconds": 0}})
     out = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -92,7 +92,7 @@ def _session(address: str, session_id: str, n: int, steps: int, seed: int) -> li
 
 
 def test_python_clients_get_the_checkpoints_greedy_actions(served, greedy):
-    """Two sessions at once (their steps batched together when they meet), every action checked."""
+    """Two sessions at once, every action checked."""
     results: dict[str, list] = {}
     errors: list[BaseException] = []
 
@@ -117,7 +117,7 @@ def test_python_clients_get_the_checkpoints_greedy_actions(served, greedy):
     a = wait_for(lambda: (s := stats(served.address, actor_pb2_grpc.ActorStub))["actor/sessions_active"] == 0 and s,
                  timeout=WAIT_S, what="both sessions to close")
     assert a["actor/sessions_total"] >= 2 and a["actor/env_steps_total"] >= 40 * (3 + 5), a
-    assert a["actor/policy_version"] == 0 and a["actor/inference_batch_envs_max"] >= 3, a
+    assert a["actor/policy_version"] == 0, a
     assert "actor/fragments_total" not in a and "actor/fragments_pushed_total" not in a, a  # nothing recorded
 
 

@@ -102,7 +102,9 @@ def test_up_evaluates_unless_the_config_says_not_to(tmp_path):
     untrained(tmp_path / "run", CARTPOLE)
     off = config_from_dict({**CARTPOLE, "evaluation": {"after_training": False}})
     assert evaluate.evaluate_after_training(off, tmp_path / "run") is None
-    on = config_from_dict({**CARTPOLE, "evaluation": {"episodes": 2, "num_envs": 2}})
+    external = config_from_dict({**CARTPOLE, "env": {**CARTPOLE.get("env", {}), "mode": "external"}})
+    assert evaluate.evaluate_after_training(external, tmp_path / "run") is None  # the simulators' env, not ours
+    on = config_from_dict({**CARTPOLE, "evaluation": {"episodes": 2, "num_envs": 2, "max_seconds": 0}})
     result = evaluate.evaluate_after_training(on, tmp_path / "run")
     assert result["episodes"] == 2 and result["deterministic"] and result["wall_s"] >= 0
     assert evaluate.evaluate_after_training(on, tmp_path / "nowhere") == {

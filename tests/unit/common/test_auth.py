@@ -121,14 +121,20 @@ def test_role_flags_and_environment_over_the_auth_section(tmp_path, monkeypatch)
 
     config = tmp_path / "c.yaml"
     config.write_text("auth: {token_files: [/from/config], protect_reads: true}\n")
+    planner, other = _write(tmp_path / "planner", "p1\n"), _write(tmp_path / "other", "p2\n")
     monkeypatch.setenv("KUBERL_AUTH_TOKEN_FILES", "/run/a/tokens, /run/b/tokens")
-    monkeypatch.setenv("KUBERL_TOKEN_FILE", "/run/a/planner")
+    monkeypatch.setenv("KUBERL_TOKEN_FILE", planner)
     cfg = load_role_config(base_parser("planner", 0, "").parse_args(["--config", str(config)]))
     assert cfg.auth.token_files == ("/run/a/tokens", "/run/b/tokens")
-    assert cfg.auth.client_token_file == "/run/a/planner" and cfg.auth.protect_reads
+    assert cfg.auth.client_token_file == planner and cfg.auth.protect_reads
     cfg = load_role_config(base_parser("planner", 0, "").parse_args(
-        ["--config", str(config), "--auth-token-files", "/x", "--token-file", "/y"]))
-    assert (cfg.auth.token_files, cfg.auth.client_token_file) == (("/x",), "/y")
+        ["--config", str(config), "--auth-token-files", "/x", "--token-file", other]))
+    assert (cfg.auth.token_files, cfg.auth.client_token_file) == (("/x",), other)
+    # The token a role sends must be there at start (a Secret without the key): not a warning per call.
+    with pytest.raises(AuthError, match=r"auth.client_token_file \(--token-file, \$KUBERL_TOKEN_FILE\): cannot read "
+                                        r"/run/a/planner"):
+        load_role_config(base_parser("planner", 0, "").parse_args(["--config", str(config), "--token-file",
+                                                                   "/run/a/planner"]))
     monkeypatch.delenv("KUBERL_AUTH_TOKEN_FILES")
     monkeypatch.delenv("KUBERL_TOKEN_FILE")
     cfg = load_role_config(base_parser("planner", 0, "").parse_args(["--config", str(config)]))
