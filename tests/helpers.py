@@ -116,6 +116,27 @@ def http_get(address: str, path: str, timeout: float = 30.0) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
+def eval_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`kuberl eval ARGS` in a process of its own. Videos go through an ffmpeg that imageio forks: forked
+    from pytest's process, where earlier tests left gRPC threads, the child can write gRPC's complaints
+    into the ffmpeg stderr that imageio parses (seen in a full run). A `kuberl eval` process has none."""
+    return subprocess.run([sys.executable, "-m", "services.cli.main", "eval", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def video_frames(path) -> tuple[int, tuple[int, ...]]:
+    """(frames, first frame's shape) of a video as imageio reads it back, read in a process of its own
+    (see eval_cli)."""
+    code = ("import json, sys, imageio.v2 as imageio\n"
+            "r = imageio.get_reader(sys.argv[1])\n"
+            "print(json.dumps([r.count_frames(), list(r.get_data(0).shape)]))\n"
+            "r.close()\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    frames, shape = json.loads(out.stdout)
+    return frames, tuple(shape)
+
+
 def stats(address: str, stub_cls, timeout: float = 5.0) -> dict[str, float]:
     with grpc.insecure_channel(address) as ch:
         return dict(stub_cls(ch).GetStats(pb.GetStatsRequest(), timeout=timeout).metrics)

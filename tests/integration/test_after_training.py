@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.cli import evaluate
-from tests.helpers import ROOT, TINY_PPO, write_config
+from tests.helpers import ROOT, TINY_PPO, eval_cli, video_frames, write_config
 from tests.policies import train
 
 # PPO on CartPole-v1, 40k env steps in-process (~8 s on 2 cores). Its greedy return was 447..500 over
@@ -30,9 +30,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_greedy_eval_clears_the_bar_and_prints_well_formed_json(run_dir):
-    out = subprocess.run([sys.executable, "-m", "services.cli.main", "eval", str(run_dir), "--json",
-                          "--episodes", "7", "--num-envs", "3"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = eval_cli(str(run_dir), "--json", "--episodes", "7", "--num-envs", "3")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # stdout is the JSON object and nothing else
     assert result["deterministic"] is True and result["algorithm"] == "ppo" and result["env_id"] == "CartPole-v1"
@@ -45,22 +43,16 @@ def test_greedy_eval_clears_the_bar_and_prints_well_formed_json(run_dir):
     assert result["return"]["mean"] >= GREEDY_BAR, result
 
 
-def test_text_output_and_a_video_with_one_frame_per_step(run_dir, tmp_path, capsys):
-    import imageio.v2 as imageio
-
+def test_text_output_and_a_video_with_one_frame_per_step(run_dir, tmp_path):
     video = tmp_path / "cartpole.mp4"
-    assert evaluate.main([str(run_dir), "--episodes", "2", "--video", str(video), "--video-episodes", "2"]) == 0
-    out = capsys.readouterr().out
+    done = eval_cli(str(run_dir), "--episodes", "2", "--video", str(video), "--video-episodes", "2")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "evaluating ckpt-" in out and "deterministic actions" in out
     assert "return  mean" in out and "length  mean" in out
     assert f"video: {video}: 2 episodes" in out
     frames = int(out.split(" frames at ")[0].rsplit(" ", 1)[1])
-    reader = imageio.get_reader(video)
-    try:
-        assert reader.count_frames() == frames
-        assert reader.get_data(0).shape == (400, 600, 3)  # CartPole's rgb_array frame
-    finally:
-        reader.close()
+    assert video_frames(video) == (frames, (400, 600, 3))  # CartPole's rgb_array frame, one per step
     # An episode of L steps gives L frames; this policy balances for CartPole-v1's 500-step limit.
     assert frames > 2 * GREEDY_BAR
 

@@ -14,6 +14,7 @@ from services.cli.trained import load_trained
 from services.common.config import config_from_dict
 from services.common.heads import Head
 from services.common.spaces import Box, Discrete, MultiDiscrete
+from tests.helpers import eval_cli, video_frames
 from tests.policies import untrained
 
 CARTPOLE = {"algorithm": "ppo", "env": {"id": "CartPole-v1"}, "ppo": {"hidden_sizes": [16]}}
@@ -64,22 +65,17 @@ def test_a_gif_video(tmp_path, capsys):
         reader.close()
 
 
-def test_an_atari_video_renders_the_game(tmp_path, capsys):
+def test_an_atari_video_renders_the_game(tmp_path):
     pytest.importorskip("ale_py", reason="ale-py is in the actor extra")
-    import imageio.v2 as imageio
-
     untrained(tmp_path / "run", {"algorithm": "dqn", "env": {"id": "ALE/Pong-v5", "max_episode_steps": 12}})
     mp4 = tmp_path / "pong.mp4"
-    assert evaluate.main([str(tmp_path / "run"), "--episodes", "1", "--json", "--video", str(mp4),
-                          "--video-episodes", "1"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    out = eval_cli(str(tmp_path / "run"), "--episodes", "1", "--json", "--video", str(mp4), "--video-episodes", "1")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
     video = result["video"]
     assert result["lengths"] == [12] and video["frames"] == sum(video["lengths"]) >= 1
-    reader = imageio.get_reader(mp4)
-    try:  # the full colour screen, not the 84x84 grey observation
-        assert reader.count_frames() == video["frames"] and reader.get_data(0).shape == (210, 160, 3)
-    finally:
-        reader.close()
+    # The full colour screen, not the 84x84 grey observation.
+    assert video_frames(mp4) == (video["frames"], (210, 160, 3))
 
 
 def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
