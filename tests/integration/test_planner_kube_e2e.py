@@ -112,7 +112,9 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
               "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 50},
               "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
                           "actor": {"max": 4, "max_step_up": 2},
-                          "kubernetes": {"namespace": ns, "lease_duration_s": 4}}}
+                          # One planner: a long lease, whose renewals a loaded machine cannot miss (with 4 s, a
+                          # renewal late by 2.7 s lost the lease and a SetReplicas was refused in a CI run).
+                          "kubernetes": {"namespace": ns, "lease_duration_s": 30}}}
     with planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns, config) as (planner, stub):
         # The planner measures the real actor (50 steps/s) against the learner's capacity and scales up.
         wait_for(lambda: spec_replicas(k8s_admin, ns) > 1, timeout=120, interval=0.5,
@@ -150,7 +152,7 @@ def test_planner_scales_the_learner_statefulset_when_the_learners_are_the_bottle
               "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 500},
               "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
                           "actor": {"min": 1, "max": 1}, "learner": {"min": 1, "max": 4, "max_step_up": 2},
-                          "kubernetes": {"namespace": ns, "lease_duration_s": 4}}}
+                          "kubernetes": {"namespace": ns, "lease_duration_s": 30}}}
     with planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns, config) as (planner, stub):
         wait_for(lambda: spec_replicas(k8s_admin, ns, LEARNER) > 1, timeout=120, interval=0.5,
                  what=f"the learner StatefulSet scaled up; planner log:\n{planner.output()[-3000:]}")
