@@ -106,6 +106,20 @@ def no_change_stacked(stub, first: dict) -> None:
     assert last.action == ppb.DECISION_ACTION_SUPPRESSED and "not converged" in last.reason
 
 
+def set_replicas_as_leader(stub, role: str, replicas: int):
+    """SetReplicas while this planner holds the Lease. Here the test's own API server shares two cores
+    with a learner training flat out, and answered a Lease renewal 15 s late in a CI run: leadership
+    lapsed for a moment and the planner rightly refused ("not the leader"). A user retries; so does this,
+    and any other refusal fails at once."""
+    for _ in range(5):
+        wait_for(lambda: stub.GetStatus(ppb.GetStatusRequest(), timeout=30).leader, timeout=60,
+                 what="the planner to hold the Lease")
+        d = stub.SetReplicas(ppb.SetReplicasRequest(role=role, replicas=replicas, ttl_s=60), timeout=30)
+        if not d.error.startswith("not the leader"):
+            return d
+    return d
+
+
 def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_cluster, k8s_admin, k8s_namespace):
     ns = k8s_namespace
     config = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "replay_ratio": 8.0},
@@ -136,7 +150,7 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
         assert preview.dry_run and not preview.applied and spec_replicas(k8s_admin, ns) == 3
 
         # A manual override goes through the same subresource.
-        d = stub.SetReplicas(ppb.SetReplicasRequest(role="actor", replicas=1, ttl_s=60), timeout=30)
+        d = set_replicas_as_leader(stub, "actor", 1)
         assert d.applied and not d.error, d
         assert spec_replicas(k8s_admin, ns) == 1
 
@@ -168,6 +182,6 @@ def test_planner_scales_the_learner_statefulset_when_the_learners_are_the_bottle
         assert spec_replicas(k8s_admin, ns, LEARNER) == 3
 
         # A manual override of the learners goes through the StatefulSet's scale subresource too.
-        d = stub.SetReplicas(ppb.SetReplicasRequest(role="learner", replicas=1, ttl_s=60), timeout=30)
+        d = set_replicas_as_leader(stub, "learner", 1)
         assert d.applied and not d.error, d
         assert spec_replicas(k8s_admin, ns, LEARNER) == 1
