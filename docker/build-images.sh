@@ -94,6 +94,7 @@ done
 report=()
 for role in "${ROLES[@]}"; do
   tag="$IMAGE_PREFIX$role:$IMAGE_TAG"
+  previous=$($DOCKER image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
   start=$(date +%s.%N)
   # (the legacy builder's deprecation notice is dropped; errors still show)
   build "$role" "$tag" "$port" >/dev/null 2> >(grep -v -e "^DEPRECATED: The legacy builder" -e "BuildKit is currently disabled" \
@@ -101,6 +102,17 @@ for role in "${ROLES[@]}"; do
   secs=$("$PYTHON" -c "print(round($(date +%s.%N) - $start, 1))")
   bytes=$($DOCKER image inspect --format '{{.Size}}' "$tag")
   echo "[images] $tag built in ${secs} s, $("$PYTHON" -c "print(f'{$bytes / 1e9:.2f}')") GB"
+  # The image this tag named before is now untagged, and with the legacy builder every one of its
+  # layers stays on disk: a rebuild after each source change kept them all (an e2e cache reached 51 GB).
+  # It is removed by ID, with the intermediate images only it used; layers the new image shares stay.
+  # An image a container still uses is left alone.
+  if [ -n "$previous" ] && [ "$previous" != "$($DOCKER image inspect --format '{{.Id}}' "$tag")" ]; then
+    if $DOCKER image rm "$previous" >/dev/null 2>&1; then
+      echo "[images] removed the image $tag named before (${previous:7:12})"
+    else
+      echo "[images] kept the image $tag named before (${previous:7:12}): still in use" >&2
+    fi
+  fi
   report+=("{\"role\": \"$role\", \"tag\": \"$tag\", \"build_s\": $secs, \"bytes\": $bytes}")
 done
 if [ -n "${IMAGES_REPORT:-}" ]; then

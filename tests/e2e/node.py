@@ -133,6 +133,7 @@ class Node:
         self._start_bridge()
         self._save_state()
         self._start_dockerd()
+        self._prune_store()
         self._ensure_pause_image(bins["PAUSE"])
         self.cluster = Cluster(self.workdir / "control-plane", bins, address=NODE_IP, apiserver_flags=(
             "--kubelet-preferred-address-types=InternalIP",
@@ -194,6 +195,15 @@ class Node:
             f"--host={self.docker_host}", "--bridge=none", "--iptables=false", "--ip-masq=false",
             "--storage-driver=overlay2", f"--add-runtime=clamp={HERE / 'runc-clamp'}", "--default-runtime=clamp"])
         self._wait("dockerd", lambda: self.docker("version", check=False, timeout=10).returncode == 0, 60)
+
+    def _prune_store(self) -> None:
+        """Empties what earlier runs left in the cached store: stopped containers and untagged images.
+        The store is this harness's own (--data-root under E2E_CACHE), so nothing of the host's is touched;
+        tagged images (the base, pause, the roles' last build) stay and keep the layer cache."""
+        for kind in ("container", "image"):
+            out = self.docker(kind, "prune", "--force", check=False, timeout=600).stdout.strip().splitlines()
+            if out and out[-1].startswith("Total reclaimed space:") and not out[-1].endswith(" 0B"):
+                print(f"[e2e] {kind} prune: {out[-1]}")
 
     def _ensure_pause_image(self, pause_bin: str) -> None:
         if self.docker("image", "inspect", PAUSE_IMAGE, check=False).returncode == 0:
