@@ -155,9 +155,11 @@ def run_logs(run_dir: Path, names=None, lines: int = 15) -> str:
 def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget: int) -> dict:
     """Run `kuberl up` on `cfg` (configs/<name>.yaml, changed) until `target` mean return over the last
     100 episodes or `budget` env steps; assert it reached the target within the budget with every
-    process exiting cleanly, and return summary.json."""
+    process exiting cleanly, and that the final checkpoint's evaluation (`kuberl up`'s, without a time
+    limit here) ran every episode without an error; return summary.json."""
     cfg = {**cfg, "run": {**cfg.get("run", {}), "target_return": target, "return_window": 100,
-                          "max_env_steps": budget, "poll_interval_s": 0.5}}
+                          "max_env_steps": budget, "poll_interval_s": 0.5},
+           "evaluation": {**cfg.get("evaluation", {}), "after_training": True, "max_seconds": 0}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
@@ -169,4 +171,8 @@ def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget:
     assert summary["env_steps"] <= budget
     failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
     assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(tmp_path / 'run', failed)}"
+    evaluation = summary["evaluation"]
+    assert evaluation is not None and "error" not in evaluation, evaluation
+    assert evaluation["deterministic"] and evaluation["episodes"] == evaluation["episodes_asked"] >= 1, evaluation
+    assert len(evaluation["returns"]) == evaluation["episodes"] and Path(evaluation["checkpoint"]).is_file(), evaluation
     return summary

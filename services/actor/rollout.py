@@ -60,8 +60,7 @@ class Rollout:
         self.obs, info = self.envs.reset(seed=seed)
         # Action masks: an env that reports `info["action_mask"]` ([N, M] bool) is masked throughout,
         # for an algorithm that takes masks (the learner re-applies them from the fragment).
-        self.masked = (bool(self.spec.action.mask_width) and "action_mask" in info
-                       and self.algorithm.takes_action_masks)
+        self.masked = "action_mask" in info and self.algorithm.uses_masks(self.spec.action)
         self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)

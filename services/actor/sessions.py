@@ -81,7 +81,7 @@ class SessionHub:
         self.records = on_fragment is not None  # False: serving only, no transitions kept
         self.algorithm = algorithms.get(cfg.algorithm)
         # Fragments carry the simulators' masks when the space has them and the algorithm takes them.
-        self.masks = bool(spec.action.mask_width) and self.algorithm.takes_action_masks
+        self.masks = self.algorithm.uses_masks(spec.action)
         self.sessions: dict[str, Session] = {}
         self._parked: dict[str, _Episodes] = {}  # closed sessions that may resume
         self._next_env_id = 0

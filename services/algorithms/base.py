@@ -45,6 +45,12 @@ class Algorithm:
     action_spaces: ClassVar[tuple[type, ...]]
     takes_action_masks: ClassVar[bool] = False
 
+    def uses_masks(self, space) -> bool:
+        """Whether actions in `space` are masked under this algorithm: the space has mask columns
+        (`mask_width`) and the algorithm takes masks. The one test the actor's rollout and sessions,
+        `kuberl eval` and `kuberl export` make."""
+        return bool(space.mask_width) and self.takes_action_masks
+
     def check_spec(self, spec) -> None:
         """ValueError naming the algorithm unless it can train on an env of this spec."""
         if not isinstance(spec.action, self.action_spaces):

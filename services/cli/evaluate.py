@@ -93,7 +93,7 @@ def _masks(trained, info: dict, n: int) -> np.ndarray | None:
     from services.common.spaces import check_mask
 
     space = trained.spec.action
-    if not (space.mask_width and "action_mask" in info and algorithms.get(trained.cfg.algorithm).takes_action_masks):
+    if not ("action_mask" in info and algorithms.get(trained.cfg.algorithm).uses_masks(space)):
         return None
     mask = np.asarray(info["action_mask"], dtype=bool)
     check_mask(space, mask, (n,))

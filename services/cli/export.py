@@ -3,9 +3,14 @@ or JavaScript program loads (ONNX Runtime, or libtorch's torch::jit::load), with
 
 What is exported is the algorithm's deterministic policy (`Acting.greedy`: argmax of the logits or of
 Q, the Gaussian's mean, SAC's squashed mean, Box actions clipped into the space's bounds) with the
-checkpoint's weights, loaded as an actor loads them (services/cli/trained.py). Its one input, `obs`,
-is a batch of observations as the actors' envs produce them ([batch, *observation shape], of the
-observation dtype: float32 vectors, uint8 Atari frames); its one output, `action`, is a batch of env
+checkpoint's weights, loaded as an actor loads them (services/cli/trained.py). Its input `obs` is a
+batch of observations as the actors' envs produce them ([batch, *observation shape], of the
+observation dtype: float32 vectors, uint8 Atari frames). A policy trained under action masks (PPO on
+a Discrete or MultiDiscrete space whose env reports `info["action_mask"]`) has a second input,
+`action_mask`: bool [batch, mask width], True where an action is allowed, in the layout of the env's
+`info["action_mask"]`; the graph never chooses a disallowed action. `--action-mask auto` (the default)
+adds it when the run's env reports masks on reset; `yes` and `no` decide it (an external simulator's
+env cannot be made here, so auto leaves it out and says so). Its one output, `action`, is a batch of env
 actions (int64 indices for Discrete, int64 [batch, choices] for MultiDiscrete, float32 [batch, *shape]
 for Box). Everything the network does to an observation is inside the graph: the Atari torso's /255,
 and PPO's running observation normalisation (`ppo.normalize_observations`), whose mean and variance
@@ -17,7 +22,7 @@ onnxscript packages), with a dynamic batch dimension. TorchScript is written by 
 exporters warn about their own internals; those warnings are silenced here, not the errors.
 
 After writing, the file is loaded back (onnxruntime, or torch.jit.load) and its actions on random
-observations are compared with the torch policy's: a mismatch is an error (exit 1).
+observations (and random masks) are compared with the torch policy's: a mismatch is an error (exit 1).
 """
 
 from __future__ import annotations
@@ -66,69 +71,134 @@ def sample_observations(spec, n: int, seed: int = 0) -> np.ndarray:
     return (3.0 * rng.standard_normal(shape)).astype(spec.obs_dtype)
 
 
-def metadata(trained) -> dict[str, str]:
+def sample_masks(space, n: int, seed: int = 0) -> np.ndarray:
+    """`n` random action masks for `space` (bool [n, mask width]), each allowing at least one value of
+    every choice, about half of the values allowed."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((n, space.mask_width)) < 0.5
+    start = 0
+    for width in getattr(space, "nvec", None) or (space.n,):
+        part = mask[:, start:start + width]
+        part[np.arange(n), rng.integers(0, width, n)] = True   # (a view: writes into `mask`)
+        start += width
+    return mask
+
+
+def example_inputs(trained, n: int, masked: bool, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """The graph's inputs for `n` random observations: (obs,), or (obs, action_mask) when `masked`."""
+    obs = sample_observations(trained.spec, n, seed)
+    return (obs, sample_masks(trained.spec.action, n, seed)) if masked else (obs,)
+
+
+def input_names(masked: bool) -> list[str]:
+    return ["obs", "action_mask"] if masked else ["obs"]
+
+
+def env_reports_masks(trained) -> bool | None:
+    """Whether the run's env reports `info["action_mask"]` on reset; None when it cannot be made here
+    (external simulators, or an env this machine lacks)."""
+    from services.common.envs import make_vector_env
+
+    if trained.cfg.env.mode == "external":
+        return None
+    try:
+        envs = make_vector_env(trained.cfg.env, num_envs=1)
+    except Exception:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
+        return None
+    try:
+        return "action_mask" in envs.reset(seed=0)[1]
+    finally:
+        envs.close()
+
+
+def mask_input(trained, choice: str) -> tuple[bool, str | None]:
+    """Whether the graph gets an `action_mask` input for `--action-mask choice` (auto, yes or no), and
+    a note for the user when auto could not tell; ExportError for `yes` on a policy that takes no mask."""
+    if choice not in ("auto", "yes", "no"):
+        raise ExportError(f"--action-mask {choice!r}: use auto, yes or no")
+    if choice == "no" or (choice == "auto" and not trained.takes_masks):
+        return False, None
+    if not trained.takes_masks:
+        raise ExportError(f"--action-mask yes: {trained.cfg.algorithm} on {trained.spec.action} takes no action masks")
+    if choice == "yes":
+        return True, None
+    reports = env_reports_masks(trained)
+    if reports is None:
+        return False, (f"env {trained.cfg.env.id!r} cannot be made here, so whether it reports action masks "
+                       "is unknown: the graph has no action_mask input (--action-mask yes adds one)")
+    return reports, None
+
+
+def metadata(trained, masked: bool) -> dict[str, str]:
     """What a consumer needs besides the graph: where it came from and the spaces' layout."""
     spec = trained.spec
     return {"kuberl.algorithm": trained.cfg.algorithm, "kuberl.env_id": trained.cfg.env.id,
             "kuberl.policy_version": str(trained.version),
             "kuberl.observation": json.dumps({"shape": list(spec.obs_shape), "dtype": spec.obs_dtype.name}),
-            "kuberl.action_space": str(spec.action)}
+            "kuberl.action_space": str(spec.action),
+            "kuberl.inputs": json.dumps(input_names(masked))}
 
 
-def export_onnx(trained, path: Path) -> None:
+def export_onnx(trained, path: Path, masked: bool) -> None:
     import torch
 
     module = trained.greedy()
-    example = (torch.from_numpy(sample_observations(trained.spec, 2)),)
+    example = tuple(torch.from_numpy(x) for x in example_inputs(trained, 2, masked))
+    batch = torch.export.Dim("batch")
     with _quiet_exporter():
-        program = torch.onnx.export(module, example, None, input_names=["obs"], output_names=["action"],
-                                    dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},),
+        program = torch.onnx.export(module, example, None, input_names=input_names(masked),
+                                    output_names=["action"], dynamo=True,
+                                    dynamic_shapes=tuple({0: batch} for _ in example),
                                     opset_version=OPSET, verbose=False, optimize=True)
-        program.model.metadata_props.update(metadata(trained))
+        program.model.metadata_props.update(metadata(trained, masked))
         program.save(str(path))
 
 
-def export_torchscript(trained, path: Path) -> None:
+def export_torchscript(trained, path: Path, masked: bool) -> None:
     import torch
 
     module = trained.greedy()
-    example = torch.from_numpy(sample_observations(trained.spec, 2))
+    example = tuple(torch.from_numpy(x) for x in example_inputs(trained, 2, masked))
     with _quiet_exporter(), torch.no_grad():
         traced = torch.jit.trace(module, example, check_trace=False)
-        torch.jit.save(traced, str(path), _extra_files={"kuberl.json": json.dumps(metadata(trained))})
+        torch.jit.save(traced, str(path), _extra_files={"kuberl.json": json.dumps(metadata(trained, masked))})
 
 
-def check(trained, path: Path, fmt: str, n: int = CHECK_BATCH) -> float:
+def check(trained, path: Path, fmt: str, masked: bool = False, n: int = CHECK_BATCH) -> float:
     """Load the written file back and compare its actions with the torch policy's on `n` random
-    observations, then on one (batch sizes other than the export's example, so the batch dimension is
-    dynamic; one is what a program acting for one agent sends). Returns the largest absolute difference;
-    raises ExportError on a mismatch."""
+    observations (with random masks when `masked`), then on one (batch sizes other than the
+    export's example, so the batch dimension is dynamic; one is what a program acting for one agent
+    sends). Returns the largest absolute difference; raises ExportError on a mismatch."""
     import torch
 
+    names = input_names(masked)
     if fmt == "onnx":
         import onnxruntime
 
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        if (graph := [i.name for i in session.get_inputs()]) != names:
+            raise ExportError(f"{path}: has inputs {graph}, the policy takes {names}")
 
-        def run(obs: np.ndarray) -> np.ndarray:
-            return session.run(["action"], {"obs": obs})[0]
+        def run(*inputs: np.ndarray) -> np.ndarray:
+            return session.run(["action"], dict(zip(names, inputs)))[0]
     else:
         with _quiet_exporter():
             loaded = torch.jit.load(str(path))
 
-        def run(obs: np.ndarray) -> np.ndarray:
-            return loaded(torch.from_numpy(obs)).numpy()
+        def run(*inputs: np.ndarray) -> np.ndarray:
+            return loaded(*map(torch.from_numpy, inputs)).numpy()
     largest = 0.0
-    for obs in (batch := sample_observations(trained.spec, n, seed=1), batch[:1]):
+    full = example_inputs(trained, n, masked, seed=1)
+    for inputs in (full, tuple(x[:1] for x in full)):
         with torch.inference_mode():
-            want = trained.greedy()(torch.from_numpy(obs)).numpy()
-            got = run(obs)
+            want = trained.greedy()(*map(torch.from_numpy, inputs)).numpy()
+            got = run(*inputs)
         if got.shape != want.shape or got.dtype != want.dtype:
             raise ExportError(f"{path}: gives actions {got.dtype} {list(got.shape)}, the policy {want.dtype} "
                               f"{list(want.shape)}")
         if np.issubdtype(want.dtype, np.integer):
             if (bad := int((got != want).sum())):
-                raise ExportError(f"{path}: {bad} of {len(obs)} actions differ from the torch policy's")
+                raise ExportError(f"{path}: {bad} of {len(got)} actions differ from the torch policy's")
             continue
         diff = float(np.abs(got - want).max())
         if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
@@ -137,13 +207,16 @@ def check(trained, path: Path, fmt: str, n: int = CHECK_BATCH) -> float:
     return largest
 
 
-def export(trained, fmt: str, path: str | Path) -> Path:
-    """Write `trained`'s deterministic policy to `path` in `fmt` ("onnx" or "torchscript"). Blocking."""
+def export(trained, fmt: str, path: str | Path, masked: bool = False) -> Path:
+    """Write `trained`'s deterministic policy to `path` in `fmt` ("onnx" or "torchscript"), with an
+    `action_mask` input when `masked` (see `mask_input`). Blocking."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: not a format written here; use {' or '.join(FORMATS)}")
+    if masked and not trained.takes_masks:
+        raise ExportError(f"{trained.cfg.algorithm} on {trained.spec.action} takes no action masks")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    (export_onnx if fmt == "onnx" else export_torchscript)(trained, path)
+    (export_onnx if fmt == "onnx" else export_torchscript)(trained, path, masked)
     return path
 
 
@@ -155,6 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--format", default="onnx", help=f"{' or '.join(FORMATS)} (default onnx)")
     p.add_argument("-o", "--output", default=None,
                    help="the file to write (default: policy-v<version>.onnx or .pt in the current directory)")
+    p.add_argument("--action-mask", default="auto", metavar="auto|yes|no",
+                   help="give the graph an action_mask input: auto (default) when the run's env reports "
+                        "info['action_mask'] on reset")
     p.add_argument("--no-check", action="store_true", help="do not load the file back and compare its actions")
     args = p.parse_args(argv)
     if args.format not in FORMATS:
@@ -169,24 +245,25 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     try:
         trained = load_trained(args.path)
+        masked, note = mask_input(trained, args.action_mask)
+        if note:
+            print(f"kuberl export: note: {note}", file=sys.stderr)
         out = Path(args.output or f"policy-v{trained.version}{FORMATS[args.format]}")
-        export(trained, args.format, out)
+        export(trained, args.format, out, masked)
     except (TrainedPolicyError, ExportError) as err:
         print(f"kuberl export: {err}", file=sys.stderr)
         return 2
     spec = trained.spec
     print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format}): {trained.description}\n"
           f"  input  obs     {spec.obs_dtype.name} [batch, {', '.join(map(str, spec.obs_shape))}]\n"
+          + (f"  input  action_mask  bool [batch, {spec.action.mask_width}]  (True: allowed)\n"
+             if masked else "") +
           f"  output action  {spec.action.dtype.name} [batch{''.join(', ' + str(d) for d in spec.action.shape)}]"
           f"  ({spec.action})")
-    from services import algorithms
-    if spec.action.mask_width and algorithms.get(trained.cfg.algorithm).takes_action_masks:
-        print(f"  note: the graph has no action-mask input: it may choose actions your env would mask "
-              f"({spec.action} takes masks); apply the mask to its choice yourself", file=sys.stderr)
     if args.no_check:
         return 0
     try:
-        diff = check(trained, out, args.format)
+        diff = check(trained, out, args.format, masked)
     except ExportError as err:
         print(f"kuberl export: {err}", file=sys.stderr)
         return 1

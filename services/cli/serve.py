@@ -8,8 +8,11 @@ the same batched inference across sessions (inference.py) as an actor with `env.
 an actor does for training it does not do: its hub has no fragment sink, so no transitions are kept,
 no fragment is cut and nothing is pushed; it needs no buffer and no learner. Actions are the
 checkpoint's deterministic policy (`Acting.greedy`, what `kuberl eval` runs) unless `--stochastic`
-asks for the actors' sampling. `--follow-learner ADDR` subscribes to a learner's weights stream as
-actors do and swaps each new version in between two batches; without it the checkpoint's weights stay.
+asks for the actors' sampling (seeded by `--seed`, else a seed drawn per process and logged, so
+replicas do not sample alike). `--follow-learner ADDR` subscribes to a learner's weights stream as
+actors do and swaps each new version in between two batches; a version older than the newest served
+(a learner restored from an earlier checkpoint) is refused unless `--accept-older`. Without it the
+checkpoint's weights stay.
 
 The policy comes from the checkpoint (algorithm, spaces, network); `--config` contributes only what
 belongs to the serving process: its `tls` and `auth` sections (tokens, session caps) and its `actor`
@@ -68,29 +71,52 @@ def _misfit(got: dict[str, tuple], want: dict[str, tuple]) -> str:
 
 
 class FittingWeights:
-    """What `subscribe_weights` offers versions to: the policy, behind a check that each version fits
-    the checkpoint's network (tensor names and shapes). A learner of another network would otherwise
-    fail the load in the inference thread and end the process; here its version is refused, counted
-    (`actor/weights_invalid_total`) and logged, and serving goes on with the weights it has."""
+    """What `subscribe_weights` offers versions to: the policy, behind two checks.
 
-    def __init__(self, policy: Policy, learner: str, metrics: Metrics):
-        self.policy, self.learner, self.metrics = policy, learner, metrics
+    - Each version must fit the checkpoint's network (tensor names and shapes). A learner of another
+      network would otherwise fail the load in the inference thread and end the process; here its
+      version is refused, counted (`actor/weights_invalid_total`) and logged.
+    - Unless `accept_older`, a version older than the newest served is refused and counted
+      (`actor/weights_older_total`): a learner restored from an earlier checkpoint republishes older
+      weights (actors take them, to stay on-policy; a served policy would regress), until it trains
+      past what is served. The first refusal of a run of them is logged, and the version that ends it.
+
+    Serving goes on with the weights it has."""
+
+    def __init__(self, policy: Policy, learner: str, metrics: Metrics, accept_older: bool = False):
+        self.policy, self.learner, self.metrics, self.accept_older = policy, learner, metrics, accept_older
         self.shapes = {k: tuple(v.shape) for k, v in policy.net.state_dict().items()}
+        self.newest = policy.version   # the newest version accepted (the checkpoint's, at first)
+        self.refused_older = 0         # older versions refused since the last one accepted
 
     def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
         got = {k: tuple(np.shape(v)) for k, v in arrays.items()}
         if got != self.shapes:
             self.metrics.inc("actor/weights_invalid_total")
             log.error("refusing weights version %d from the learner at %s: %s; still serving version %s",
-                      version, self.learner, _misfit(got, self.shapes), self.policy.version)
+                      version, self.learner, _misfit(got, self.shapes), self.newest)
             return
+        if not self.accept_older and self.newest is not None and version < self.newest:
+            self.metrics.inc("actor/weights_older_total")
+            if not self.refused_older:
+                log.warning("refusing weights version %d from the learner at %s: older than version %d, served; "
+                            "refusing older versions until it publishes %d or later (--accept-older takes them)",
+                            version, self.learner, self.newest, self.newest)
+            self.refused_older += 1
+            return
+        if self.refused_older:
+            log.info("weights version %d from the learner at %s, after %d older versions refused",
+                     version, self.learner, self.refused_older)
+            self.refused_older = 0
         log.info("weights version %d from the learner at %s: swapped in at the next batch", version, self.learner)
+        self.newest = version
         self.policy.offer_weights(version, arrays)
 
 
 @asynccontextmanager
 async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
-                  metrics_listen: str | None = None, follow_learner: str | None = None, serve_id: str = "serve"):
+                  metrics_listen: str | None = None, follow_learner: str | None = None, accept_older: bool = False,
+                  serve_id: str = "serve"):
     """Serve `policy` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
     Leaving the context runs the shutdown sequence."""
     hub = SessionHub(cfg, policy.spec, serve_id, metrics, on_fragment=None)  # no sink: nothing recorded
@@ -108,7 +134,7 @@ async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, li
                      tg.create_task(tick_forever(metrics), name="stats")]
             if learner_ch is not None:
                 tasks.append(tg.create_task(subscribe_weights(
-                    learner_pb2_grpc.LearnerStub(learner_ch), serve_id, FittingWeights(policy, follow_learner, metrics),
+                    learner_pb2_grpc.LearnerStub(learner_ch), serve_id, FittingWeights(policy, follow_learner, metrics, accept_older),
                     metrics), name="weights"))
             await srv.set_serving(True)
             try:
@@ -139,9 +165,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a learner checkpoint (ckpt-*.pt) or a `kuberl up` run directory (its newest checkpoint)")
     p.add_argument("--stochastic", action="store_true",
                    help="act as the actors do (sample; DQN: epsilon-greedy) instead of deterministically")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampling seed of --stochastic (default: drawn per process and logged, so replicas "
+                        "sample independently)")
     p.add_argument("--follow-learner", default=None, metavar="ADDR",
                    help="subscribe to this learner's weights stream and serve each new version (default: the "
                         "checkpoint's weights stay)")
+    p.add_argument("--accept-older", action="store_true",
+                   help="with --follow-learner, serve a version older than the newest served too (default: refused "
+                        "and counted, so a learner restored from an earlier checkpoint does not roll serving back)")
     for action in p._actions:  # the policy's config is the checkpoint's; --config serves the process only
         if action.dest == "config":
             action.help = ("config YAML whose tls, auth and actor (session) sections apply (default: $KUBERL_CONFIG, "
@@ -156,10 +188,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, policy: Policy, m
 
     torch.set_num_threads(cfg.actor.torch_threads)
     async with serving(policy, cfg, metrics, listen=args.listen, metrics_listen=args.metrics_listen or None,
-                       follow_learner=args.follow_learner, serve_id=serve_id) as endpoints:
+                       follow_learner=args.follow_learner, accept_older=args.accept_older,
+                       serve_id=serve_id) as endpoints:
         write_ready_file(args.ready_file, endpoints)
         log.info("serving %s, %s actions, on %s (metrics on %s)%s", description,
-                 "stochastic" if policy.greedy is None else "deterministic", endpoints.grpc, endpoints.metrics,
+                 "deterministic" if policy.greedy is not None else f"stochastic (seed {args.seed})",
+                 endpoints.grpc, endpoints.metrics,
                  f", following the learner at {args.follow_learner}" if args.follow_learner else "")
         await stop.wait()
 
@@ -172,8 +206,10 @@ def main(argv=None) -> int:
 
     serve_id = f"serve-{socket.gethostname()}-{os.getpid()}"
     metrics = Metrics("actor", instance_id=serve_id)
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little") >> 1
     try:
-        trained = load_trained(args.checkpoint, greedy=not args.stochastic, metrics=metrics)
+        trained = load_trained(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
     except TrainedPolicyError as err:
         print(f"kuberl serve: {err}", file=sys.stderr)
         return 2

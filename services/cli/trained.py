@@ -46,6 +46,12 @@ class Trained:
         return self.policy.acting.greedy().eval()
 
     @property
+    def takes_masks(self) -> bool:
+        """Whether the policy can apply action masks (`Algorithm.uses_masks` of its action space); it
+        applies them where its env reports them."""
+        return algorithms.get(self.cfg.algorithm).uses_masks(self.spec.action)
+
+    @property
     def description(self) -> str:
         """e.g. `ckpt-000000000042.pt (ppo on CartPole-v1, policy version 42)`, for messages."""
         return f"{self.checkpoint.name} ({self.cfg.algorithm} on {self.cfg.env.id}, policy version {self.version})"

@@ -2,8 +2,9 @@
 and the Node.js example (examples/node-cartpole) get exactly the checkpoint's greedy actions (also
 MultiDiscrete actions under masks, and a Box); a hello whose spaces are not the checkpoint policy's is
 refused with INVALID_ARGUMENT; health, /metrics and GetStats report; `--follow-learner` swaps in a
-learner's new weights (and refuses weights of another network); tokens work as on an actor; SIGTERM
-exits 0; a bad checkpoint path is one line and exit code 2.
+learner's new weights (and refuses weights of another network, and older versions); `--stochastic`
+samples from a seed drawn per process and logged; tokens work as on an actor; SIGTERM exits 0; a bad
+checkpoint path is one line and exit code 2.
 
 The checkpoints are untrained networks (tests/policies.py), made in the test: their greedy actions
 still depend on the observation, which is all these tests need.
@@ -300,29 +301,45 @@ async def test_follow_learner_swaps_in_new_versions_and_sigterm_exits_0(tmp_path
         async def served_stats():
             return await asyncio.to_thread(stats, address, actor_pb2_grpc.ActorStub)
 
-        # Weights of another network: refused and counted; the checkpoint's stay.
-        hub.publish(encode_weights(5, to_numpy(other.policy.net)))
-        for _ in range(int(WAIT_S / 0.05)):
-            if (await served_stats()).get("actor/weights_invalid_total", 0) >= 1:
-                break
-            await asyncio.sleep(0.05)
-        actions = await asyncio.to_thread(client.step, obs, zero, done, done)
-        assert client.policy_version == 0
-        np.testing.assert_array_equal(actions, greedy_actions(greedy, obs))
-
-        # A new version of this network: swapped in between two batches.
-        hub.publish(encode_weights(7, to_numpy(newer.policy.net)))
-        for _ in range(int(WAIT_S / 0.05)):
+        async def refused(version: int, net: torch.nn.Module, counter: str, serving: int, acting) -> None:
+            """Publish `version`; once `counter` counts it, the session still gets version `serving`'s actions."""
+            want = (await served_stats()).get(counter, 0) + 1
+            hub.publish(encode_weights(version, to_numpy(net)))
+            for _ in range(int(WAIT_S / 0.05)):
+                if (await served_stats()).get(counter, 0) >= want:
+                    break
+                await asyncio.sleep(0.05)
             actions = await asyncio.to_thread(client.step, obs, zero, done, done)
-            if client.policy_version == 7:
-                break
-            await asyncio.sleep(0.05)
-        assert client.policy_version == 7
-        np.testing.assert_array_equal(actions, greedy_actions(newer.greedy(), obs))
+            assert client.policy_version == serving
+            np.testing.assert_array_equal(actions, greedy_actions(acting, obs))
+
+        async def swapped(version: int, trained) -> None:
+            """Publish `version`; it is swapped in between two batches and its greedy actions come back."""
+            hub.publish(encode_weights(version, to_numpy(trained.policy.net)))
+            for _ in range(int(WAIT_S / 0.05)):
+                actions = await asyncio.to_thread(client.step, obs, zero, done, done)
+                if client.policy_version == version:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.policy_version == version
+            np.testing.assert_array_equal(actions, greedy_actions(trained.greedy(), obs))
+
+        # Weights of another network: refused and counted; the checkpoint's stay.
+        await refused(5, other.policy.net, "actor/weights_invalid_total", 0, greedy)
+        # A new version of this network: swapped in between two batches.
+        await swapped(7, newer)
         assert not np.array_equal(greedy_actions(newer.greedy(), obs), greedy_actions(greedy, obs)), \
             "the two policies should differ on these observations"
         a = await served_stats()
         assert a["actor/policy_version"] == 7 and a["actor/weights_invalid_total"] == 1, a
+        # An older version (a learner restored from an earlier checkpoint): refused and counted, version
+        # 7 stays; the next newer version is taken again.
+        original = load_trained(checkpoint)
+        await refused(6, original.policy.net, "actor/weights_older_total", 7, newer.greedy())
+        await swapped(8, original)
+        a = await served_stats()
+        assert a["actor/weights_older_total"] == 1 and a["actor/weights_invalid_total"] == 1, a
+        assert "refusing weights version 6" in proc.output() and "after 1 older versions refused" in proc.output()
 
         # SIGTERM with a session open: the session ends, the process exits 0.
         assert await asyncio.to_thread(proc.terminate) == 0, proc.output()
@@ -335,6 +352,31 @@ async def test_follow_learner_swaps_in_new_versions_and_sigterm_exits_0(tmp_path
         proc.kill()
         hub.close()
         await srv.server.stop(None)
+
+
+def test_stochastic_serving_samples_from_a_seed_of_its_own(tmp_path, checkpoint, greedy):
+    """Without --seed the process draws one and logs it (replicas must not all sample alike); the
+    actions are the sampling policy's under that seed."""
+    import re
+
+    proc = start_serve(tmp_path, checkpoint, "--stochastic")
+    try:
+        address = proc.wait_ready(WAIT_S)
+        seed = int(re.search(r"stochastic \(seed (\d+)\)", proc.output()).group(1))
+        n = 64
+        obs = np.random.default_rng(3).normal(size=(n, 4)).astype(np.float32)
+        with EnvSessionClient(address, session_id="sampled", obs_shape=(4,), num_actions=2, num_envs=n,
+                              timeout_s=WAIT_S) as client:
+            first = client.reset(obs)
+            second = client.step(obs, np.zeros(n, np.float32), np.zeros(n, bool), np.zeros(n, bool))
+    finally:
+        proc.kill()
+    local = load_trained(checkpoint, seed=seed).policy
+    np.testing.assert_array_equal(first, local.act(obs)[0])
+    np.testing.assert_array_equal(second, local.act(obs)[0])
+    assert not np.array_equal(first, second) and not np.array_equal(first, greedy_actions(greedy, obs)), \
+        "sampled actions should vary"
+    assert seed != 0
 
 
 def test_a_bad_checkpoint_path_is_one_line_and_exit_code_2(tmp_path):

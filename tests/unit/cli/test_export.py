@@ -1,9 +1,11 @@
 """`kuberl export`: the written ONNX file, loaded with onnxruntime, gives the torch policy's actions
-(Discrete and Box, observation normalisation folded in); TorchScript likewise with torch.jit.load; and
-refusals are one line with exit code 2."""
+(Discrete and Box, observation normalisation folded in; a masked MultiDiscrete policy with its
+`action_mask` input); TorchScript likewise with torch.jit.load; and refusals are one line with exit
+code 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -20,6 +22,7 @@ CARTPOLE_DQN = {"algorithm": "dqn", "env": {"id": "CartPole-v1"}, "dqn": {"hidde
 PENDULUM_PPO = {"algorithm": "ppo", "env": {"id": "Pendulum-v1"},
                 "ppo": {"hidden_sizes": [16], "normalize_observations": True}}
 PENDULUM_SAC = {"algorithm": "sac", "env": {"id": "Pendulum-v1"}, "sac": {"hidden_sizes": [16]}}
+MASKED = {"algorithm": "ppo", "env": {"id": "kuberl_envs:MaskedChoice-v0"}, "ppo": {"hidden_sizes": [16]}}
 
 
 def _moved_statistics(algo):
@@ -65,6 +68,73 @@ def test_onnx_gives_the_torch_policys_actions(tmp_path, cfg, edit):
     assert export.check(trained, path, "onnx") < 1e-4
 
 
+def test_sample_masks_allow_a_value_of_every_choice():
+    from services.common.spaces import Discrete, MultiDiscrete, check_mask
+
+    for space in (Discrete(5), MultiDiscrete((4, 3, 1))):
+        mask = export.sample_masks(space, 200, seed=2)
+        check_mask(space, mask, (200,))   # raises if some row allows no value of a choice
+        assert 0.4 < mask[:, :4].mean() < 0.8 and not mask[:, :4].all()
+
+
+def test_a_masked_policy_takes_its_masks_as_a_second_input(tmp_path, capsys):
+    """MaskedChoice (MultiDiscrete [4, 3], masks in info): the ONNX graph's `action_mask` input is
+    applied as the torch policy applies it, and a program stepping the env with the file alone never
+    takes a disallowed action (each would end the episode with -5)."""
+    import gymnasium as gym
+
+    import kuberl_envs  # noqa: F401  (registers MaskedChoice-v0)
+
+    untrained(tmp_path / "run", MASKED)
+    out = tmp_path / "masked.onnx"
+    assert export.main([str(tmp_path / "run"), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "input  action_mask  bool [batch, 7]  (True: allowed)" in captured.out and "checked: onnxruntime" in captured.out
+    assert captured.err == ""
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["obs", "action_mask"]
+    trained = load_trained(tmp_path / "run")
+    obs = export.sample_observations(trained.spec, 300, seed=5)
+    mask = export.sample_masks(trained.spec.action, 300, seed=6)
+    got = session.run(["action"], {"obs": obs, "action_mask": mask})[0]
+    with torch.inference_mode():
+        want = trained.greedy()(torch.from_numpy(obs), torch.from_numpy(mask)).numpy()
+        unmasked = trained.greedy()(torch.from_numpy(obs)).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert got.shape == (300, 2) and (got != unmasked).any(), "the masks should change some choices"
+    rows = np.arange(300)
+    assert mask[rows, got[:, 0]].all() and mask[rows, 4 + got[:, 1]].all()
+    env = gym.make("kuberl_envs:MaskedChoice-v0")
+    o, info = env.reset(seed=11)
+    total, done = 0.0, False
+    while not done:
+        action = session.run(["action"], {"obs": o[None], "action_mask": info["action_mask"][None]})[0][0]
+        o, r, terminated, truncated, info = env.step(action)
+        total, done = total + r, terminated or truncated
+    assert total >= 0.0, f"a disallowed action was taken (return {total})"
+    env.close()
+    ts = tmp_path / "masked.pt"
+    assert export.main([str(tmp_path / "run"), "--format", "torchscript", "-o", str(ts)]) == 0
+    assert "checked: torch.jit.load" in capsys.readouterr().out
+    assert export.main([str(tmp_path / "run"), "--action-mask", "no", "-o", str(tmp_path / "plain.onnx")]) == 0
+    assert "action_mask" not in capsys.readouterr().out
+    assert [i.name for i in onnxruntime.InferenceSession(
+        str(tmp_path / "plain.onnx"), providers=["CPUExecutionProvider"]).get_inputs()] == ["obs"]
+
+
+def test_action_mask_auto_follows_the_env_and_yes_adds_the_input(tmp_path, capsys):
+    """CartPole reports no masks, so auto gives one input; `yes` adds action_mask to a PPO policy."""
+    untrained(tmp_path / "run", CARTPOLE_PPO)
+    trained = load_trained(tmp_path / "run")
+    assert export.mask_input(trained, "auto") == (False, None)
+    assert export.main([str(tmp_path / "run"), "--action-mask", "yes", "-o", str(tmp_path / "p.onnx")]) == 0
+    assert "input  action_mask  bool [batch, 2]" in capsys.readouterr().out
+    external = dataclasses.replace(trained, cfg=dataclasses.replace(
+        trained.cfg, env=dataclasses.replace(trained.cfg.env, mode="external")))
+    masked, note = export.mask_input(external, "auto")
+    assert not masked and "cannot be made here" in note and "--action-mask yes" in note
+
+
 def test_torchscript_round_trip_and_cli(tmp_path, capsys):
     untrained(tmp_path / "run", PENDULUM_PPO, _moved_statistics)
     out = tmp_path / "policy.pt"
@@ -93,10 +163,12 @@ def test_cli_onnx_default_name_and_metadata(tmp_path, capsys, monkeypatch):
 
     props = {p.key: p.value for p in onnx.load(str(tmp_path / "policy-v0.onnx")).metadata_props}
     assert props["kuberl.env_id"] == "CartPole-v1" and props["kuberl.policy_version"] == "0"
+    assert json.loads(props["kuberl.inputs"]) == ["obs"]
 
 
 def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
     ckpt = untrained(tmp_path / "run", CARTPOLE_PPO)
+    dqn = untrained(tmp_path / "dqn", CARTPOLE_DQN)
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
     empty = tmp_path / "empty"
@@ -104,7 +176,9 @@ def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
     cases = [([str(ckpt), "--format", "tflite"], "--format 'tflite': not a format written here; use onnx or torchscript"),
              ([str(tmp_path / "missing")], "no such run directory or checkpoint file"),
              ([str(empty)], "not a run directory with checkpoints"),
-             ([str(junk)], "junk.pt: not a kuberl learner checkpoint (")]
+             ([str(junk)], "junk.pt: not a kuberl learner checkpoint ("),
+             ([str(ckpt), "--action-mask", "maybe"], "--action-mask 'maybe': use auto, yes or no"),
+             ([str(dqn), "--action-mask", "yes"], "--action-mask yes: dqn on Discrete(2) takes no action masks")]
     for argv, message in cases:
         assert export.main(argv) == 2, argv
         err = capsys.readouterr().err
