@@ -6,6 +6,7 @@ for waiting, and the API server's service proxy for /metrics (as `kubectl proxy`
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -239,3 +240,50 @@ def pods(node: Node, namespace: str, component: str) -> list:
     with node.cluster.admin() as api:
         return client.CoreV1Api(api).list_namespaced_pod(
             namespace, label_selector=f"app.kubernetes.io/component={component}").items
+
+
+class Simulator:
+    """An outside simulator for the external-mode tests: 8 CartPole-v1 copies stepped by
+    kuberl_client.gym.serve_gym_env against `address`, in a thread, as a game server or robot would;
+    `client_kw` are serve_gym_env's TLS and token options. Used as a context manager, it is asked to
+    stop and joined on the way out; `finish()` does that too and checks that it ended on request, without
+    an error, having stepped episodes; it returns serve_gym_env's result."""
+
+    def __init__(self, address: str, session_id: str, **client_kw):
+        import gymnasium as gym
+
+        self.address, self.session_id, self.client_kw = address, session_id, client_kw
+        self.envs = gym.make_vec("CartPole-v1", num_envs=8, vectorization_mode="sync",
+                                 vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+        self.stop = threading.Event()
+        self.result: dict = {}
+        self.thread = threading.Thread(target=self._run, name=f"e2e-simulator-{session_id}", daemon=True)
+        self.started = 0.0
+
+    def _run(self) -> None:
+        from kuberl_client.gym import serve_gym_env
+
+        try:
+            self.result.update(serve_gym_env(self.envs, self.address, session_id=self.session_id, stop=self.stop,
+                                             seed=0, **self.client_kw))
+        except Exception as e:   # reported by finish()
+            self.result["error"] = repr(e)
+
+    def __enter__(self) -> Simulator:
+        self.started = time.monotonic()
+        self.thread.start()
+        return self
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the simulator did not stop within 60 s of being asked"
+        assert "error" not in self.result, self.result["error"]
+        assert self.result["episodes"] > 0 and self.result["env_steps"] > 0, self.result
+        return self.result
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        if not self.thread.is_alive():
+            self.envs.close()

@@ -8,11 +8,10 @@ rises while the simulator's episodes come back with the actor's actions.
 
 from __future__ import annotations
 
-import threading
 import time
 
-from tests.e2e.kube import (VERSION_METRIC, fit_node, fresh_namespace, kubectl, metrics, render_overlay, wait_metric,
-                            wait_ready, with_config)
+from tests.e2e.kube import (VERSION_METRIC, Simulator, fit_node, fresh_namespace, kubectl, metrics, render_overlay,
+                            wait_metric, wait_ready, with_config)
 from tests.e2e.node import NODE_IP
 
 NAMESPACE = "kuberl"
@@ -34,42 +33,21 @@ def external(config: dict) -> None:
 
 
 def test_simulator_outside_the_cluster_trains_through_a_nodeport(e2e_node, e2e_images, e2e_report):
-    import gymnasium as gym
     from kubernetes import client
 
-    from kuberl_client.gym import serve_gym_env
-    stop = threading.Event()
-    result: dict = {}
     with fresh_namespace(e2e_node, NAMESPACE):
-        try:
-            kubectl(e2e_node, "apply", "-f", "-", input=with_config(render_overlay(e2e_node, "k8s/overlays/dev"), external))
-            kubectl(e2e_node, "apply", "-f", "-", input=SIM_SERVICE)
-            wait_ready(e2e_node, NAMESPACE, timeout_s=400)
-            with e2e_node.cluster.admin() as api:
-                node_port = client.CoreV1Api(api).read_namespaced_service("kuberl-actor-sim", NAMESPACE).spec.ports[0].node_port
-            address = f"{NODE_IP}:{node_port}"
-            first = metrics(e2e_node, NAMESPACE, "kuberl-learner").get(VERSION_METRIC, 0.0)
+        kubectl(e2e_node, "apply", "-f", "-", input=with_config(render_overlay(e2e_node, "k8s/overlays/dev"), external))
+        kubectl(e2e_node, "apply", "-f", "-", input=SIM_SERVICE)
+        wait_ready(e2e_node, NAMESPACE, timeout_s=400)
+        with e2e_node.cluster.admin() as api:
+            node_port = client.CoreV1Api(api).read_namespaced_service("kuberl-actor-sim", NAMESPACE).spec.ports[0].node_port
+        address = f"{NODE_IP}:{node_port}"
+        first = metrics(e2e_node, NAMESPACE, "kuberl-learner").get(VERSION_METRIC, 0.0)
 
-            envs = gym.make_vec("CartPole-v1", num_envs=8, vectorization_mode="sync",
-                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-
-            def simulate():
-                try:
-                    result.update(serve_gym_env(envs, address, session_id="e2e-sim-0", stop=stop, seed=0))
-                except Exception as e:   # reported by the assertion below
-                    result["error"] = repr(e)
-            sim = threading.Thread(target=simulate, name="e2e-simulator", daemon=True)
-            started = time.monotonic()
-            sim.start()
+        with Simulator(address, "e2e-sim-0") as sim:
             version, _ = wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=first + 2)
-            stop.set()
-            sim.join(60)
-            assert not sim.is_alive(), "the simulator did not stop within 60 s of being asked"
-            assert "error" not in result, result["error"]
-            assert result["episodes"] > 0 and result["env_steps"] > 0, result
-            e2e_report["external_simulator"] = {
-                "address": "NODE_IP:nodePort", "seconds_to_policy_version": round(time.monotonic() - started, 1),
-                "policy_version": version, "env_steps": result["env_steps"], "episodes": result["episodes"]}
-            envs.close()
-        finally:
-            stop.set()
+            seconds = round(time.monotonic() - sim.started, 1)
+            result = sim.finish()
+        e2e_report["external_simulator"] = {
+            "address": "NODE_IP:nodePort", "seconds_to_policy_version": seconds,
+            "policy_version": version, "env_steps": result["env_steps"], "episodes": result["episodes"]}

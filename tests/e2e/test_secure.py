@@ -12,7 +12,6 @@ scope are refused with the right status.
 from __future__ import annotations
 
 import base64
-import threading
 import time
 
 import grpc
@@ -23,8 +22,8 @@ from services.common.auth import bearer_metadata
 from services.common.config import TlsConfig
 from services.common.tls import open_channel
 from tests.certs import Pki
-from tests.e2e.kube import (VERSION_METRIC, fit_node, fresh_namespace, kubectl, metrics, render_overlay, wait_metric,
-                            wait_ready, with_config)
+from tests.e2e.kube import (VERSION_METRIC, Simulator, fit_node, fresh_namespace, kubectl, metrics, render_overlay,
+                            wait_metric, wait_ready, with_config)
 from tests.e2e.node import NODE_IP
 from tests.e2e.test_external import SIM_SERVICE
 
@@ -69,10 +68,8 @@ def stats_code(address: str, tls: TlsConfig | None, token: str | None) -> grpc.S
 
 
 def test_secure_overlay_trains_with_mutual_tls_and_tokens(e2e_node, e2e_images, e2e_report, tmp_path):
-    import gymnasium as gym
     from kubernetes import client
 
-    from kuberl_client.gym import serve_gym_env
     pki = Pki(tmp_path / "pki")
     docs = [d for d in yaml.safe_load_all(with_config(render_overlay(e2e_node, "k8s/overlays/secure"), secure)) if d]
     namespaces = [d for d in docs if d["kind"] == "Namespace"]
@@ -81,59 +78,37 @@ def test_secure_overlay_trains_with_mutual_tls_and_tokens(e2e_node, e2e_images, 
     simulator = pki.issue("e2e-simulator", sans=("e2e-simulator",))
     tls = TlsConfig(enabled=True, cert_file=str(simulator.cert), key_file=str(simulator.key), ca_file=str(pki.ca),
                     server_name="kuberl-actor")
-    stop = threading.Event()
-    result: dict = {}
     start = time.monotonic()
     with fresh_namespace(e2e_node, NAMESPACE):
-        try:
-            kubectl(e2e_node, "apply", "-f", "-", input=manifest)
-            kubectl(e2e_node, "apply", "-f", "-", input=SIM_SERVICE)
-            ready_s = wait_ready(e2e_node, NAMESPACE, timeout_s=400)   # HTTP probes, under mutual TLS
-            with e2e_node.cluster.admin() as api:
-                node_port = client.CoreV1Api(api).read_namespaced_service("kuberl-actor-sim", NAMESPACE).spec.ports[0].node_port
-            address = f"{NODE_IP}:{node_port}"
-            # Refusals, each with its status, while the run goes on for good clients.
-            no_cert = TlsConfig(enabled=True, ca_file=str(pki.ca), server_name="kuberl-actor")
-            refusals = {
-                "plaintext": stats_code(address, None, "e2e-planner-token"),
-                "no client certificate": stats_code(address, no_cert, "e2e-planner-token"),
-                "no token": stats_code(address, tls, None),
-                "a token without the read scope": stats_code(address, tls, "e2e-simulator-token"),
-                "the read token": stats_code(address, tls, "e2e-planner-token"),
-            }
-            assert refusals == {"plaintext": grpc.StatusCode.UNAVAILABLE,
-                                "no client certificate": grpc.StatusCode.UNAVAILABLE,
-                                "no token": grpc.StatusCode.UNAUTHENTICATED,
-                                "a token without the read scope": grpc.StatusCode.PERMISSION_DENIED,
-                                "the read token": grpc.StatusCode.OK}, refusals
-            first = metrics(e2e_node, NAMESPACE, "kuberl-learner").get(VERSION_METRIC, 0.0)
-            envs = gym.make_vec("CartPole-v1", num_envs=8, vectorization_mode="sync",
-                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-
-            def simulate():
-                try:
-                    result.update(serve_gym_env(envs, address, session_id="e2e-secure-sim", stop=stop, seed=0,
-                                                ca_file=str(pki.ca), cert_file=str(simulator.cert),
-                                                key_file=str(simulator.key), server_name="kuberl-actor",
-                                                token="e2e-simulator-token"))
-                except Exception as e:   # reported by the assertion below
-                    result["error"] = repr(e)
-
-            sim = threading.Thread(target=simulate, name="e2e-secure-simulator", daemon=True)
-            sim.start()
+        kubectl(e2e_node, "apply", "-f", "-", input=manifest)
+        kubectl(e2e_node, "apply", "-f", "-", input=SIM_SERVICE)
+        ready_s = wait_ready(e2e_node, NAMESPACE, timeout_s=400)   # HTTP probes, under mutual TLS
+        with e2e_node.cluster.admin() as api:
+            node_port = client.CoreV1Api(api).read_namespaced_service("kuberl-actor-sim", NAMESPACE).spec.ports[0].node_port
+        address = f"{NODE_IP}:{node_port}"
+        # Refusals, each with its status, while the run goes on for good clients.
+        no_cert = TlsConfig(enabled=True, ca_file=str(pki.ca), server_name="kuberl-actor")
+        refusals = {
+            "plaintext": stats_code(address, None, "e2e-planner-token"),
+            "no client certificate": stats_code(address, no_cert, "e2e-planner-token"),
+            "no token": stats_code(address, tls, None),
+            "a token without the read scope": stats_code(address, tls, "e2e-simulator-token"),
+            "the read token": stats_code(address, tls, "e2e-planner-token"),
+        }
+        assert refusals == {"plaintext": grpc.StatusCode.UNAVAILABLE,
+                            "no client certificate": grpc.StatusCode.UNAVAILABLE,
+                            "no token": grpc.StatusCode.UNAUTHENTICATED,
+                            "a token without the read scope": grpc.StatusCode.PERMISSION_DENIED,
+                            "the read token": grpc.StatusCode.OK}, refusals
+        first = metrics(e2e_node, NAMESPACE, "kuberl-learner").get(VERSION_METRIC, 0.0)
+        with Simulator(address, "e2e-secure-sim", ca_file=str(pki.ca), cert_file=str(simulator.cert),
+                       key_file=str(simulator.key), server_name="kuberl-actor", token="e2e-simulator-token") as sim:
             version, _ = wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=first + 2)
             # The planner read the actors' and learners' stats (protect_reads: with its own token, over mTLS).
             ratio, _ = wait_metric(e2e_node, NAMESPACE, "kuberl-planner", "kuberl_planner_production_consumption_ratio",
                                    above=0.0, timeout_s=120)
-            stop.set()
-            sim.join(60)
-            assert not sim.is_alive(), "the simulator did not stop within 60 s of being asked"
-            assert "error" not in result, result["error"]
-            assert result["episodes"] > 0 and result["env_steps"] > 0, result
-            e2e_report["secure_overlay"] = {
-                "apply_to_ready_s": round(ready_s, 1), "apply_to_policy_version_s": round(time.monotonic() - start, 1),
-                "policy_version": version, "planner_ratio": round(ratio, 3), "env_steps": result["env_steps"],
-                "refusals": {k: v.name for k, v in refusals.items()}}
-            envs.close()
-        finally:
-            stop.set()
+            result = sim.finish()
+        e2e_report["secure_overlay"] = {
+            "apply_to_ready_s": round(ready_s, 1), "apply_to_policy_version_s": round(time.monotonic() - start, 1),
+            "policy_version": version, "planner_ratio": round(ratio, 3), "env_steps": result["env_steps"],
+            "refusals": {k: v.name for k, v in refusals.items()}}
