@@ -10,8 +10,10 @@ The settings are the config's `auth` section (services/common/config.AuthConfig)
   scope `envsession`, the planner's write RPCs `planner:write`, and with `auth.protect_reads` the
   read-only ones (GetStats, the planner's status, decisions and preview) `read`. Health, reflection and
   the roles' internal RPCs (PushTrajectories, StreamBatches, ReportProgress, SubscribeWeights) are never
-  asked for a token: probes need health, and mTLS guards the internal ones. It also caps EnvSession
-  sessions per token (per peer host without tokens): `auth.max_sessions_per_token` open at once and
+  asked for a token: probes need health, and mTLS guards the internal ones. With `tls.role_names` it
+  also authorises those per role: each is served only to a client whose certificate names the role
+  that calls it (`ROLE_RPCS`), PERMISSION_DENIED otherwise. It also caps EnvSession sessions per token
+  (per peer host without tokens): `auth.max_sessions_per_token` open at once and
   `auth.new_sessions_per_minute` (a token bucket).
 - `bearer_metadata` / `read_client_token`: what clients send.
 """
@@ -45,6 +47,9 @@ PLANNER_WRITES = frozenset(f"/kuberl.v1.Planner/{m}" for m in ("Apply", "SetRepl
                                                               "Resume"))
 PLANNER_READS = frozenset(f"/kuberl.v1.Planner/{m}" for m in ("Preview", "WatchDecisions", "GetStatus"))
 STATS = frozenset(f"/kuberl.v1.{s}/GetStats" for s in ("Actor", "Buffer", "Learner", "Planner"))
+# The roles' internal RPCs and the one role that calls each: what tls.role_names authorises.
+ROLE_RPCS = {"/kuberl.v1.Buffer/PushTrajectories": "actor", "/kuberl.v1.Buffer/StreamBatches": "learner",
+             "/kuberl.v1.Buffer/ReportProgress": "learner", "/kuberl.v1.Learner/SubscribeWeights": "actor"}
 
 
 class AuthError(ValueError):
@@ -220,23 +225,36 @@ def _bearer(context) -> str | None:
     return None
 
 
+def peer_names(context) -> list[str]:
+    """The names the client's verified certificate carries: the subjectAltName entries, then the CN
+    (empty without a client certificate)."""
+    props = context.auth_context() or {}
+    names = [*props.get("x509_subject_alternative_name", ()), *props.get("x509_common_name", ())]
+    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in names]
+
+
 def _peer_host(context) -> str:
     peer = context.peer() or "unknown"
     return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Asks for tokens and scopes (when tokens are configured) and caps EnvSession sessions."""
+    """Asks for tokens and scopes (when tokens are configured), for the calling role's certificate on
+    the internal RPCs (with `role_names`, tls.role_names), and caps EnvSession sessions."""
 
-    def __init__(self, auth: AuthConfig, role: str, metrics: Metrics | None = None):
-        self.store = TokenStore(auth.token_files) if auth.token_files else None
-        self.protect_reads = auth.protect_reads
+    def __init__(self, auth: AuthConfig | None, role: str, metrics: Metrics | None = None,
+                 role_names: dict[str, tuple[str, ...]] | None = None):
+        self.store = TokenStore(auth.token_files) if auth is not None and auth.token_files else None
+        self.protect_reads = auth is not None and auth.protect_reads
         self.role, self.metrics = role, metrics
+        self.role_names = {r: frozenset(names) for r, names in (role_names or {}).items()}
         self.caps = _Caps(auth.max_sessions_per_token, auth.new_sessions_per_minute, metrics) \
-            if auth.max_sessions_per_token or auth.new_sessions_per_minute else None
+            if auth is not None and (auth.max_sessions_per_token or auth.new_sessions_per_minute) else None
         if metrics is not None and self.store is not None:
             for name in ("auth_refused_total", "auth_denied_total"):
                 metrics.inc(f"{role}/{name}", 0)
+        if metrics is not None and self.role_names:
+            metrics.inc(f"{role}/auth_wrong_role_total", 0)
         if metrics is not None and self.caps is not None and role == "actor":
             for name in ("sessions_refused_cap_total", "sessions_refused_rate_total"):
                 metrics.inc(f"actor/{name}", 0)
@@ -246,12 +264,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         scope = scope_of(method, self.protect_reads) if self.store is not None else None
         capped = self.caps is not None and method == ENV_SESSION
-        if handler is None or (scope is None and not capped):
+        caller = ROLE_RPCS.get(method) if self.role_names else None
+        if handler is None or (scope is None and not capped and caller is None):
             return handler
-        return _guarded(handler, method, lambda context: self._admit(context, method, scope, capped), self._release)
+        return _guarded(handler, method, lambda context: self._admit(context, method, scope, capped, caller),
+                        self._release)
 
-    def _admit(self, context, method: str, scope: str | None, capped: bool) -> str | None:
+    def _admit(self, context, method: str, scope: str | None, capped: bool, caller: str | None = None) -> str | None:
         key = None
+        if caller is not None:
+            names = peer_names(context)
+            if not self.role_names[caller].intersection(names):
+                self._count("auth_wrong_role_total")
+                raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                               f"{method} is served to {caller}s only: the client certificate names "
+                               f"{', '.join(names[:4]) or 'nothing'}, none of tls.role_names.{caller} "
+                               f"({', '.join(sorted(self.role_names[caller]))})")
         if scope is not None:
             token = _bearer(context)
             scopes = self.store.scopes(token) if token else None

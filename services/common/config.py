@@ -599,10 +599,39 @@ class TlsConfig:
     client_auth: str = "require"  # "require": servers accept only clients with a certificate from ca_file (mTLS);
     #                               "none": server-side TLS only (e.g. an actor whose simulators have no certificate)
     server_name: str = ""      # the name checked in servers' certificates ("" = the host dialled)
+    # Authorisation per role of the roles' internal RPCs: the certificate names (DNS names of its
+    # subjectAltName, or its CN) that prove a client is an actor or a learner. Set, the buffer serves
+    # PushTrajectories only to actors and StreamBatches/ReportProgress only to learners, and a learner
+    # SubscribeWeights only to actors (services/common/auth.ROLE_RPCS); empty: any certificate from ca_file.
+    role_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         _require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,
                  "must be 'require' (servers verify client certificates: mutual TLS) or 'none'")
+        if self.role_names:
+            _require(set(self.role_names) == set(PEER_ROLES), "role_names", dict(self.role_names),
+                     f"must name the certificates of exactly these roles, the callers of the internal RPCs: "
+                     f"{', '.join(PEER_ROLES)}")
+            for role, names in self.role_names.items():
+                _require(bool(names) and all(isinstance(n, str) and n.strip() for n in names),
+                         f"role_names.{role}", names, "must be a list of certificate names (DNS names or CN)")
+
+
+PEER_ROLES = ("actor", "learner")  # the roles whose certificates tls.role_names names
+
+
+def parse_role_names(text: str, setting: str = "--tls-role-names") -> dict[str, tuple[str, ...]]:
+    """`actor=kuberl-actor,learner=kuberl-learner` (several names of a role joined by `|`) as a
+    `tls.role_names` mapping; ConfigError naming `setting` when malformed."""
+    out: dict[str, tuple[str, ...]] = {}
+    for part in (p.strip() for p in text.split(",")):
+        role, eq, names = part.partition("=")
+        role = role.strip()
+        if not part or not eq or role in out:
+            raise ConfigError(setting, f"{text!r} is invalid: write ROLE=NAME[|NAME...] for each of "
+                                       f"{', '.join(PEER_ROLES)}, separated by commas")
+        out[role] = tuple(n.strip() for n in names.split("|") if n.strip())
+    return out
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from services.common.auth import AuthInterceptor
-from services.common.tls import open_channel, server_credentials
+from services.common.auth import ROLE_RPCS, AuthInterceptor
+from services.common.tls import TlsError, open_channel, server_credentials
 
 if TYPE_CHECKING:
     from services.common.config import AuthConfig, TlsConfig
@@ -286,6 +286,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def role_names_served(tls: TlsConfig | None, service_names: list[str]) -> dict[str, tuple[str, ...]]:
+    """`tls.role_names` where these services have internal RPCs to authorise (the buffer's, the
+    learner's), else {}. Authorising by certificate needs verified client certificates: TlsError
+    otherwise."""
+    if tls is None or not tls.role_names:
+        return {}
+    if not any(method.split("/")[1] in service_names for method in ROLE_RPCS):
+        return {}
+    if not tls.enabled or tls.client_auth != "require":
+        raise TlsError(f"tls.role_names is set, so {', '.join(service_names)} authorises its callers by their "
+                       f"certificates, but {'tls.enabled is false' if not tls.enabled else 'tls.client_auth is none'}:"
+                       f" it needs tls.enabled and client_auth: require")
+    return dict(tls.role_names)
+
+
 async def start_server(listen: str, register, service_names: list[str], *,
                        max_message_bytes: int, max_connection_age_s: float | None = 300.0,
                        tls: TlsConfig | None = None, auth: AuthConfig | None = None,
@@ -305,6 +320,9 @@ async def start_server(listen: str, register, service_names: list[str], *,
     certificate files are read again when they change. Off on an address other hosts can reach: one
     warning says so.
 
+    With `tls.role_names`, the internal RPCs among `service_names` are served only to clients whose
+    certificate names the role that calls them (services/common/auth.ROLE_RPCS).
+
     `auth` (the config's auth section): bearer tokens and EnvSession caps (services/common/auth.py);
     `metrics` counts refusals. No token files on an address other hosts can reach, for a service with
     RPCs that would need one: one warning says so.
@@ -313,7 +331,9 @@ async def start_server(listen: str, register, service_names: list[str], *,
     secure = tls is not None and tls.enabled
     credentials = server_credentials(tls) if secure else None  # TlsError before anything is bound
     role = service_names[0].rsplit(".", 1)[-1].lower() if service_names else "grpc"
-    interceptors = [AuthInterceptor(auth, role, metrics)] if auth is not None else []  # AuthError before binding
+    role_names = role_names_served(tls, service_names)  # TlsError before anything is bound
+    interceptors = [AuthInterceptor(auth, role, metrics, role_names)] if auth is not None or role_names else []
+    # (AuthError before binding)
     server = grpc.aio.server(interceptors=interceptors,
                              options=server_options(max_message_bytes, max_connection_age_s))
     register(server)

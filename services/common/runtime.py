@@ -65,23 +65,36 @@ def add_tls_arguments(p: argparse.ArgumentParser, server: bool = True) -> None:
                        default=os.environ.get("KUBERL_TLS_CLIENT_AUTH") or None,
                        help="require and verify client certificates (mutual TLS), or not (default "
                             "$KUBERL_TLS_CLIENT_AUTH, else tls.client_auth)")
+        g.add_argument("--tls-role-names", default=os.environ.get("KUBERL_TLS_ROLE_NAMES") or None,
+                       metavar="actor=NAME,learner=NAME",
+                       help="authorise the internal RPCs per role: the certificate names of actors and learners, "
+                            "several joined by | (default $KUBERL_TLS_ROLE_NAMES, else tls.role_names)")
     g.add_argument("--tls-server-name", default=os.environ.get("KUBERL_TLS_SERVER_NAME") or None, metavar="NAME",
                    help="the name checked in servers' certificates instead of the host dialled "
                         "(default $KUBERL_TLS_SERVER_NAME, else tls.server_name)")
 
 
 TLS_FLAGS = {"tls_cert": "cert_file", "tls_key": "key_file", "tls_ca": "ca_file", "tls_client_auth": "client_auth",
-             "tls_server_name": "server_name"}
+             "tls_server_name": "server_name", "tls_role_names": "role_names"}
 
 
 def with_tls_flags(cfg, args: argparse.Namespace):
     """`cfg` (an ExperimentConfig) with the --tls-* flags of `args` over its `tls` section. A certificate,
-    key or CA given by flag or environment turns TLS on."""
+    key or CA given by flag or environment turns TLS on. ConfigError naming the flag when one is malformed."""
+    from services.common.config import ConfigError, parse_role_names
+
     given = {key: getattr(args, flag) for flag, key in TLS_FLAGS.items() if getattr(args, flag, None) is not None}
     if not given:
         return cfg
+    if "role_names" in given:
+        given["role_names"] = parse_role_names(given["role_names"], "--tls-role-names ($KUBERL_TLS_ROLE_NAMES)")
     on = cfg.tls.enabled or bool({"cert_file", "key_file", "ca_file"} & given.keys())
-    return dataclasses.replace(cfg, tls=dataclasses.replace(cfg.tls, enabled=on, **given))
+    try:
+        return dataclasses.replace(cfg, tls=dataclasses.replace(cfg.tls, enabled=on, **given))
+    except ConfigError as err:
+        if "role_names" in given and "role_names" in str(err):
+            raise ConfigError("--tls-role-names ($KUBERL_TLS_ROLE_NAMES)", str(err)) from None
+        raise
 
 
 def with_auth_flags(cfg, args: argparse.Namespace):

@@ -16,10 +16,11 @@ import os
 from pathlib import Path
 from unittest import mock
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import TokenStore, read_client_token
+from services.common.auth import ROLE_RPCS, TokenStore, read_client_token
 from services.common.grpcutil import start_server
 from services.common.runtime import load_role_config
 from services.common.tls import open_channel
@@ -131,6 +132,39 @@ def test_every_flow_completes_a_mutual_tls_handshake_with_the_rendered_settings(
     for client_role, server_role in FLOWS:
         assert asyncio.run(check(server_role, client_role)) == health_pb2.HealthCheckResponse.SERVING, \
             f"{client_role} -> {server_role}"
+
+
+def test_each_internal_rpc_is_served_to_the_role_that_calls_it_only(secure):
+    """tls.role_names as the buffer and the learner resolve it, against the certificates every role
+    mounts: each internal RPC (services/common/auth.ROLE_RPCS) admits its calling role and refuses the
+    others' certificates with PERMISSION_DENIED. (The servers here stand in for the RPCs' handlers: one
+    that is reached answers FAILED_PRECONDITION.)"""
+    _, configs = secure
+
+    async def reached(request, context):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "reached")
+
+    async def code(server_role: str, method: str, client_role: str) -> grpc.StatusCode:
+        service, name = method.strip("/").split("/")
+        handlers = grpc.method_handlers_generic_handler(service, {name: grpc.unary_unary_rpc_method_handler(reached)})
+        srv = await start_server("127.0.0.1:0", lambda s: s.add_generic_rpc_handlers((handlers,)), [service],
+                                 max_message_bytes=1 << 20, tls=configs[server_role].tls)
+        try:
+            async with open_channel(srv.address, configs[client_role].tls, aio=True) as channel:
+                try:
+                    await channel.unary_unary(method)(b"", timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+        finally:
+            await srv.close()
+
+    for method, caller in ROLE_RPCS.items():
+        server_role = method.split(".")[-1].split("/")[0].lower()
+        assert configs[server_role].tls.role_names, f"{server_role}: tls.role_names is not set"
+        for client_role in configs:
+            want = grpc.StatusCode.FAILED_PRECONDITION if client_role == caller else grpc.StatusCode.PERMISSION_DENIED
+            assert asyncio.run(code(server_role, method, client_role)) == want, f"{client_role} -> {method}"
 
 
 def test_the_default_renders_serve_plaintext_and_ask_no_tokens(tmp_path):

@@ -6,7 +6,8 @@ protect_reads on. Every pod turning Ready shows the HTTP probes work where gRPC 
 a certificate; the planner's balance ratio shows it reads every role's stats over mutual TLS with its
 token; and a simulator outside the cluster, holding a certificate and an envsession token, trains
 through a NodePort, while clients without a certificate, without a token or with the wrong token's
-scope are refused with the right status.
+scope are refused with the right status. The buffer and the learner authorise their internal RPCs per
+role (tls.role_names): training shows the actors' and the learner's certificates pass.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from services.common.auth import bearer_metadata
 from services.common.config import TlsConfig
 from services.common.tls import open_channel
 from tests.certs import Pki
-from tests.e2e.kube import (VERSION_METRIC, Simulator, fit_node, fresh_namespace, kubectl, metrics, render_overlay,
-                            wait_metric, wait_ready, with_config)
+from tests.e2e.kube import (VERSION_METRIC, Simulator, fit_node, fresh_namespace, kubectl, metrics, pod_metrics,
+                            render_overlay, wait_metric, wait_ready, with_config)
 from tests.e2e.node import NODE_IP
 from tests.e2e.test_external import SIM_SERVICE
 
@@ -108,6 +109,13 @@ def test_secure_overlay_trains_with_mutual_tls_and_tokens(e2e_node, e2e_images, 
             ratio, _ = wait_metric(e2e_node, NAMESPACE, "kuberl-planner", "kuberl_planner_production_consumption_ratio",
                                    above=0.0, timeout_s=120)
             result = sim.finish()
+        # Per-role authorisation is on (tls.role_names, from $KUBERL_TLS_ROLE_NAMES): it counts wrong-role
+        # callers from its start, and the actors' and the learner's certificates were all admitted.
+        buffer = pod_metrics(e2e_node, NAMESPACE, "kuberl-buffer-0")
+        learner = pod_metrics(e2e_node, NAMESPACE, "kuberl-learner-0")
+        assert buffer.get("kuberl_buffer_auth_wrong_role_total") == 0.0, buffer
+        assert learner.get("kuberl_learner_auth_wrong_role_total") == 0.0, learner
+        assert buffer["kuberl_buffer_fragments_received_total"] > 0 and buffer["kuberl_buffer_samples_served_total"] > 0
         e2e_report["secure_overlay"] = {
             "apply_to_ready_s": round(ready_s, 1), "apply_to_policy_version_s": round(time.monotonic() - start, 1),
             "policy_version": version, "planner_ratio": round(ratio, 3), "env_steps": result["env_steps"],

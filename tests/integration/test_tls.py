@@ -25,12 +25,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import buffer_pb2 as pb_buffer
 from kuberl.v1 import common_pb2 as pb
+from kuberl.v1 import learner_pb2 as pb_learner
 from kuberl_client import EnvSessionClient, SessionError
+from services.actor import main as actor_main
+from services.buffer import main as buffer_main
 from services.cli.main import main as kuberl
 from services.common.config import TlsConfig, config_from_dict
 from services.common.grpcutil import MiB, start_server
 from services.common.tls import open_channel
+from services.learner import main as learner_main
 from services.planner import main as planner_main
 from services.planner.backend import ApplyResult, Replica, RoleState
 from services.planner.core import Planner
@@ -252,6 +257,83 @@ async def test_every_role_trains_over_mutual_tls_and_the_planner_and_cli_read_th
         assert "UNAVAILABLE" in capsys.readouterr().out
 
 
+ROLE_NAMES = {"actor": ["kuberl-actor"], "learner": ["kuberl-learner", "kuberl-learner-spare"]}
+
+
+async def _code(address: str, tls: TlsConfig, call) -> tuple[grpc.StatusCode, str]:
+    """The status and details of `call(channel)` (an awaitable RPC, or an async iterator of one)."""
+    async with open_channel(address, tls, aio=True, options=FRESH) as ch:
+        try:
+            got = call(ch)
+            if hasattr(got, "__aiter__"):
+                async for _ in got:
+                    break
+            else:
+                await got
+        except grpc.aio.AioRpcError as err:
+            return err.code(), err.details()
+    return grpc.StatusCode.OK, ""
+
+
+async def test_role_names_serve_each_internal_rpc_only_to_the_role_that_calls_it(pki, tmp_path):
+    """Each role holds its own certificate (CN and DNS name kuberl-<role>); with tls.role_names the run
+    trains, and a certificate of the wrong role gets PERMISSION_DENIED, counted, on each internal RPC
+    while reads stay open to any certificate."""
+    certs = {r: pki.issue(f"kuberl-{r}", sans=(f"kuberl-{r}", "127.0.0.1", "localhost"))
+             for r in ("actor", "buffer", "learner", "planner")}
+    cfg = {r: config_from_dict({**TINY_PPO, "tls": certs[r].tls(role_names=ROLE_NAMES), "planner": {"enabled": False}})
+           for r in certs}
+    tls = {r: c.tls for r, c in cfg.items()}
+    async with buffer_main.serving(cfg["buffer"], listen="127.0.0.1:0") as buffer, \
+            learner_main.serving(cfg["learner"], listen="127.0.0.1:0", buffer=buffer.grpc,
+                                 checkpoint_dir=str(tmp_path / "ck")) as learner, \
+            actor_main.serving(cfg["actor"], listen="127.0.0.1:0", buffer=buffer.grpc, learner=learner.grpc,
+                               actor_id="actor-roles") as actor:
+        async with asyncio.timeout(WAIT_S):
+            while (await _stats(learner.grpc, learner_pb2_grpc.LearnerStub, tls["planner"])).get(
+                    "learner/policy_version", 0) < 2:
+                await asyncio.sleep(0.1)
+        a = await _stats(actor.grpc, actor_pb2_grpc.ActorStub, tls["planner"])
+        assert a["actor/policy_version"] >= 1 and a["actor/fragments_pushed_total"] >= 1
+
+        wrong = {
+            "push as a learner": (buffer.grpc, tls["learner"], lambda ch: buffer_pb2_grpc.BufferStub(ch).PushTrajectories(
+                iter([]), timeout=30)),
+            "batches as an actor": (buffer.grpc, tls["actor"], lambda ch: buffer_pb2_grpc.BufferStub(ch).StreamBatches(
+                pb_buffer.BatchRequest(learner_id="x", batch_size=1), timeout=30)),
+            "progress as the planner": (buffer.grpc, tls["planner"], lambda ch: buffer_pb2_grpc.BufferStub(
+                ch).ReportProgress(pb_buffer.LearnerProgress(), timeout=30)),
+            "weights as the buffer": (learner.grpc, tls["buffer"], lambda ch: learner_pb2_grpc.LearnerStub(
+                ch).SubscribeWeights(pb_learner.WeightsRequest(subscriber_id="x"), timeout=30)),
+        }
+        for what, (address, client_tls, call) in wrong.items():
+            code, details = await _code(address, client_tls, call)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (what, code, details)
+            assert "the client certificate names kuberl-" in details and "none of tls.role_names." in details, details
+        b = await _stats(buffer.grpc, buffer_pb2_grpc.BufferStub, tls["planner"])   # reads: any certificate
+        lrn = await _stats(learner.grpc, learner_pb2_grpc.LearnerStub, tls["actor"])
+        assert b["buffer/auth_wrong_role_total"] == 3 and lrn["learner/auth_wrong_role_total"] == 1, (b, lrn)
+        assert b["buffer/fragments_invalid_total"] == 0 and b["buffer/samples_served_total"] > 0
+        # A second name of a role is as good as the first.
+        spare = pki.issue("spare", sans=("kuberl-learner-spare", "127.0.0.1"))
+        code, _ = await _code(learner.grpc, settings(spare), lambda ch: learner_pb2_grpc.LearnerStub(ch).GetStats(
+            pb.GetStatsRequest(), timeout=30))
+        assert code == grpc.StatusCode.OK
+
+
+async def test_role_names_need_verified_client_certificates(role):
+    """A buffer cannot authorise by certificate what it does not ask for: refused before it binds."""
+    from services.common.tls import TlsError
+
+    cfg = config_from_dict({**TINY_PPO, "tls": role.tls(role_names=ROLE_NAMES, client_auth="none")})
+    with pytest.raises(TlsError, match="tls.role_names is set, so kuberl.v1.Buffer authorises its callers by their "
+                                       "certificates, but tls.client_auth is none"):
+        async with buffer_main.serving(cfg, listen="127.0.0.1:0"):
+            pass
+    async with server(settings(role, role_names=ROLE_NAMES, client_auth="none")) as address:   # no internal RPCs
+        assert await check(address, settings(ca_file=str(role.ca))) == SERVING
+
+
 async def test_a_planner_whose_certificate_files_break_counts_stats_errors_and_goes_on(role, pki, tmp_path):
     """Files mid-rotation (a certificate with another key) make a read fail, not the planner."""
     other = pki.issue("other")
@@ -370,7 +452,7 @@ def test_kuberl_up_runs_every_role_over_mutual_tls(role, tmp_path):
     assert summary["exit_codes"] and set(summary["exit_codes"].values()) == {0}, summary
     assert "--config" in out.stdout  # the planner API hint says how to dial it over TLS
     run_cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())   # what every process read
-    assert run_cfg["tls"] == {**role.tls(), "client_auth": "require", "server_name": ""}
+    assert run_cfg["tls"] == {**role.tls(), "client_auth": "require", "server_name": "", "role_names": {}}
 
 
 def test_kuberl_up_refuses_tls_files_it_cannot_use_before_starting_anything(role, tmp_path):

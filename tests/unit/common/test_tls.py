@@ -51,6 +51,39 @@ def test_flags_override_the_config_and_a_file_turns_tls_on():
     assert not with_tls_flags(cfg, parse("--tls-client-auth", "none")).tls.enabled
 
 
+def test_role_names_from_the_config_the_flag_or_the_environment(monkeypatch):
+    names = {"actor": ("kuberl-actor",), "learner": ("kuberl-learner", "kuberl-learner-b")}
+    cfg = config_from_dict({"tls": {"role_names": {"actor": ["kuberl-actor"],
+                                                   "learner": ["kuberl-learner", "kuberl-learner-b"]}}})
+    assert cfg.tls.role_names == names
+    flag = with_tls_flags(config_from_dict({}), parse("--tls-role-names",
+                                                      "actor=kuberl-actor, learner=kuberl-learner|kuberl-learner-b"))
+    assert flag.tls.role_names == names and not flag.tls.enabled   # (how, not whether)
+    monkeypatch.setenv("KUBERL_TLS_ROLE_NAMES", "actor=a,learner=l")
+    assert with_tls_flags(config_from_dict({}), parse()).tls.role_names == {"actor": ("a",), "learner": ("l",)}
+
+
+@pytest.mark.parametrize("text,match", [
+    ("actor=kuberl-actor", r"^--tls-role-names \(\$KUBERL_TLS_ROLE_NAMES\): .*must name the certificates of "
+                           r"exactly these roles, the callers of the internal RPCs: actor, learner"),
+    ("actor=a,learner=l,planner=p", r"exactly these roles"),
+    ("actor=a,learner=", r"role_names.learner: \(\) is invalid: must be a list of certificate names"),
+    ("actor:a,learner:l", r"^--tls-role-names \(\$KUBERL_TLS_ROLE_NAMES\): 'actor:a,learner:l' is invalid: write "
+                          r"ROLE=NAME\[\|NAME\.\.\.\] for each of actor, learner"),
+    ("actor=a,actor=b", r"is invalid: write ROLE=NAME"),
+])
+def test_bad_role_names_name_the_flag(text, match):
+    with pytest.raises(ConfigError, match=match):
+        with_tls_flags(config_from_dict({}), parse("--tls-role-names", text))
+
+
+def test_bad_role_names_in_the_config_name_the_key():
+    with pytest.raises(ConfigError, match=r"^tls.role_names: .* must name the certificates of exactly these roles"):
+        config_from_dict({"tls": {"role_names": {"actor": ["a"]}}})
+    with pytest.raises(ConfigError, match=r"^tls.role_names.actor: \(\) is invalid"):
+        config_from_dict({"tls": {"role_names": {"actor": [], "learner": ["l"]}}})
+
+
 def test_tls_files_come_from_the_environment_under_the_flags(monkeypatch):
     monkeypatch.setenv("KUBERL_TLS_CERT", "/env/cert.pem")
     monkeypatch.setenv("KUBERL_TLS_KEY", "/env/key.pem")

@@ -90,6 +90,9 @@ after grpc and metrics), "grace" (seconds, in place of <role>.terminationGracePe
 {{- $env = concat (list (dict "name" "KUBERL_TLS_CERT" "value" (printf "%s/tls.crt" $dir)) (dict "name" "KUBERL_TLS_KEY" "value" (printf "%s/tls.key" $dir)) (dict "name" "KUBERL_TLS_CA" "value" (printf "%s/ca.crt" $dir)) (dict "name" "KUBERL_TLS_SERVER_NAME" "value" .serverName)) $env -}}
 {{- $mounts = append $mounts (dict "name" "tls" "mountPath" $dir "readOnly" true) -}}
 {{- $volumes = append $volumes (dict "name" "tls" "secret" (dict "secretName" (printf "%s-%s-tls" $name $.role))) -}}
+{{- if and .authorizeRoles (has $.role (list "buffer" "learner")) -}}
+{{- $env = append $env (dict "name" "KUBERL_TLS_ROLE_NAMES" "value" (printf "actor=%s-actor,learner=%s-learner" $name $name)) -}}
+{{- end -}}
 {{- if and (eq $.role "actor") (eq .actorClientAuth "none") -}}
 {{- $args = append $args "--tls-client-auth=none" -}}
 {{- end -}}
