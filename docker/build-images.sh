@@ -105,12 +105,12 @@ for role in "${ROLES[@]}"; do
   # The image this tag named before is now untagged, and with the legacy builder every one of its
   # layers stays on disk: a rebuild after each source change kept them all (an e2e cache reached 51 GB).
   # It is removed by ID, with the intermediate images only it used; layers the new image shares stay.
-  # An image a container still uses is left alone.
+  # One docker will not remove (a container still uses it, another tag names it) is kept, and why said.
   if [ -n "$previous" ] && [ "$previous" != "$($DOCKER image inspect --format '{{.Id}}' "$tag")" ]; then
-    if $DOCKER image rm "$previous" >/dev/null 2>&1; then
+    if why=$($DOCKER image rm "$previous" 2>&1 >/dev/null); then
       echo "[images] removed the image $tag named before (${previous:7:12})"
     else
-      echo "[images] kept the image $tag named before (${previous:7:12}): still in use" >&2
+      echo "[images] could not remove the image $tag named before (${previous:7:12}): $why" >&2
     fi
   fi
   report+=("{\"role\": \"$role\", \"tag\": \"$tag\", \"build_s\": $secs, \"bytes\": $bytes}")

@@ -39,6 +39,7 @@ import numpy as np
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
 CHECK_BATCH = 64  # random observations the written file is checked on
+MASK_CHOICES = ("auto", "yes", "no")  # --action-mask
 OPSET = 18
 
 
@@ -107,6 +108,8 @@ def env_reports_masks(trained) -> bool | None:
         return None
     try:
         return "action_mask" in envs.reset(seed=0)[1]
+    except Exception:  # noqa: BLE001 - an env that cannot reset here: unknown, as one that cannot be made
+        return None
     finally:
         envs.close()
 
@@ -114,7 +117,7 @@ def env_reports_masks(trained) -> bool | None:
 def mask_input(trained, choice: str) -> tuple[bool, str | None]:
     """Whether the graph gets an `action_mask` input for `--action-mask choice` (auto, yes or no), and
     a note for the user when auto could not tell; ExportError for `yes` on a policy that takes no mask."""
-    if choice not in ("auto", "yes", "no"):
+    if choice not in MASK_CHOICES:
         raise ExportError(f"--action-mask {choice!r}: use auto, yes or no")
     if choice == "no" or (choice == "auto" and not trained.takes_masks):
         return False, None
@@ -236,6 +239,9 @@ def main(argv=None) -> int:
     if args.format not in FORMATS:
         print(f"kuberl export: --format {args.format!r}: not a format written here; use {' or '.join(FORMATS)}",
               file=sys.stderr)
+        return 2
+    if args.action_mask not in MASK_CHOICES:   # (before the checkpoint is read)
+        print(f"kuberl export: --action-mask {args.action_mask!r}: use auto, yes or no", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s export: %(message)s")
     import torch

@@ -88,6 +88,8 @@ class FittingWeights:
         self.shapes = {k: tuple(v.shape) for k, v in policy.net.state_dict().items()}
         self.newest = policy.version   # the newest version accepted (the checkpoint's, at first)
         self.refused_older = 0         # older versions refused since the last one accepted
+        for name in ("actor/weights_invalid_total", "actor/weights_older_total"):
+            metrics.inc(name, 0)       # (reported from the start, as docs/metrics.md lists them)
 
     def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
         got = {k: tuple(np.shape(v)) for k, v in arrays.items()}

@@ -226,11 +226,12 @@ def _bearer(context) -> str | None:
 
 
 def peer_names(context) -> list[str]:
-    """The names the client's verified certificate carries: the subjectAltName entries, then the CN
-    (empty without a client certificate)."""
+    """The names the client's verified certificate carries, lower-cased: the DNS names of its
+    subjectAltName, or its CN when it has none (RFC 6125: a CN is not looked at beside DNS names). IP,
+    URI and email entries are not names here. Empty without a client certificate."""
     props = context.auth_context() or {}
-    names = [*props.get("x509_subject_alternative_name", ()), *props.get("x509_common_name", ())]
-    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in names]
+    names = props.get("peer_dns") or props.get("x509_common_name") or ()
+    return [(n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n)).strip().lower() for n in names]
 
 
 def _peer_host(context) -> str:
@@ -247,7 +248,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.store = TokenStore(auth.token_files) if auth is not None and auth.token_files else None
         self.protect_reads = auth is not None and auth.protect_reads
         self.role, self.metrics = role, metrics
-        self.role_names = {r: frozenset(names) for r, names in (role_names or {}).items()}
+        self.role_names = {r: frozenset(n.strip().lower() for n in names) for r, names in (role_names or {}).items()}
+        self._logged_wrong: set[tuple[str, tuple[str, ...]]] = set()
         self.caps = _Caps(auth.max_sessions_per_token, auth.new_sessions_per_minute, metrics) \
             if auth is not None and (auth.max_sessions_per_token or auth.new_sessions_per_minute) else None
         if metrics is not None and self.store is not None:
@@ -276,10 +278,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             names = peer_names(context)
             if not self.role_names[caller].intersection(names):
                 self._count("auth_wrong_role_total")
+                presented = ", ".join(names[:4]) or "no DNS name or CN"
+                key = (caller, tuple(names[:4]))
+                if key not in self._logged_wrong and len(self._logged_wrong) < 1000:   # once per kind of caller
+                    self._logged_wrong.add(key)
+                    log.warning("refusing %s to %s (%s): its certificate names %s, none of tls.role_names.%s (%s)",
+                                method, _peer_host(context), caller, presented, caller,
+                                ", ".join(sorted(self.role_names[caller])))
+                # (the names accepted are in the server's log, not told to whoever asks)
                 raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
-                               f"{method} is served to {caller}s only: the client certificate names "
-                               f"{', '.join(names[:4]) or 'nothing'}, none of tls.role_names.{caller} "
-                               f"({', '.join(sorted(self.role_names[caller]))})")
+                               f"{method} is served to {caller}s only: the client certificate names {presented}, "
+                               f"not one of tls.role_names.{caller}")
         if scope is not None:
             token = _bearer(context)
             scopes = self.store.scopes(token) if token else None
@@ -313,10 +322,21 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, admit, release) -> grp
         ("stream" if handler.response_streaming else "unary")
     behavior = getattr(handler, kind)
 
+    client_stream = handler.request_streaming and not handler.response_streaming
+
     async def check(context):
         try:
             return admit(context)
         except _Refused as err:
+            if client_stream:
+                # A status sent while the client still writes is lost under its next write (it sees
+                # INTERNAL): read what it sends up to its half-close first, as grpcutil._RequestContext
+                # does for INVALID_ARGUMENT. (A bidirectional client waits for replies: told at once.)
+                from services.common.grpcutil import DRAIN_LIMIT_FRAMES
+
+                for _ in range(DRAIN_LIMIT_FRAMES):
+                    if await context.read() is grpc.aio.EOF:
+                        break
             await context.abort(err.code, err.details)
 
     if inspect.isasyncgenfunction(behavior):

@@ -603,7 +603,7 @@ class TlsConfig:
     # subjectAltName, or its CN) that prove a client is an actor or a learner. Set, the buffer serves
     # PushTrajectories only to actors and StreamBatches/ReportProgress only to learners, and a learner
     # SubscribeWeights only to actors (services/common/auth.ROLE_RPCS); empty: any certificate from ca_file.
-    role_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         _require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,

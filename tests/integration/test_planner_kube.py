@@ -452,7 +452,7 @@ async def test_a_leader_that_cannot_renew_stops_leading_before_another_takes_ove
                 a_stopped = time.monotonic() - revoked
             assert time.monotonic() - revoked < 60, "b never took over"   # (liveness only: see above)
             await asyncio.sleep(0.05)
-        assert a_stopped is not None
+        assert a_stopped is not None   # a stepped down before b led (never both: checked at every poll)
         assert not a.leader
         with pytest.raises(Refused, match="not the leader"):
             await a.apply({"actor": 2})

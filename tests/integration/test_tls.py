@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import ipaddress
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -260,6 +262,31 @@ async def test_every_role_trains_over_mutual_tls_and_the_planner_and_cli_read_th
 ROLE_NAMES = {"actor": ["kuberl-actor"], "learner": ["kuberl-learner", "kuberl-learner-spare"]}
 
 
+def _certificate(pki: Pki, stem, cn: str, sans: list) -> TlsConfig:
+    """A client's settings with a certificate from `pki` of CN `cn` and exactly these subjectAltName
+    entries (none: no extension), which tests/certs.Pki.issue does not make."""
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+               .issuer_name(pki.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(pki.key, hashes.SHA256())
+    stem.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    stem.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+    return TlsConfig(enabled=True, cert_file=str(stem.with_suffix(".pem")), key_file=str(stem.with_suffix(".key")),
+                     ca_file=str(pki.ca))
+
+
 async def _code(address: str, tls: TlsConfig, call) -> tuple[grpc.StatusCode, str]:
     """The status and details of `call(channel)` (an awaitable RPC, or an async iterator of one)."""
     async with open_channel(address, tls, aio=True, options=FRESH) as ch:
@@ -296,29 +323,51 @@ async def test_role_names_serve_each_internal_rpc_only_to_the_role_that_calls_it
         a = await _stats(actor.grpc, actor_pb2_grpc.ActorStub, tls["planner"])
         assert a["actor/policy_version"] >= 1 and a["actor/fragments_pushed_total"] >= 1
 
-        wrong = {
-            "push as a learner": (buffer.grpc, tls["learner"], lambda ch: buffer_pb2_grpc.BufferStub(ch).PushTrajectories(
-                iter([]), timeout=30)),
+        def push(ch):
+            return buffer_pb2_grpc.BufferStub(ch).PushTrajectories(iter([]), timeout=30)
+
+        def progress(ch):
+            return buffer_pb2_grpc.BufferStub(ch).ReportProgress(pb_buffer.LearnerProgress(), timeout=30)
+
+        # Names only from a certificate's DNS names (or its CN when it has none): not from URI, email or
+        # IP entries, nor from the CN beside DNS names.
+        odd = _certificate(pki, tmp_path / "odd", "kuberl-learner", [
+            x509.DNSName("sim-1"), x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+            x509.UniformResourceIdentifier("kuberl-actor"), x509.RFC822Name("kuberl-learner")])
+        learner_names = "kuberl-learner, localhost"   # (its 127.0.0.1 is an IP entry: not a name)
+        wrong = {   # what: (server, client settings, call, the RPC's calling role, the names the refusal reports)
+            "push as a learner": (buffer.grpc, tls["learner"], push, "actor", learner_names),
             "batches as an actor": (buffer.grpc, tls["actor"], lambda ch: buffer_pb2_grpc.BufferStub(ch).StreamBatches(
-                pb_buffer.BatchRequest(learner_id="x", batch_size=1), timeout=30)),
-            "progress as the planner": (buffer.grpc, tls["planner"], lambda ch: buffer_pb2_grpc.BufferStub(
-                ch).ReportProgress(pb_buffer.LearnerProgress(), timeout=30)),
+                pb_buffer.BatchRequest(learner_id="x", batch_size=1), timeout=30), "learner", "kuberl-actor, localhost"),
+            "progress as the planner": (buffer.grpc, tls["planner"], progress, "learner", "kuberl-planner, localhost"),
             "weights as the buffer": (learner.grpc, tls["buffer"], lambda ch: learner_pb2_grpc.LearnerStub(
-                ch).SubscribeWeights(pb_learner.WeightsRequest(subscriber_id="x"), timeout=30)),
+                ch).SubscribeWeights(pb_learner.WeightsRequest(subscriber_id="x"), timeout=30), "actor", "kuberl-buffer, localhost"),
+            "push with kuberl-actor as a URI": (buffer.grpc, odd, push, "actor", "sim-1"),
+            "progress with kuberl-learner as CN beside a DNS name": (buffer.grpc, odd, progress, "learner", "sim-1"),
+            # A client still writing when it is refused hears PERMISSION_DENIED, not INTERNAL: the buffer
+            # reads what it sends up to its half-close before answering.
+            "push of 2,000 frames as a learner": (buffer.grpc, tls["learner"], lambda ch: ch.stream_unary(
+                "/kuberl.v1.Buffer/PushTrajectories")(iter([b"x" * 65536] * 2000), timeout=60), "actor", learner_names),
         }
-        for what, (address, client_tls, call) in wrong.items():
+        for what, (address, client_tls, call, caller, presented) in wrong.items():
             code, details = await _code(address, client_tls, call)
             assert code == grpc.StatusCode.PERMISSION_DENIED, (what, code, details)
-            assert "the client certificate names kuberl-" in details and "none of tls.role_names." in details, details
+            # (the names the server accepts are in its log, not in the refusal)
+            assert details.endswith(f" is served to {caller}s only: the client certificate names {presented}, "
+                                    f"not one of tls.role_names.{caller}"), (what, details)
         b = await _stats(buffer.grpc, buffer_pb2_grpc.BufferStub, tls["planner"])   # reads: any certificate
         lrn = await _stats(learner.grpc, learner_pb2_grpc.LearnerStub, tls["actor"])
-        assert b["buffer/auth_wrong_role_total"] == 3 and lrn["learner/auth_wrong_role_total"] == 1, (b, lrn)
+        assert b["buffer/auth_wrong_role_total"] == 6 and lrn["learner/auth_wrong_role_total"] == 1, (b, lrn)
         assert b["buffer/fragments_invalid_total"] == 0 and b["buffer/samples_served_total"] > 0
-        # A second name of a role is as good as the first.
-        spare = pki.issue("spare", sans=("kuberl-learner-spare", "127.0.0.1"))
-        code, _ = await _code(learner.grpc, settings(spare), lambda ch: learner_pb2_grpc.LearnerStub(ch).GetStats(
-            pb.GetStatsRequest(), timeout=30))
-        assert code == grpc.StatusCode.OK
+        # A second name of a role is as good as the first, in any case; a CN counts where there is no DNS name.
+        spare = pki.issue("spare", sans=("KUBERL-Learner-Spare", "127.0.0.1"))
+        code, details = await _code(buffer.grpc, settings(spare), lambda ch: buffer_pb2_grpc.BufferStub(
+            ch).ReportProgress(pb_buffer.LearnerProgress(learner_id="spare", policy_version=1), timeout=30))
+        assert code == grpc.StatusCode.OK, (code, details)
+        cn_only = _certificate(pki, tmp_path / "cn", "kuberl-actor", [])
+        code, details = await _code(buffer.grpc, cn_only, lambda ch: buffer_pb2_grpc.BufferStub(ch).PushTrajectories(
+            iter([]), timeout=30))
+        assert code == grpc.StatusCode.OK, (code, details)
 
 
 async def test_role_names_need_verified_client_certificates(role):
