@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.atomic import stamps
+from services.common.streams import read_to_half_close
 
 if TYPE_CHECKING:
     from services.common.config import AuthConfig
@@ -328,15 +329,8 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, admit, release) -> grp
         try:
             return admit(context)
         except _Refused as err:
-            if client_stream:
-                # A status sent while the client still writes is lost under its next write (it sees
-                # INTERNAL): read what it sends up to its half-close first, as grpcutil._RequestContext
-                # does for INVALID_ARGUMENT. (A bidirectional client waits for replies: told at once.)
-                from services.common.grpcutil import DRAIN_LIMIT_FRAMES
-
-                for _ in range(DRAIN_LIMIT_FRAMES):
-                    if await context.read() is grpc.aio.EOF:
-                        break
+            if client_stream:   # (services/common/streams.py: else the client would see INTERNAL)
+                await read_to_half_close(context)
             await context.abort(err.code, err.details)
 
     if inspect.isasyncgenfunction(behavior):

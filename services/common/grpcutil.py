@@ -30,6 +30,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from services.common.auth import ROLE_RPCS, AuthInterceptor
+from services.common.streams import read_to_half_close
 from services.common.tls import TlsError, open_channel, server_credentials
 
 if TYPE_CHECKING:
@@ -155,10 +156,6 @@ def _input_type_name(service: str, method: str) -> str:
         return "request message"
 
 
-# After refusing a client stream, at most this many more frames are read (and dropped) while
-# waiting for the client to half-close (see `_RequestContext`); a client that sends more than that
-# gets the status at once. More than an actor's Pusher writes to one stream by default.
-DRAIN_LIMIT_FRAMES = 65536
 
 
 def _not_valid(rpc: str, which: str, type_name: str, err: DecodeError) -> str:
@@ -169,15 +166,9 @@ class _RequestContext:
     """The servicer context that a stream-request RPC's behaviour sees. `read()` parses each frame
     (with the generated parser; a handler registered without one gets the bytes), and on a client
     stream (stream-unary) `abort(INVALID_ARGUMENT, ...)` first reads and drops what the client still
-    sends, up to its half-close. Everything else is the real context's.
-
-    Why a refusal waits for the half-close: a status sent while the client is still writing closes
-    the stream under the client's next write, which grpc.aio reports as INTERNAL ("Failed
-    execute_batch"), and, when the status arrived while that write was in flight, records over the
-    real status: the client would never see the refusal or its trailing metadata (which fragment to
-    drop), and would re-send the same bad data. Only client streams wait: their clients expect
-    nothing back before they half-close, while the client of a bidirectional stream (EnvSession)
-    waits for replies and must hear of a refusal at once.
+    sends, up to its half-close (services/common/streams.py says why: otherwise the client would not
+    see the refusal or its trailing metadata, which fragment to drop, and would re-send the same bad
+    data). Everything else is the real context's.
     """
 
     def __init__(self, context, rpc: str, type_name: str, deserialize, client_stream: bool):
@@ -203,9 +194,7 @@ class _RequestContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
         if self._client_stream and code == grpc.StatusCode.INVALID_ARGUMENT:
-            for _ in range(DRAIN_LIMIT_FRAMES):
-                if await self._context.read() is grpc.aio.EOF:
-                    break
+            await read_to_half_close(self._context)
         await self._context.abort(code, details, trailing_metadata)
 
 
