@@ -265,6 +265,7 @@ function runSimulator(deps, sim) {
   const episodeReturn = new Float64Array(N);
   const firstReturns = []; // the first 100 episodes
   let lastReturns = []; // the last (up to) 100 episodes
+  let best100 = null; // the best mean over 100 consecutive episodes so far (null before 100 episodes)
   let episodes = 0;
   let steps = 0; // lockstep steps applied (actions received and stepped), over every stream
   let sessions = 0; // streams opened (1 + planned handovers)
@@ -327,6 +328,7 @@ function runSimulator(deps, sim) {
         lastReturns.push(ret);
         if (lastReturns.length > 200) lastReturns = lastReturns.slice(-100);
         episodes += 1;
+        if (episodes >= 100) best100 = Math.max(best100 ?? -Infinity, lastMean());
         episodeReturn[env] = 0;
         envs.reset(env);
       }
@@ -364,6 +366,7 @@ function runSimulator(deps, sim) {
       episodes,
       mean_return_first_100: mean(firstReturns),
       mean_return_last_100: lastMean(),
+      mean_return_best_100: best100,
       policy_version_first: firstPolicyVersion,
       policy_version_last: policyVersion,
       sessions,
