@@ -87,7 +87,8 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     reports `info["action_mask"]` has its masks sent with every step.
     The env is not closed. Returns {"steps": vector steps, "env_steps": steps x num_envs,
     "episodes": finished episodes, "returns": their returns, "lengths": their lengths,
-    "sessions": streams opened}.
+    "sessions": streams opened, "held_s": seconds the actor held its replies while the learner was
+    behind (the rate limiter)}.
 
     reconnect_s: open a fresh stream (same session_id, so the actor resumes the episodes) this often.
     kuberl servers close connections after a maximum age (300 s plus 30 s grace, services/common/
@@ -117,13 +118,15 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     returns: list[float] = []
     lengths: list[int] = []
     steps = sessions = 0
+    held = 0.0  # seconds the actor held the replies of the streams closed so far
     client: EnvSessionClient | None = None
     opened = 0.0
 
     def open_session(first_obs, first_masks, retries: int) -> np.ndarray:
         """A new stream (resuming the session after the first); returns the actions for first_obs."""
-        nonlocal client, sessions, opened
+        nonlocal client, sessions, opened, held
         for attempt in range(retries + 1):
+            held += client.held_s if client is not None else 0.0
             client = connect()
             sessions += 1
             try:
@@ -174,4 +177,4 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
             client.cancel()
         raise
     return {"steps": steps, "env_steps": steps * n, "episodes": len(returns), "returns": returns,
-            "lengths": lengths, "sessions": sessions}
+            "lengths": lengths, "sessions": sessions, "held_s": held + (client.held_s if client is not None else 0.0)}

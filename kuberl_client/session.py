@@ -147,7 +147,8 @@ class EnvSessionClient:
     token, token_file: the bearer token for an actor with auth.token_files (at most one of them).
 
     After `reset` / `step`: `step_id` (of the last step sent), `policy_version` (of the last actions),
-    and from the actor's acceptance `resumed`, `session_timeout_s`.
+    `held_s` (seconds the actor held this session's replies so far, while the learner was behind:
+    the rate limiter, docs/rate-limiter.md), and from the actor's acceptance `resumed`, `session_timeout_s`.
     """
 
     def __init__(self, address: str, *, session_id: str, num_envs: int, obs_shape=None, obs_dtype="float32",
@@ -193,6 +194,7 @@ class EnvSessionClient:
         self.step_id: int | None = None      # last step sent (None before reset)
         self.resumed: bool | None = None     # from `accepted`
         self.policy_version: int | None = None
+        self.held_s = 0.0
         self.session_timeout_s: float | None = None
         self._channel: grpc.Channel | None = None
         self._call = None
@@ -366,6 +368,7 @@ class EnvSessionClient:
         except TensorError as e:
             raise self._protocol_error(str(e)) from None
         self.policy_version = int(ar.policy_version)
+        self.held_s += ar.held_ms / 1000.0
         return actions.copy()
 
     def _receive(self, what: str):

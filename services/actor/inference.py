@@ -2,24 +2,28 @@
 
 Sessions call `act(obs, mask)` and await their slice of the batch. The loop takes whatever is pending when
 it comes round (no artificial delay), so the batch grows with load and latency stays one forward
-pass when idle. Torch runs in a worker thread; weights are swapped in only between batches. A hub that
-records nothing (`kuberl serve`) cuts no fragments, so on-policy pacing never holds its replies.
+pass when idle. Torch runs in a worker thread; weights are swapped in only between batches. Replies
+are held, all of them, while the buffer's rate limiter says the learner is behind (limiter.py) or
+on-policy pacing waits for new weights: the simulators then wait on their replies. A hub that records
+nothing (`kuberl serve`) cuts no fragments and has no gate, so neither ever holds its replies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
+from services.actor.limiter import InsertGate
 from services.actor.policy import Pace, Policy
 from services.actor.sessions import SessionHub
 from services.common.stats import Metrics
 
 
 class BatchedInference:
-    def __init__(self, policy: Policy, hub: SessionHub, metrics: Metrics):
-        self.policy, self.hub, self.metrics = policy, hub, metrics
+    def __init__(self, policy: Policy, hub: SessionHub, metrics: Metrics, gate: InsertGate | None = None):
+        self.policy, self.hub, self.metrics, self.gate = policy, hub, metrics, gate
         self._pending: list[tuple[np.ndarray, np.ndarray | None, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self.pace = Pace(hub.cfg, policy, metrics)
@@ -39,6 +43,7 @@ class BatchedInference:
             await asyncio.sleep(0.05)
         while True:
             await self._wake.wait()
+            await self._hold()
             await self._pace()
             self._wake.clear()
             batch, self._pending = self._pending, []
@@ -59,11 +64,25 @@ class BatchedInference:
                     fut.set_result((actions[start:end], {k: v[start:end] for k, v in extras.items()}, version))
                 start = end
 
+    async def _hold(self) -> None:
+        """The buffer's rate limiter: hold every reply while there is no room (polled: the gate is
+        fed on this loop, so a short sleep lets its updates in). Counted per session too."""
+        if self.gate is None or self.gate.room():
+            return
+        self.metrics.inc("actor/limiter_waits_total")
+        held = list(self.hub.sessions.values())  # the sessions whose replies wait
+        start = last = time.monotonic()
+        while not self.gate.room() and not self.hub.closing:
+            await asyncio.sleep(0.002)
+            last = self.gate.held_since(last)
+        self.hub.held(held, last - start)
+
     async def _pace(self) -> None:
         """On-policy pacing (`Pace`): once the sessions together have cut the quota of fragments with
         the weights held, hold every reply for newer weights. The simulators wait on their replies."""
         if not self.pace.due(self.hub.seq):
             return
+        held = list(self.hub.sessions.values())
         loop = asyncio.get_running_loop()
         start = last = loop.time()
         while not self.policy.newer_weights.is_set() and last - start < self.pace.timeout_s:
@@ -71,6 +90,7 @@ class BatchedInference:
             now = loop.time()
             self.pace.held(now - last)
             last = now
+        self.hub.held(held, last - start)
         self.pace.waited(self.hub.seq)
 
     def _infer(self, obs: np.ndarray, mask: np.ndarray | None):

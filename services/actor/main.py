@@ -13,14 +13,16 @@ import uuid
 import zlib
 from contextlib import asynccontextmanager
 
-from kuberl.v1 import actor_pb2, actor_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from services.actor.inference import BatchedInference
+from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
 from services.actor.push import Pusher
 from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
-from services.actor.subscribe import subscribe_weights
+from services.actor.subscribe import subscribe_weights, watch_insert_limit
+from services.common.fragments import EncodedFragment
 from services.common.config import ExperimentConfig
 from services.common.fragments import new_incarnation
 from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
@@ -63,16 +65,25 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     buffer_ch, learner_ch = make_channel(buffer, max_bytes, tls=cfg.tls), make_channel(learner, max_bytes, tls=cfg.tls)
     pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics,
                     max_bytes=int(cfg.actor.queue_mb * MiB))
+    # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
+    # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py).
+    gate = InsertGate(metrics)
+
+    def enqueue(frag: EncodedFragment) -> None:  # event loop: the sessions' fragments
+        frag = frag if isinstance(frag, EncodedFragment) else EncodedFragment.of(frag)
+        gate.cut(frag.seq, frag.samples)
+        pusher.enqueue(frag)
+
     rollout = hub = inference = worker = None
     if external:  # simulators connect over EnvSession and step themselves
         spec = spec_of(cfg.env)
         policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
-        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=pusher.enqueue, incarnation=incarnation)
-        inference = BatchedInference(policy, hub, metrics)
+        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=enqueue, incarnation=incarnation)
+        inference = BatchedInference(policy, hub, metrics, gate=gate)
         episodes = hub.episodes
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
-        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation)
+        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gate)
         policy, episodes = rollout.policy, rollout.episodes
     servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
     srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2_grpc.add_ActorServicer_to_server, servicer),
@@ -103,6 +114,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             push = tg.create_task(pusher.run(stopping), name="push")
             side = [tg.create_task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id,
                                                      policy, metrics), name="weights"),
+                    tg.create_task(watch_insert_limit(buffer_pb2_grpc.BufferStub(buffer_ch), actor_id, incarnation,
+                                                      gate, metrics), name="insert-limit"),
                     tg.create_task(tick_forever(metrics), name="stats")]
             if inference is not None:
                 side.append(tg.create_task(inference.run(), name="inference"))
@@ -117,7 +130,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
                     await srv.set_serving(False)           # 1. readiness goes NOT_SERVING
                     if worker is not None:
-                        worker.stop_event.set()             # 2. stop stepping; the partial fragment
+                        worker.stop_event.set()             # 2. stop stepping (a hold on the limiter
+                        gate.clear()                        #    ends too); the partial fragment
                     await watch                             #    is flushed into the queue
                     if hub is not None:                     #    (sessions: refuse new ones, flush
                         hub.close_all()                     #    every open one's fragment)

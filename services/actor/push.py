@@ -58,6 +58,7 @@ class Pusher:
         metrics.track_rate("actor/bytes_pushed_per_s", "actor/bytes_pushed_total")
         for name in ("dropped", "rejected", "resent", "acked"):
             metrics.inc(f"actor/fragments_{name}_total", 0)
+        metrics.inc("actor/push_stream_errors_total", 0)
         for name in ("dropped", "rejected"):
             metrics.inc(f"actor/samples_{name}_total", 0)
 

@@ -19,6 +19,8 @@ from services import algorithms
 from services.common.config import ExperimentConfig, is_atari
 from services.common.fragments import EncodedFragment, encode_fragment
 from services.actor.episodes import EpisodeLog
+from services.actor.finite import Check, check_env_step
+from services.actor.limiter import InsertGate
 from services.actor.policy import Pace, Policy
 from services.common.envs import make_vector_env, spec_of
 from services.common.spaces import Box, check_mask
@@ -44,7 +46,8 @@ class Pacer:
 
 
 class Rollout:
-    def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0):
+    def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0,
+                 gate: InsertGate | None = None):
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
         self.algorithm = algorithms.get(cfg.algorithm)
@@ -65,6 +68,10 @@ class Rollout:
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
         self.pace = Pace(cfg, self.policy, metrics)
+        self.gate = gate  # the buffer's rate limiter (limiter.py); None: never held by it
+        # NaN, infinity (and out of bounds, if asked) never reach a fragment or the policy (finite.py).
+        self._check = Check.from_gymnasium(self.envs.single_observation_space, self.spec.obs_keys,
+                                           cfg.actor.check_obs_bounds)
         self.seq = 0
         self.env_steps = 0
         self.episodes = EpisodeLog(metrics)
@@ -83,6 +90,8 @@ class Rollout:
 
         Blocking; call from the worker thread. Returns None only if stopped before any step.
         """
+        if self.gate is not None:
+            self.gate.wait(stop)  # the buffer's rate limiter: hold while the learner is behind
         self.policy.swap()
         if self._wait_for_the_learner(stop):
             self.policy.swap()
@@ -100,8 +109,11 @@ class Rollout:
         obs_buf[0] = self.obs
         t = 0
         while t < T and not (stop is not None and stop.is_set()):
+            if t == 0 and self.env_steps == 0:  # the first reset's observations
+                check_env_step(self.cfg.env.id, self._check, self.metrics, self.obs)
             a, recorded = self.policy.act(self.obs, self.env_steps, self.mask)
             obs, r, term, trunc, info = self.envs.step(space.clip(a) if isinstance(space, Box) else a)
+            check_env_step(self.cfg.env.id, self._check, self.metrics, obs, r, info, term | trunc)
             if masks is not None:
                 masks[t] = self.mask
                 self.mask = self._mask_of(info)
@@ -138,6 +150,8 @@ class Rollout:
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(final_index, dtype=np.int64),
             action_mask=None if masks is None else masks[:t], **{name: arr[:t] for name, arr in extras.items()})
+        if self.gate is not None:
+            self.gate.cut(self.seq, msg.samples)
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
         return msg
@@ -179,7 +193,8 @@ class RolloutWorker(threading.Thread):
     """Runs `Rollout.collect` in a loop, handing every fragment to `on_fragment` (thread-safe).
 
     Waits once, at start, for the learner's first weights; after that it never waits on the network,
-    except where on-policy pacing (actor.fragments_per_version) holds it for the next weights.
+    except where the buffer's rate limiter holds it before a fragment (limiter.py), or on-policy
+    pacing (actor.fragments_per_version) holds it for the next weights.
     `done` (a callable) receives None on a clean stop or the exception that ended the thread.
     """
 

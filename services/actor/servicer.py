@@ -52,10 +52,12 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                 if msg.WhichOneof("kind") != "step":
                     raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
                 obs = self.hub.observe(session, msg.step)
+                held = session.held_s
                 actions, extras, version = await self.inference.act(obs, session.mask)
                 self.hub.record_actions(session, actions, extras, version)
                 await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
-                    step_id=msg.step.step_id, actions=encode(self.hub.to_send(actions)), policy_version=version)))
+                    step_id=msg.step.step_id, actions=encode(self.hub.to_send(actions)), policy_version=version,
+                    held_ms=min(int((session.held_s - held) * 1000), 2**32 - 1))))
         except SessionError as err:
             if session is not None:
                 self.hub.close(session, "timeout" if err.code == "DEADLINE_EXCEEDED" else "error")
@@ -64,7 +66,9 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                 log.warning("refused a hello from %r (session %r): %s %s", first.hello.simulator[:128],
                             first.hello.session_id[:128], err.code, err)
             else:
-                log.info("session %s ended: %s %s", session.session_id if session else "(no hello)", err.code, err)
+                log.info("session %s ended: %s %s (replies held %.1f s in all)",
+                         session.session_id if session else "(no hello)", err.code, err,
+                         session.held_s if session else 0.0)
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         finally:
             if session is not None:

@@ -4,7 +4,9 @@ No gRPC and no asyncio here (servicer.py speaks the EnvSession protocol and batc
 Each session steps `num_envs` env copies in lockstep; its transitions are cut into fragments of
 `rollout_steps` steps exactly as rollout.py does for local envs. A session that ends for any reason
 pushes its unfinished fragment with the last step of every still-running episode marked truncated,
-so the learner bootstraps there instead of seeing a false terminal state.
+so the learner bootstraps there instead of seeing a false terminal state. A step holding NaN or
+infinity (or, with actor.check_obs_bounds, an observation outside its declared bounds: finite.py) ends
+its session with INVALID_ARGUMENT before anything of it is recorded or acted on.
 
 A hub without `on_fragment` (`kuberl serve`: inference only) checks everything exactly as a training
 actor's does and keeps the sessions' episode statistics, but records no transitions: no fragment
@@ -20,6 +22,7 @@ import numpy as np
 
 from kuberl.v1 import actor_pb2
 from services.actor.episodes import EpisodeLog
+from services.actor.finite import FINITE, Check
 from services.common.config import ExperimentConfig
 from services import algorithms
 from services.common.fragments import MAX_ID_LEN, build_fragment
@@ -70,7 +73,21 @@ class Session:
     versions: list = field(default_factory=list)
     masked: bool = False              # some step of the current fragment carried action masks
     mask: np.ndarray | None = None    # the masks of the observations being acted on (None: all allowed)
+    check: Check = FINITE             # how its observations are checked (finite.py; its hello's layout, bounds)
     last_seen: float = field(default_factory=time.monotonic)
+    held_s: float = 0.0               # seconds its replies were held (rate limiter, on-policy pacing)
+    ended: str | None = None          # why the hub closed it ("replaced", "shutdown", ...), None while open
+
+
+def ended_error(s: Session) -> SessionError:
+    """What a stream hears when its session was closed under it. A takeover is ABORTED: a newer stream
+    owns the session_id now, and this one must stop (reconnecting would take the session back, and the
+    two would take it from each other forever). Anything else (the actor shutting down) is
+    UNAVAILABLE: reconnect, with the same session_id to resume."""
+    if s.ended == "replaced":
+        return SessionError("ABORTED", f"session {s.session_id!r} was taken over by a newer stream with the same "
+                                       f"session_id: stop this one (do not reconnect it)")
+    return SessionError("UNAVAILABLE", "the actor is shutting down: reconnect (with the same session_id to resume)")
 
 
 class SessionHub:
@@ -89,7 +106,8 @@ class SessionHub:
         self.seq = 0
         self.env_steps = 0
         self.episodes = EpisodeLog(metrics)
-        for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced"):
+        for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced",
+                     "steps_refused_nonfinite", "steps_refused_out_of_bounds"):
             metrics.inc(f"actor/{name}_total", 0)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
         if self.records:
@@ -101,7 +119,7 @@ class SessionHub:
         if self.closing:
             raise SessionError("UNAVAILABLE", "the actor is shutting down")
         try:
-            self._check_hello(hello)
+            check = self._check_hello(hello)
         except SessionError:
             self.metrics.inc("actor/sessions_refused_total")
             raise
@@ -119,7 +137,7 @@ class SessionHub:
         n = hello.num_envs
         episodes = parked if resumed else _Episodes(np.zeros(n), np.zeros(n, np.int64))
         episodes.closed_at = None
-        session = Session(hello.session_id, n, episodes, self._next_env_id, self.cfg.rollout_steps)
+        session = Session(hello.session_id, n, episodes, self._next_env_id, self.cfg.rollout_steps, check=check)
         self._next_env_id += n
         self._new_buffers(session)
         self.sessions[session.session_id] = session
@@ -128,7 +146,8 @@ class SessionHub:
         self.metrics.set("actor/sessions_active", len(self.sessions))
         return session, resumed
 
-    def _check_hello(self, hello: actor_pb2.EnvHello) -> None:
+    def _check_hello(self, hello: actor_pb2.EnvHello) -> Check:
+        """Refuse a hello that does not fit the policy (SessionError); the check of its observations."""
         if not 0 < len(hello.session_id) <= MAX_ID_LEN:
             raise SessionError("INVALID_ARGUMENT", f"session_id: must be 1..{MAX_ID_LEN} characters")
         if not 0 < hello.num_envs <= MAX_ENVS:
@@ -141,6 +160,11 @@ class SessionHub:
             raise SessionError("INVALID_ARGUMENT", f"{err} (this actor's policy acts in {want})") from None
         if not _same_action_space(got, want):
             raise SessionError("INVALID_ARGUMENT", f"action_space: expected {want}, got {got}")
+        try:
+            return Check.from_hello(hello.observation_space, self.spec.obs_shape, self.spec.obs_dtype,
+                                    bounds=self.cfg.actor.check_obs_bounds)
+        except TensorError as err:
+            raise SessionError("INVALID_ARGUMENT", str(err)) from None
 
     def _check_observation_space(self, obs) -> None:
         """The hello's observation space must be the policy's input: the same Box, or a Dict with the
@@ -192,8 +216,7 @@ class SessionHub:
         to act on. Raises SessionError (the session must end) for anything malformed."""
         s.last_seen = time.monotonic()
         if self.sessions.get(s.session_id) is not s:
-            raise SessionError("UNAVAILABLE", "the session was closed (a newer stream took it over, or the "
-                                              "actor is shutting down)")
+            raise ended_error(s)
         if step.step_id != s.next_step:
             raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {step.step_id} "
                                                       f"(one step at a time, starting at 0)")
@@ -202,21 +225,22 @@ class SessionHub:
         try:
             obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
             if step.step_id == 0:
+                self._refuse_bad(s, step.step_id, obs)
                 if self.records:
                     s.buffers["obs"][s.t] = obs
                 return obs
             rewards = self._tensor(step, "rewards", (N,), np.dtype(np.float32))
-            if not np.isfinite(rewards).all():
-                raise TensorError("rewards", "holds NaN or infinity")
             term = self._tensor(step, "terminated", (N,), np.dtype(bool))
             trunc = self._tensor(step, "truncated", (N,), np.dtype(bool))
             done = np.flatnonzero(term | trunc)
+            final = None
             if len(done):
                 final = self._tensor(step, "final_observations", (len(done), *self.spec.obs_shape), self.spec.obs_dtype)
             elif step.HasField("final_observations") and step.final_observations.shape and step.final_observations.shape[0]:
                 raise TensorError("final_observations", "given, but no env ended")
         except TensorError as err:
             raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
+        self._refuse_bad(s, step.step_id, obs, rewards, final, done)
         if self.records:
             b, t = s.buffers, s.t
             b["rewards"][t], b["terminated"][t], b["truncated"][t] = rewards, term, trunc
@@ -237,6 +261,19 @@ class SessionHub:
                 self._emit(s, s.t)
                 s.buffers["obs"][0] = obs
         return obs
+
+    def _refuse_bad(self, s: Session, step_id: int, obs: np.ndarray, rewards: np.ndarray | None = None,
+                    final: np.ndarray | None = None, done: np.ndarray | None = None) -> None:
+        """SessionError INVALID_ARGUMENT naming the field and the env copy, counted, if the step holds
+        NaN or infinity, or an observation outside its declared bounds (actor.check_obs_bounds)."""
+        bad = s.check.find(obs)
+        if bad is None and rewards is not None:
+            bad = FINITE.find(rewards, "rewards")
+        if bad is None and final is not None:
+            bad = s.check.find(final, "final_observations", envs=done)
+        if bad is not None:
+            self.metrics.inc(bad.metric)
+            raise SessionError("INVALID_ARGUMENT", f"step {step_id}: {bad}")
 
     def _mask(self, s: Session, step) -> np.ndarray:
         """The step's action masks, checked against the action space; SessionError if they cannot be used."""
@@ -309,6 +346,11 @@ class SessionHub:
         b["terminated"][:] = False
         b["truncated"][:] = False
 
+    def held(self, sessions: list[Session], seconds: float) -> None:
+        """The replies of `sessions` were held `seconds` (by the rate limiter or on-policy pacing)."""
+        for s in sessions:
+            s.held_s += seconds
+
     # -- the end -----------------------------------------------------------------------------------
     def close(self, s: Session, reason: str) -> None:
         """End a session: flush its unfinished fragment (still-running episodes truncated at the last
@@ -316,6 +358,7 @@ class SessionHub:
         if self.sessions.get(s.session_id) is not s:
             return
         del self.sessions[s.session_id]
+        s.ended = reason
         if s.t > 0:
             b, t, N = s.buffers, s.t, s.num_envs
             running = ~(b["terminated"][t - 1] | b["truncated"][t - 1])

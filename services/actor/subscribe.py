@@ -1,7 +1,9 @@
-"""Receives new policy weights from the learner on a background server stream.
+"""The actor's two background server streams: new policy weights from the learner, and the insert
+limit of the buffer's rate limiter.
 
-Reconnects with backoff when the stream breaks, asking only for versions newer than the one held.
-Chunks are verified (order, checksum) by WeightsAssembler; a bad version is skipped and counted.
+Both reconnect with backoff when the stream breaks. Weights: only versions newer than the one held
+are asked for; chunks are verified (order, checksum) by WeightsAssembler; a bad version is skipped
+and counted. Insert limits go to the actor's InsertGate (limiter.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import logging
 
 import grpc
 
-from kuberl.v1 import learner_pb2, learner_pb2_grpc
+from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
+from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
 from services.common.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
@@ -49,4 +52,33 @@ async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: s
             metrics.inc("actor/weights_stream_errors_total")
             log.log(logging.INFO if latest is None else logging.WARNING,
                     "weights stream from learner ended (%s); reconnecting", describe(err))
+        await backoff.sleep()
+
+
+async def watch_insert_limit(stub: buffer_pb2_grpc.BufferStub, actor_id: str, incarnation: int, gate: InsertGate,
+                             metrics: Metrics) -> None:
+    """Run until cancelled, handing each InsertLimit of the buffer's rate limiter to `gate`. While the
+    stream is down no limit is known and `gate` holds nothing; a buffer without the RPC (an older
+    release) is logged once and never asked again."""
+    backoff = Backoff()
+    req = buffer_pb2.InsertLimitRequest(actor_id=actor_id, incarnation=incarnation)
+    while True:
+        try:
+            async for msg in stub.WatchInsertLimit(req):
+                gate.update(msg.insert_limit_samples if msg.HasField("insert_limit_samples") else None,
+                            msg.samples_inserted_total,
+                            msg.high_water_seq if msg.HasField("high_water_seq") else None,
+                            msg.samples_served_total, msg.replay_ratio_target)
+                backoff.reset()
+        except grpc.aio.AioRpcError as err:
+            raise_if_cancelling(err)
+            gate.clear()
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("the buffer has no rate limiter (WatchInsertLimit: %s): this actor is not held", describe(err))
+                return
+            metrics.inc("actor/limit_stream_errors_total")
+            log.log(logging.DEBUG if err.code() == grpc.StatusCode.UNAVAILABLE else logging.INFO,
+                    "insert-limit stream from buffer ended (%s); reconnecting", describe(err))
+        else:
+            gate.clear()
         await backoff.sleep()

@@ -51,11 +51,18 @@ class Algorithm:
         `kuberl eval` and `kuberl export` make."""
         return bool(space.mask_width) and self.takes_action_masks
 
-    def check_spec(self, spec) -> None:
-        """ValueError naming the algorithm unless it can train on an env of this spec."""
+    def takes(self) -> str:
+        """The actions it takes, in words, for messages (e.g. "Discrete actions")."""
+        return " or ".join(k.__name__ for k in self.action_spaces) + " actions"
+
+    def check_spec(self, spec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
+        """ValueError naming the algorithm unless it can train on an env of this spec (a
+        services.common.spaces.EnvSpec); `action` and `obs` say where the spec's spaces come from (a
+        config key, an env id), e.g. "algorithm: dqn takes Discrete actions; env.action_space is
+        Box([1], [-2, 2])". Checked at config load for declared spaces, by `kuberl up` before it starts
+        anything, and by each part as it is built."""
         if not isinstance(spec.action, self.action_spaces):
-            kinds = " or ".join(k.__name__ for k in self.action_spaces)
-            raise ValueError(f"algorithm: {self.name} takes {kinds} actions; this env's are {spec.action}")
+            raise ValueError(f"algorithm: {self.name} takes {self.takes()}; {action} is {spec.action}")
 
     def section(self, cfg: ExperimentConfig):
         """This algorithm's config section (`cfg.<name>`); it has rollout_steps and hidden_sizes."""

@@ -1,7 +1,15 @@
 """Checks a learner makes on a decoded batch before training on it, and the batch handling every
-replay algorithm shares (numpy only)."""
+replay algorithm shares (numpy only).
+
+A batch holding NaN or infinity where the learner computes with it (`check_finite`) is refused whole
+with `NonFiniteError`: the trainer skips and counts it (learner/batches_nonfinite_total), so it never
+reaches the weights. Actors refuse such data already (services/actor/finite.py); this is the
+learner's own guard against whatever else may send it.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -9,7 +17,30 @@ from kuberl.v1 import common_pb2 as pb
 from services.common.envs import EnvSpec
 from services.common.fragments import TRANSITION_FIELDS
 from services.common.spaces import check_actions, check_mask
-from services.common.tensors import TensorError, decode
+from services.common.stats import Metrics
+from services.common.tensors import NonFiniteError, TensorError, decode
+
+log = logging.getLogger(__name__)
+STEPS_SKIPPED = "learner/gradient_steps_skipped_nonfinite_total"
+
+
+def check_finite(arrays: dict[str, np.ndarray | None]) -> None:
+    """Raise NonFiniteError naming the first field (name -> array; None: absent) whose floating-point
+    values are not all finite."""
+    for name, arr in arrays.items():
+        if arr is not None and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            bad = int(arr.size - np.isfinite(arr).sum())
+            raise NonFiniteError(name, f"{bad} of its {arr.size} values are NaN or infinite")
+
+
+def skipped_step(metrics: Metrics, what: str, version: int) -> None:
+    """Count an optimiser step not taken because a loss or the (group's averaged) gradient was not
+    finite (services/learner/distributed.py: `finite_gradients`); log the first and every 1000th."""
+    metrics.inc(STEPS_SKIPPED)
+    n = int(metrics.counters[STEPS_SKIPPED])
+    if n == 1 or n % 1000 == 0:
+        log.warning("skipped the %s step at version %d: its loss or gradient is not finite (%d steps skipped "
+                    "so far, learner/gradient_steps_skipped_nonfinite_total)", what, version, n)
 
 
 def check_fits(spec: EnvSpec, *observations: np.ndarray, actions: np.ndarray, lead: tuple[int, ...],
@@ -45,6 +76,7 @@ class TransitionLearner:
         for name in ("rewards", "terminated"):
             if data[name].shape != (rows,):
                 raise TensorError(f"transitions.{name}", f"shape {list(data[name].shape)}, expected [{rows}]")
+        check_finite({f"transitions.{f}": data[f] for f in ("obs", "actions", "rewards", "next_obs")})
         return data
 
     def learn(self, data: dict[str, np.ndarray]) -> tuple[int, dict[str, float]]:

@@ -62,6 +62,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     await srv.set_serving(False)      # 1. readiness goes NOT_SERVING
                     servicer.closing = True           # 2. refuse new pushes, end batch streams
                     servicer.inserted.notify()
+                    servicer.changed.notify()
                     await srv.server.stop(grace=2.0)  # 3. let in-flight calls finish
                     tick.cancel()
                 if saving is not None:                # 4. a last checkpoint of the final contents; not under

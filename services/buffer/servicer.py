@@ -1,4 +1,5 @@
-"""Thin gRPC adapter of the buffer: PushTrajectories, StreamBatches, GetStats -> Store."""
+"""Thin gRPC adapter of the buffer: PushTrajectories, StreamBatches, ReportProgress, WatchInsertLimit,
+GetStats -> Store."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ from services.common.tensors import TensorError
 
 log = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 1 << 20
+# WatchInsertLimit sends at most one InsertLimit per this interval per actor, and re-reads the limit
+# at least this often (LIMIT_RECHECK_S) when nothing wakes it (a learner's report expiring moves it).
+LIMIT_INTERVAL_S = 0.01
+LIMIT_RECHECK_S = 1.0
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
     def __init__(self, store: Store, metrics: Metrics):
         self.store, self.metrics = store, metrics
         self.inserted = Notifier()
+        self.changed = Notifier()  # what the insert limit is computed from moved (WatchInsertLimit)
         self.closing = False
 
     async def PushTrajectories(self, request_iterator, context) -> buffer_pb2.PushAck:
@@ -59,6 +65,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 ack.last_accepted_seq = max(msg.seq, ack.last_accepted_seq) if ack.HasField(
                     "last_accepted_seq") else msg.seq
                 self.inserted.notify()
+                self.changed.notify()
             elif outcome is Outcome.DUPLICATE:
                 ack.duplicates += 1
             else:  # counted by the store under its reason (buffer/fragments_too_old_total)
@@ -88,6 +95,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                     self.metrics.inc("buffer/paced_seconds_total", time.monotonic() - started)
                 continue
             batch.batch_id = sent
+            self.changed.notify()  # served moved: actors held by the limiter may go on
             try:
                 await context.write(batch)
             except (asyncio.CancelledError, Exception) as err:
@@ -110,7 +118,39 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner_id: must be 1..{MAX_ID_LEN} characters")
         self.store.report_progress(request.learner_id, request.policy_version, request.batches_consumed_total)
         self.inserted.notify()  # a newer version may make queued fragments stale
+        self.changed.notify()   # batches trained on, and a new learner, move the insert limit
         return buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples)
+
+    async def WatchInsertLimit(self, request: buffer_pb2.InsertLimitRequest, context):
+        """Stream the insert limit to one actor: at once, then on every change, at most one message
+        per LIMIT_INTERVAL_S (docs/rate-limiter.md)."""
+        if not 0 < len(request.actor_id) <= MAX_ID_LEN:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"actor_id: must be 1..{MAX_ID_LEN} characters")
+        sent = None
+        while not self.closing:
+            waiter = self.changed.waiter()  # taken before reading: a change in between is not missed
+            msg = self._insert_limit(request.actor_id, request.incarnation)
+            if msg != sent:
+                await context.write(msg)
+                sent = msg
+                await asyncio.sleep(LIMIT_INTERVAL_S)
+                continue
+            try:
+                async with asyncio.timeout(LIMIT_RECHECK_S):
+                    await waiter.wait()
+            except TimeoutError:
+                pass
+
+    def _insert_limit(self, actor_id: str, incarnation: int) -> buffer_pb2.InsertLimit:
+        store = self.store
+        msg = buffer_pb2.InsertLimit(samples_inserted_total=store.inserted_samples,
+                                     samples_served_total=store.served_samples,
+                                     replay_ratio_target=store.limiter.ratio)
+        if (limit := store.insert_limit()) is not None:
+            msg.insert_limit_samples = max(0, limit)
+        if (high := store.high_water(actor_id, incarnation)) is not None:
+            msg.high_water_seq = high
+        return msg
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         return self.metrics.response()

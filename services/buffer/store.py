@@ -9,9 +9,13 @@ Staleness (docs/architecture.md section 4) is measured against the newest policy
 learners report:
 - PPO: fragments more than `ppo.max_policy_lag` versions behind are dropped before serving
   (`buffer/fragments_dropped_stale_total`), unless `ppo.stale_fragments` is "correct".
-- DQN: the paper's P = B_s / N_s (batch size over replay size) and the replay ratio (samples
-  served per sample inserted) are reported; batches are held back ("paced") while serving one more
-  would take the ratio above `dqn.replay_ratio`. Inserts are never blocked or refused for it.
+- DQN, SAC: the paper's P = B_s / N_s (batch size over replay size) and the replay ratio (samples
+  served per sample inserted after the warm-up) are reported.
+
+Balance (services/buffer/limiter.py, docs/rate-limiter.md): batches are held back ("paced") while
+serving one more would take the replay ratio above its target, and `insert_limit` tells actors
+(Buffer.WatchInsertLimit) how far they may insert before they hold. Inserts that arrive are never
+blocked or refused for it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.fifo import RolloutFifo
 from services.buffer.compact import CompactReplay
+from services.buffer.limiter import RateLimiter
 from services.buffer.replay import Replay, ReplayRing
 from services.common.config import ExperimentConfig
 from services import algorithms
@@ -113,6 +118,12 @@ class Store:
         self.max_elements = cfg.buffer.max_message_mb * (1 << 20)
         # How the algorithm wants its fragments kept and served (services/algorithms/base.py).
         self.table = self.algorithm.table(cfg)
+        replay = isinstance(self.table, ReplayTable)
+        self.limiter = RateLimiter(ratio=self.table.replay_ratio if replay else 1.0,
+                                   warmup=self.table.learning_starts if replay else 0,
+                                   batch_size=self.algorithm.batch_size(cfg), prefetch=cfg.buffer.batch_prefetch,
+                                   fifo=not replay)
+        self.largest_fragment = 0  # samples of the largest fragment stored: the limiter's slack
         # Its layout (ReplayRing or CompactReplay) is chosen at the first insert, or by a restore.
         self.replay: Replay | None = (ReplayRing(self.table.capacity, seed=cfg.seed)
                                       if isinstance(self.table, ReplayTable) else None)
@@ -169,6 +180,17 @@ class Store:
             return None
         return max(v + self.in_flight(lid) for lid, v in live)
 
+    def insert_limit(self) -> int | None:
+        """The samples-inserted count below which actors may start a fragment (None: no limit), for
+        Buffer.WatchInsertLimit: the insert side of the rate limiter (services/buffer/limiter.py)."""
+        now = time.monotonic()
+        live = [lid for lid, (_, _, seen) in self._learners.items() if now - seen <= LEARNER_EXPIRY_S]
+        # FIFO: batches served but not yet trained on (in a learner's prefetch queue or in transit)
+        # still count as waiting, or the transport's buffers would let actors run many batches ahead.
+        in_flight = sum(self.in_flight(lid) for lid in live) * self.limiter.batch_size
+        return self.limiter.insert_limit(self.inserted_samples, self.size + in_flight, self.served_samples,
+                                          len(live), self.largest_fragment)
+
     def unserve(self, learner_id: str) -> None:
         """A batch served to `learner_id` never left (its stream broke): it is not in flight."""
         self._served_to[learner_id] = max(0, self._served_to.get(learner_id, 0) - 1)
@@ -221,6 +243,7 @@ class Store:
                 self.metrics.inc("buffer/samples_evicted_total", old.num_steps * len(old.env_ids))
         self._window(frag.actor_id, frag.incarnation).add(frag.seq)
         self.inserted_samples += frag.num_samples
+        self.largest_fragment = max(self.largest_fragment, frag.num_samples)
         self.metrics.inc("buffer/fragments_received_total")
         self.metrics.inc("buffer/samples_received_total", frag.num_samples)
         self.metrics.set("buffer/policy_version_newest", max(frag.policy_version,
@@ -285,12 +308,18 @@ class Store:
         batch = pb.TrainingBatch(buffer_inserted_total=self.inserted_samples)
         self.last_batch_size = batch_size
         version = self.learner_version
+        if learner_id in self._learners and self.in_flight(learner_id) > self.cfg.buffer.batch_prefetch:
+            # A learner that reports its progress is served at most batch_prefetch + 1 batches ahead of
+            # what it has trained on: the transport's buffers would take many more, which then go
+            # stale, and in a group would starve the other members (the rate limiter counts on it).
+            self.wait_reason = "prefetched"
+            return None
         if self.replay is not None:
             d = self.table
             if self.replay.size < max(d.learning_starts, batch_size):
                 self.wait_reason = "warming up"
                 return None
-            if d.replay_ratio and self.served_samples + batch_size > d.replay_ratio * self.inserted_samples:
+            if not self.limiter.can_sample(self.inserted_samples, self.served_samples, batch_size):
                 self.wait_reason = "paced"
                 return None
             rows = self.replay.sample(batch_size)
@@ -342,11 +371,14 @@ class Store:
 
     def gauges(self) -> dict[str, float]:
         """Occupancy, replay ratio and staleness gauges for GetStats and /metrics."""
-        ratio = self.served_samples / self.inserted_samples if self.inserted_samples else 0.0
+        produced = self.inserted_samples - self.limiter.warmup  # the warm-up is not production
+        ratio = self.served_samples / produced if produced > 0 else 0.0
         out = {"buffer/size_samples": self.size, "buffer/samples_per_insert": ratio,
                "buffer/actors_known": len(self._actors)}
         if self.learner_version is not None:
             out["buffer/learner_version"] = self.learner_version
+        if (limit := self.insert_limit()) is not None:  # the rate limiter's insert side
+            out["buffer/insert_limit_samples"] = limit
         if self.replay is not None:
             d = self.table
             # The paper's staleness P = B_s / N_s: batch size over the number of samples stored.

@@ -8,6 +8,10 @@ so the short episodes that finish first are not over-represented (SB3's evaluate
 same). The statistics are over episode returns as the env reports them (Atari: whole games,
 unclipped) and episode lengths in env steps.
 
+`--env ENV_ID` runs the episodes on another gymnasium env whose spaces are the policy's (`on_env`
+checks them). That is how a policy trained on external simulators (env.mode: external) is evaluated
+here; without it such a checkpoint is refused, pointing at `kuberl serve` and the simulator itself.
+
 `--video FILE.mp4|FILE.gif` then records a few more episodes, one after another, on one more env copy
 made with `render_mode="rgb_array"`, writing each frame as it is rendered through imageio (its ffmpeg
 plugin for MP4, Pillow for GIF). An episode of L steps gives L frames: the first observation's and
@@ -111,6 +115,67 @@ def _make_envs(env_cfg, n: int, render_mode: str | None = None):
         lines = str(err).strip().splitlines()
         raise EvalError(f"env.id {env_cfg.id!r} cannot be made here ({type(err).__name__}"
                         f"{': ' + lines[0] if lines else ''})") from None
+
+
+def describe_spec(spec) -> str:
+    """An env spec's spaces for messages, e.g. `observations Box[3] float32, actions Box([1], [-2, 2])`."""
+    from services.common.spaces import describe
+
+    obs = describe(spec.obs_keys) if spec.obs_keys is not None else f"Box{list(spec.obs_shape)} {spec.obs_dtype.name}"
+    return f"observations {obs}, actions {spec.action}"
+
+
+def _fits(env, policy) -> bool:
+    """Whether an env of spec `env` gives the observations the policy of spec `policy` takes and takes
+    its actions: the same observation shape and dtype (and Dict layout, where both have one) and the
+    same action space, Box bounds compared as the float32 values actions are clipped to."""
+    from services.common.spaces import Box
+
+    if env.obs_shape != policy.obs_shape or env.obs_dtype != policy.obs_dtype:
+        return False
+    if env.obs_keys is not None and policy.obs_keys is not None and env.obs_keys != policy.obs_keys:
+        return False
+    a, b = env.action, policy.action
+    if isinstance(a, Box) and isinstance(b, Box):
+        return (a.shape == b.shape and np.array_equal(a.low_array, b.low_array)
+                and np.array_equal(a.high_array, b.high_array))
+    return a == b
+
+
+def on_env(trained, env_id: str):
+    """`trained` to be evaluated on the gymnasium env `env_id` instead of its config's (`--env`): the
+    way to evaluate a policy trained on external simulators here. The env keeps the run's
+    `max_episode_steps` and Atari preprocessing. Blocking (makes the env once). EvalError naming --env
+    unless the env can be made here and fits the policy's spaces (`_fits`)."""
+    from services.common.config import ConfigError
+    from services.common.envs import env_spec
+
+    try:
+        env_cfg = dataclasses.replace(trained.cfg.env, id=env_id, observation_shape=None, observation_dtype="float32",
+                                      observation_keys=None, num_actions=None, action_space=None)
+    except ConfigError as err:
+        raise EvalError(f"--env {env_id}: {str(err).removeprefix('id: ')}") from None
+    try:
+        spec = env_spec(env_cfg)
+    except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
+        lines = str(err).strip().splitlines()
+        raise EvalError(f"--env {env_id}: cannot be made here ({type(err).__name__}"
+                        f"{': ' + lines[0] if lines else ''})") from None
+    if not _fits(spec, trained.spec):
+        raise EvalError(f"--env {env_id}: its spaces ({describe_spec(spec)}) are not the policy's "
+                        f"({describe_spec(trained.spec)})")
+    return dataclasses.replace(trained, cfg=dataclasses.replace(trained.cfg, env=env_cfg))
+
+
+def external_refusal(trained, path: str) -> str:
+    """Why `kuberl eval` without --env does not evaluate a policy trained on external simulators, and
+    what does: `kuberl serve` with the simulator connected, or --env with a gymnasium env of its spaces."""
+    env = trained.cfg.env
+    example = f" (e.g. --env {env.id}, the env.id its spaces came from)" if env.declared_spec is None else ""
+    return (f"{trained.checkpoint}: trained on external simulators (env.mode: external), whose env kuberl eval "
+            f"cannot make: serve the policy with `kuberl serve {path}` and connect your simulator to it "
+            f"(docs/after-training.md), or evaluate it here on a gymnasium env with its spaces "
+            f"({describe_spec(trained.spec)}) with --env ENV_ID{example}")
 
 
 def _step(envs, space, actions: np.ndarray):
@@ -271,6 +336,10 @@ def main(argv=None) -> int:
                    help="also record episodes into FILE (.mp4 or .gif) from the env's rgb_array rendering")
     p.add_argument("--video-episodes", type=int, default=3, help="episodes recorded into --video (default 3)")
     p.add_argument("--fps", type=float, default=30.0, help="frames per second of --video (default 30)")
+    p.add_argument("--env", default=None, metavar="ENV_ID",
+                   help="evaluate on this gymnasium env instead of the run's env.id; its observation and action "
+                        "spaces must be the policy's. A policy trained on external simulators (env.mode: "
+                        "external) is evaluated here only this way (or served to them: `kuberl serve`)")
     args = p.parse_args(argv)
     for name in ("episodes", "num_envs", "video_episodes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -291,6 +360,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     try:
         trained = load_trained(args.path)
+        if args.env is not None:
+            trained = on_env(trained, args.env)
+        elif trained.cfg.env.mode == "external":  # its env is the simulators': nothing here steps it
+            raise EvalError(external_refusal(trained, args.path))
         e = trained.cfg.evaluation
         episodes = args.episodes or e.episodes
         seed = e.seed if args.seed is None else args.seed

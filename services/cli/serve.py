@@ -16,7 +16,9 @@ checkpoint's weights stay.
 
 The policy comes from the checkpoint (algorithm, spaces, network); `--config` contributes only what
 belongs to the serving process: its `tls` and `auth` sections (tokens, session caps) and its `actor`
-section's session settings (`max_sessions`, `session_timeout_s`, `session_resume_s`, `torch_threads`).
+section's session settings (`max_sessions`, `session_timeout_s`, `session_resume_s`, `check_obs_bounds`,
+`torch_threads`). A step holding NaN or infinity is refused by the hub (services/actor/finite.py) before
+the policy sees it, deterministic or `--stochastic`: INVALID_ARGUMENT, never NaN actions.
 
 Metrics are the actor's names (`actor/sessions_active`, `actor/env_steps_total` for steps served,
 `actor/inference_batch_envs_*`, `actor/policy_version`, ...; docs/metrics.md) under the instance id

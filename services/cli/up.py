@@ -46,7 +46,8 @@ CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "episodes_skipped", "return_me
                "actor_fragments_dropped_total", "actor_fragments_rejected_total", "samples_lost_total",
                *(f"samples_lost_{r}" for r in LOSS_REASONS), "buffer_size_samples", "buffer_samples_per_insert",
                "learner_updates_per_s", "learner_samples_per_s", "learner_policy_version",
-               "learner_policy_lag_mean", "actors", "learners", "planner_ratio", "process_restarts"]
+               "learner_policy_lag_mean", "replay_ratio_target", "actors_held_share", "actors", "learners",
+               "planner_ratio", "process_restarts"]
 EPISODE_COLUMNS = ["wall_s", "env_steps", "return", "length", "policy_version"]
 
 
@@ -117,6 +118,7 @@ class LocalRun:
         self.episodes = 0
         self.env_steps = 0
         self.started = time.monotonic()
+        self._held_last: tuple[float, float] | None = None  # (when, actors' held seconds) at the last row
         self.reached: dict | None = None
         self.last_decision_id = 0
         self.episode_rows: csv.writer | None = None  # episodes.csv, while `run` has it open
@@ -298,16 +300,32 @@ class LocalRun:
             "learner_samples_per_s": self._sum("learner", "learner/samples_per_s") if self._role("learner") else None,
             "learner_policy_version": learner.get("learner/policy_version"),
             "learner_policy_lag_mean": learner.get("learner/policy_lag_mean"),
+            "replay_ratio_target": buffer.get("buffer/replay_ratio_target"),
+            "actors_held_share": self._held_share(),
             "actors": len(self._role("actor")),
             "learners": len(self._role("learner")),
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
             "process_restarts": sum(self.restarts.values()),
         }
 
+    def _held_share(self) -> float | None:
+        """The share of the actors' time since the last row that they were held (the rate limiter or
+        on-policy pacing: `actor/pace_wait_seconds_total`), None on the first row."""
+        now, held = time.monotonic(), self.tally.total("actor/pace_wait_seconds_total")
+        last, self._held_last = self._held_last, (now, held)
+        actors = len(self._role("actor"))
+        if last is None or not actors or now <= last[0]:
+            return None
+        return min(1.0, max(0.0, (held - last[1]) / ((now - last[0]) * actors)))
+
     def show(self, row: dict) -> None:
         def f(v, spec=",.0f"):
             return "-" if v is None else format(v, spec)
         skipped = f" ({row['episodes_skipped']:,} skipped)" if row["episodes_skipped"] else ""
+        # The replay ratio held against its target, and how much of the time the actors were held for it.
+        ratio = (f" ratio {f(row['buffer_samples_per_insert'], ',.1f')}/{row['replay_ratio_target']:g}"
+                 if row["replay_ratio_target"] else "")
+        held = f" held {row['actors_held_share']:.0%}" if row["actors_held_share"] is not None else ""
         line = (f"[{row['wall_s']:7.1f}s] steps {row['env_steps']:>10,} ({f(row['actor_env_steps_per_s'])}/s,"
                 f" {row['actors']} actor{'s' if row['actors'] != 1 else ''})"
                 f" | episodes {row['episodes']:>6,}{skipped} | return {fmt_return(row['return_mean'])}"
@@ -315,6 +333,7 @@ class LocalRun:
                 f" v{f(row['learner_policy_version'])}"
                 f" {f(row['learner_updates_per_s'], ',.1f')} upd/s {f(row['learner_samples_per_s'])} smp/s"
                 f" lag {f(row['learner_policy_lag_mean'], '.1f')} | buffer {f(row['buffer_size_samples'])}"
+                f"{ratio}{held}"
                 f" | lost {fmt_losses({r: row[f'samples_lost_{r}'] for r in LOSS_REASONS})}")
         print(line, flush=True)
 
@@ -404,7 +423,9 @@ class LocalRun:
         if not self.cfg.evaluation.after_training or reason in ("interrupted", "failed"):
             return None
         if self.cfg.env.mode == "external":  # (evaluate_after_training skips it too)
-            print("not evaluated: the env is the external simulators' (env.mode: external)", flush=True)
+            print("not evaluated: the env is the external simulators' (env.mode: external); evaluate the policy "
+                  "with `kuberl serve` and your simulator, or `kuberl eval --env ENV_ID` (docs/after-training.md)",
+                  flush=True)
             return None
         from services.cli.evaluate import describe, evaluate_after_training
 
@@ -518,6 +539,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s up: %(message)s")
     try:
         cfg = load_config(args.config)
+        # The algorithm must be able to train on the env's spaces (declared ones were checked on load;
+        # an env id's are read by making the env once): refused here, not by processes crash-looping.
+        from services.common.envs import checked_spec
+
+        checked_spec(cfg)
     except (ConfigError, OSError) as err:
         print(f"kuberl up: {args.config}: {err}", file=sys.stderr)
         return 2

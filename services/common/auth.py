@@ -9,7 +9,7 @@ The settings are the config's `auth` section (services/common/config.AuthConfig)
 - `AuthInterceptor`: the server interceptor every role installs (`start_server`). EnvSession needs
   scope `envsession`, the planner's write RPCs `planner:write`, and with `auth.protect_reads` the
   read-only ones (GetStats, the planner's status, decisions and preview) `read`. Health, reflection and
-  the roles' internal RPCs (PushTrajectories, StreamBatches, ReportProgress, SubscribeWeights) are never
+  the roles' internal RPCs (PushTrajectories, WatchInsertLimit, StreamBatches, ReportProgress, SubscribeWeights) are never
   asked for a token: probes need health, and mTLS guards the internal ones. With `tls.role_names` it
   also authorises those per role: each is served only to a client whose certificate names the role
   that calls it (`ROLE_RPCS`), PERMISSION_DENIED otherwise. It also caps EnvSession sessions per token
@@ -49,8 +49,9 @@ PLANNER_WRITES = frozenset(f"/kuberl.v1.Planner/{m}" for m in ("Apply", "SetRepl
 PLANNER_READS = frozenset(f"/kuberl.v1.Planner/{m}" for m in ("Preview", "WatchDecisions", "GetStatus"))
 STATS = frozenset(f"/kuberl.v1.{s}/GetStats" for s in ("Actor", "Buffer", "Learner", "Planner"))
 # The roles' internal RPCs and the one role that calls each: what tls.role_names authorises.
-ROLE_RPCS = {"/kuberl.v1.Buffer/PushTrajectories": "actor", "/kuberl.v1.Buffer/StreamBatches": "learner",
-             "/kuberl.v1.Buffer/ReportProgress": "learner", "/kuberl.v1.Learner/SubscribeWeights": "actor"}
+ROLE_RPCS = {"/kuberl.v1.Buffer/PushTrajectories": "actor", "/kuberl.v1.Buffer/WatchInsertLimit": "actor",
+             "/kuberl.v1.Buffer/StreamBatches": "learner", "/kuberl.v1.Buffer/ReportProgress": "learner",
+             "/kuberl.v1.Learner/SubscribeWeights": "actor"}
 
 
 class AuthError(ValueError):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from services import algorithms
@@ -169,6 +170,11 @@ class EnvConfig:
                      "keys of 1..64 characters, every dimension >= 1")
         _require(self.observation_keys is None or 0 < len(self.observation_keys) <= 64, "observation_keys",
                  self.observation_keys, "1..64 keys")
+        if self.observation_keys is not None:
+            try:
+                spaces.dict_layout(self.observation_keys)
+            except ValueError as err:
+                raise ConfigError("observation_keys", str(err)) from None
         _require(self.num_actions is None or self.num_actions >= 1, "num_actions", self.num_actions, "must be >= 1")
         _require(self.observation_dtype in ("float32", "float64", "uint8", "int32", "int64"), "observation_dtype",
                  self.observation_dtype, "must be float32, float64, uint8, int32 or int64")
@@ -185,6 +191,36 @@ class EnvConfig:
         if self.num_actions is not None:
             return spaces.Discrete(self.num_actions)
         return None if self.action_space is None else self.action_space.space()
+
+    @property
+    def declared_spec(self) -> spaces.EnvSpec | None:
+        """The policy's spaces as the config declares them (None: the gymnasium env's, `id`)."""
+        action = self.declared_action_space
+        if action is None:
+            return None
+        if self.observation_keys is not None:
+            keys = spaces.dict_layout(self.observation_keys)
+            return spaces.EnvSpec((spaces.flat_size(keys),), np.dtype(np.float32), action, keys)
+        return spaces.EnvSpec(tuple(self.observation_shape), np.dtype(self.observation_dtype), action)
+
+    @property
+    def declared_sources(self) -> tuple[str, str]:
+        """The keys that declare the action and observation spaces, as `Algorithm.check_spec` names them."""
+        action = "env.num_actions" if self.num_actions is not None else "env.action_space"
+        obs = ("the declared observations (env.observation_keys)" if self.observation_keys is not None
+               else "the declared observations (env.observation_shape, env.observation_dtype)")
+        return action, obs
+
+
+def check_algorithm_takes(cfg: ExperimentConfig, spec: spaces.EnvSpec, action: str, obs: str) -> None:
+    """ConfigError naming `algorithm` unless the config's algorithm can train on an env of `spec`
+    (`Algorithm.check_spec`); `action` and `obs` say where the spaces come from, e.g.
+    "algorithm: sac takes Box actions with bounds finite in float32 with low < high; env.action_space is
+    Discrete(3)"."""
+    try:
+        algorithms.get(cfg.algorithm).check_spec(spec, action, obs)
+    except ValueError as err:
+        raise ConfigError("algorithm", str(err).removeprefix("algorithm: ")) from None
 
 
 @dataclass(frozen=True)
@@ -258,9 +294,9 @@ class DQNConfig:
     target_update_interval: int = 250  # updates between target-network syncs
     tau: float = 1.0                  # 1.0 = hard copy
     learning_starts: int = 1000       # transitions stored before the buffer serves batches
-    # Target replay ratio: transitions trained on per transition inserted. The buffer holds back
-    # batches from a learner that runs ahead of production (it never blocks inserts); a learner too
-    # slow for the target shows as a ratio below the band. 0 = serve as fast as the learner reads.
+    # Target replay ratio: transitions trained on per transition inserted after learning_starts. The
+    # buffer's rate limiter (docs/rate-limiter.md) holds back batches from a learner that runs ahead of
+    # production, and holds actors (and simulators' replies) that run ahead of the learner. 0 = unpaced.
     replay_ratio: float = 8.0
     replay_ratio_tolerance: float = 0.1  # the band is target * (1 +- tolerance)
     start_epsilon: float = 1.0
@@ -361,8 +397,8 @@ class ActorConfig:
     queue_mb: float = 64.0
     push_ack_interval_s: float = 2.0  # a push stream is half-closed and acknowledged this often
     torch_threads: int = 1
-    # Cap on env steps per second (all of this actor's envs together); 0 = as fast as possible.
-    # Sleeping here frees the CPU for the learner on a shared machine; the actor never waits on the network.
+    # A user's cap on env steps per second (all of this actor's envs together); 0 = none. Not needed
+    # for balance: the buffer's rate limiter holds an actor that outruns the learner (docs/rate-limiter.md).
     max_env_steps_per_s: float = 0.0
     # On-policy pacing (FIFO algorithms such as PPO): after cutting this many fragments with one policy
     # version (external mode: all sessions together), wait for the learner's next weights before
@@ -376,6 +412,10 @@ class ActorConfig:
     max_sessions: int = 256            # concurrent EnvSession streams; more get RESOURCE_EXHAUSTED
     session_timeout_s: float = 30.0    # a session silent this long is closed (DEADLINE_EXCEEDED)
     session_resume_s: float = 300.0    # a session_id reconnecting within this resumes its episodes
+    # Observations and rewards holding NaN or infinity are always refused (services/actor/finite.py).
+    # True: observations outside the finite bounds of their space are refused too: a local env's
+    # observation_space, a simulator's hello (its BoxSpace low/high, or each Dict key's).
+    check_obs_bounds: bool = False
 
     def __post_init__(self):
         _require(self.max_sessions >= 1, "max_sessions", self.max_sessions, "must be >= 1")
@@ -397,7 +437,9 @@ class BufferConfig:
     """Buffer process settings."""
     max_message_mb: int = 64          # largest fragment accepted / batch sent, MiB
     fifo_capacity_steps: int = 8192   # PPO: steps held before the oldest fragment is evicted (counted)
-    batch_prefetch: int = 2           # batches cut ahead of the learner per stream
+    # Batches a learner holds queued beside the one it trains on; the buffer serves a learner that
+    # reports its progress no more than this many batches beyond the one it trains on.
+    batch_prefetch: int = 2
     # DQN: where the replay ring (with its dedupe windows and counters) is checkpointed, periodically
     # and at shutdown, and restored from at start, so a restarted buffer keeps its experience.
     # None = off. `kuberl buffer --checkpoint-dir` overrides it. PPO's FIFO is never checkpointed.
@@ -601,7 +643,7 @@ class TlsConfig:
     server_name: str = ""      # the name checked in servers' certificates ("" = the host dialled)
     # Authorisation per role of the roles' internal RPCs: the certificate names (DNS names of its
     # subjectAltName, or its CN) that prove a client is an actor or a learner. Set, the buffer serves
-    # PushTrajectories only to actors and StreamBatches/ReportProgress only to learners, and a learner
+    # PushTrajectories/WatchInsertLimit only to actors and StreamBatches/ReportProgress only to learners, and a learner
     # SubscribeWeights only to actors (services/common/auth.ROLE_RPCS); empty: any certificate from ca_file.
     role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
@@ -680,6 +722,10 @@ class ExperimentConfig:
     def __post_init__(self):
         _require(self.algorithm in algorithms.REGISTRY, "algorithm", self.algorithm,
                  f"must be one of {', '.join(sorted(algorithms.REGISTRY))}")
+        # Declared spaces (env.mode: external) are checked against the algorithm here, so no process
+        # starts to crash on them; an env id's are checked by `kuberl up` (envs.checked_spec), which makes it.
+        if (declared := self.env.declared_spec) is not None:
+            check_algorithm_takes(self, declared, *self.env.declared_sources)
         _require(self.planner.actor.min <= self.topology.actors <= self.planner.actor.max, "topology.actors",
                  self.topology.actors, f"must lie within planner.actor.min..max "
                  f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")

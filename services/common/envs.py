@@ -15,30 +15,10 @@ Imports gymnasium and ale-py (lazily): only actors and learners may import this 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from services.common.config import EnvConfig, is_atari
-from services.common.spaces import ActionSpace, Discrete, DictLayout, dict_layout, flat_size, from_gymnasium
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """What the networks need to know about an environment."""
-    obs_shape: tuple[int, ...]
-    obs_dtype: np.dtype
-    action: ActionSpace
-    # A Dict observation flattened into obs_shape = (flat size,) float32: its layout ((key, shape), ...
-    # keys sorted); None for a Box observation.
-    obs_keys: DictLayout | None = None
-
-    @property
-    def num_actions(self) -> int:
-        """n of a Discrete action space (ValueError for any other: say what the caller needs)."""
-        if not isinstance(self.action, Discrete):
-            raise ValueError(f"this needs a Discrete action space, not {self.action}")
-        return self.action.n
+from services.common.config import ConfigError, EnvConfig, ExperimentConfig, check_algorithm_takes, is_atari
+from services.common.spaces import Discrete, EnvSpec, dict_layout, from_gymnasium  # EnvSpec: also re-exported
 
 
 def atari_game(env_id: str) -> str:
@@ -155,10 +135,26 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
 
 def spec_of(cfg: EnvConfig) -> EnvSpec:
     """The policy's spaces: declared ones (external simulators), else the local env's."""
-    action = cfg.declared_action_space
-    if action is None:
-        return env_spec(cfg)
-    if cfg.observation_keys is not None:
-        keys = dict_layout(cfg.observation_keys)
-        return EnvSpec((flat_size(keys),), np.dtype(np.float32), action, keys)
-    return EnvSpec(tuple(cfg.observation_shape), np.dtype(cfg.observation_dtype), action)
+    declared = cfg.declared_spec
+    return env_spec(cfg) if declared is None else declared
+
+
+def checked_spec(cfg: ExperimentConfig) -> EnvSpec:
+    """The run's env spec (`spec_of`), refused unless the config's algorithm can train on it: what
+    `kuberl up` asks before it starts any process. Declared spaces were checked when the config was
+    built; an env id's are read by making the env once. Blocking. ConfigError naming `algorithm` and
+    the env, or naming `env.id` when the env cannot be made here."""
+    declared = cfg.env.declared_spec
+    if declared is not None:
+        return declared
+    try:
+        spec = env_spec(cfg.env)
+    except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
+        lines = str(err).strip().splitlines()
+        detail = lines[0] if lines else ""
+        if isinstance(err, ValueError) and detail.startswith("env.id: "):  # env_spec's own, naming the key
+            raise ConfigError("env.id", detail.removeprefix("env.id: ")) from None
+        raise ConfigError("env.id", f"{cfg.env.id!r} cannot be made here ({type(err).__name__}"
+                                    f"{': ' + detail if detail else ''})") from None
+    check_algorithm_takes(cfg, spec, f"env.id {cfg.env.id}'s action space", f"env.id {cfg.env.id}'s observations")
+    return spec

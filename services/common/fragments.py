@@ -16,7 +16,7 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.common import wire
-from services.common.tensors import DEFAULT_MAX_ELEMENTS, TensorError, decode, encode, encode_parts
+from services.common.tensors import DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, decode, encode, encode_parts
 
 MAX_STEPS = 65536
 MAX_ID_LEN = 128
@@ -272,7 +272,8 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
         _expect(arr.shape == (T, N), f"{name}.shape", lambda: f"must be [T={T}, N={N}], got {list(arr.shape)}")
         _expect(arr.dtype == dtype, f"{name}.dtype", lambda: f"must be {np.dtype(dtype).name}, got {arr.dtype.name}")
         step_fields[name] = arr
-    _expect(bool(np.isfinite(step_fields["rewards"]).all()), "rewards", "holds NaN or infinity")
+    if not np.isfinite(step_fields["rewards"]).all():
+        raise NonFiniteError("rewards", "holds NaN or infinity")
 
     final_index = get("final_index")
     _expect(final_index.ndim == 1 and final_index.dtype == np.int64, "final_index",

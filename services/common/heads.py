@@ -40,8 +40,9 @@ def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 class MultiCategorical:
     """Independent categoricals over runs of logits (one per choice); actions [B, k]."""
 
-    def __init__(self, logits: torch.Tensor, nvec: tuple[int, ...]):
-        self.parts = [Categorical(logits=part) for part in torch.split(logits, list(nvec), dim=-1)]
+    def __init__(self, logits: torch.Tensor, nvec: tuple[int, ...], validate_args: bool = True):
+        self.parts = [Categorical(logits=part, validate_args=validate_args)
+                      for part in torch.split(logits, list(nvec), dim=-1)]
 
     def sample(self) -> torch.Tensor:
         return torch.stack([d.sample() for d in self.parts], dim=-1)
@@ -64,9 +65,9 @@ class ModeCategorical(Categorical):
 class DiagGaussian:
     """A diagonal Gaussian over actions [B, *shape]; log_prob and entropy summed over the elements."""
 
-    def __init__(self, mean: torch.Tensor, log_std: torch.Tensor, shape: tuple[int, ...]):
+    def __init__(self, mean: torch.Tensor, log_std: torch.Tensor, shape: tuple[int, ...], validate_args: bool = True):
         self.shape = shape
-        self.normal = Normal(mean, log_std.expand_as(mean).exp())
+        self.normal = Normal(mean, log_std.expand_as(mean).exp(), validate_args=validate_args)
 
     def sample(self) -> torch.Tensor:
         return self.normal.sample().view(-1, *self.shape)
@@ -83,7 +84,13 @@ class DiagGaussian:
 
 class Head(nn.Module):
     """Turns the output layer's values into the space's distribution. Holds the Gaussian's
-    state-independent `log_std` (a parameter: it is trained, and reaches actors with the weights)."""
+    state-independent `log_std` (a parameter: it is trained, and reaches actors with the weights).
+
+    `validate`: whether the distributions check their parameters (torch's validate_args). An actor's
+    do, so a non-finite output raises rather than becoming an action; a learner's need not (PPO turns
+    it off), so a non-finite output becomes a non-finite loss, whose step is skipped and counted
+    (services/learner/distributed.py, `finite_gradients`) instead of ending the process."""
+    validate: bool = True
 
     def __init__(self, space: ActionSpace):
         super().__init__()
@@ -96,10 +103,10 @@ class Head(nn.Module):
         if isinstance(space, Box):
             if mask is not None:
                 raise ValueError(f"{space} takes no action mask")
-            return DiagGaussian(out, self.log_std, space.shape)
+            return DiagGaussian(out, self.log_std, space.shape, self.validate)
         if isinstance(space, MultiDiscrete):
-            return MultiCategorical(_masked(out, mask), space.nvec)
-        return ModeCategorical(logits=_masked(out, mask))
+            return MultiCategorical(_masked(out, mask), space.nvec, self.validate)
+        return ModeCategorical(logits=_masked(out, mask), validate_args=self.validate)
 
     def mode(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The distribution's most likely action straight from the layer's output, without building the

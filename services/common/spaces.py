@@ -3,6 +3,8 @@
 Free of torch and gymnasium (the buffer and planner import it). An action space says how one step's
 action is laid out in a fragment (`layout`), which values are valid (`check_actions`), how wide an
 action mask is (`mask_width`), and how it is written in an EnvHello (`to_proto`, `from_proto`).
+`EnvSpec` is an env's observation and action spaces together: what the networks are built for, and
+what an algorithm checks it can train on (`Algorithm.check_spec`).
 
 | space | one env's action | fragment `actions` | mask columns |
 |---|---|---|---|
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.tensors import TensorError, dtype_code, numpy_dtype
+from services.common.tensors import NonFiniteError, TensorError, dtype_code, numpy_dtype
 
 MAX_CHOICES = 64       # MultiDiscrete: choices per action
 MAX_ACTION_DIMS = 4    # Box actions: rank
@@ -119,7 +121,7 @@ def check_actions(space: ActionSpace, actions: np.ndarray, lead: tuple[int, ...]
         return
     if isinstance(space, Box):
         if not np.isfinite(actions).all():
-            raise TensorError(field, "holds NaN or infinity")
+            raise NonFiniteError(field, "holds NaN or infinity")
         return
     high = np.asarray(space.nvec if isinstance(space, MultiDiscrete) else space.n)
     if actions.min() < 0 or (actions >= high).any():
@@ -271,3 +273,22 @@ def flatten_dict(values: dict, layout: DictLayout, lead: tuple[int, ...] = ()) -
             raise ValueError(f"observation[{key!r}]: shape {list(arr.shape)}, expected {[*lead, *shape]}")
         parts.append(arr.reshape(*lead, -1).astype(np.float32, copy=False))
     return np.concatenate(parts, axis=-1)
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What the networks need to know about an environment: from a gymnasium env (services/common/envs.py)
+    or declared in the config (`EnvConfig.declared_spec`)."""
+    obs_shape: tuple[int, ...]
+    obs_dtype: np.dtype
+    action: ActionSpace
+    # A Dict observation flattened into obs_shape = (flat size,) float32: its layout ((key, shape), ...
+    # keys sorted); None for a Box observation.
+    obs_keys: DictLayout | None = None
+
+    @property
+    def num_actions(self) -> int:
+        """n of a Discrete action space (ValueError for any other: say what the caller needs)."""
+        if not isinstance(self.action, Discrete):
+            raise ValueError(f"this needs a Discrete action space, not {self.action}")
+        return self.action.n

@@ -42,6 +42,11 @@ class TensorError(ValueError):
         self.field = field
 
 
+class NonFiniteError(TensorError):
+    """A tensor holding NaN or infinity where only finite values may be: such data must never reach a
+    learner's weights (a learner counts it apart from malformed data)."""
+
+
 def dtype_code(dtype: np.dtype) -> int:
     """Wire code of a numpy dtype; raises TensorError for dtypes outside the whitelist."""
     dt = np.dtype(dtype)

@@ -9,8 +9,10 @@ fsync'd, renamed over the final name with os.replace, and the directory is fsync
 point leaves either the previous checkpoint set or the new one, never a partial file under a
 `ckpt-*.pt` name. Temp files a crash left behind match no checkpoint name, so they are ignored (and
 removed when the next learner process restores: one process writes to a directory). If the newest
-checkpoint still does not load (a disk fault, a truncated copy, another model), `restore_latest`
-falls back to the one before it, with a warning naming the file and why.
+checkpoint still does not load (a disk fault, a truncated copy, another model, a tensor holding NaN
+or infinity), `restore_latest` falls back to the one before it, with a warning naming the file and
+why. The learner never writes a state with such a tensor (`nonfinite`, checked by the Trainer), so
+the last one only comes from elsewhere (an older kuberl, a copied file); `load` refuses it all the same.
 
 The state written is a `snapshot` (detached CPU copies) taken under the training lock; the write
 itself runs outside the lock, in the caller's thread, so a slow disk does not stall training.
@@ -56,6 +58,18 @@ def snapshot(obj):
     return obj
 
 
+def nonfinite(obj, name: str = "") -> str | None:
+    """The name of the first floating-point tensor in `obj` (nested dicts/lists/tuples of tensors and
+    plain values) that holds NaN or infinity, e.g. "algo.net.pi.0.weight"; None when all are finite."""
+    if isinstance(obj, torch.Tensor):
+        return name if obj.is_floating_point() and not bool(torch.isfinite(obj).all()) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        if (found := nonfinite(value, f"{name}.{key}" if name else str(key))) is not None:
+            return found
+    return None
+
+
 def save(directory: str | Path, version: int, state: dict, keep: int) -> Path:
     """Write `state` as checkpoint `version` and prune to `keep` files. Blocking (disk): call it from a
     thread, outside the training lock, with a `snapshot` of the state."""
@@ -84,6 +98,8 @@ def load(path: str | Path) -> dict:
     m = _NAME.match(Path(path).name)
     if m is not None and int(m.group(1)) != version:
         raise CheckpointError(f"its name says version {int(m.group(1))} but it holds version {version}")
+    if (bad := nonfinite(state["algo"], "algo")) is not None:
+        raise CheckpointError(f"{bad} holds NaN or infinity")
     return state
 
 

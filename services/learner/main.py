@@ -19,6 +19,7 @@ import torch
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services import algorithms
 from services.common.config import ExperimentConfig
+from services.common.fragments import batch_samples
 from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
                                       start_server)
 from services.common.notify import Notifier
@@ -65,6 +66,16 @@ async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.Ba
 STARVED_TICK_S = 0.25
 
 
+def discard(metrics: Metrics, batches: list) -> None:
+    """Batches taken off the stream that will never be trained on (a group ending with one in hand,
+    or prefetched at shutdown): counted as discarded, and as consumed, which is what the buffer reads
+    (LearnerProgress.batches_consumed_total): a batch neither trained on nor counted would stay in
+    flight to this learner for good, and the buffer serves a learner only so far ahead of that."""
+    metrics.inc("learner/batches_discarded_total", len(batches))
+    metrics.inc("learner/batches_consumed_total", len(batches))
+    metrics.inc("learner/samples_consumed_total", sum(batch_samples(b) for b in batches))
+
+
 async def starved_get(queue: asyncio.Queue, metrics: Metrics):
     """queue.get(), adding the time waited to `learner/starved_seconds_total` as the wait goes (every
     STARVED_TICK_S), not only when it ends. The planner's TR_L is samples / (wall time - this) over
@@ -84,6 +95,13 @@ async def starved_get(queue: asyncio.Queue, metrics: Metrics):
         getter.cancel()   # no-op once it has its item
 
 
+async def publish(hub: WeightsHub, trainer: Trainer) -> None:
+    """Publish the trainer's current weights, unless it refuses them (NaN or infinity: `Trainer.weights`;
+    then the newest version published stands)."""
+    if (chunks := await asyncio.to_thread(trainer.weights)) is not None:
+        hub.publish(chunks)
+
+
 async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
                      progressed: Notifier) -> None:
     """Train on each batch as it arrives; publish when `every` updates have passed since the last."""
@@ -93,7 +111,7 @@ async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, ev
         batch = await starved_get(queue, trainer.metrics)
         await asyncio.to_thread(trainer.train, batch)
         if trainer.version - published >= every:
-            hub.publish(await asyncio.to_thread(trainer.weights))
+            await publish(hub, trainer)
             published = trainer.version
             progressed.notify()
 
@@ -129,14 +147,14 @@ async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsH
             batch, held = held, None
             await asyncio.to_thread(trainer.train, batch)
             if trainer.version - published >= every:
-                hub.publish(await asyncio.to_thread(trainer.weights))
+                await publish(hub, trainer)
                 published = trainer.version
                 progressed.notify()
     finally:
         if getter is not None:
             getter.cancel()
     if held is not None:
-        trainer.metrics.inc("learner/batches_discarded_total")
+        discard(trainer.metrics, [held])
     if not stopping.is_set() and elastic:
         log.info("the group is ending (a peer left or saw a new group size)")
     elif not stopping.is_set():
@@ -348,7 +366,7 @@ async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, 
         if stopping.is_set():   # the shutdown has begun (readiness is already NOT_SERVING)
             return
         await set_ready(True)
-        hub.publish(await asyncio.to_thread(trainer.weights))
+        await publish(hub, trainer)
         progressed.notify()
 
 
@@ -370,7 +388,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 
     current = Generation(await join(membership, build, metrics, stop))
     hub = WeightsHub()
-    hub.publish(current.trainer.weights())  # actors start from the learner's initialisation (or checkpoint)
+    await publish(hub, current.trainer)  # actors start from the learner's initialisation (or checkpoint)
     max_bytes = cfg.buffer.max_message_mb * MiB
     servicer = LearnerServicer(hub, metrics)
     try:
@@ -408,8 +426,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
                     train.cancel()                 #    (the checkpoint below waits for it on the lock)
                     if queue.qsize():
-                        metrics.inc("learner/batches_discarded_total", queue.qsize())
                         log.info("discarding %d prefetched batches at shutdown", queue.qsize())
+                        discard(metrics, [queue.get_nowait() for _ in range(queue.qsize())])
                     for task in side:
                         task.cancel()
                     if not current.saved:

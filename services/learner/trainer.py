@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kuberl.v1 import common_pb2 as pb
@@ -21,6 +22,7 @@ from services.common.config import ExperimentConfig
 from services.common.fragments import batch_samples
 from services.common.nets import spec_of, to_numpy
 from services.common.stats import Metrics
+from services.common.tensors import NonFiniteError
 from services.common.weights import encode_weights
 from services.learner import checkpoint
 from services.learner.distributed import GradientSync, GroupBroken
@@ -56,9 +58,10 @@ class Trainer:
         metrics.set("learner/policy_version", self.version)
         metrics.track_rate("learner/updates_per_s", "learner/updates_total")
         metrics.track_rate("learner/samples_per_s", "learner/samples_total")
-        metrics.inc("learner/batches_invalid_total", 0)
         for name in ("fragments_dropped_stale", "samples_dropped_stale", "fragments_corrected", "batches_skipped",
-                     "batches_consumed", "samples_consumed", "samples", "train_seconds"):
+                     "batches_consumed", "samples_consumed", "samples", "train_seconds", "batches_invalid",
+                     "batches_nonfinite", "gradient_steps_skipped_nonfinite", "weights_refused_nonfinite",
+                     "checkpoints_refused_nonfinite"):
             metrics.inc(f"learner/{name}_total", 0)
         self.lag = metrics.histogram("learner/policy_lag")  # observed by the algorithm as it trains
 
@@ -81,7 +84,8 @@ class Trainer:
         return self.algo.version
 
     def train(self, batch: pb.TrainingBatch) -> None:
-        """Decode, validate and train on one batch (blocking). A malformed batch is counted and skipped.
+        """Decode, validate and train on one batch (blocking). A malformed batch, or one holding NaN or
+        infinity (services/algorithms/checks.py), is counted and skipped.
 
         Every batch taken off the stream counts as consumed (`learner/batches_consumed_total`), trained
         on or not: the buffer subtracts it from what it has in flight to this learner.
@@ -102,9 +106,10 @@ class Trainer:
         self.metrics.inc("learner/samples_consumed_total", batch_samples(batch))
         try:
             data = self.algo.decode(batch)
-        except (ValueError, KeyError) as err:
-            self.metrics.inc("learner/batches_invalid_total")
-            log.error("skipping malformed batch %d: %s", batch.batch_id, err)
+        except (ValueError, KeyError) as err:  # NaN or infinity in it (NonFiniteError), or malformed
+            nonfinite = isinstance(err, NonFiniteError)
+            self.metrics.inc("learner/batches_nonfinite_total" if nonfinite else "learner/batches_invalid_total")
+            log.error("skipping %s batch %d: %s", "non-finite" if nonfinite else "malformed", batch.batch_id, err)
             if self.sync is not None:  # the group's gradient steps go on: join them with nothing
                 with self.lock:
                     self._empty_update()
@@ -134,15 +139,22 @@ class Trainer:
         self.metrics.inc("learner/updates_total", self.version - before)
         self.metrics.set("learner/policy_version", self.version)
 
-    def weights(self) -> list[pb.Weights]:
-        """The current policy as Weights chunks (blocking)."""
+    def weights(self) -> list[pb.Weights] | None:
+        """The current policy as Weights chunks (blocking); None, logged and counted, if a tensor of it
+        holds NaN or infinity: actors must never act with it (the newest published version stands)."""
         with self.lock:
             version, arrays = self.version, to_numpy(self.algo.policy)
+        bad = next((k for k, a in arrays.items() if a.dtype.kind == "f" and not np.isfinite(a).all()), None)
+        if bad is not None:
+            self.metrics.inc("learner/weights_refused_nonfinite_total")
+            log.error("not publishing version %d: its tensor %s holds NaN or infinity", version, bad)
+            return None
         return encode_weights(version, arrays)
 
     def checkpoint(self) -> Path | None:
         """Write a checkpoint of the current state (blocking). In a group only rank 0 writes (the others
-        hold the same state); they return None."""
+        hold the same state); they return None. A state holding NaN or infinity is never written
+        (logged, counted, None): the last checkpoint stands, and a restart resumes from it."""
         if not self.writes_checkpoints:
             return None
         if self.interrupted:  # PPO may have taken some of an update's steps: keep the last whole checkpoint
@@ -152,6 +164,11 @@ class Trainer:
             with self.lock:  # a copy of the state between two updates; the disk write runs without the lock
                 version, state = self.version, checkpoint.snapshot({"algo": self.algo.state_dict(),
                                                                     "config": self.cfg.to_dict()})
+            if (bad := checkpoint.nonfinite(state["algo"], "algo")) is not None:  # a restart must never resume it
+                self.metrics.inc("learner/checkpoints_refused_nonfinite_total")
+                log.error("not checkpointing version %d: %s holds NaN or infinity; the last checkpoint stands",
+                          version, bad)
+                return None
             started = time.perf_counter()
             try:
                 path = checkpoint.save(self.checkpoint_dir, version, state, self.cfg.learner.keep_checkpoints)

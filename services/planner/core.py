@@ -1,9 +1,9 @@
 """The planner core: measure per-replica rates, decide, apply through a backend, record every decision.
 
-Rates (docs/architecture.md section 4): TR_A, what an actor can produce when it is not held for
-weights: `actor/env_steps_total` over wall time minus `actor/pace_wait_seconds_total` (on-policy
-pacing holds an actor that outruns the learner; counted as production time, those waits would make
-the planner add actors the learner cannot feed, each of them cutting its own quota), and TR_L, what a learner can consume when it never waits
+Rates (docs/architecture.md section 4): TR_A, what an actor can produce when it is not held:
+`actor/env_steps_total` over wall time minus `actor/pace_wait_seconds_total` (the rate limiter and
+on-policy pacing hold an actor that outruns the learner; counted as production time, those waits
+would make the planner add actors the learner cannot feed), and TR_L, what a learner can consume when it never waits
 for data: `learner/samples_total` over wall time minus `learner/starved_seconds_total` (so publishing weights and sharing the CPU count
 against it, waiting for batches does not). Both are EWMAs per replica, counted only after the
 replica has reported for `warmup_s`; the role's rate is the mean over its warmed-up, fresh replicas.
@@ -53,12 +53,19 @@ BUFFER_KEYS = {"buffer/samples_per_insert": ("buffer_samples_per_insert", "mean"
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
+    """The decision policy. With external simulators (env.mode external) the actors are not scaled:
+    each serves the simulators connected to it, and an actor added would serve none (simulators find
+    actors by address; docs/planner.md), so they stay at topology.actors and only learners move."""
     p = cfg.planner
 
     def bounds(r):
         return RoleBounds(r.min, r.max, r.cost, r.max_step_up, r.max_step_down)
 
-    return Policy(actor=bounds(p.actor), learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
+    actor = bounds(p.actor)
+    if cfg.env.mode == "external":
+        n = min(max(cfg.topology.actors, p.actor.min), p.actor.max)
+        actor = RoleBounds(n, n, p.actor.cost, p.actor.max_step_up, p.actor.max_step_down)
+    return Policy(actor=actor, learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
                   replay_ratio=algorithms.get(cfg.algorithm).consumption_ratio(cfg),
                   cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
                   converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,

@@ -183,8 +183,9 @@ async def test_dqn_batches_have_the_requested_rows():
         address = endpoints.grpc
         async with grpc.aio.insecure_channel(address) as ch:
             stub = buffer_pb2_grpc.BufferStub(ch)
-            frags = [make_fragment(seq=i, T=8, algorithm=pb.ALGORITHM_DQN) for i in range(2)]  # 32 = learning_starts
-            assert (await _push(stub, frags)).accepted == 2
+            # 32 = learning_starts, then 8 more: at TINY_DQN's ratio of 8 that is 64 samples, 4 batches of 16
+            frags = [make_fragment(seq=i, T=8 if i < 2 else 4, algorithm=pb.ALGORITHM_DQN) for i in range(3)]
+            assert (await _push(stub, frags)).accepted == 3
             req = buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_DQN, batch_size=16, max_batches=3)
             batches = [b async for b in stub.StreamBatches(req, timeout=10)]
             assert [b.batch_id for b in batches] == [0, 1, 2]
@@ -219,3 +220,66 @@ async def test_bytes_that_are_not_a_fragment_are_refused_without_naming_a_seq():
             assert md["kuberl-accepted"] == "1" and md["kuberl-last-accepted-seq"] == "0"
             ack = await _push(buffer_pb2_grpc.BufferStub(channel), [make_fragment(seq=1)])
             assert ack.accepted == 1
+
+
+# -- WatchInsertLimit: the insert side of the rate limiter (docs/rate-limiter.md) ----------------------
+
+async def test_insert_limit_streams_at_once_and_moves_with_inserts_and_batches():
+    """A replay buffer (ratio 2, warm-up 32, batch 16): the limit starts above the warm-up plus the
+    slack, names this actor's high-water seq once it stored something, and rises as batches are served."""
+    cfg = config_from_dict({**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "replay_ratio": 2.0}})
+    async with buffer_main.serving(cfg, listen="127.0.0.1:0") as endpoints:
+        async with grpc.aio.insecure_channel(endpoints.grpc) as channel:
+            stub = buffer_pb2_grpc.BufferStub(channel)
+            watch = stub.WatchInsertLimit(buffer_pb2.InsertLimitRequest(actor_id="actor-t", incarnation=0))
+            first = await asyncio.wait_for(watch.read(), WAIT_S)
+            # no fragment seen, no learner yet: warm-up 32 + one learner's 3 batches of 16 at ratio 2
+            assert first.insert_limit_samples == 32 + 3 * 16 // 2 and first.samples_inserted_total == 0
+            assert not first.HasField("high_water_seq") and first.replay_ratio_target == 2.0
+            frags = [make_fragment(seq=i, T=8, N=2, algorithm=pb.ALGORITHM_DQN) for i in range(3)]
+            await _push(stub, frags)  # 48 samples: 16 past the warm-up, so 2 batches of 16 at ratio 2
+            msg = await asyncio.wait_for(watch.read(), WAIT_S)
+            while msg.samples_inserted_total < 48:
+                msg = await asyncio.wait_for(watch.read(), WAIT_S)
+            assert msg.high_water_seq == 2
+            assert msg.insert_limit_samples == 32 + 24 + 16  # the largest fragment joins the slack
+            batches = stub.StreamBatches(buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_DQN,
+                                                                 batch_size=16, max_batches=2), timeout=WAIT_S)
+            assert len([b async for b in batches]) == 2
+            while msg.samples_served_total < 32:
+                msg = await asyncio.wait_for(watch.read(), WAIT_S)
+            assert msg.insert_limit_samples == 32 + 32 // 2 + 24 + 16
+            watch.cancel()
+
+
+async def test_insert_limit_refuses_an_empty_actor_id(ppo_buffer):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in ppo_buffer.WatchInsertLimit(buffer_pb2.InsertLimitRequest(actor_id="")):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "actor_id" in err.value.details()
+
+
+async def test_a_fifo_limit_counts_what_waits_and_what_is_in_flight(ppo_buffer):
+    """TINY_PPO: batches of 16 steps. Actors may fill one batch plus the largest fragment; a batch
+    served stays counted until the learner reports it trained on."""
+    watch = ppo_buffer.WatchInsertLimit(buffer_pb2.InsertLimitRequest(actor_id="actor-t"))
+    assert (await asyncio.wait_for(watch.read(), WAIT_S)).insert_limit_samples == 16
+    await _push(ppo_buffer, [make_fragment(seq=i) for i in range(4)])  # 4 x 8 samples
+    msg = await asyncio.wait_for(watch.read(), WAIT_S)
+    while msg.samples_inserted_total < 32:
+        msg = await asyncio.wait_for(watch.read(), WAIT_S)
+    assert msg.insert_limit_samples == 0 + 16 + 8  # nothing trained on yet: 16 + the largest fragment
+    batches = ppo_buffer.StreamBatches(buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_PPO,
+                                                               batch_size=16, max_batches=1), timeout=WAIT_S)
+    assert len([b async for b in batches]) == 1
+    await ppo_buffer.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l", policy_version=0,
+                                                               batches_consumed_total=0), timeout=WAIT_S)
+    while msg.samples_served_total < 16:
+        msg = await asyncio.wait_for(watch.read(), WAIT_S)
+    assert msg.insert_limit_samples == 24  # served, but in flight: the limit has not moved
+    await ppo_buffer.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l", policy_version=1,
+                                                               batches_consumed_total=1), timeout=WAIT_S)
+    while msg.insert_limit_samples == 24:
+        msg = await asyncio.wait_for(watch.read(), WAIT_S)
+    assert msg.insert_limit_samples == 16 + 24  # trained on: room for one more batch
+    watch.cancel()

@@ -373,6 +373,61 @@ def test_malformed_steps_end_only_their_own_session(stack):
     assert stack.buffer_stats().get("buffer/fragments_invalid_total", 0) == 0
 
 
+def test_nan_or_infinity_ends_only_its_own_session_naming_the_field_and_env(stack):
+    """A simulator's NaN or infinite observation, reward or final observation gets INVALID_ARGUMENT naming
+    the field and the env copy; a concurrent session on the same actor keeps getting actions."""
+    rng = np.random.default_rng(2)
+    finished = threading.Event()
+    progress = {"steps": 0}
+
+    def good_session():
+        with client(stack.actor, "good-nan", num_envs=2) as c:
+            c.reset(obs(rng, 2))
+            while not finished.is_set():
+                c.step(obs(rng, 2), np.ones(2, np.float32), np.zeros(2, bool), np.zeros(2, bool))
+                progress["steps"] += 1
+            for _ in range(20):  # still served after every bad session ended
+                c.step(obs(rng, 2), np.ones(2, np.float32), np.zeros(2, bool), np.zeros(2, bool))
+                progress["steps"] += 1
+
+    def poisoned(what: str) -> tuple:
+        o, r, f, final = np.zeros((3, 4), np.float32), np.ones(3, np.float32), np.zeros(3, bool), None
+        if what == "obs":
+            o[2, 1] = np.nan
+        elif what == "reward":
+            r[1] = np.inf
+        else:
+            f = np.array([False, True, False])
+            final = np.full((1, 4), -np.inf, np.float32)
+        return o, r, f, np.zeros(3, bool), final
+
+    expected = {"obs": "step 2: observations[1] of env 2 is nan", "reward": "step 2: rewards of env 1 is inf",
+                "final": "step 2: final_observations[0] of env 1 is -inf"}
+    with ThreadPoolExecutor(1) as pool:
+        good = pool.submit(good_session)
+        try:
+            wait_for(lambda: progress["steps"] >= 5 or good.done(), timeout=WAIT_S, what="the good session")
+            got = {}
+            for what in expected:
+                with pytest.raises(SessionError) as err:
+                    with client(stack.actor, f"nan-{what}", num_envs=3) as c:
+                        c.reset(np.zeros((3, 4), np.float32))
+                        c.step(np.zeros((3, 4), np.float32), np.ones(3, np.float32), np.zeros(3, bool),
+                               np.zeros(3, bool))
+                        c.step(*poisoned(what))
+                got[what] = (err.value.code, err.value.details)
+            steps_then = progress["steps"]
+            wait_for(lambda: progress["steps"] > steps_then or good.done(), timeout=WAIT_S,
+                     what="the good session to step on")
+        finally:
+            finished.set()
+        good.result(timeout=WAIT_S)
+    for what, text in expected.items():
+        assert got[what][0] == "INVALID_ARGUMENT" and got[what][1].startswith(text), (what, got[what])
+    a = stack.actor_stats()
+    assert a["actor/steps_refused_nonfinite_total"] == 3 and a["actor/sessions_total"] == 4, a
+
+
 def test_step_before_hello_is_refused(stack):
     raw = RawSession(stack.actor)
     try:

@@ -135,6 +135,67 @@ def test_a_hello_with_other_spaces_gets_invalid_argument(served, kwargs, text):
     assert err.value.code == "INVALID_ARGUMENT" and text in str(err.value), err.value
 
 
+def test_a_nan_observation_gets_invalid_argument_never_nan_actions(served):
+    refused = stats(served.address, actor_pb2_grpc.ActorStub).get("actor/steps_refused_nonfinite_total")
+    obs = np.zeros((2, 4), np.float32)
+    obs[1, 3] = np.nan
+    client = EnvSessionClient(served.address, session_id="nan", obs_shape=(4,), num_actions=2, num_envs=2,
+                              timeout_s=WAIT_S)
+    with pytest.raises(SessionError) as err:
+        client.reset(obs)
+    client.cancel()
+    assert err.value.code == "INVALID_ARGUMENT", err.value
+    assert err.value.details == "step 0: observations[3] of env 1 is nan (NaN and infinity are refused)"
+    assert stats(served.address, actor_pb2_grpc.ActorStub)["actor/steps_refused_nonfinite_total"] == refused + 1
+
+
+@pytest.mark.parametrize("greedy_actions_served", [True, False], ids=["deterministic", "stochastic"])
+async def test_serve_refuses_infinity_in_one_session_and_answers_the_others(checkpoint, greedy_actions_served):
+    """`kuberl serve` and `kuberl serve --stochastic` (the same `serving`, in this process): an infinite
+    observation or reward ends its session with INVALID_ARGUMENT; a session beside it goes on."""
+    from services.cli.serve import serving, serving_config
+    from services.common.config import config_from_dict
+
+    metrics = Metrics("actor")
+    trained = load_trained(checkpoint, seed=3, greedy=greedy_actions_served, metrics=metrics)
+    cfg = serving_config(trained.policy.cfg, config_from_dict(SERVE_CONFIG))
+    n = 3
+    good, zero, done = np.ones((n, 4), np.float32), np.zeros(n, np.float32), np.zeros(n, bool)
+
+    def session(sid: str, first: np.ndarray, then: tuple | None = None):
+        with EnvSessionClient(address, session_id=sid, obs_shape=(4,), num_actions=2, num_envs=n,
+                              timeout_s=WAIT_S) as client:
+            actions = [client.reset(first)]
+            if then is not None:
+                actions.append(client.step(*then))
+            return actions
+
+    async with serving(trained.policy, cfg, metrics, listen="127.0.0.1:0") as endpoints:
+        address = endpoints.grpc
+        beside = EnvSessionClient(address, session_id="beside", obs_shape=(4,), num_actions=2, num_envs=n,
+                                  timeout_s=WAIT_S)
+        try:  # (its blocking calls in a thread: the server runs on this event loop)
+            await asyncio.to_thread(beside.reset, good)
+            bad_obs = good.copy()
+            bad_obs[0, 2] = -np.inf
+            with pytest.raises(SessionError) as err:
+                await asyncio.to_thread(session, "bad-obs", bad_obs)
+            assert err.value.code == "INVALID_ARGUMENT"
+            assert err.value.details.startswith("step 0: observations[2] of env 0 is -inf")
+            inf_reward = np.array([0.0, np.inf, 0.0], np.float32)
+            with pytest.raises(SessionError) as err:
+                await asyncio.to_thread(session, "bad-reward", good, (good, inf_reward, done, done))
+            assert err.value.code == "INVALID_ARGUMENT"
+            assert err.value.details.startswith("step 1: rewards of env 1 is inf")
+            actions = await asyncio.to_thread(beside.step, good, zero, done, done)
+            assert actions.dtype == np.int64 and actions.shape == (n,) and set(actions.tolist()) <= {0, 1}
+            await asyncio.to_thread(beside.close)
+        finally:
+            beside.cancel()
+    assert metrics.counters["actor/steps_refused_nonfinite_total"] == 2
+    assert metrics.counters["actor/sessions_total"] == 3
+
+
 def test_health_reflection_metrics_and_probes(served):
     with grpc.insecure_channel(served.address) as ch:
         got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kuberl.v1.Actor"), timeout=10)

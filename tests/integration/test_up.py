@@ -56,6 +56,30 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path):
     assert not any(tmp_path.glob("*/logs"))  # nothing was started
 
 
+SAC_TAKES = "algorithm: sac takes Box actions with bounds finite in float32 with low < high"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"algorithm": "sac", "env": {"id": "my-sim", "mode": "external", "observation_shape": [3],
+                                  "action_space": {"type": "discrete", "n": 3}}},
+     f"{SAC_TAKES}; env.action_space is Discrete(3)"),
+    ({"algorithm": "sac", "env": {"id": "my-sim", "mode": "external", "observation_shape": [3],
+                                  "action_space": {"type": "box", "shape": [1]}}},
+     f"{SAC_TAKES}; env.action_space is Box([1], [-inf, inf])"),
+    ({"algorithm": "sac", "env": {"id": "CartPole-v1"}}, f"{SAC_TAKES}; env.id CartPole-v1's action space is Discrete(2)"),
+    ({"algorithm": "dqn", "env": {"id": "Pendulum-v1", "mode": "external"}},
+     "algorithm: dqn takes Discrete actions; env.id Pendulum-v1's action space is Box([1], [-2, 2])"),
+], ids=["sac-declared-discrete", "sac-declared-unbounded-box", "sac-cartpole", "dqn-external-pendulum"])
+def test_spaces_the_algorithm_cannot_train_on_are_refused_before_anything_starts(tmp_path, config, message):
+    """Before issue 25 these started every process, which crash-looped on the spaces for minutes."""
+    path = write_config(tmp_path / "c.yaml", config)
+    out = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path / "runs")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr == f"kuberl up: {path}: {message}\n"
+    assert not (tmp_path / "runs").exists()  # no run directory: no process was started
+
+
 def test_a_killed_dqn_buffer_comes_back_with_its_replay_and_the_run_goes_on(tmp_path):
     """`buffer.checkpoint_dir` asked for: `kuberl up` restarts a SIGKILLed buffer on the same address
     and it restores the replay from the run directory's last checkpoint."""

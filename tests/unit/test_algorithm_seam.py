@@ -46,6 +46,63 @@ def test_every_algorithm_has_every_part(name):
     assert learner.version == 0
 
 
+class _Unbounded:
+    """A gymnasium env whose Box action has no bounds (as many custom envs declare theirs)."""
+    ID = "kuberl-test/UnboundedBox-v0"
+
+    @classmethod
+    def register(cls) -> str:
+        import gymnasium as gym
+
+        class UnboundedEnv(gym.Env):
+            observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+            action_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+
+        if cls.ID not in gym.registry:
+            gym.register(cls.ID, entry_point=UnboundedEnv)
+        return cls.ID
+
+
+@pytest.mark.parametrize("name, env_id, space", [
+    ("sac", "CartPole-v1", "Discrete(2)"),
+    ("sac", "kuberl_envs:MaskedChoice-v0", "MultiDiscrete([4, 3])"),
+    ("sac", _Unbounded.ID, "Box([2], [-inf, inf])"),
+    ("dqn", "Pendulum-v1", "Box([1], [-2, 2])"),
+    ("dqn", "kuberl_envs:MaskedChoice-v0", "MultiDiscrete([4, 3])"),
+])
+def test_an_env_ids_spaces_the_algorithm_cannot_train_on_are_refused_before_anything_starts(name, env_id, space):
+    """What `kuberl up` asks before it starts a process (envs.checked_spec): the config names an env
+    whose spaces the algorithm does not take; the one-line refusal names both and the space."""
+    from services.common.config import ConfigError
+    from services.common.envs import checked_spec
+
+    _Unbounded.register()
+    cfg = config_from_dict({"algorithm": name, "env": {"id": env_id}})  # loads: its spaces are the env's
+    with pytest.raises(ConfigError) as err:
+        checked_spec(cfg)
+    assert err.value.key == "algorithm"
+    takes = {"sac": "Box actions with bounds finite in float32 with low < high", "dqn": "Discrete actions"}[name]
+    assert str(err.value) == f"algorithm: {name} takes {takes}; env.id {env_id}'s action space is {space}"
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))
+def test_an_env_the_algorithm_takes_passes_the_check(name):
+    from services.common.envs import checked_spec
+
+    env_id = "CartPole-v1" if Discrete in algorithms.get(name).action_spaces else "Pendulum-v1"
+    assert checked_spec(config_from_dict({"algorithm": name, "env": {"id": env_id}})) == env_spec(env_id)
+
+
+def test_an_env_that_cannot_be_made_is_refused_naming_env_id():
+    from services.common.config import ConfigError
+    from services.common.envs import checked_spec
+
+    with pytest.raises(ConfigError, match="'NoSuchEnv-v0' cannot be made here") as err:
+        checked_spec(config_from_dict({"env": {"id": "NoSuchEnv-v0"}}))
+    assert err.value.key == "env.id"
+
+
 def test_unknown_names_and_codes_are_refused_clearly():
     with pytest.raises(ValueError, match="algorithm: 'a2c' is not one of dqn, ppo, sac"):
         algorithms.get("a2c")

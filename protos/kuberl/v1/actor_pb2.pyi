@@ -109,14 +109,16 @@ class SessionAccepted(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., policy_version: _Optional[int] = ..., session_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ActionReply(_message.Message):
-    __slots__ = ("step_id", "actions", "policy_version")
+    __slots__ = ("step_id", "actions", "policy_version", "held_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_MS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     actions: _common_pb2.Tensor
     policy_version: int
-    def __init__(self, step_id: _Optional[int] = ..., actions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    held_ms: int
+    def __init__(self, step_id: _Optional[int] = ..., actions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ..., held_ms: _Optional[int] = ...) -> None: ...
 
 class ActorMessage(_message.Message):
     __slots__ = ("accepted", "actions")

@@ -76,13 +76,17 @@ class ActorServicer:
         Errors (the stream ends with this status; other sessions are never affected):
         INVALID_ARGUMENT     hello whose spaces do not match the actor's policy (the message names the
         space, expected and got), num_envs out of range, or a step whose tensors
-        are malformed or do not match the declared spaces (names the field).
+        are malformed or do not match the declared spaces (names the field), or
+        whose observations, final observations or rewards hold NaN or infinity
+        (or, with actor.check_obs_bounds, observations outside the declared bounds;
+        names the field and the env index).
         FAILED_PRECONDITION  a step before hello, a second hello, a step_id out of order, or this actor
         runs local envs (env.mode is not "external").
         RESOURCE_EXHAUSTED   the actor already holds actor.max_sessions sessions.
         DEADLINE_EXCEEDED    no message for actor.session_timeout_s: the session is closed.
-        UNAVAILABLE          the actor is shutting down, or a newer stream with the same session_id took
-        this session over.
+        UNAVAILABLE          the actor is shutting down: reconnect (same session_id to resume).
+        ABORTED              a newer stream with the same session_id took this session over: stop this
+        stream, do not reconnect it (the newer one owns the session).
         Rewards must be finite. The first actions are sent once the actor holds the learner's first
         weights (at start-up only), so a simulator's first wait covers learner start-up.
         When a session ends for any reason, the data of its unfinished fragment is pushed with the last

@@ -48,3 +48,25 @@ class ProgressAck(_message.Message):
     SAMPLES_INSERTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     samples_inserted_total: int
     def __init__(self, samples_inserted_total: _Optional[int] = ...) -> None: ...
+
+class InsertLimitRequest(_message.Message):
+    __slots__ = ("actor_id", "incarnation")
+    ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    actor_id: str
+    incarnation: int
+    def __init__(self, actor_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class InsertLimit(_message.Message):
+    __slots__ = ("samples_inserted_total", "insert_limit_samples", "high_water_seq", "samples_served_total", "replay_ratio_target")
+    SAMPLES_INSERTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    INSERT_LIMIT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SERVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_RATIO_TARGET_FIELD_NUMBER: _ClassVar[int]
+    samples_inserted_total: int
+    insert_limit_samples: int
+    high_water_seq: int
+    samples_served_total: int
+    replay_ratio_target: float
+    def __init__(self, samples_inserted_total: _Optional[int] = ..., insert_limit_samples: _Optional[int] = ..., high_water_seq: _Optional[int] = ..., samples_served_total: _Optional[int] = ..., replay_ratio_target: _Optional[float] = ...) -> None: ...

@@ -55,6 +55,11 @@ class BufferStub:
                 request_serializer=kuberl_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kuberl_dot_v1_dot_common__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.WatchInsertLimit = channel.unary_stream(
+                '/kuberl.v1.Buffer/WatchInsertLimit',
+                request_serializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimitRequest.SerializeToString,
+                response_deserializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimit.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -100,6 +105,19 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchInsertLimit(self, request, context):
+        """Server-streaming: the insert side of the buffer's rate limiter, for one actor (docs/rate-limiter.md).
+        The buffer sends an InsertLimit at once, then whenever what it holds or serves changes, at most
+        one every 10 ms. An actor starts stepping a fragment (or answers its simulators) only while
+        samples_inserted_total plus the samples it cut that are not yet stored stay below
+        insert_limit_samples; otherwise it holds until a later InsertLimit lets it go on. Long-lived:
+        liveness comes from HTTP/2 keepalive, not a deadline.
+        Errors: INVALID_ARGUMENT for an empty or over-long actor_id; UNAVAILABLE while shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +140,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kuberl_dot_v1_dot_common__pb2.GetStatsRequest.FromString,
                     response_serializer=kuberl_dot_v1_dot_common__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'WatchInsertLimit': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchInsertLimit,
+                    request_deserializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimitRequest.FromString,
+                    response_serializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimit.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,6 +255,33 @@ class Buffer:
             '/kuberl.v1.Buffer/GetStats',
             kuberl_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
             kuberl_dot_v1_dot_common__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchInsertLimit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kuberl.v1.Buffer/WatchInsertLimit',
+            kuberl_dot_v1_dot_buffer__pb2.InsertLimitRequest.SerializeToString,
+            kuberl_dot_v1_dot_buffer__pb2.InsertLimit.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.algorithms.checks import TransitionLearner
+from services.algorithms.checks import TransitionLearner, skipped_step
 from services.common.config import DQNConfig
 from services.common.nets import EnvSpec, QNetwork, resolve_device
 from services.common.stats import Metrics
-from services.learner.distributed import GradientSync, average_over_group
+from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
@@ -32,7 +32,8 @@ class DQN(TransitionLearner):
     def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
-        self.lag = (metrics or Metrics("learner")).histogram("learner/policy_lag")
+        self.metrics = metrics or Metrics("learner")
+        self.lag = self.metrics.histogram("learner/policy_lag")
         self.q = QNetwork(spec, cfg.hidden_sizes).to(self.device)
         self.target = copy.deepcopy(self.q)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=cfg.learning_rate)
@@ -46,9 +47,11 @@ class DQN(TransitionLearner):
     def update(self, batch: dict[str, np.ndarray] | None) -> dict[str, float]:
         """One gradient step on a TransitionBatch (numpy arrays); returns scalar diagnostics. In a group of
         learners the gradient is averaged over the group first; `batch=None` joins that average with
-        nothing (this learner had no usable batch this round)."""
+        nothing (this learner had no usable batch this round). A step whose loss or (averaged) gradient
+        is not finite is not taken, on every learner of the group alike, and the version stays."""
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {}
+        loss = None
         if batch is not None:
             t = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}  # copies read-only wire arrays
             with torch.no_grad():
@@ -61,8 +64,12 @@ class DQN(TransitionLearner):
             loss.backward()
             stats = {"loss": loss.item(), "q_mean": q_sa.mean().item()}
         weight = float(len(batch["obs"])) if batch is not None else 0.0
-        if average_over_group(self.sync, list(self.q.parameters()), weight) == 0:
+        params = list(self.q.parameters())
+        if average_over_group(self.sync, params, weight, loss) == 0:
             return stats  # nobody in the group had data: no step, on every learner alike
+        if not finite_gradients(params):
+            skipped_step(self.metrics, "dqn", self.version)
+            return stats
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.max_grad_norm))
         self.optimizer.step()
         self.version += 1

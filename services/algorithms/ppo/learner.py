@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from kuberl.v1 import common_pb2 as pb
-from services.algorithms.checks import check_fits
+from services.algorithms.checks import check_finite, check_fits, skipped_step
 from services.common.config import PPOConfig
 from services.common.fragments import Fragment, decode_fragment
 from services.common.nets import ActorCritic, EnvSpec, resolve_device
 from services.common.stats import Metrics
-from services.learner.distributed import GradientSync, average_over_group
+from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
@@ -75,6 +75,7 @@ class PPO:
         self.metrics = metrics or Metrics("learner")
         self.lag = self.metrics.histogram("learner/policy_lag")
         self.net = ActorCritic(spec, cfg.hidden_sizes, cfg.normalize_observations, cfg.obs_clip).to(self.device)
+        self.net.head.validate = False  # a non-finite output: a non-finite loss, its step skipped (not a crash)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.version = 0
         self.gradient_steps = 0
@@ -87,9 +88,11 @@ class PPO:
     def decode(self, batch: pb.TrainingBatch) -> list[Fragment]:
         """The batch's fragments, validated; raises ValueError (TensorError) naming what does not fit."""
         frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in batch.rollouts.fragments]
-        for f in frags:
+        for i, f in enumerate(frags):
             check_fits(self.spec, f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions,
                        lead=(f.num_steps, f.num_envs), mask=f.action_mask)
+            check_finite({f"rollouts.fragments[{i}].{name}": getattr(f, name)
+                          for name in ("obs", "final_obs", "actions", "rewards", "behaviour_logprob")})
         return frags
 
     def learn(self, frags: list[Fragment]) -> tuple[int, dict[str, float]] | None:
@@ -162,7 +165,9 @@ class PPO:
 
         In a group of learners every gradient step averages over the group, so each learner takes
         exactly num_epochs x num_minibatches steps whatever it holds: empty minibatches (or no fragments
-        at all) join the average with weight 0. The version advances where anyone in the group trained."""
+        at all) join the average with weight 0. The version advances where anyone in the group trained.
+        A step whose loss or (averaged) gradient is not finite is not taken, on every learner alike;
+        the update's other steps go on, and the version advances only if one of them was taken."""
         c = self.cfg
         if not fragments and self.sync is None:
             return {}
@@ -185,11 +190,16 @@ class PPO:
         for _ in range(c.num_epochs):
             for mb in torch.tensor_split(torch.randperm(n, device=self.device), splits):
                 self.optimizer.zero_grad(set_to_none=True)
+                loss = None
                 if len(mb):
                     loss, last = self._loss(data, mb)
                     loss.backward()
                     clipfracs.append(last["clipfrac"].item())
-                if average_over_group(self.sync, list(self.net.parameters()), float(len(mb))) == 0:
+                params = list(self.net.parameters())
+                if average_over_group(self.sync, params, float(len(mb)), loss) == 0:
+                    continue
+                if not finite_gradients(params):
+                    skipped_step(self.metrics, "ppo", self.version)
                     continue
                 torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.max_grad_norm)
                 self.optimizer.step()

@@ -15,17 +15,20 @@ class SAC(Algorithm):
     code = pb.ALGORITHM_SAC
     action_spaces = (Box,)
 
-    def check_spec(self, spec) -> None:
+    def takes(self) -> str:
+        # The squashed policy maps tanh's (-1, 1) onto [low, high] with float32 arithmetic.
+        return "Box actions with bounds finite in float32 with low < high"
+
+    def check_spec(self, spec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
         """A Box with finite bounds (the squashed policy maps onto them) over flat observations."""
-        super().check_spec(spec)
+        super().check_spec(spec, action, obs)
         box = spec.action
         # The policy maps tanh's (-1, 1) onto [low, high] with float32 arithmetic: the width must fit it.
         width = np.asarray(box.high, np.float64) - np.asarray(box.low, np.float64)
         if not ((width > 0) & (width <= np.finfo(np.float32).max)).all():
-            raise ValueError(f"algorithm: sac squashes actions into the Box's bounds, which must be finite in "
-                             f"float32 with low < high; {box} has one that is not (declare finite low/high)")
+            raise ValueError(f"algorithm: sac takes {self.takes()}; {action} is {box}")
         if spec.obs_dtype.kind == "u" and len(spec.obs_shape) == 3:
-            raise ValueError(f"algorithm: sac takes flat observations; this env's are "
+            raise ValueError(f"algorithm: sac takes flat observations; {obs} are "
                              f"{spec.obs_dtype.name} frames {list(spec.obs_shape)}")
 
     def table(self, cfg) -> ReplayTable:

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.algorithms.checks import TransitionLearner
+from services.algorithms.checks import TransitionLearner, skipped_step
 from services.algorithms.sac.networks import SquashedGaussianActor, TwinQ
 from services.common.config import SACConfig
 from services.common.nets import EnvSpec, resolve_device
 from services.common.stats import Metrics
-from services.learner.distributed import GradientSync, average_over_group
+from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
 
 def critic_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
@@ -46,8 +46,10 @@ class SAC(TransitionLearner):
     def __init__(self, cfg: SACConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
-        self.lag = (metrics or Metrics("learner")).histogram("learner/policy_lag")
+        self.metrics = metrics or Metrics("learner")
+        self.lag = self.metrics.histogram("learner/policy_lag")
         self.actor = SquashedGaussianActor(spec, cfg.hidden_sizes).to(self.device)
+        self.actor.validate = False  # a non-finite output: a non-finite loss, its step skipped (not a crash)
         self.critic = TwinQ(spec, cfg.hidden_sizes).to(self.device)
         self.target = copy.deepcopy(self.critic).requires_grad_(False)
         self.q_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.q_lr)
@@ -66,8 +68,14 @@ class SAC(TransitionLearner):
 
     def update(self, batch: dict[str, np.ndarray] | None) -> dict[str, float]:
         """One critic step, then one policy (and temperature) step, on a TransitionBatch (numpy arrays);
-        returns scalar diagnostics. `batch=None` joins a group's rounds with nothing."""
+        returns scalar diagnostics. `batch=None` joins a group's rounds with nothing.
+
+        A step whose loss or (averaged) gradient is not finite is not taken, on every learner of the
+        group alike, and the update ends there with its version not advanced: a critic step skipped
+        skips everything; a policy step skipped leaves the critic's step taken, but not the temperature's,
+        the targets' or the version's."""
         stats: dict[str, float] = {}
+        q_loss = policy_losses = None  # (None: no data here)
         t = None if batch is None else {k: torch.tensor(v, device=self.device) for k, v in batch.items()}
         weight = float(len(batch["obs"])) if batch is not None else 0.0
         alpha = self.log_alpha.detach().exp()
@@ -82,8 +90,12 @@ class SAC(TransitionLearner):
             q_loss = F.mse_loss(q1, y) + F.mse_loss(q2, y)
             q_loss.backward()
             stats = {"q_loss": q_loss.item(), "q_mean": q1.mean().item()}
-        if average_over_group(self.sync, list(self.critic.parameters()), weight) == 0:
+        critic = list(self.critic.parameters())
+        if average_over_group(self.sync, critic, weight, q_loss) == 0:
             return stats  # nobody in the group had data: no step, on every learner alike
+        if not finite_gradients(critic):
+            skipped_step(self.metrics, "sac critic", self.version)
+            return stats
         self.q_optimizer.step()
 
         self.pi_optimizer.zero_grad(set_to_none=True)
@@ -98,10 +110,16 @@ class SAC(TransitionLearner):
             finally:
                 self.critic.requires_grad_(True)
             stats.update(pi_loss=pi_loss.item(), entropy=-logp.mean().item())
+            policy_losses = pi_loss.detach()
             if self.alpha_optimizer is not None:
-                alpha_loss(self.log_alpha, logp, self.target_entropy).backward()
+                a_loss = alpha_loss(self.log_alpha, logp, self.target_entropy)
+                a_loss.backward()
+                policy_losses = torch.stack([policy_losses, a_loss.detach()])
         params = list(self.actor.parameters()) + ([self.log_alpha] if self.alpha_optimizer is not None else [])
-        average_over_group(self.sync, params, weight)
+        average_over_group(self.sync, params, weight, policy_losses)
+        if not finite_gradients(params):
+            skipped_step(self.metrics, "sac policy", self.version)
+            return stats
         self.pi_optimizer.step()
         if self.alpha_optimizer is not None:
             self.alpha_optimizer.step()

@@ -31,7 +31,10 @@ def squashed_log_prob(normal: torch.distributions.Normal, u: torch.Tensor, scale
 
 class SquashedGaussianActor(nn.Module):
     """pi(.|s) over flat observations; `scale`/`bias` map tanh's (-1, 1) onto the Box's bounds (buffers,
-    so an actor's copy agrees with the learner's)."""
+    so an actor's copy agrees with the learner's). `validate`: whether the Gaussian checks its
+    parameters; the learner's does not (as services/common/heads.py's `Head.validate`): a non-finite
+    output becomes a non-finite loss, whose step is skipped, instead of an exception."""
+    validate: bool = True
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
@@ -52,7 +55,7 @@ class SquashedGaussianActor(nn.Module):
     def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterised action [B, *shape] (differentiable in the weights) and its log-prob [B]."""
         mean, log_std = self(obs)
-        normal = torch.distributions.Normal(mean, log_std.exp())
+        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=self.validate)
         u = normal.rsample()
         action = torch.tanh(u) * self.scale + self.bias
         return action.view(-1, *self.shape), squashed_log_prob(normal, u, self.scale)

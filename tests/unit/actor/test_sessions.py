@@ -132,7 +132,8 @@ def test_a_reconnect_takes_over_the_older_stream():
     assert resumed and h.sessions["a"] is new and len(out) == 1  # the old one was flushed
     with pytest.raises(SessionError) as err:
         h.observe(old, step(3, obs_at(3), rewards=[1, 1], term=[0, 0], trunc=[0, 0]))
-    assert err.value.code == "UNAVAILABLE"
+    # "stop", not "reconnect": reconnecting would take the session back from the newer stream
+    assert err.value.code == "ABORTED" and "taken over" in str(err.value)
     h.close(old, "closed")  # the old handler's cleanup must not close the new session
     assert h.sessions["a"] is new
 
@@ -174,6 +175,9 @@ def test_shutdown_refuses_new_sessions_and_flushes_open_ones():
     with pytest.raises(SessionError) as err:
         h.open(hello("late"))
     assert err.value.code == "UNAVAILABLE"
+    with pytest.raises(SessionError) as err:  # the open one's next step: "reconnect", not "stop"
+        h.observe(s, step(1, obs_at(1), rewards=[1, 1], term=[0, 0], trunc=[0, 0]))
+    assert err.value.code == "UNAVAILABLE" and "shutting down" in str(err.value)
 
 
 
@@ -320,3 +324,142 @@ def test_dict_observations_must_have_the_policys_layout(policy_keys, declared, a
     with pytest.raises(SessionError) as err:
         h.open(hello_with(Discrete(2), obs=declared))
     assert err.value.code == "INVALID_ARGUMENT" and str(err.value).startswith("observation_space: expected ")
+
+
+# -- NaN, infinity and declared bounds (services/actor/finite.py) -----------------------------------
+def poisoned(k, where, value, env=1):
+    """Step k >= 1 with `value` in env `env`'s "obs" (element 2), "rewards", or "final" observation
+    (element 2 of env 0's: env 0 ends its episode at this step)."""
+    o, r, final = obs_at(k), np.array([1.0, 2.0], np.float32), np.full((1, 3), -1.0, np.float32)
+    if where == "obs":
+        o[env, 2] = value
+    elif where == "rewards":
+        r[env] = value
+    else:
+        final[0, 2] = value
+    return step(k, o, rewards=r, term=[True, False], trunc=[False, False], final=final)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("where, named", [("obs", "observations[2] of env 1"), ("rewards", "rewards of env 1"),
+                                          ("final", "final_observations[2] of env 0")])
+def test_a_step_holding_nan_or_infinity_ends_its_session_and_nothing_of_it_is_recorded(where, named, value):
+    h, out = hub()
+    s, _ = h.open(hello())
+    drive(h, s, steps=2)
+    before = {k: v.copy() for k, v in s.buffers.items()}
+    with pytest.raises(SessionError) as err:
+        h.observe(s, poisoned(3, where, value))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert str(err.value) == f"step 3: {named} is {float(value)} (NaN and infinity are refused)"
+    assert h.metrics.counters["actor/steps_refused_nonfinite_total"] == 1
+    assert h.metrics.counters["actor/steps_refused_out_of_bounds_total"] == 0
+    assert s.t == 2 and h.env_steps == 2 * N and s.episodes.returns.tolist() == [2.0, 4.0] and h.episodes.count == 0
+    for k, v in before.items():
+        np.testing.assert_array_equal(s.buffers[k], v, err_msg=k)
+    h.close(s, "error")  # what the servicer does next: the unfinished fragment goes out, truncated
+    (frag,) = [decode_fragment(m) for m in out]
+    assert frag.num_steps == 2 and frag.truncated[1].all() and not frag.terminated.any()
+    assert all(np.isfinite(a).all() for a in (frag.obs, frag.rewards, frag.final_obs))
+    np.testing.assert_array_equal(frag.next_obs()[1], obs_at(2))  # bootstrapped from the last good step
+
+
+def test_a_first_observation_holding_infinity_is_refused_and_nothing_is_pushed():
+    h, out = hub()
+    s, _ = h.open(hello())
+    o = obs_at(0)
+    o[0, 1] = np.inf
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(0, o))
+    assert str(err.value) == "step 0: observations[1] of env 0 is inf (NaN and infinity are refused)"
+    h.close(s, "error")
+    assert out == [] and h.metrics.counters["actor/steps_refused_nonfinite_total"] == 1
+
+
+@pytest.mark.parametrize("policy_keys, declared, column, named", [
+    (KEYS, {"pos": (2,), "vel": (1,)}, 1, "observations['pos'][1]"),
+    (KEYS, {"pos": (2,), "vel": (1,)}, 2, "observations['vel']"),
+    (None, {"a": (1,), "b": (2,)}, 1, "observations['b'][0]"),  # the keys the simulator declared
+])
+def test_a_dict_observation_names_the_key_at_fault(policy_keys, declared, column, named):
+    h, _ = spaced_hub(Discrete(2), obs_keys=policy_keys)
+    s, _ = h.open(hello_with(Discrete(2), obs=declared))
+    o = obs_at(0)
+    o[1, column] = np.nan
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(0, o))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert str(err.value) == f"step 0: {named} of env 1 is nan (NaN and infinity are refused)"
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["bounds-off", "bounds-on"])
+def test_declared_observation_bounds_are_checked_only_when_asked(check):
+    h, out = hub(check_obs_bounds=check)
+    msg = hello()
+    msg.observation_space.box.low[:] = [-1.0]                 # one bound for every element
+    msg.observation_space.box.high[:] = [1.0, 1.0, np.inf]    # the last element has no upper bound
+    s, _ = h.open(msg)
+    inside = np.array([[1.0, -1.0, 1e30], [0.5, 0.0, -0.5]], np.float32)  # on the bounds, or beyond an infinite one
+    h.observe(s, step(0, inside))
+    h.record_actions(s, np.array([0, 1]), {"behaviour_logprob": np.zeros(N, np.float32)}, 1)
+    outside = inside.copy()
+    outside[1, 0] = 1.5
+    flags = {"rewards": [0.0, 0.0], "term": [False, False], "trunc": [False, False]}
+    if not check:
+        h.observe(s, step(1, outside, **flags))
+        assert s.t == 1 and h.metrics.counters["actor/steps_refused_out_of_bounds_total"] == 0
+        return
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(1, outside, **flags))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert str(err.value) == ("step 1: observations[0] of env 1 is 1.5, outside its declared bounds [-1, 1] "
+                              "(actor.check_obs_bounds)")
+    assert h.metrics.counters["actor/steps_refused_out_of_bounds_total"] == 1
+    assert h.metrics.counters["actor/steps_refused_nonfinite_total"] == 0 and s.t == 0
+    nan = inside.copy()
+    nan[0, 2] = np.nan
+    s, _ = h.open(hello("other"))  # no bounds declared: NaN is still refused, as non-finite
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(0, nan))
+    assert "observations[2] of env 0 is nan" in str(err.value)
+    assert h.metrics.counters["actor/steps_refused_nonfinite_total"] == 1
+
+
+def test_dict_bounds_are_each_keys():
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": T},
+                            "actor": {"check_obs_bounds": True}})
+    h = SessionHub(cfg, EnvSpec((3,), np.dtype(np.float32), Discrete(2), KEYS), "actor-x", Metrics("actor"), [].append)
+    msg = hello_with(Discrete(2), obs={"pos": (2,), "vel": (1,)})
+    msg.observation_space.dict.spaces["vel"].low[:] = [0.0]
+    msg.observation_space.dict.spaces["vel"].high[:] = [3.0]   # "pos" declares none
+    s, _ = h.open(msg)
+    o = np.array([[-1e9, 1e9, 3.0], [0.0, 0.0, 3.5]], np.float32)
+    with pytest.raises(SessionError) as err:
+        h.observe(s, step(0, o))
+    assert str(err.value) == ("step 0: observations['vel'] of env 1 is 3.5, outside its declared bounds [0, 3] "
+                              "(actor.check_obs_bounds)")
+
+
+def test_malformed_declared_bounds_are_refused_only_when_they_are_checked():
+    msg = hello()
+    msg.observation_space.box.low[:] = [0.0, 1.0]  # two values for three elements
+    h, _ = hub()
+    h.open(msg)  # not checked: observation bounds are not read
+    h, _ = hub(check_obs_bounds=True)
+    with pytest.raises(SessionError) as err:
+        h.open(msg)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert str(err.value) == "observation_space.box.low: has 2 values: give 0, 1 or 3"
+    assert h.metrics.counters["actor/sessions_refused_total"] == 1 and not h.sessions
+
+
+def test_a_hub_without_a_fragment_sink_refuses_nan_the_same_way():
+    """`kuberl serve`: a NaN observation gets INVALID_ARGUMENT, never reaches the policy."""
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": T}})
+    h = SessionHub(cfg, SPEC, "serve-x", Metrics("actor"), on_fragment=None)
+    s, _ = h.open(hello())
+    drive(h, s, steps=1)
+    with pytest.raises(SessionError) as err:
+        h.observe(s, poisoned(2, "obs", np.nan))
+    assert err.value.code == "INVALID_ARGUMENT" and "observations[2] of env 1 is nan" in str(err.value)
+    assert h.metrics.counters["actor/steps_refused_nonfinite_total"] == 1

@@ -241,7 +241,7 @@ def test_a_mismatched_fragment_is_refused_without_changes():
 def store(compact_replay: str = "auto", buffer_size: int = 64) -> Store:
     return Store(config_from_dict({"algorithm": "dqn", "env": {"id": "CartPole-v1", "num_envs": 2},
                                    "dqn": {"buffer_size": buffer_size, "batch_size": 8, "learning_starts": 8,
-                                           "rollout_steps": 4},
+                                           "rollout_steps": 4, "replay_ratio": 0},  # unpaced: layout only
                                    "buffer": {"compact_replay": compact_replay}}), Metrics("buffer"))
 
 

@@ -20,15 +20,21 @@ SAMPLES = T * N  # per fragment
 BATCH = 8        # one fragment per PPO batch
 
 
+# Batches a reporting learner may have in flight, beyond the one it trains on: enough for these tests
+# to serve several batches before any is consumed (the cap itself: test_store.py).
+PREFETCH = 8
+
+
 def ppo_store(**ppo) -> Store:
     cfg = config_from_dict({"algorithm": "ppo", "env": {"num_envs": N},
                             "ppo": {"max_policy_lag": 2, "stale_fragments": "drop", "batch_steps": BATCH,
-                                    "rollout_steps": T, **ppo}})
+                                    "rollout_steps": T, **ppo},
+                            "buffer": {"batch_prefetch": PREFETCH}})
     return Store(cfg, Metrics("buffer"))
 
 
 def dqn_store(**dqn) -> Store:
-    cfg = config_from_dict({"algorithm": "dqn", "env": {"num_envs": N},
+    cfg = config_from_dict({"algorithm": "dqn", "env": {"num_envs": N}, "buffer": {"batch_prefetch": PREFETCH},
                             "dqn": {"buffer_size": 256, "batch_size": 8, "learning_starts": 16,
                                     "rollout_steps": T, "replay_ratio": 0.0, **dqn}})
     return Store(cfg, Metrics("buffer"))
@@ -373,7 +379,9 @@ def test_dqn_staleness_p_uses_occupancy_of_a_full_ring():
 
 
 def test_dqn_replay_ratio_gauges():
-    store = dqn_store(replay_ratio=1.0, replay_ratio_tolerance=0.1)
+    """The ratio is counted after the warm-up (learning_starts 8 here): samples served per sample
+    inserted beyond it."""
+    store = dqn_store(replay_ratio=1.0, replay_ratio_tolerance=0.1, learning_starts=8)
     g = store.gauges()
     assert g["buffer/replay_ratio_target"] == 1.0
     assert g["buffer/replay_ratio_in_band"] == 0.0  # nothing inserted or served
@@ -382,29 +390,27 @@ def test_dqn_replay_ratio_gauges():
     assert store.gauges()["buffer/replay_ratio_in_band"] == 0.0  # nothing served yet
     store.next_batch(8, "l")
     g = store.gauges()
-    assert g["buffer/samples_per_insert"] == 0.5
-    assert g["buffer/replay_ratio_in_band"] == 0.0  # 0.5 < 0.9
-    store.next_batch(8, "l")
-    g = store.gauges()
-    assert g["buffer/samples_per_insert"] == 1.0
+    assert g["buffer/samples_per_insert"] == 1.0  # 8 served / (16 - 8)
     assert g["buffer/replay_ratio_in_band"] == 1.0
     assert store.next_batch(8, "l") is None and store.wait_reason == "paced"
-    store.insert(dqn_msg(2, 0))  # 16 / 24 = 0.67: below the band until the next batch
-    assert store.gauges()["buffer/replay_ratio_in_band"] == 0.0
+    store.insert(dqn_msg(2, 0))  # 8 / 16 = 0.5: below the band until the next batch
+    g = store.gauges()
+    assert g["buffer/samples_per_insert"] == 0.5 and g["buffer/replay_ratio_in_band"] == 0.0
     store.next_batch(8, "l")
     assert store.gauges()["buffer/replay_ratio_in_band"] == 1.0
 
 
 @pytest.mark.parametrize("served_samples,in_band", [
     (0, 0.0),     # nothing served: never in band
-    (8, 1.0),     # 0.5 == lower edge (inclusive)
+    (8, 1.0),     # 0.5 == lower edge (inclusive): 8 served / 16 inserted after the warm-up
     (7, 0.0),     # just below
     (16, 1.0),    # on target
     (24, 1.0),    # 1.5 == upper edge (inclusive)
     (25, 0.0),    # just above
 ])
 def test_dqn_replay_ratio_band_edges(served_samples, in_band):
-    store = dqn_store(replay_ratio=1.0, replay_ratio_tolerance=0.5)
+    store = dqn_store(replay_ratio=1.0, replay_ratio_tolerance=0.5, learning_starts=8)
+    store.insert(dqn_msg(2, 0))  # 24 inserted, 16 of them after the warm-up
     store.insert(dqn_msg(0, 0))
     store.insert(dqn_msg(1, 0))
     # pacing keeps a live buffer at or below the target; set the count directly to probe the band
@@ -413,13 +419,13 @@ def test_dqn_replay_ratio_band_edges(served_samples, in_band):
 
 
 def test_dqn_unpaced_reports_no_target():
-    store = dqn_store(replay_ratio=0.0)
+    store = dqn_store(replay_ratio=0.0, learning_starts=8)
     store.insert(dqn_msg(0, 0))
     store.insert(dqn_msg(1, 0))
     store.next_batch(8, "l")
     g = store.gauges()
     assert "buffer/replay_ratio_target" not in g and "buffer/replay_ratio_in_band" not in g
-    assert g["buffer/samples_per_insert"] == 0.5
+    assert g["buffer/samples_per_insert"] == 1.0  # 8 served / (16 - 8)
 
 
 def test_ppo_reports_no_dqn_gauges():

@@ -219,7 +219,7 @@ def test_malformed_fragment_is_refused():
 # --- DQN batches --------------------------------------------------------------------------------
 
 def test_dqn_warms_up_until_learning_starts():
-    store = dqn_store()
+    store = dqn_store(replay_ratio=0.0)  # unpaced: served as soon as the warm-up is stored
     store.insert(dqn_msg(0))  # 8 < learning_starts = 16
     assert store.next_batch(8) is None
     assert store.wait_reason == "warming up"
@@ -251,16 +251,18 @@ def test_dqn_waits_for_a_full_batch_even_past_learning_starts():
     assert store.wait_reason == "warming up"
 
 
-def test_dqn_paced_by_replay_ratio():
+def test_dqn_paced_by_replay_ratio_counted_from_the_end_of_the_warm_up():
     store = dqn_store(replay_ratio=1.0)
     store.insert(dqn_msg(0))
-    store.insert(dqn_msg(1))  # 16 inserted: at ratio 1, two batches of 8
-    assert store.next_batch(8) is not None
+    store.insert(dqn_msg(1))  # 16 inserted = learning_starts: the warm-up is not production
+    assert store.next_batch(8) is None
+    assert store.wait_reason == "paced"
+    store.insert(dqn_msg(2))  # 8 produced: at ratio 1, one batch of 8
     assert store.next_batch(8) is not None
     assert store.next_batch(8) is None
     assert store.wait_reason == "paced"
-    assert store.served_samples == 16
-    store.insert(dqn_msg(2))
+    assert store.served_samples == 8
+    store.insert(dqn_msg(3))
     assert store.next_batch(8) is not None
     assert store.next_batch(8) is None
     assert store.wait_reason == "paced"
@@ -320,14 +322,15 @@ def test_ppo_fifo_eviction_is_counted():
 
 
 def test_gauges():
-    store = dqn_store()
+    store = dqn_store(replay_ratio=0.0, learning_starts=8)
     assert store.gauges()["buffer/samples_per_insert"] == 0.0
     store.insert(dqn_msg(0, actor_id="a"))
     store.insert(dqn_msg(0, actor_id="b"))
     store.next_batch(8)
+    store.next_batch(8)
     g = store.gauges()
     assert g["buffer/size_samples"] == 16
-    assert g["buffer/samples_per_insert"] == 0.5
+    assert g["buffer/samples_per_insert"] == 2.0  # 16 served / 8 inserted after the warm-up of 8
     assert g["buffer/actors_known"] == 2
 
 
@@ -376,3 +379,18 @@ def test_the_window_covers_every_send_queue_config_allows():
     config_from_dict({"actor": {"queue_fragments": DEDUPE_WINDOW}})
     with pytest.raises(ConfigError, match="actor.queue_fragments: 65537 is invalid: must be 1..65536"):
         config_from_dict({"actor": {"queue_fragments": DEDUPE_WINDOW + 1}})
+
+
+def test_a_reporting_learner_is_served_at_most_prefetch_plus_one_batches_ahead():
+    """buffer.batch_prefetch 2: three batches in flight, then none until the learner reports one
+    trained on; a learner that never reports (a plain client) is not held to it."""
+    store = dqn_store(replay_ratio=0.0)
+    for seq in range(4):
+        store.insert(dqn_msg(seq))
+    store.report_progress("l", 0, 0)
+    assert all(store.next_batch(8, "l") is not None for _ in range(3))
+    assert store.next_batch(8, "l") is None and store.wait_reason == "prefetched"
+    store.report_progress("l", 1, 1)
+    assert store.next_batch(8, "l") is not None
+    assert store.next_batch(8, "l") is None and store.wait_reason == "prefetched"
+    assert all(store.next_batch(8, "other") is not None for _ in range(10))

@@ -1,5 +1,6 @@
 """`kuberl eval` on untrained policies: exact episode counts over parallel copies, action masks applied,
-GIF and Atari videos with one frame per step, `kuberl up`'s switch, and one-line refusals (exit 2)."""
+GIF and Atari videos with one frame per step, `kuberl up`'s switch, one-line refusals (exit 2), and
+the policies of external runs: refused with directions, or evaluated on a gymnasium env of their spaces (--env)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,62 @@ def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
         assert evaluate.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and err.startswith("kuberl eval: ") and err.count("\n") == 1, err
+
+
+EXTERNAL = {"algorithm": "ppo", "env": {"id": "my-sim", "mode": "external", "observation_shape": [4], "num_actions": 2},
+            "ppo": {"hidden_sizes": [16]}}
+
+
+def test_an_external_runs_policy_is_refused_pointing_at_serve_and_env(tmp_path, capsys):
+    """Its env is the simulators' (here one gymnasium does not know): say how to evaluate it instead."""
+    ckpt = untrained(tmp_path / "run", EXTERNAL)
+    assert evaluate.main([str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kuberl eval: {ckpt}: trained on external simulators (env.mode: external), whose env kuberl eval "
+                   f"cannot make: serve the policy with `kuberl serve {tmp_path / 'run'}` and connect your simulator "
+                   "to it (docs/after-training.md), or evaluate it here on a gymnasium env with its spaces "
+                   "(observations Box[4] float32, actions Discrete(2)) with --env ENV_ID\n")
+
+
+def test_an_external_run_whose_spaces_came_from_an_env_id_is_refused_suggesting_it(tmp_path, capsys):
+    untrained(tmp_path / "run", {**CARTPOLE, "env": {"id": "CartPole-v1", "mode": "external"}})
+    assert evaluate.main([str(tmp_path / "run"), "--episodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kuberl eval: ") and err.count("\n") == 1
+    assert err.endswith("with --env ENV_ID (e.g. --env CartPole-v1, the env.id its spaces came from)\n")
+
+
+def test_env_evaluates_an_external_runs_policy_on_a_gymnasium_env_of_its_spaces(tmp_path, capsys):
+    untrained(tmp_path / "run", EXTERNAL)
+    assert evaluate.main([str(tmp_path / "run"), "--env", "CartPole-v1", "--episodes", "3", "--num-envs", "2",
+                          "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["env_id"] == "CartPole-v1" and result["episodes"] == 3 and len(result["lengths"]) == 3
+    assert result["length"]["min"] >= 1  # CartPole's episodes, stepped here
+
+
+def test_env_is_refused_unless_it_can_be_made_and_has_the_policys_spaces(tmp_path, capsys):
+    untrained(tmp_path / "run", EXTERNAL)
+    cases = [("Pendulum-v1", "--env Pendulum-v1: its spaces (observations Box[3] float32, actions Box([1], [-2, 2])) "
+                             "are not the policy's (observations Box[4] float32, actions Discrete(2))"),
+             ("kuberl_envs:MaskedChoice-v0", "--env kuberl_envs:MaskedChoice-v0: its spaces (observations Box[7] "
+                                             "float32, actions MultiDiscrete([4, 3])) are not the policy's"),
+             ("NoSuchEnv-v0", "--env NoSuchEnv-v0: cannot be made here (NameNotFound: "),
+             ("ALE/x", "--env ALE/x: 'ALE/x' is invalid: Atari ids are ALE/<Game>-v5")]
+    for env_id, message in cases:
+        assert evaluate.main([str(tmp_path / "run"), "--env", env_id]) == 2, env_id
+        err = capsys.readouterr().err
+        assert err.startswith(f"kuberl eval: {message}") and err.count("\n") == 1, err
+
+
+def test_env_with_other_box_bounds_is_refused(tmp_path, capsys):
+    """The policy's actions are clipped into the bounds it trained with: another env's are not the same space."""
+    untrained(tmp_path / "run", {"algorithm": "ppo", "ppo": {"hidden_sizes": [16]}, "env": {
+        "mode": "external", "observation_shape": [3], "action_space": {"type": "box", "shape": [1], "low": [-1.0],
+                                                                        "high": [1.0]}}})
+    assert evaluate.main([str(tmp_path / "run"), "--env", "Pendulum-v1"]) == 2
+    assert "actions Box([1], [-2, 2])) are not the policy's (observations Box[3] float32, actions Box([1], [-1, 1]))" \
+        in capsys.readouterr().err
 
 
 def test_up_evaluates_unless_the_config_says_not_to(tmp_path):

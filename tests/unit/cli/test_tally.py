@@ -206,6 +206,7 @@ def local_run(members):
     run.tally = Tally(100)
     run.returns = run.tally.returns
     run.planned, run.members, run.retired, run.tb, run.started = False, members, [], FakeBoard(), 0.0
+    run._held_last = None
     run.restarts = Counter()
     run.episodes_out = io.StringIO()  # what would be episodes.csv
     run.episode_rows = csv.writer(run.episodes_out)

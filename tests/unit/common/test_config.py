@@ -301,3 +301,69 @@ def test_bad_declared_spaces_name_the_key(env, key, match):
     with pytest.raises(ConfigError, match=match) as err:
         external(**env)
     assert err.value.key == key
+
+
+SAC_TAKES = "sac takes Box actions with bounds finite in float32 with low < high"
+
+
+@pytest.mark.parametrize("algorithm, env, message", [
+    ("sac", {"num_actions": 3}, f"{SAC_TAKES}; env.num_actions is Discrete(3)"),
+    ("sac", {"action_space": {"type": "discrete", "n": 3}}, f"{SAC_TAKES}; env.action_space is Discrete(3)"),
+    ("sac", {"action_space": {"type": "multi_discrete", "nvec": [3, 2]}},
+     f"{SAC_TAKES}; env.action_space is MultiDiscrete([3, 2])"),
+    ("sac", {"action_space": {"type": "box", "shape": [2]}}, f"{SAC_TAKES}; env.action_space is Box([2], [-inf, inf])"),
+    ("sac", {"action_space": {"type": "box", "shape": [1], "low": [-1.0]}},
+     f"{SAC_TAKES}; env.action_space is Box([1], [-1, inf])"),
+    ("sac", {"action_space": {"type": "box", "shape": [1], "low": [-3.4e38], "high": [3.4e38]}},  # width > float32
+     f"{SAC_TAKES}; env.action_space is Box([1], [-3.4e+38, 3.4e+38])"),
+    ("dqn", {"action_space": {"type": "box", "shape": [1], "low": [-2.0], "high": [2.0]}},
+     "dqn takes Discrete actions; env.action_space is Box([1], [-2, 2])"),
+    ("dqn", {"action_space": {"type": "multi_discrete", "nvec": [3, 2]}},
+     "dqn takes Discrete actions; env.action_space is MultiDiscrete([3, 2])"),
+])
+def test_declared_spaces_the_algorithm_cannot_train_on_are_refused_on_load(algorithm, env, message):
+    """Refused as the config is built, naming the algorithm and the key that declares the space: no
+    process starts to crash on them (issue 25)."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"algorithm": algorithm, "env": {"mode": "external", "observation_shape": [3], **env}})
+    assert err.value.key == "algorithm"
+    assert str(err.value) == f"algorithm: {message}"
+
+
+def test_declared_frames_are_refused_for_sac_naming_the_observation_keys():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"algorithm": "sac", "env": {
+            "mode": "external", "observation_shape": [4, 84, 84], "observation_dtype": "uint8",
+            "action_space": {"type": "box", "shape": [1], "low": [-1.0], "high": [1.0]}}})
+    assert err.value.key == "algorithm"
+    assert str(err.value) == ("algorithm: sac takes flat observations; the declared observations "
+                              "(env.observation_shape, env.observation_dtype) are uint8 frames [4, 84, 84]")
+
+
+@pytest.mark.parametrize("algorithm, env", [
+    ("sac", {"action_space": {"type": "box", "shape": [2], "low": [-1.0], "high": [1.0, 2.0]}}),
+    ("dqn", {"num_actions": 3}),
+    ("dqn", {"action_space": {"type": "discrete", "n": 3}}),
+    ("ppo", {"num_actions": 3}),
+    ("ppo", {"action_space": {"type": "multi_discrete", "nvec": [3, 2]}}),
+    ("ppo", {"action_space": {"type": "box", "shape": [2]}}),    # PPO's Gaussian needs no bounds
+])
+def test_declared_spaces_the_algorithm_takes_load(algorithm, env):
+    cfg = config_from_dict({"algorithm": algorithm, "env": {"mode": "external", "observation_shape": [3], **env}})
+    assert cfg.env.declared_spec.obs_shape == (3,)
+    assert cfg.env.declared_spec.action == cfg.env.declared_action_space
+
+
+def test_an_external_yaml_declaring_a_discrete_space_for_sac_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "sim.yaml"
+    path.write_text("algorithm: sac\nenv:\n  id: my-sim\n  mode: external\n  observation_shape: [3]\n"
+                    "  action_space: {type: discrete, n: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"algorithm: {SAC_TAKES}; env.action_space is Discrete(3)"
+
+
+def test_declared_observation_keys_are_checked_when_the_config_loads():
+    with pytest.raises(ConfigError, match="rank <= 8") as err:
+        external(observation_keys={"a": [1] * 9}, num_actions=2)
+    assert err.value.key == "env.observation_keys"

@@ -74,6 +74,29 @@ def test_checkpoint_of_another_model_falls_back_and_leaves_no_half_loaded_state(
     assert "unusable" in caplog.text
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["net", "optimizer"])
+def test_a_checkpoint_holding_nan_or_infinity_is_never_resumed_from(two_checkpoints, caplog, where, value):
+    """One written by something else than this learner (which never writes one): skipped like a corrupt
+    file, the previous one is resumed from."""
+    newest = two_checkpoints / "ckpt-000000000002.pt"
+    state = torch.load(newest, weights_only=True)
+    if where == "net":
+        name = next(iter(state["algo"]["net"]))
+        state["algo"]["net"][name].view(-1)[0] = value
+        bad = f"algo.net.{name}"
+    else:
+        state["algo"]["optimizer"]["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.full((2,), value)}}
+        bad = "algo.optimizer.state.0.exp_avg"
+    torch.save(state, newest)
+    with pytest.raises(checkpoint.CheckpointError, match=f"^{bad} holds NaN or infinity$"):
+        checkpoint.load(newest)
+    with caplog.at_level(logging.WARNING, logger="services.learner.checkpoint"):
+        trainer = make_trainer(two_checkpoints)
+    assert (trainer.version, float(first_weight(trainer).flatten()[0])) == (1, 1.0)
+    assert f"{bad} holds NaN or infinity" in caplog.text and "falling back to ckpt-000000000001.pt" in caplog.text
+
+
 def test_nothing_loads_starts_fresh_with_a_warning(two_checkpoints, tmp_path_factory, caplog):
     fresh = make_trainer(tmp_path_factory.mktemp("empty"))
     for path in two_checkpoints.glob("ckpt-*.pt"):

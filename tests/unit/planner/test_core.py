@@ -181,3 +181,17 @@ class NotReadyLearners(MemoryBackend):
         states["learner"] = RoleState(desired=self.desired["learner"], replicas=[
             Replica(name=f"learner-{i}", address="127.0.0.1:9" if i == 0 else "", ready=i == 0) for i in range(self.desired["learner"])])
         return states
+
+
+def test_external_simulators_fix_the_actors_and_leave_the_learners_to_the_planner():
+    """env.mode external: an actor added would serve no simulator (they find actors by address), so
+    the actors stay at topology.actors within the planner's bounds; the learners keep theirs."""
+    from services.planner.core import policy_from_config
+
+    base = {**TINY_PPO, "planner": {"actor": {"min": 1, "max": 8}, "learner": {"min": 1, "max": 3}}}
+    local = policy_from_config(config_from_dict({**base, "topology": {"actors": 2}}))
+    assert (local.actor.min, local.actor.max) == (1, 8)
+    external = policy_from_config(config_from_dict({**base, "topology": {"actors": 2},
+                                                    "env": {"id": "CartPole-v1", "mode": "external"}}))
+    assert (external.actor.min, external.actor.max) == (2, 2)
+    assert (external.learner.min, external.learner.max) == (1, 3)
