@@ -332,24 +332,28 @@ def _bad_steps(n: int = 2):
     ]
 
 
+def _good_session(address: str, session_id: str, n: int, rng, finished: threading.Event, progress: dict,
+                  after: int) -> None:
+    """A well-behaved session beside bad ones: steps until `finished`, then `after` more steps (it is
+    still served once every bad session has ended), counting them in progress["steps"]."""
+    with client(address, session_id, num_envs=n) as c:
+        c.reset(obs(rng, n))
+        while not finished.is_set():
+            c.step(obs(rng, n), np.ones(n, np.float32), np.zeros(n, bool), np.zeros(n, bool))
+            progress["steps"] += 1
+        for _ in range(after):
+            c.step(obs(rng, n), np.ones(n, np.float32), np.zeros(n, bool), np.zeros(n, bool))
+            progress["steps"] += 1
+
+
 def test_malformed_steps_end_only_their_own_session(stack):
     """Each malformed step gets its documented error; a concurrent good session keeps stepping."""
     rng = np.random.default_rng(1)
     finished = threading.Event()
     progress = {"steps": 0}
 
-    def good_session():
-        with client(stack.actor, "good", num_envs=3) as c:
-            c.reset(obs(rng, 3))
-            while not finished.is_set():
-                c.step(obs(rng, 3), np.ones(3, np.float32), np.zeros(3, bool), np.zeros(3, bool))
-                progress["steps"] += 1
-            for _ in range(50):  # still served after every bad session ended
-                c.step(obs(rng, 3), np.ones(3, np.float32), np.zeros(3, bool), np.zeros(3, bool))
-                progress["steps"] += 1
-
     with ThreadPoolExecutor(1) as pool:
-        good = pool.submit(good_session)
+        good = pool.submit(_good_session, stack.actor, "good", 3, rng, finished, progress, 50)
         try:
             wait_for(lambda: progress["steps"] >= 5 or good.done(), timeout=WAIT_S, what="the good session")
             failures = []
@@ -380,16 +384,6 @@ def test_nan_or_infinity_ends_only_its_own_session_naming_the_field_and_env(stac
     finished = threading.Event()
     progress = {"steps": 0}
 
-    def good_session():
-        with client(stack.actor, "good-nan", num_envs=2) as c:
-            c.reset(obs(rng, 2))
-            while not finished.is_set():
-                c.step(obs(rng, 2), np.ones(2, np.float32), np.zeros(2, bool), np.zeros(2, bool))
-                progress["steps"] += 1
-            for _ in range(20):  # still served after every bad session ended
-                c.step(obs(rng, 2), np.ones(2, np.float32), np.zeros(2, bool), np.zeros(2, bool))
-                progress["steps"] += 1
-
     def poisoned(what: str) -> tuple:
         o, r, f, final = np.zeros((3, 4), np.float32), np.ones(3, np.float32), np.zeros(3, bool), None
         if what == "obs":
@@ -404,7 +398,7 @@ def test_nan_or_infinity_ends_only_its_own_session_naming_the_field_and_env(stac
     expected = {"obs": "step 2: observations[1] of env 2 is nan", "reward": "step 2: rewards of env 1 is inf",
                 "final": "step 2: final_observations[0] of env 1 is -inf"}
     with ThreadPoolExecutor(1) as pool:
-        good = pool.submit(good_session)
+        good = pool.submit(_good_session, stack.actor, "good-nan", 2, rng, finished, progress, 20)
         try:
             wait_for(lambda: progress["steps"] >= 5 or good.done(), timeout=WAIT_S, what="the good session")
             got = {}
