@@ -174,17 +174,20 @@ class Store:
         staleness by the current version alone would ship fragments the learner then has to drop.
         Learners silent for LEARNER_EXPIRY_S are ignored (a restarted learner comes back under a new id).
         """
-        now = time.monotonic()
-        live = [(lid, v) for lid, (v, _, seen) in self._learners.items() if now - seen <= LEARNER_EXPIRY_S]
+        live = self._live_learners()
         if not live:
             return None
-        return max(v + self.in_flight(lid) for lid, v in live)
+        return max(self._learners[lid][0] + self.in_flight(lid) for lid in live)
+
+    def _live_learners(self) -> list[str]:
+        """The learners that reported within LEARNER_EXPIRY_S."""
+        now = time.monotonic()
+        return [lid for lid, (_, _, seen) in self._learners.items() if now - seen <= LEARNER_EXPIRY_S]
 
     def insert_limit(self) -> int | None:
         """The samples-inserted count below which actors may start a fragment (None: no limit), for
         Buffer.WatchInsertLimit: the insert side of the rate limiter (services/buffer/limiter.py)."""
-        now = time.monotonic()
-        live = [lid for lid, (_, _, seen) in self._learners.items() if now - seen <= LEARNER_EXPIRY_S]
+        live = self._live_learners()
         # FIFO: batches served but not yet trained on (in a learner's prefetch queue or in transit)
         # still count as waiting, or the transport's buffers would let actors run many batches ahead.
         in_flight = sum(self.in_flight(lid) for lid in live) * self.limiter.batch_size
