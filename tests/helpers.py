@@ -150,12 +150,12 @@ def run_logs(run_dir: Path, names=None, lines: int = 15) -> str:
     return "\n".join(out) or f"(no logs under {run_dir}/logs)"
 
 
-def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget: int) -> dict:
+def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget: int, window: int = 100) -> dict:
     """Run `kuberl up` on `cfg` (configs/<name>.yaml, changed) until `target` mean return over the last
-    100 episodes or `budget` env steps; assert it reached the target within the budget with every
+    `window` episodes or `budget` env steps; assert it reached the target within the budget with every
     process exiting cleanly, and that the final checkpoint's evaluation (`kuberl up`'s, without a time
     limit here) ran every episode without an error; return summary.json."""
-    cfg = {**cfg, "run": {**cfg.get("run", {}), "target_return": target, "return_window": 100,
+    cfg = {**cfg, "run": {**cfg.get("run", {}), "target_return": target, "return_window": window,
                           "max_env_steps": budget, "poll_interval_s": 0.5},
            "evaluation": {**cfg.get("evaluation", {}), "after_training": True, "max_seconds": 0}}
     path = tmp_path / f"{name}.yaml"
@@ -165,7 +165,7 @@ def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget:
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary["reason"] == "target_return", summary
-    assert summary["return_window"] == 100 and summary["mean_return"] >= target
+    assert summary["return_window"] == window and summary["mean_return"] >= target
     assert summary["env_steps"] <= budget
     failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
     assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(tmp_path / 'run', failed)}"

@@ -184,6 +184,10 @@ class PPO:
                     torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments]),
                     torch.cat(masks) if masked else None)
         n = sum(f.num_samples for f in fragments)
+        remaining = self.remaining()
+        for group in self.optimizer.param_groups:
+            group["lr"] = c.learning_rate * remaining
+        clip = c.clip_coef * (remaining if c.anneal_clip else 1.0)
         # Exactly num_minibatches per epoch, sizes differing by at most one (alone: at most n of them).
         splits = c.num_minibatches if self.sync is not None else min(c.num_minibatches, n)
         clipfracs, last, trained = [], None, False
@@ -192,7 +196,7 @@ class PPO:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = None
                 if len(mb):
-                    loss, last = self._loss(data, mb)
+                    loss, last = self._loss(data, mb, clip)
                     loss.backward()
                     clipfracs.append(last["clipfrac"].item())
                 params = list(self.net.parameters())
@@ -209,7 +213,14 @@ class PPO:
             self.version += 1
         if last is None:
             return {}
-        return {**{k: v.item() for k, v in last.items()}, "clipfrac": float(np.mean(clipfracs))}
+        return {**{k: v.item() for k, v in last.items()}, "clipfrac": float(np.mean(clipfracs)),
+                "learning_rate": c.learning_rate * remaining}
+
+    def remaining(self) -> float:
+        """The share of the learning rate (and clip range) this update trains at: 1 without annealing,
+        else 1 - version / anneal_updates, down to 0 (SB3's progress_remaining, counted in updates)."""
+        n = self.cfg.anneal_updates
+        return 1.0 if n is None else max(0.0, 1.0 - self.version / n)
 
     def _update_obs_stats(self, fragments: list[Fragment]) -> None:
         """Merge the batch's observations (each step's once) into the network's running statistics,
@@ -223,8 +234,9 @@ class PPO:
             moments = torch.zeros(1 + 2 * norm.mean.numel(), dtype=torch.float64, device=self.device)
         norm.merge(moments if self.sync is None else self.sync.sum(moments))
 
-    def _loss(self, data, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped PPO loss on minibatch `mb` (indices into `data`), and its diagnostics (detached)."""
+    def _loss(self, data, mb: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped PPO loss on minibatch `mb` (indices into `data`) at clip range `clip`, and its
+        diagnostics (detached)."""
         c = self.cfg
         obs, values, adv, ret, actions, old_logprob, masks = data
         dist, new_value = self.net.dist_and_value(obs[mb], None if masks is None else masks[mb])
@@ -232,13 +244,13 @@ class PPO:
         ratio = logratio.exp()
         with torch.no_grad():
             approx_kl = ((ratio - 1) - logratio).mean()
-            clipfrac = ((ratio - 1.0).abs() > c.clip_coef).float().mean()
+            clipfrac = ((ratio - 1.0).abs() > clip).float().mean()
         mb_adv = adv[mb]
         if c.norm_adv and len(mb) > 1:
             mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-        pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - c.clip_coef, 1 + c.clip_coef)).mean()
+        pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip, 1 + clip)).mean()
         if c.clip_vloss:
-            v_clipped = values[mb] + torch.clamp(new_value - values[mb], -c.clip_coef, c.clip_coef)
+            v_clipped = values[mb] + torch.clamp(new_value - values[mb], -clip, clip)
             v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()
         else:
             v_loss = 0.5 * ((new_value - ret[mb]) ** 2).mean()
