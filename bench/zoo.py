@@ -12,8 +12,10 @@ records every finished training episode (env steps, return, wall seconds since t
 same function reads both: env steps and seconds at which the mean return over the task's window of
 episodes first reached the target, and that mean at the budget.
 
-    .venv/bin/pip install -e ".[bench]"     # SB3, rl-zoo3, Box2D and MuJoCo
-    .venv/bin/python -m bench.zoo [--tasks cartpole-dqn,pendulum-sac] [--seeds 1] [--json docs/zoo.json]
+    python3 -m venv .venv-zoo && .venv-zoo/bin/pip install -e ".[zoo]"   # SB3, rl_zoo3, Box2D, MuJoCo
+    .venv-zoo/bin/python -m bench.zoo [--tasks cartpole-dqn,pendulum-sac] [--seeds 1] [--json docs/zoo.json]
+
+(a venv of its own: rl_zoo3 and the planner's kubernetes client want python-dateutil on either side of 3)
 
 kuberl's env-step count is read when its launcher reads the episode (every `poll_interval_s`, 0.25 s
 here), so it can be a few hundred steps late; SB3's is exact.

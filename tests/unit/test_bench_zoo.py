@@ -64,7 +64,7 @@ def test_sac_translation_replay_ratio_is_batch_times_updates_per_step():
 
 
 def test_every_task_translates_to_a_config_kuberl_loads():
-    pytest.importorskip("rl_zoo3", reason="the zoo's hyper-parameter files come with the bench extra")
+    pytest.importorskip("rl_zoo3", reason="the zoo's hyper-parameter files come with the zoo extra (docs/benchmarks.md)")
     from bench.zoo import zoo_hyperparams
 
     for task in TASKS.values():
