@@ -18,24 +18,20 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.up import ROOT, up
 
 
 def run(config: dict, planner: bool, workdir: Path) -> dict:
     data = {**config, "planner": {**config.get("planner", {}), "enabled": planner}}
-    path = workdir / "bench.yaml"
-    path.write_text(yaml.safe_dump(data))
-    subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(workdir),
-                    "--name", "run", "--quiet"], cwd=ROOT, check=True, capture_output=True)
-    summary = json.loads((workdir / "run" / "summary.json").read_text())
-    with open(workdir / "run" / "metrics.csv") as f:
+    run_dir = up(data, workdir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
 
     def series(key):

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.up import ROOT, up
 
 
 def variants() -> list[tuple[str, str, dict]]:
@@ -42,13 +41,10 @@ def variants() -> list[tuple[str, str, dict]]:
 def run(config: dict, seconds: float, workdir: Path) -> dict:
     data = {**config, "run": {"target_return": None, "max_env_steps": 10**9, "max_seconds": seconds,
                               "poll_interval_s": 0.5}}
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(workdir),
-                    "--name", "run", "--quiet"], cwd=ROOT, check=True, capture_output=True)
-    rows = list(csv.DictReader(open(workdir / "run" / "metrics.csv")))
+    run_dir = up(data, workdir)
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     curve = [(float(r["wall_s"]), float(r["return_mean"]), int(r["env_steps"])) for r in rows if r["return_mean"]]
-    return {"curve": curve, "summary": json.loads((workdir / "run" / "summary.json").read_text()),
+    return {"curve": curve, "summary": json.loads((run_dir / "summary.json").read_text()),
             "last": rows[-1] if rows else {}}
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.up import ROOT, up
 
 
 def single_process(cfg, target: float, window: int, max_steps: int) -> dict:
@@ -152,13 +152,10 @@ def single_process_timed(config: dict, target: float, window: int, max_steps: in
 def kuberl_up(config: dict, target: float, window: int, max_steps: int, workdir: Path) -> dict:
     data = {**config, "run": {**config.get("run", {}), "target_return": target, "return_window": window,
                               "max_env_steps": max_steps, "poll_interval_s": 0.25}}
-    path = workdir / "bench.yaml"
-    path.write_text(yaml.safe_dump(data))
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(workdir),
-                    "--name", "run", "--quiet"], cwd=ROOT, check=True, capture_output=True)
+    run_dir = up(data, workdir)
     total = time.monotonic() - started
-    summary = json.loads((workdir / "run" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     return {"seconds": total, "training_seconds": summary["wall_s"], "env_steps": summary["env_steps"],
             "reached": summary["reason"] == "target_return"}
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.up import ROOT, up
 
 
 @dataclass(frozen=True)
@@ -233,13 +233,7 @@ def kuberl(task: Task, config: dict, seed: int, steps: int, stop_at_target: bool
                     "max_env_steps": steps, "max_seconds": max_seconds, "poll_interval_s": 0.25},
             "evaluation": {"after_training": False}}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "bench.yaml"
-        path.write_text(yaml.safe_dump(data))
-        proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", tmp,
-                               "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True)
-        run = Path(tmp) / "run"
-        if not (run / "summary.json").exists():
-            raise RuntimeError(f"kuberl up failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        run = up(data, Path(tmp), check=False)
         summary = json.loads((run / "summary.json").read_text())
         with open(run / "episodes.csv") as f:
             episodes = [(int(r["env_steps"]), float(r["return"]), float(r["wall_s"])) for r in csv.DictReader(f)]
