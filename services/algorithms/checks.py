@@ -18,19 +18,10 @@ from services.common.envs import EnvSpec
 from services.common.fragments import TRANSITION_FIELDS
 from services.common.spaces import check_actions, check_mask
 from services.common.stats import Metrics
-from services.common.tensors import NonFiniteError, TensorError, decode
+from services.common.tensors import NonFiniteError, TensorError, check_finite, decode
 
 log = logging.getLogger(__name__)
 STEPS_SKIPPED = "learner/gradient_steps_skipped_nonfinite_total"
-
-
-def check_finite(arrays: dict[str, np.ndarray | None]) -> None:
-    """Raise NonFiniteError naming the first field (name -> array; None: absent) whose floating-point
-    values are not all finite."""
-    for name, arr in arrays.items():
-        if arr is not None and arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            bad = int(arr.size - np.isfinite(arr).sum())
-            raise NonFiniteError(name, f"{bad} of its {arr.size} values are NaN or infinite")
 
 
 def skipped_step(metrics: Metrics, what: str, version: int) -> None:

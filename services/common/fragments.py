@@ -16,7 +16,8 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.common import wire
-from services.common.tensors import DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, decode, encode, encode_parts
+from services.common.tensors import (DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, check_finite, decode, encode,
+                                     encode_parts)
 
 MAX_STEPS = 65536
 MAX_ID_LEN = 128
@@ -294,6 +295,9 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
     if mask is not None:
         _expect(mask.ndim == 3 and mask.shape[:2] == (T, N) and mask.dtype == np.bool_, "action_mask",
                 lambda: f"must be bool [T={T}, N={N}, M], got {mask.dtype.name} {list(mask.shape)}")
+    # Bad data is bad input: refused here, where it arrives, rather than stored to poison every batch
+    # that samples it (a learner would skip those whole, services/algorithms/checks.py).
+    check_finite({"obs": obs, "final_obs": final_obs, "actions": actions, "behaviour_logprob": logprob})
     return Fragment(actor_id=msg.actor_id, seq=msg.seq, policy_version=msg.policy_version,
                     incarnation=msg.incarnation, algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
                     final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, action_mask=mask,

@@ -47,6 +47,15 @@ class NonFiniteError(TensorError):
     learner's weights (a learner counts it apart from malformed data)."""
 
 
+def check_finite(arrays: dict[str, np.ndarray | None]) -> None:
+    """Raise NonFiniteError naming the first field (name -> array; None: absent) whose floating-point
+    values are not all finite."""
+    for name, arr in arrays.items():
+        if arr is not None and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            bad = int(arr.size - np.isfinite(arr).sum())
+            raise NonFiniteError(name, f"{bad} of its {arr.size} values are NaN or infinite")
+
+
 def dtype_code(dtype: np.dtype) -> int:
     """Wire code of a numpy dtype; raises TensorError for dtypes outside the whitelist."""
     dt = np.dtype(dtype)

@@ -7,7 +7,7 @@ import pytest
 
 from kuberl.v1 import common_pb2 as pb
 from services.common.fragments import MAX_ID_LEN, build_fragment, decode_fragment
-from services.common.tensors import TensorError, encode
+from services.common.tensors import TensorError, decode, encode
 from tests.unit.fragment_factory import DQN, PPO, fragment_arrays, make_msg
 
 T, N = 3, 2
@@ -190,6 +190,24 @@ def test_rejects_non_finite_rewards(bad):
     rewards[1, 1] = bad
     msg.rewards.CopyFrom(encode(rewards))
     reject(msg, "rewards", "NaN or infinity")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("field", ["obs", "final_obs", "actions", "behaviour_logprob"])
+def test_rejects_non_finite_observations_actions_and_logprobs(field, bad):
+    """Whoever sends them (an actor of another build, a client of its own), NaN and infinity are
+    refused where they arrive, naming the field: stored, they would be sampled into batch after batch."""
+    msg = good()
+    arr = decode(getattr(msg, field), field).copy()
+    if field == "actions":
+        arr = np.zeros((T, N, 2), np.float32)   # a continuous action
+    arr.reshape(-1)[-1] = bad
+    getattr(msg, field).CopyFrom(encode(arr))
+    reject(msg, field, f"1 of its {arr.size} values are NaN or infinite")
+
+
+def test_integer_frames_cannot_hold_nan_and_pass():
+    assert decode_fragment(good(obs_dtype=np.uint8)).obs.dtype == np.uint8
 
 
 @pytest.mark.parametrize("name", ["terminated", "truncated"])
