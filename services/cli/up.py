@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import fcntl
 import json
 import logging
+import os
 import re
 import socket
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -63,6 +66,36 @@ def _port_free(port: int) -> bool:
 PLANNER_PORT = 50054  # where `kuberl scale`/`kuberl decisions` look by default, when it is free
 
 
+def _claim(port: int):
+    """An exclusive lock on `port` among this user's `kuberl up` runs, held while the returned file
+    stays open, or None when another run holds it. Between checking that the port is free and its
+    planner binding it, a second `kuberl up` started at the same moment would see it free too: both
+    planners would take it, one would fail to bind on every restart, and its run would end failed."""
+    path = Path(tempfile.gettempdir()) / f"kuberl-{os.getuid()}" / f"port-{port}.lock"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    f = open(path, "a")  # noqa: SIM115 (held open: the lock lasts as long as the file)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def _new_dir(root: Path, name: str) -> Path:
+    """`root/name`, or `root/name-2`, `-3`... if taken: runs started in the same second never share a
+    directory (their logs, ready files and checkpoints would mix)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 1000):
+        path = root / (name if i == 1 else f"{name}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run directory name like {root / name}")
+
+
 @dataclass
 class Member:
     """A process of the run: one `kuberl up` started itself (buffer, planner; every role when the
@@ -102,7 +135,9 @@ class LocalRun:
                               f"{self.actor_ports.start}..{self.actor_ports.stop - 1} (--actor-port + i): pick another")
         self.planner_port = planner_port
         env = re.sub(r"[^A-Za-z0-9]+", "-", cfg.env.id).strip("-").lower()
-        self.dir = Path(root) / (name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{env}")
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{env}"
+        self.dir = Path(root) / name if name else _new_dir(Path(root), stamp)
+        self._planner_claim = None   # the lock that keeps PLANNER_PORT this run's while it lasts
         for sub in ("logs", "checkpoints", "tb", "ready"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.dir / "config.yaml")
@@ -159,7 +194,8 @@ class LocalRun:
         if self.planned:
             port = self.planner_port
             if port is None:
-                port = PLANNER_PORT if PLANNER_PORT not in self.actor_ports and _port_free(PLANNER_PORT) \
+                self._planner_claim = None if PLANNER_PORT in self.actor_ports else _claim(PLANNER_PORT)
+                port = PLANNER_PORT if self._planner_claim is not None and _port_free(PLANNER_PORT) \
                     else self._free_port()
             self._spawn("planner", "planner-0", f"127.0.0.1:{port}", [
                 "--backend", self.cfg.planner.backend if self.cfg.planner.backend != "kubernetes" else "local",
@@ -238,6 +274,9 @@ class LocalRun:
         for m in self.members + self.retired:
             if m.channel is not None:
                 m.channel.close()
+        if self._planner_claim is not None:   # the planner has stopped: another run may take its port
+            self._planner_claim.close()
+            self._planner_claim = None
 
     # -- monitoring ------------------------------------------------------------------------------
     def poll(self) -> None:
