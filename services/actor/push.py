@@ -30,14 +30,19 @@ log = logging.getLogger(__name__)
 PUSH_METHOD = "/kuberl.v1.Buffer/PushTrajectories"
 
 
-async def _write(call, item: EncodedFragment) -> None:
-    """Write one message; if the RPC already ended (peer gone, or it refused the stream), raise the
-    AioRpcError carrying its real status instead of grpc.aio's bare InvalidStateError."""
+async def _write(call, item: EncodedFragment) -> bool:
+    """Write one message; False if the buffer already ended the stream with its ack (it is shutting
+    down: the message was not delivered). If the RPC failed (peer gone, or it refused the stream),
+    raise the AioRpcError carrying its real status instead of grpc.aio's bare InvalidStateError."""
+    if call.done():
+        await call  # a finished call with a non-OK status raises AioRpcError here
+        return False
     try:
         await call.write(item.payload)
     except asyncio.InvalidStateError:
-        await call  # a finished call with a non-OK status raises AioRpcError here
-        raise
+        await call
+        return False
+    return True
 
 
 class Pusher:
@@ -127,13 +132,19 @@ class Pusher:
     async def _stream(self, stopping: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         call = self.push(timeout=self.ack_interval_s + 30.0)
+        call.add_done_callback(lambda _: self._wake.set())  # a buffer shutting down acks early
         self._written = []
+        open_ = True
         for msg in list(self.unacked):  # whatever the last broken stream may not have delivered
             self._written.append(msg)
-            await _write(call, msg)
+            if not (open_ := await _write(call, msg)):
+                break
             self.metrics.inc("actor/fragments_resent_total")
         deadline = loop.time() + self.ack_interval_s
-        while loop.time() < deadline and len(self.unacked) < self.capacity and self.unacked_bytes < self.max_bytes:
+        while open_ and loop.time() < deadline and len(self.unacked) < self.capacity \
+                and self.unacked_bytes < self.max_bytes:
+            if call.done():
+                break
             if not self.queue:
                 if stopping.is_set():
                     break
@@ -144,11 +155,13 @@ class Pusher:
             self.unacked.append(msg)
             self.unacked_bytes += len(msg.payload)
             self._written.append(msg)
-            await _write(call, msg)
+            if not (open_ := await _write(call, msg)):
+                break   # not delivered: it stays unacknowledged, for the next stream
             self.metrics.inc("actor/fragments_pushed_total")
             self.metrics.inc("actor/samples_pushed_total", msg.samples)
             self.metrics.inc("actor/bytes_pushed_total", len(msg.payload))
-        await call.done_writing()
+        if not call.done():
+            await call.done_writing()
         ack = await call
         written, self._written = self._written, []  # acknowledged: nothing of it is needed again
         if ack.rejected:

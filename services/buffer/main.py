@@ -60,16 +60,17 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             finally:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
                     await srv.set_serving(False)      # 1. readiness goes NOT_SERVING
-                    servicer.closing = True           # 2. refuse new pushes, end batch streams
-                    servicer.inserted.notify()
-                    servicer.changed.notify()
+                    servicer.close()                  # 2. refuse new pushes, ack open ones, end batch streams
                     await srv.server.stop(grace=2.0)  # 3. let in-flight calls finish
                     tick.cancel()
                 if saving is not None:                # 4. a last checkpoint of the final contents; not under
                     checkpoint_stop.set()             #    the deadline: a large ring takes longer to write,
                     await saving                      #    and a write cut short leaves the previous one
-                log.info("buffer stopped holding %d samples (%d received, %d served)", store.size,
-                         store.inserted_samples, store.served_samples)
+                # Acknowledged and never served: kept by the last checkpoint, else gone with this process.
+                log.info("buffer stopped: %d fragments received (%d samples), %d samples served, %d held (%s)",
+                         metrics.counters["buffer/fragments_received_total"], store.inserted_samples,
+                         store.served_samples, store.size,
+                         "in its last checkpoint" if saving is not None else "lost with it: no checkpoint")
     finally:
         await srv.close()
         if prom is not None:

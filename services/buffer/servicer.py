@@ -33,17 +33,51 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.inserted = Notifier()
         self.changed = Notifier()  # what the insert limit is computed from moved (WatchInsertLimit)
         self.closing = False
+        self._reading: set[asyncio.Task] = set()   # push streams waiting for their next message
+        self._ended: set[asyncio.Task] = set()     # ... that `close` woke to send their ack
+
+    def close(self) -> None:
+        """Start the shutdown: refuse new pushes and batch streams, and end every push stream now
+        with its PushAck for what it stored, instead of leaving it to the server's grace period
+        (which cancels it, unacknowledged: its sender would re-send to the next buffer what this one
+        took, and a learner may already have trained on it)."""
+        self.closing = True
+        self.inserted.notify()
+        self.changed.notify()
+        for task in list(self._reading):
+            self._ended.add(task)
+            task.cancel()
 
     async def PushTrajectories(self, request_iterator, context) -> buffer_pb2.PushAck:
-        """Fragments arrive as serialized bytes (see `add_to_server`) and are read without copying."""
+        """Fragments arrive as serialized bytes (see `add_to_server`) and are read without copying.
+
+        The stream ends with a PushAck when its sender half-closes it or when the buffer shuts down
+        (`close`); either way everything it stored is acknowledged (`high_water_seq`)."""
         ack = buffer_pb2.PushAck()
         sender = None  # (actor_id, incarnation) of the last fragment read
         index = -1     # position of the message in this stream, from 0
-        async for data in request_iterator:
+        task = asyncio.current_task()
+        messages = aiter(request_iterator)
+        while True:
+            if self.closing:
+                if sender is None:  # nothing stored from this stream: the sender retries elsewhere
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "buffer is shutting down")
+                break
+            self._reading.add(task)
+            try:
+                data = await anext(messages)
+            except StopAsyncIteration:
+                break
+            except asyncio.CancelledError:
+                if task not in self._ended:
+                    raise
+                task.uncancel()  # `close` ended the stream: answer with the ack below
+                break
+            finally:
+                self._reading.discard(task)
+                self._ended.discard(task)
             index += 1
             msg = RawFragment(data)
-            if self.closing:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "buffer is shutting down")
             try:
                 outcome = self.store.insert(msg)
             except TensorError as err:

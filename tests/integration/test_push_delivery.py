@@ -5,6 +5,7 @@ same id, and a buffer killed with SIGKILL before it acknowledged anything."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 
 import grpc
@@ -18,7 +19,7 @@ from services.common.config import config_from_dict
 from services.common.fragments import EncodedFragment, new_incarnation
 from services.common.procs import free_port
 from services.common.stats import Metrics
-from tests.helpers import TINY_PPO, Service, write_config
+from tests.helpers import TINY_DQN, TINY_PPO, Service, write_config
 from tests.unit.fragment_factory import make_msg
 
 WAIT_S = 60.0  # generous bounds for a busy machine; nothing below asserts on time
@@ -146,3 +147,128 @@ async def test_a_fragment_too_old_to_dedupe_is_counted_as_rejected_not_acknowled
     assert snap["actor/fragments_acked_total"] == 1
     buffer = await stats(buffer_channel)
     assert buffer["buffer/fragments_received_total"] == 1 and buffer["buffer/fragments_too_old_total"] == 1
+
+
+def _stopped_line(log: str) -> int:
+    """Fragments received, from a buffer's last log line (services/buffer/main.py)."""
+    found = re.search(r"buffer stopped: (\d+) fragments received", log)
+    assert found, f"no final line in the buffer's log:\n{log[-2000:]}"
+    return int(found.group(1))
+
+
+async def _until(check, what: str) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "dqn"])
+async def test_a_buffer_stopped_with_sigterm_acknowledges_what_its_open_stream_stored(tmp_path, algorithm):
+    """SIGTERM (a pod deleted, a node drained) ends the buffer's open push streams with their acks:
+    the actor counts as acknowledged exactly what that buffer stored, and re-sends to its successor
+    only what it did not store, never data a learner may already have trained on. What the buffer
+    held goes with it (PPO's FIFO: said in its last line), unless its replay has a checkpoint dir (DQN):
+    then the successor restores every acknowledged sample."""
+    config = write_config(tmp_path / "exp.yaml", TINY_PPO if algorithm == "ppo" else TINY_DQN)
+    args = () if algorithm == "ppo" else ("--checkpoint-dir", str(tmp_path / "replay"))
+    kind = {"algorithm": pb.ALGORITHM_PPO if algorithm == "ppo" else pb.ALGORITHM_DQN}
+    address = f"127.0.0.1:{free_port()}"
+    old = Service("buffer", tmp_path, config, *args, listen=address)
+    new = None
+    old.wait_ready()
+    metrics = Metrics("actor")
+    # A long ack interval: the stream is open, its fragments stored but not acknowledged, at SIGTERM.
+    channel = grpc.aio.insecure_channel(address)
+    pusher = Pusher(channel, capacity=64, ack_interval_s=3600.0, metrics=metrics)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(pusher.run(stopping), name="push")
+    try:
+        sent = [frag(s, incarnation=78, **kind) for s in range(15)]
+        for m in sent[:10]:
+            pusher.enqueue(m)
+        async with grpc.aio.insecure_channel(address) as ch:
+            async with asyncio.timeout(WAIT_S):
+                while (await stats(ch)).get("buffer/fragments_received_total") != 10:
+                    await asyncio.sleep(0.05)
+        assert metrics.counters["actor/fragments_acked_total"] == 0   # the stream is still open
+        old.popen.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(old.popen.wait, WAIT_S) == 0
+        assert _stopped_line(old.output()) == 10
+        held = sum(m.samples for m in sent[:10])
+        fate = "lost with it: no checkpoint" if algorithm == "ppo" else "in its last checkpoint"
+        assert f"{held} held ({fate})" in old.output()
+        await _until(lambda: metrics.counters["actor/fragments_acked_total"] == 10, "the ack")
+        assert pusher.pending == 0
+        for m in sent[10:]:
+            pusher.enqueue(m)
+        new = Service("buffer", tmp_path, config, *args, listen=address)
+        new.wait_ready()
+        stopping.set()
+        await asyncio.wait_for(task, WAIT_S)
+        async with grpc.aio.insecure_channel(address) as ch:
+            s = await stats(ch)
+        assert s["buffer/fragments_duplicate_total"] == 0 and metrics.counters["actor/fragments_resent_total"] == 0
+        assert metrics.counters["actor/fragments_acked_total"] == 15
+        restored = 0 if algorithm == "ppo" else held
+        assert s["buffer/size_samples"] == restored + sum(m.samples for m in sent[10:])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        for svc in (old, new):
+            if svc is not None and svc.popen.poll() is None:
+                svc.popen.kill()
+                svc.popen.wait()
+
+
+async def test_an_actor_pushing_through_a_buffer_replacement_has_each_fragment_stored_once(tmp_path):
+    """Fragments cut without pause while the buffer is stopped with SIGTERM and replaced: every one is
+    acknowledged, and each is stored by exactly one of the two buffers (none lost, none stored twice)."""
+    config = write_config(tmp_path / "exp.yaml", TINY_PPO)
+    address = f"127.0.0.1:{free_port()}"
+    old = Service("buffer", tmp_path, config, listen=address)
+    new = None
+    old.wait_ready()
+    metrics = Metrics("actor")
+    channel = grpc.aio.insecure_channel(address)
+    pusher = Pusher(channel, capacity=4096, ack_interval_s=0.05, metrics=metrics)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(pusher.run(stopping), name="push")
+    cut = 0
+
+    async def cut_until(check) -> None:
+        nonlocal cut
+        async with asyncio.timeout(WAIT_S):
+            while not check():
+                pusher.enqueue(frag(cut, incarnation=79))
+                cut += 1
+                await asyncio.sleep(0.002)
+
+    try:
+        # Several ack intervals against the first buffer: acknowledged before it goes.
+        await cut_until(lambda: metrics.counters["actor/fragments_acked_total"] >= 20)
+        old.popen.send_signal(signal.SIGTERM)
+        await cut_until(lambda: old.popen.poll() is not None)   # pushing on through its shutdown
+        acked_at_gone = metrics.counters["actor/fragments_acked_total"]
+        stored_by_old = _stopped_line(old.output())
+        assert 20 <= acked_at_gone <= stored_by_old
+        new = Service("buffer", tmp_path, config, listen=address)
+        new.wait_ready()
+        await cut_until(lambda: metrics.counters["actor/fragments_acked_total"] >= acked_at_gone + 20)
+        stopping.set()
+        await asyncio.wait_for(task, WAIT_S)
+        async with grpc.aio.insecure_channel(address) as ch:
+            s = await stats(ch)
+        assert metrics.counters["actor/fragments_acked_total"] == cut
+        assert metrics.counters["actor/fragments_dropped_total"] == 0
+        assert stored_by_old + s["buffer/fragments_received_total"] == cut, (
+            f"{cut} cut, the old buffer stored {stored_by_old}, the new {s['buffer/fragments_received_total']}")
+        assert acked_at_gone == stored_by_old   # the old buffer's every fragment was acknowledged by it
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await channel.close()
+        for svc in (old, new):
+            if svc is not None and svc.popen.poll() is None:
+                svc.popen.kill()
+                svc.popen.wait()
