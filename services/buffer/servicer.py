@@ -153,7 +153,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.store.report_progress(request.learner_id, request.policy_version, request.batches_consumed_total)
         self.inserted.notify()  # a newer version may make queued fragments stale
         self.changed.notify()   # batches trained on, and a new learner, move the insert limit
-        return buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples)
+        return buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples,
+                                      warmup_samples=min(self.store.limiter.warmup, self.store.inserted_samples))
 
     async def WatchInsertLimit(self, request: buffer_pb2.InsertLimitRequest, context):
         """Stream the insert limit to one actor: at once, then on every change, at most one message

@@ -179,9 +179,9 @@ async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, cur
             batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
         try:
             ack = await stub.ReportProgress(request, timeout=5.0)
-            inserted = ack.samples_inserted_total
-            if inserted:
-                metrics.set("learner/samples_per_insert", request.samples_consumed_total / inserted)
+            produced = ack.samples_inserted_total - ack.warmup_samples   # the warm-up is not production
+            if produced > 0:
+                metrics.set("learner/samples_per_insert", request.samples_consumed_total / produced)
         except grpc.aio.AioRpcError as err:
             raise_if_cancelling(err)
             metrics.inc("learner/progress_report_errors_total")

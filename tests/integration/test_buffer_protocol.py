@@ -193,6 +193,21 @@ async def test_dqn_batches_have_the_requested_rows():
                 assert list(b.transitions.obs.shape) == [16, 4] and list(b.transitions.rewards.shape) == [16]
 
 
+async def test_a_learners_progress_ack_names_the_warm_up_so_its_ratio_counts_from_its_end():
+    """TINY_DQN's warm-up is 32 samples (learning_starts): the learner's replay ratio divides by what
+    was inserted after it, as the buffer's own gauge does (services/learner/main.py: report_progress)."""
+    async with buffer_main.serving(config_from_dict(TINY_DQN), listen="127.0.0.1:0") as endpoints:
+        async with grpc.aio.insecure_channel(endpoints.grpc) as ch:
+            stub = buffer_pb2_grpc.BufferStub(ch)
+            progress = buffer_pb2.LearnerProgress(learner_id="l", policy_version=0)
+            await _push(stub, [make_fragment(seq=0, T=8, N=2, algorithm=pb.ALGORITHM_DQN)])
+            ack = await stub.ReportProgress(progress, timeout=WAIT_S)
+            assert (ack.samples_inserted_total, ack.warmup_samples) == (16, 16)   # all of it warm-up so far
+            await _push(stub, [make_fragment(seq=i, T=8, N=2, algorithm=pb.ALGORITHM_DQN) for i in (1, 2, 3)])
+            ack = await stub.ReportProgress(progress, timeout=WAIT_S)
+            assert (ack.samples_inserted_total, ack.warmup_samples) == (64, 32)
+
+
 async def test_ppo_fragment_with_another_layout_is_invalid_argument(ppo_buffer):
     assert (await _push(ppo_buffer, [make_fragment(seq=0, obs_dim=4)])).accepted == 1
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -44,10 +44,12 @@ class LearnerProgress(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., samples_consumed_total: _Optional[int] = ..., batches_consumed_total: _Optional[int] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
-    __slots__ = ("samples_inserted_total",)
+    __slots__ = ("samples_inserted_total", "warmup_samples")
     SAMPLES_INSERTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     samples_inserted_total: int
-    def __init__(self, samples_inserted_total: _Optional[int] = ...) -> None: ...
+    warmup_samples: int
+    def __init__(self, samples_inserted_total: _Optional[int] = ..., warmup_samples: _Optional[int] = ...) -> None: ...
 
 class InsertLimitRequest(_message.Message):
     __slots__ = ("actor_id", "incarnation")
