@@ -4,15 +4,20 @@ Each deletion is what Kubernetes does on a drain or an eviction: SIGTERM, the gr
 replacement pod. After each one the replacement must become Ready and training must go on (the
 learner's policy version rises). The accounting is the reliability issue's, made exact:
 
-- buffer: the actor and the learner keep their pods (no restart) and reconnect. Once the old buffer
-  pod is gone and before its replacement serves, the actor's `fragments_acked_total` cannot move; it
-  is read then (A0). Every fragment the actor is acknowledged after that must be in the new buffer.
-  What the old buffer held is gone with it (a PPO FIFO is not checkpointed, docs/deploy.md); while no
-  buffer serves, the actor's bounded send queue drops its oldest unsent fragments, counted in
-  `actor/fragments_dropped_total` (reported here, never acknowledged);
+- buffer: the actor and the learner keep their pods (no restart) and reconnect. The buffer is deleted
+  once the actor has been acknowledged fragments for several ack intervals. Once the old buffer pod
+  is gone and before its replacement serves, the actor's `fragments_acked_total` cannot move; it is
+  read then (A0). A0 is positive and equals what the old buffer stored, from its last log line: at
+  SIGTERM it acknowledged its open streams, so the actor re-sends none of that to the new buffer.
+  Every fragment the actor is acknowledged after that must be in the new buffer. What the old buffer
+  held and had not served is gone with it (a PPO FIFO is not checkpointed, docs/deploy.md; its last
+  line says how much); while no buffer serves, the actor's bounded send queue drops its oldest unsent
+  fragments, counted in `actor/fragments_dropped_total` (reported here, never acknowledged);
 - learner: the StatefulSet's replacement pod (the same name, kuberl-learner-0, and the same claim,
   checkpoints-kuberl-learner-0) resumes from the checkpoint the old one wrote at SIGTERM, so its first
-  policy version is at least the old one's last;
+  policy version is at least the old one's last. The actor's push path is sampled once a second
+  meanwhile (send queue, drops, acks, stream errors, CPU) and reported, so drops can be told from
+  their cause (docs/deploy.md: they were the actor still waiting to reach the new buffer);
 - actor: the replacement produces. The deleted actor's final log line (followed with `kubectl logs
   -f`) gives its acknowledged total A1 and shows nothing rejected; the new buffer's
   `fragments_received_total` R, read as the old actor has gone, must be A1 - A0 plus at most what the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 
 from tests.e2e.kube import (VERSION_METRIC, fresh_namespace, kubectl, metrics, pod_metrics, pod_ready, pods,
@@ -32,6 +38,7 @@ from tests.k8s.cluster import binaries
 NAMESPACE = "kuberl"
 DROPPED = "kuberl_actor_fragments_dropped_total"
 ACKED = "kuberl_actor_fragments_acked_total"
+ACKED_BEFORE_DELETE = 20   # fragments: several ack intervals of pushing at the dev overlay's rate
 
 
 def fixed_topology(config: dict) -> None:
@@ -62,6 +69,55 @@ def _restarts(node, component: str) -> int:
     return sum(cs.restart_count for p in pods(node, NAMESPACE, component) for cs in p.status.container_statuses or [])
 
 
+class _ActorWatch:
+    """Samples an actor pod's push path once a second from a thread until `stop`: the send queue's
+    depth, drops, stream errors, acks and CPU, so that drops can be told from their cause."""
+
+    FIELDS = {"queue": "kuberl_actor_push_queue_fragments", "dropped": DROPPED, "acked": ACKED,
+              "stream_errors": "kuberl_actor_push_stream_errors_total", "cpu_s": "kuberl_actor_cpu_seconds_total",
+              "env_steps": "kuberl_actor_env_steps_total"}
+
+    def __init__(self, node, pod: str):
+        self.node, self.pod, self.samples, self._done = node, pod, [], threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(1.0):
+            try:
+                m = pod_metrics(self.node, NAMESPACE, self.pod)
+            except Exception:   # a scrape that failed under load: the next one counts
+                continue
+            self.samples.append({"t": round(time.monotonic() - self._start, 1),
+                                 **{k: m.get(v, 0.0) for k, v in self.FIELDS.items()}})
+
+    def stop(self) -> dict:
+        self._done.set()
+        self._thread.join(10)
+        if not self.samples:
+            return {}
+        first, last = self.samples[0], self.samples[-1]
+        return {"seconds": last["t"], "max_queue": max(x["queue"] for x in self.samples),
+                **{k: last[k] - first[k] for k in ("dropped", "acked", "stream_errors", "cpu_s", "env_steps")},
+                "samples": self.samples}
+
+
+def _follow(node, pod: str) -> subprocess.Popen:
+    """`kubectl logs -f POD`: what a pod writes up to its end (its final counts)."""
+    return subprocess.Popen([binaries("KUBECTL")["KUBECTL"],
+                             f"--kubeconfig={node.cluster.write_kubeconfig(node.workdir / 'logs.kubeconfig')}",
+                             "-n", NAMESPACE, "logs", "-f", pod], stdout=subprocess.PIPE, text=True)
+
+
+def _output(follow: subprocess.Popen) -> str:
+    try:
+        out, _ = follow.communicate(timeout=60)
+    finally:
+        follow.kill()
+    return out
+
+
 def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e_report):
     timings = {}
     with fresh_namespace(e2e_node, NAMESPACE):
@@ -73,10 +129,26 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         # --- the buffer ---------------------------------------------------------------------------
         (buffer,) = [p.metadata.name for p in pods(e2e_node, NAMESPACE, "buffer")]
         (actor,) = [p.metadata.name for p in pods(e2e_node, NAMESPACE, "actor")]
+        # Several ack intervals (push_ack_interval_s, 2 s) of pushing first: acknowledgements from the
+        # old buffer are part of what is accounted below.
+        deadline = time.monotonic() + 120
+        while (first_acked := pod_metrics(e2e_node, NAMESPACE, actor).get(ACKED, 0)) < ACKED_BEFORE_DELETE:
+            assert time.monotonic() < deadline, f"the actor had {first_acked} fragments acknowledged after 120 s"
+            time.sleep(1)
         version = metrics(e2e_node, NAMESPACE, "kuberl-learner")[VERSION_METRIC]
+        follow = _follow(e2e_node, buffer)
         start = time.monotonic()
         kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", buffer, "--wait=true", timeout_s=200)
         acked_at_gone = pod_metrics(e2e_node, NAMESPACE, actor)[ACKED]   # no buffer serves: frozen
+        last = re.search(r"buffer stopped: (\d+) fragments received \((\d+) samples\), (\d+) samples served, "
+                         r"(\d+) held", out := _output(follow))
+        assert last, f"no final counts in the deleted buffer's log:\n{out[-2000:]}"
+        stored_by_old, _, _, held_by_old = map(int, last.groups())
+        assert acked_at_gone >= ACKED_BEFORE_DELETE
+        assert acked_at_gone == stored_by_old, (
+            f"the old buffer stored {stored_by_old} fragments and acknowledged {acked_at_gone} of them to the actor")
+        timings["old_buffer"] = {"fragments_stored_and_acknowledged": stored_by_old,
+                                 "samples_held_at_sigterm_lost_with_it": held_by_old}
         _replaced(e2e_node, "buffer", old="", timeout_s=300)   # a StatefulSet's replacement keeps the name
         wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=version + 1)
         timings["buffer_delete_to_training_s"] = round(time.monotonic() - start, 1)
@@ -89,6 +161,7 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         (learner,) = [p.metadata.name for p in pods(e2e_node, NAMESPACE, "learner")]
         assert learner == "kuberl-learner-0"   # rank 0 of the StatefulSet, whose claim holds the checkpoints
         last = pod_metrics(e2e_node, NAMESPACE, learner)[VERSION_METRIC]
+        watch = _ActorWatch(e2e_node, actor)   # what the actor's push path does while the learner is replaced
         start = time.monotonic()
         kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", learner, "--wait=true", timeout_s=200)
         new_learner = _replaced(e2e_node, "learner", old="")   # a StatefulSet's replacement keeps the name
@@ -99,18 +172,14 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         timings["learner_delete_to_training_s"] = round(time.monotonic() - start, 1)
         timings["learner_versions"] = {"before": last, "resumed_at": resumed}
         timings["actor_fragments_dropped_after_learner_replaced"] = pod_metrics(e2e_node, NAMESPACE, actor).get(DROPPED, 0)
+        timings["actor_while_learner_replaced"] = watch.stop()
 
         # --- an actor -----------------------------------------------------------------------------
         # Its last log line (services/actor/main.py) has its final counts; follow the log to read it.
-        follow = subprocess.Popen([binaries("KUBECTL")["KUBECTL"],
-                                   f"--kubeconfig={e2e_node.cluster.write_kubeconfig(e2e_node.workdir / 'logs.kubeconfig')}",
-                                   "-n", NAMESPACE, "logs", "-f", actor], stdout=subprocess.PIPE, text=True)
+        follow = _follow(e2e_node, actor)
         start = time.monotonic()
         kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", actor, "--wait=true", timeout_s=200)
-        try:
-            out, _ = follow.communicate(timeout=60)
-        finally:
-            follow.kill()
+        out = _output(follow)
         final = re.search(r"actor \S+ stopped: (\d+) fragments cut, (\d+) acknowledged, (\d+) dropped, (\d+) rejected",
                           out)
         assert final, f"no final counts in the deleted actor's log:\n{out[-2000:]}"
