@@ -23,6 +23,8 @@ class ReplayTable:
     learning_starts: int
     replay_ratio: float
     replay_ratio_tolerance: float
+    n_step: int = 1       # rewards each stored transition sums (services/buffer/replay.py), discounted by gamma
+    gamma: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from services.common.envs import EnvSpec
 from services.common.fragments import TRANSITION_FIELDS
 from services.common.spaces import check_actions, check_mask
 from services.common.stats import Metrics
-from services.common.tensors import NonFiniteError, TensorError, check_finite, decode
+from services.common.tensors import TensorError, check_finite, decode
 
 log = logging.getLogger(__name__)
 STEPS_SKIPPED = "learner/gradient_steps_skipped_nonfinite_total"
@@ -62,12 +62,16 @@ class TransitionLearner:
     def decode(self, batch: pb.TrainingBatch) -> dict[str, np.ndarray]:
         """The batch's transitions as arrays; raises ValueError (TensorError) naming what does not fit."""
         data = {f: decode(getattr(batch.transitions, f), f"transitions.{f}") for f in TRANSITION_FIELDS}
+        if batch.transitions.HasField("discount"):   # n-step returns (services/buffer/replay.py)
+            data["discount"] = decode(batch.transitions.discount, "transitions.discount")
+            if data["discount"].dtype != np.float32:
+                raise TensorError("transitions.discount", f"must be float32, got {data['discount'].dtype.name}")
         rows = len(data["policy_version"])
         check_fits(self.spec, data["obs"], data["next_obs"], actions=data["actions"], lead=(rows,), rows=rows)
-        for name in ("rewards", "terminated"):
-            if data[name].shape != (rows,):
+        for name in ("rewards", "terminated", "discount"):
+            if name in data and data[name].shape != (rows,):
                 raise TensorError(f"transitions.{name}", f"shape {list(data[name].shape)}, expected [{rows}]")
-        check_finite({f"transitions.{f}": data[f] for f in ("obs", "actions", "rewards", "next_obs")})
+        check_finite({f"transitions.{f}": data.get(f) for f in ("obs", "actions", "rewards", "next_obs", "discount")})
         return data
 
     def learn(self, data: dict[str, np.ndarray]) -> tuple[int, dict[str, float]]:

@@ -101,15 +101,16 @@ class CompactReplay(Replay):
 
     kind = "compact"
 
-    def __init__(self, capacity: int, seed: int = 0, *, frames: int | None = None, lag: int | None = None):
-        super().__init__(capacity, seed)
+    def __init__(self, capacity: int, seed: int = 0, *, frames: int | None = None, lag: int | None = None,
+                 n_step: int = 1, gamma: float = 1.0):
+        super().__init__(capacity, seed, n_step=n_step, gamma=gamma)
         self._sizing = (frames, lag)  # None: frame_ring_size's, once the stack depth is known
         self.num_frames = self.lag = self.stack = 0
         self.head = 0                 # the oldest transition's row
         self.rows_written = 0         # transition rows ever written: the next goes to rows_written % capacity
         self.frames_written = 0       # frames ever written: frame f is at f % num_frames
         self._frames: np.ndarray | None = None
-        self._rows: dict[str, np.ndarray] | None = None  # ROW_FIELDS
+        self._rows: dict[str, np.ndarray] | None = None  # ROW_FIELDS (and discount with n-step returns)
         self._floor: np.ndarray | None = None             # per row (module docstring); derived, not saved
         self._chains: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 
@@ -142,7 +143,7 @@ class CompactReplay(Replay):
         self.num_frames, self.lag = self._geometry(stack)
         self.stack = stack
         self._frames = np.empty((self.num_frames, *frag.obs.shape[3:]), dtype=frag.obs.dtype)
-        fields = step_fields(frag)
+        fields, _ = step_fields(frag, n_step=self.n_step, gamma=self.gamma)
         specs = {"obs_frames": ((stack,), np.int64), "next_obs_frames": ((stack,), np.int64),
                  **{k: (v.shape[1:], v.dtype) for k, v in fields.items()}}
         self._rows = {k: np.empty((self.capacity, *shape), dtype=dtype) for k, (shape, dtype) in specs.items()}
@@ -266,12 +267,13 @@ class CompactReplay(Replay):
             self._frames[pos[~from_obs]] = plan.final[plan.stack_ids[~from_obs] - n_obs, plan.frame_of[~from_obs]]
         self.frames_written = W + plan.new_frames
         # The transitions; a part larger than the ring keeps its newest, as ReplayRing does.
-        fields = step_fields(frag, slice(t0, t1), slice(n0, n1))
+        fields, last = step_fields(frag, slice(t0, t1), slice(n0, n1), n_step=self.n_step, gamma=self.gamma)
+        next_frames = plan.next_obs_frames if last is None else plan.next_obs_frames[last]
         keep = min(rows, C)
-        low = np.minimum(plan.obs_frames.min(axis=1), plan.next_obs_frames.min(axis=1))[rows - keep:]
+        low = np.minimum(plan.obs_frames.min(axis=1), next_frames.min(axis=1))[rows - keep:]
         floor = np.minimum.accumulate(low[::-1])[::-1]
         self._lower_floors(int(floor[0]))
-        fields.update(obs_frames=plan.obs_frames, next_obs_frames=plan.next_obs_frames)
+        fields.update(obs_frames=plan.obs_frames, next_obs_frames=next_frames)
         at = (self.rows_written + np.arange(keep)) % C
         for name, values in fields.items():
             self._rows[name][at] = values[rows - keep:]
@@ -317,9 +319,12 @@ class CompactReplay(Replay):
         """Transitions by age (0 = the oldest held), their stacks rebuilt from the frame ring."""
         at = (self.head + rows) % self.capacity
         r, frames = self._rows, self._frames
-        return {"obs": frames[r["obs_frames"][at] % self.num_frames], "actions": r["actions"][at],
-                "rewards": r["rewards"][at], "next_obs": frames[r["next_obs_frames"][at] % self.num_frames],
-                "terminated": r["terminated"][at], "policy_version": r["policy_version"][at]}
+        out = {"obs": frames[r["obs_frames"][at] % self.num_frames], "actions": r["actions"][at],
+               "rewards": r["rewards"][at], "next_obs": frames[r["next_obs_frames"][at] % self.num_frames],
+               "terminated": r["terminated"][at], "policy_version": r["policy_version"][at]}
+        if "discount" in r:
+            out["discount"] = r["discount"][at]
+        return out
 
     def nbytes(self) -> int:
         return super().nbytes() + (self._floor.nbytes if self._floor is not None else 0)
@@ -353,7 +358,8 @@ class CompactReplay(Replay):
     def state(self) -> dict:
         return {"kind": self.kind, "capacity": self.capacity, "frames": self.num_frames, "lag": self.lag,
                 "size": self.size, "head": self.head, "rows_written": self.rows_written,
-                "frames_written": self.frames_written, "rng": self._rng.bit_generator.state}
+                "frames_written": self.frames_written, "rng": self._rng.bit_generator.state,
+                **self.returns_state()}
 
     def restore(self, arrays: dict[str, np.ndarray], state: dict) -> None:
         """Take over a checkpoint (Replay.restore). Of a ring of the same capacity and frame ring, rows
@@ -367,12 +373,14 @@ class CompactReplay(Replay):
         capacity, frames, size, head, rows_written, written = (int(state[k]) for k in names)
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]  # raises ValueError/TypeError if it is not a PCG64 state
-        live, low = _check_restorable(arrays, capacity, frames, size, head, rows_written, written)
+        self.check_returns(state)
+        fields = ("obs_frames", "next_obs_frames", *self.row_fields)
+        live, low = _check_restorable(arrays, capacity, frames, size, head, rows_written, written, fields)
         stack = arrays["obs_frames"].shape[1]
         num_frames, lag = self._geometry(stack)
         dropped = 0
         if (capacity, frames) == (self.capacity, num_frames):
-            rows = {k: taken(arrays[k], capacity) for k in ROW_FIELDS}
+            rows = {k: taken(arrays[k], capacity) for k in fields}
             frame_ring = taken(arrays["frames"], frames)
         else:
             keep, low = live[-self.capacity:], low[-self.capacity:]
@@ -381,7 +389,7 @@ class CompactReplay(Replay):
             if len(below):
                 dropped = int(below[-1]) + 1
                 keep, low = keep[dropped:], low[dropped:]
-            rows = {k: grown(arrays[k][keep], self.capacity) for k in ROW_FIELDS}
+            rows = {k: grown(arrays[k][keep], self.capacity) for k in fields}
             frame_ring = np.empty((num_frames, *arrays["frames"].shape[1:]), dtype=arrays["frames"].dtype)
             numbers = np.arange(max(oldest, written - frames), written)
             frame_ring[numbers % num_frames] = arrays["frames"][numbers % frames]
@@ -397,16 +405,17 @@ class CompactReplay(Replay):
 
 
 def _check_restorable(arrays: dict[str, np.ndarray], capacity: int, frames: int, size: int, head: int,
-                      rows_written: int, written: int) -> tuple[np.ndarray, np.ndarray]:
-    """Raise ValueError unless the checkpoint describes a compact replay; returns its live rows, oldest
-    first, and the oldest frame number each refers to."""
-    if set(arrays) != {"frames", *ROW_FIELDS}:
-        raise ValueError(f"fields {sorted(arrays)} are not a compact replay's {sorted(['frames', *ROW_FIELDS])}")
+                      rows_written: int, written: int, fields: tuple[str, ...] = ROW_FIELDS
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Raise ValueError unless the checkpoint describes a compact replay of row `fields`; returns its
+    live rows, oldest first, and the oldest frame number each refers to."""
+    if set(arrays) != {"frames", *fields}:
+        raise ValueError(f"fields {sorted(arrays)} are not a compact replay's {sorted(['frames', *fields])}")
     if not (0 < size <= capacity and 0 <= head < capacity and size <= rows_written
             and (head + size - rows_written) % capacity == 0 and frames > 0 and written >= 0):
         raise ValueError(f"size {size}, oldest row {head}, {rows_written} rows and {written} frames written "
                          f"do not fit a ring of {capacity} rows and {frames} frames")
-    for name in ("frames", *ROW_FIELDS):
+    for name in ("frames", *fields):
         expected = min(written, frames) if name == "frames" else min(rows_written, capacity)
         if arrays[name].ndim < 1 or len(arrays[name]) != expected:
             raise ValueError(f"{name}: {len(arrays[name]) if arrays[name].ndim else 'no'} rows, expected {expected}")

@@ -9,6 +9,14 @@ Two layouts behind one interface, `Replay` (what the Store and services/buffer/c
 Storage is allocated on the first insert, from its shapes and dtypes; later inserts must match
 (a mismatch raises TensorError naming the field). When full, the oldest transitions are overwritten.
 
+N-step returns (`n_step` > 1, DQN's `dqn.n_step`): each stored transition sums up to n rewards,
+r_t + g r_t+1 + ... + g^(k-1) r_t+k-1, and its next_obs, terminated and `discount` (g^k, the weight
+of the bootstrap) are those of its k-th step. The window stops early where the episode ends
+(terminated: no bootstrap; truncated: the bootstrap from the final observation, as for one step)
+and at the fragment's last step (each env column of a fragment is one stretch of its stream; the
+rows of a fragment's last n-1 steps sum fewer rewards, each with its own g^k, which keeps them exact).
+With one step nothing changes: no `discount` is stored and the learner uses its gamma.
+
 The ring can be checkpointed (services/buffer/checkpoint.py) while it keeps taking inserts: `mark`
 and `spans_since` tell which rows of which storage array were written after a point, so a copy taken
 concurrently can be patched into a consistent one; `state` and `restore` carry the insert position,
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.common.fragments import TRANSITION_FIELDS, Fragment
+from services.common.fragments import Fragment
 from services.common.tensors import TensorError
 
 Spans = dict[str, list[tuple[int, int]]]  # storage array -> [start, stop) row ranges
@@ -36,8 +44,9 @@ class Replay:
 
     kind = ""  # the layout, in a checkpoint's ring state ("" for ReplayRing: older files have none)
 
-    def __init__(self, capacity: int, seed: int = 0):
+    def __init__(self, capacity: int, seed: int = 0, *, n_step: int = 1, gamma: float = 1.0):
         self.capacity = capacity
+        self.n_step, self.gamma = n_step, gamma  # the returns each transition holds (module docstring)
         self.size = 0
         self.evicted_early = 0
         self._rng = np.random.default_rng(seed)
@@ -82,9 +91,26 @@ class Replay:
         may have set): the Store's choice of layout at the first insert."""
         if self.data is not None:
             raise ValueError("a replay that holds transitions keeps its layout")
-        other = cls(self.capacity)
+        other = cls(self.capacity, n_step=self.n_step, gamma=self.gamma)
         other._rng = self._rng
         return other
+
+    @property
+    def row_fields(self) -> tuple[str, ...]:
+        """The per-transition fields other than observations: what `step_fields` gives."""
+        return ("actions", "rewards", "terminated", "policy_version", *(("discount",) if self.n_step > 1 else ()))
+
+    def returns_state(self) -> dict:
+        return {"n_step": self.n_step, "gamma": self.gamma}
+
+    def check_returns(self, state: dict) -> None:
+        """Raise ValueError unless a checkpoint's transitions hold the returns this replay makes."""
+        n, gamma = int(state.get("n_step", 1)), float(state.get("gamma", self.gamma))
+        if n != self.n_step or (n > 1 and gamma != self.gamma):
+            raise ValueError(f"its transitions hold {n}-step returns" + (f" with gamma {gamma}" if n > 1 else "")
+                             + f"; this buffer makes {self.n_step}-step returns"
+                             + (f" with gamma {self.gamma}" if self.n_step > 1 else "")
+                             + " (dqn.n_step, dqn.gamma)")
 
     # --- checkpoints (services/buffer/checkpoint.py) -------------------------------------------------
 
@@ -115,15 +141,44 @@ class Replay:
         raise NotImplementedError
 
 
-def step_fields(frag: Fragment, steps: slice = slice(None), envs: slice = slice(None)) -> dict[str, np.ndarray]:
+def n_step_returns(rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, n: int,
+                   gamma: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """N-step returns over [T, N] steps (module docstring): (returns float32, terminated, discount
+    g^k float32, last), where `last` [T, N] is the step t + k - 1 whose next observation and end each
+    transition takes."""
+    T, N = rewards.shape
+    ends = terminated | truncated
+    total = rewards.astype(np.float64)
+    last = np.broadcast_to(np.arange(T)[:, None], (T, N)).copy()
+    open_ = ~ends                     # the window of (t, n) may take step last + 1
+    for i in range(1, n):
+        go = open_[:T - i]            # rows t whose window reaches step t + i (inside the fragment)
+        t, col = np.nonzero(go)
+        total[t, col] += gamma ** i * rewards[t + i, col]
+        last[t, col] = t + i
+        open_[:T - i] = go & ~ends[i:]
+        open_[T - i:] = False
+    k = last - np.arange(T)[:, None] + 1
+    rows = np.arange(N)
+    return (total.astype(np.float32), terminated[last, rows], (gamma ** k).astype(np.float32), last)
+
+
+def step_fields(frag: Fragment, steps: slice = slice(None), envs: slice = slice(None), *, n_step: int = 1,
+                gamma: float = 1.0) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """The per-transition fields other than observations of frag[steps, envs], flat in time-major
-    (t * N + n) order: what every layout stores as it came."""
+    (t * N + n) order: what every layout stores. With `n_step` > 1, rewards, terminated and
+    `discount` are n-step ones, and the second value gives, per transition, the flat position within
+    frag[steps, envs] of the step whose next observation it takes (None for one step)."""
     def flat(arr: np.ndarray) -> np.ndarray:
-        part = arr[steps, envs]
-        return part.reshape(part.shape[0] * part.shape[1], *part.shape[2:])
-    rewards = flat(frag.rewards)
-    return {"actions": flat(frag.actions), "rewards": rewards, "terminated": flat(frag.terminated),
-            "policy_version": np.full(len(rewards), frag.policy_version, dtype=np.int64)}
+        return arr.reshape(arr.shape[0] * arr.shape[1], *arr.shape[2:])
+    rewards, terminated = frag.rewards[steps, envs], frag.terminated[steps, envs]
+    fields = {"actions": flat(frag.actions[steps, envs]), "rewards": flat(rewards), "terminated": flat(terminated),
+              "policy_version": np.full(rewards.size, frag.policy_version, dtype=np.int64)}
+    if n_step == 1:
+        return fields, None
+    returns, ended, discount, last = n_step_returns(rewards, terminated, frag.truncated[steps, envs], n_step, gamma)
+    fields.update(rewards=flat(returns), terminated=flat(ended), discount=flat(discount))
+    return fields, flat(last * rewards.shape[1] + np.arange(rewards.shape[1]))
 
 
 def ring_spans(start: int, count: int, capacity: int, used: int) -> list[tuple[int, int]]:
@@ -138,8 +193,8 @@ def ring_spans(start: int, count: int, capacity: int, used: int) -> list[tuple[i
 class ReplayRing(Replay):
     """Every transition's obs and next_obs stored as they came: any observation, twice the frames."""
 
-    def __init__(self, capacity: int, seed: int = 0):
-        super().__init__(capacity, seed)
+    def __init__(self, capacity: int, seed: int = 0, *, n_step: int = 1, gamma: float = 1.0):
+        super().__init__(capacity, seed, n_step=n_step, gamma=gamma)
         self._next = 0
         self._data: dict[str, np.ndarray] | None = None
         self.written = 0  # rows ever written (never wraps): marks for checkpoint copies
@@ -155,15 +210,11 @@ class ReplayRing(Replay):
     def add(self, frag: Fragment) -> int:
         """Append the fragment's T*N transitions; returns how many were added."""
         n = frag.num_samples
-        fields = step_fields(frag)
-        rows = {
-            "obs": frag.obs[:-1].reshape(n, *frag.obs.shape[2:]),
-            "actions": fields["actions"],
-            "rewards": fields["rewards"],
-            "next_obs": frag.next_obs().reshape(n, *frag.obs.shape[2:]),
-            "terminated": fields["terminated"],
-            "policy_version": fields["policy_version"],
-        }
+        fields, last = step_fields(frag, n_step=self.n_step, gamma=self.gamma)
+        next_obs = frag.next_obs().reshape(n, *frag.obs.shape[2:])
+        rows = {"obs": frag.obs[:-1].reshape(n, *frag.obs.shape[2:]), "actions": fields.pop("actions"),
+                "rewards": fields.pop("rewards"), "next_obs": next_obs if last is None else next_obs[last],
+                **fields}  # TRANSITION_FIELDS' order (then discount), as gather gives them
         if self._data is None:
             self._allocate(rows)
         self.check(frag)
@@ -204,7 +255,7 @@ class ReplayRing(Replay):
     def state(self) -> dict:
         """Capacity, size, insert position and the sampling RNG's state, as plain (JSON-able) values."""
         return {"capacity": self.capacity, "size": self.size, "next": self._next,
-                "rng": self._rng.bit_generator.state}
+                "rng": self._rng.bit_generator.state, **self.returns_state()}
 
     def restore(self, arrays: dict[str, np.ndarray], state: dict) -> None:
         """Take over the contents of a checkpoint: `arrays` hold the first `state["size"]` rows of a
@@ -215,7 +266,8 @@ class ReplayRing(Replay):
             raise ValueError(f"it holds a {state.get('kind')!r} replay, not a ReplayRing")
         capacity, size, nxt = (int(state[k]) for k in ("capacity", "size", "next"))
         if arrays or size:  # an empty ring (never inserted into) has no arrays
-            self._check_restorable(arrays, capacity, size, nxt)
+            self.check_returns(state)
+            self._check_restorable(arrays, capacity, size, nxt, ("obs", "next_obs", *self.row_fields))
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]  # raises ValueError/TypeError if it is not a PCG64 state
         if size == 0:
@@ -233,9 +285,10 @@ class ReplayRing(Replay):
         self.written = self.size
 
     @staticmethod
-    def _check_restorable(arrays: dict[str, np.ndarray], capacity: int, size: int, nxt: int) -> None:
-        if set(arrays) != set(TRANSITION_FIELDS):
-            raise ValueError(f"fields {sorted(arrays)} are not a replay ring's {sorted(TRANSITION_FIELDS)}")
+    def _check_restorable(arrays: dict[str, np.ndarray], capacity: int, size: int, nxt: int,
+                          fields: tuple[str, ...]) -> None:
+        if set(arrays) != set(fields):
+            raise ValueError(f"fields {sorted(arrays)} are not a replay ring's {sorted(fields)}")
         if not 0 <= size <= capacity or not 0 <= nxt < max(capacity, 1) or (size < capacity and nxt != size % capacity):
             raise ValueError(f"size {size} and insert position {nxt} do not fit a ring of {capacity}")
         for name, arr in arrays.items():
@@ -245,8 +298,8 @@ class ReplayRing(Replay):
         if obs.shape[1:] != next_obs.shape[1:] or obs.dtype != next_obs.dtype:
             raise ValueError(f"obs {obs.dtype.name} {list(obs.shape[1:])} and next_obs {next_obs.dtype.name} "
                              f"{list(next_obs.shape[1:])} differ")
-        if any(arrays[k].ndim != 1 for k in ("rewards", "terminated", "policy_version")):
-            raise ValueError("rewards, terminated and policy_version must hold one value per transition")
+        if any(arrays[k].ndim != 1 for k in ("rewards", "terminated", "policy_version", "discount") if k in arrays):
+            raise ValueError("rewards, terminated, policy_version and discount must hold one value per transition")
 
 
 def grown(rows: np.ndarray, capacity: int) -> np.ndarray:

@@ -125,7 +125,8 @@ class Store:
                                    fifo=not replay)
         self.largest_fragment = 0  # samples of the largest fragment stored: the limiter's slack
         # Its layout (ReplayRing or CompactReplay) is chosen at the first insert, or by a restore.
-        self.replay: Replay | None = (ReplayRing(self.table.capacity, seed=cfg.seed)
+        self.replay: Replay | None = (ReplayRing(self.table.capacity, seed=cfg.seed, n_step=self.table.n_step,
+                                                 gamma=self.table.gamma)
                                       if isinstance(self.table, ReplayTable) else None)
         self.fifo: RolloutFifo[pb.TrajectoryFragment | RawFragment] | None = (
             RolloutFifo(self.table.capacity_steps) if isinstance(self.table, FifoTable) else None)
@@ -271,7 +272,8 @@ class Store:
             raise ValueError(f"it holds a {'compact' if compact else 'plain (obs and next_obs)'} replay and "
                              f"buffer.compact_replay is {mode!r}: set it to 'auto' to restore this checkpoint")
         cls = CompactReplay if compact else ReplayRing
-        ring = self.replay if type(self.replay) is cls else cls(self.replay.capacity)
+        ring = self.replay if type(self.replay) is cls else cls(self.replay.capacity, n_step=self.replay.n_step,
+                                                                gamma=self.replay.gamma)
         early = ring.evicted_early
         ring.restore(arrays, state)
         self.replay = ring

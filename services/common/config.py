@@ -307,6 +307,9 @@ class DQNConfig:
     target_update_interval: int = 250  # updates between target-network syncs
     tau: float = 1.0                  # 1.0 = hard copy
     learning_starts: int = 1000       # transitions stored before the buffer serves batches
+    # N-step returns (services/buffer/replay.py): each transition sums up to n_step rewards and
+    # bootstraps from the observation n_step steps on, within a fragment and an episode.
+    n_step: int = 3
     # Target replay ratio: transitions trained on per transition inserted after learning_starts. The
     # buffer's rate limiter (docs/rate-limiter.md) holds back batches from a learner that runs ahead of
     # production, and holds actors (and simulators' replies) that run ahead of the learner. 0 = unpaced.
@@ -326,6 +329,8 @@ class DQNConfig:
         _require(self.target_update_interval >= 1, "target_update_interval", self.target_update_interval,
                  "must be >= 1")
         _require(0 < self.tau <= 1, "tau", self.tau, "must be in (0, 1]")
+        _require(1 <= self.n_step <= self.rollout_steps, "n_step", self.n_step,
+                 f"must be 1..rollout_steps ({self.rollout_steps}): returns are summed within a fragment")
         _check_replay(self)
         for name in ("start_epsilon", "end_epsilon"):
             _require(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")

@@ -90,20 +90,22 @@ class TrajectoryFragment(_message.Message):
     def __init__(self, actor_id: _Optional[str] = ..., seq: _Optional[int] = ..., policy_version: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., env_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., incarnation: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., truncated: _Optional[_Union[Tensor, _Mapping]] = ..., final_obs: _Optional[_Union[Tensor, _Mapping]] = ..., final_index: _Optional[_Union[Tensor, _Mapping]] = ..., behaviour_logprob: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class TransitionBatch(_message.Message):
-    __slots__ = ("obs", "actions", "rewards", "next_obs", "terminated", "policy_version")
+    __slots__ = ("obs", "actions", "rewards", "next_obs", "terminated", "policy_version", "discount")
     OBS_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_OBS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DISCOUNT_FIELD_NUMBER: _ClassVar[int]
     obs: Tensor
     actions: Tensor
     rewards: Tensor
     next_obs: Tensor
     terminated: Tensor
     policy_version: Tensor
-    def __init__(self, obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., next_obs: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    discount: Tensor
+    def __init__(self, obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., next_obs: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ..., discount: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
     __slots__ = ("fragments",)

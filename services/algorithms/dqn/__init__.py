@@ -15,7 +15,8 @@ class DQN(Algorithm):
 
     def table(self, cfg) -> ReplayTable:
         d = cfg.dqn
-        return ReplayTable(d.buffer_size, d.learning_starts, d.replay_ratio, d.replay_ratio_tolerance)
+        return ReplayTable(d.buffer_size, d.learning_starts, d.replay_ratio, d.replay_ratio_tolerance,
+                           n_step=d.n_step, gamma=d.gamma)
 
     def batch_size(self, cfg) -> int:
         return cfg.dqn.batch_size

@@ -20,9 +20,10 @@ from services.learner.distributed import GradientSync, average_over_group, finit
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
-              next_q_target: torch.Tensor, gamma: float, double: bool) -> torch.Tensor:
+              next_q_target: torch.Tensor, gamma: float | torch.Tensor, double: bool) -> torch.Tensor:
     """y = r + gamma * (1 - terminated) * Q_target(s', a*), with a* = argmax_a Q_online(s', a) for
-    double DQN, or a* = argmax_a Q_target(s', a) for plain DQN."""
+    double DQN, or a* = argmax_a Q_target(s', a) for plain DQN. With n-step returns `rewards` are
+    their sums and `gamma` is each transition's own gamma^k (the batch's `discount`)."""
     best = (next_q_online if double else next_q_target).argmax(dim=1, keepdim=True)
     next_value = next_q_target.gather(1, best).squeeze(1)
     return rewards + gamma * next_value * (1.0 - terminated.float())
@@ -58,7 +59,7 @@ class DQN(TransitionLearner):
                 next_q_target = self.target(t["next_obs"])
                 next_q_online = self.q(t["next_obs"]) if self.cfg.double_dqn else next_q_target
                 y = td_target(t["rewards"], t["terminated"], next_q_online, next_q_target,
-                              self.cfg.gamma, self.cfg.double_dqn)
+                              t.get("discount", self.cfg.gamma), self.cfg.double_dqn)
             q_sa = self.q(t["obs"]).gather(1, t["actions"].long().view(-1, 1)).squeeze(1)
             loss = F.smooth_l1_loss(q_sa, y)
             loss.backward()

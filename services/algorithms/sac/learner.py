@@ -85,7 +85,7 @@ class SAC(TransitionLearner):
             with torch.no_grad():
                 next_action, next_logp = self.actor.sample(t["next_obs"])
                 y = critic_target(t["rewards"], t["terminated"], *self.target(t["next_obs"], next_action),
-                                  next_logp, alpha, self.cfg.gamma)
+                                  next_logp, alpha, t.get("discount", self.cfg.gamma))
             q1, q2 = self.critic(t["obs"], t["actions"])
             q_loss = F.mse_loss(q1, y) + F.mse_loss(q2, y)
             q_loss.backward()

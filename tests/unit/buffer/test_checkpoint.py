@@ -112,8 +112,10 @@ async def test_restore_into_a_smaller_ring_keeps_the_newest(tmp_path):
     await checkpointer(store, cfg, tmp_path).save()
     small = await restored(config(buffer_size=24), tmp_path)
     assert small.size == 24
-    newest = np.sort(store.replay.data["rewards"][:64])[-24:]
-    np.testing.assert_array_equal(np.sort(small.replay.data["rewards"][:24]), newest)
+    for name in ("policy_version", "rewards"):   # policy_version: the fragment's seq, newest the largest
+        order = np.argsort(store.replay.data["policy_version"][:64], kind="stable")
+        newest = np.sort(store.replay.data[name][:64][order][-24:])
+        np.testing.assert_array_equal(np.sort(small.replay.data[name][:24]), newest, err_msg=name)
     assert small.insert(msg(11, actor_id="actor-1")) is Outcome.ACCEPTED  # and the ring goes on
     assert small.size == 24
 

@@ -238,10 +238,11 @@ def test_a_mismatched_fragment_is_refused_without_changes():
 
 # --- the Store's choice of layout, and the metric ------------------------------------------------------
 
-def store(compact_replay: str = "auto", buffer_size: int = 64) -> Store:
+def store(compact_replay: str = "auto", buffer_size: int = 64, n_step: int = 1) -> Store:
     return Store(config_from_dict({"algorithm": "dqn", "env": {"id": "CartPole-v1", "num_envs": 2},
                                    "dqn": {"buffer_size": buffer_size, "batch_size": 8, "learning_starts": 8,
-                                           "rollout_steps": 4, "replay_ratio": 0},  # unpaced: layout only
+                                           "rollout_steps": 4, "replay_ratio": 0,  # unpaced: layout only
+                                           "n_step": n_step},
                                    "buffer": {"compact_replay": compact_replay}}), Metrics("buffer"))
 
 

@@ -17,9 +17,10 @@ T, N = 4, 2  # fragments of 8 samples
 
 
 def dqn_store(**dqn) -> Store:
+    """One-step returns unless `n_step` says otherwise: rows are the fragments' steps as they came."""
     cfg = config_from_dict({"algorithm": "dqn", "env": {"num_envs": N},
                             "dqn": {"buffer_size": 256, "batch_size": 8, "learning_starts": 16,
-                                    "rollout_steps": T, **dqn}})
+                                    "rollout_steps": T, "n_step": 1, **dqn}})
     return Store(cfg, Metrics("buffer"))
 
 
@@ -44,7 +45,7 @@ def counter(store: Store, name: str) -> float:
 
 def transitions(batch: pb.TrainingBatch) -> dict[str, np.ndarray]:
     return {f.name: decode(getattr(batch.transitions, f.name), f.name)
-            for f in pb.TransitionBatch.DESCRIPTOR.fields}
+            for f in pb.TransitionBatch.DESCRIPTOR.fields if batch.transitions.HasField(f.name)}
 
 
 # --- SeqWindow ----------------------------------------------------------------------------------
