@@ -107,6 +107,15 @@ def _hidden(hp: dict, default: tuple[int, ...]) -> list[int]:
     return list(arch["pi"] if isinstance(arch, dict) else arch)
 
 
+def _normalize(value) -> dict:
+    """The zoo's `normalize` (True, or VecNormalize's options as a string) as PPO's two switches."""
+    options = eval(value, {"dict": dict}) if isinstance(value, str) else {} if value else None
+    if options is None:
+        return {"normalize_observations": False, "normalize_rewards": False}
+    return {"normalize_observations": bool(options.get("norm_obs", True)),
+            "normalize_rewards": bool(options.get("norm_reward", True))}
+
+
 def translate(task: Task, hp: dict) -> dict:
     """The zoo's hyper-parameters as a kuberl config section. What kuberl has no key for is left out
     and listed in `untranslated`. PPO's linear schedules become ppo.anneal_updates (and anneal_clip);
@@ -119,6 +128,8 @@ def translate(task: Task, hp: dict) -> dict:
         section = {"learning_rate": _initial(hp.get("learning_rate", 1e-4)), "batch_size": batch,
                    "buffer_size": int(hp.get("buffer_size", 1_000_000)), "gamma": float(hp.get("gamma", 0.99)),
                    "learning_starts": max(int(hp.get("learning_starts", 100)), batch),
+                   "n_step": int(hp.get("n_steps", 1)),   # SB3's one-step returns unless the zoo says
+                   "double_dqn": False,                   # SB3's DQN is the Nature DQN's target
                    # SB3 counts the target interval in env steps and trains in bursts of gradient_steps every
                    # train_freq steps, so its target stays fixed through a burst; kuberl counts updates.
                    "target_update_interval": max(1, round(max(int(hp.get("target_update_interval", 10_000)), train_freq)
@@ -137,7 +148,7 @@ def translate(task: Task, hp: dict) -> dict:
                    "clip_coef": _initial(hp.get("clip_range", 0.2)), "clip_vloss": False,
                    "ent_coef": float(hp.get("ent_coef", 0.0)), "vf_coef": float(hp.get("vf_coef", 0.5)),
                    "max_grad_norm": float(hp.get("max_grad_norm", 0.5)),
-                   "normalize_observations": bool(hp.get("normalize", False)),
+                   **_normalize(hp.get("normalize", False)),
                    "hidden_sizes": _hidden(hp, (64, 64))}
         if _linear(hp.get("learning_rate")):  # SB3 anneals over n_timesteps env steps: that many batches
             section["anneal_updates"] = math.ceil(float(hp["n_timesteps"]) / batch_steps)
@@ -155,8 +166,6 @@ def translate(task: Task, hp: dict) -> dict:
     untranslated = sorted(k for k in hp if k in ("use_sde", "sde_sample_freq", "env_wrapper", "frame_stack")
                           or (k == "normalize" and task.algo != "ppo")
                           or (_linear(hp[k]) and k not in annealed))
-    if task.algo == "ppo" and hp.get("normalize"):
-        untranslated.append("normalize (rewards: kuberl normalises observations only)")
     return {"env": {"num_envs": n_envs}, task.algo: section, "untranslated": untranslated}
 
 

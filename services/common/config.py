@@ -260,6 +260,12 @@ class PPOConfig:
     # a learner group) and they reach actors with the weights, so both normalise alike.
     normalize_observations: bool = False
     obs_clip: float = 10.0
+    # Rewards divided by the running standard deviation of each env's discounted return and clipped
+    # to +-reward_clip before returns and advantages are computed (SB3's VecNormalize norm_reward,
+    # gymnasium's NormalizeReward). The learner keeps the statistics (in its checkpoints) and each
+    # env's running return across fragments; the episode returns kuberl reports stay unscaled.
+    normalize_rewards: bool = False
+    reward_clip: float = 10.0
     # Linear annealing (CleanRL's anneal_lr, rl-baselines3-zoo's "lin_" schedules): the learning rate,
     # and the clip range where anneal_clip is set, fall linearly from their values above to 0 over
     # this many updates (batches; the learner's version), and stay at 0 after. None: constant.
@@ -269,6 +275,7 @@ class PPOConfig:
     def __post_init__(self):
         _require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
         _require(self.obs_clip > 0, "obs_clip", self.obs_clip, "must be > 0")
+        _require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
         _require(self.max_policy_lag is None or self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag,
                  "must be >= 0 (0 = train only on fragments from the current policy), or null for no bound")
         _require(self.stale_fragments in ("drop", "correct"), "stale_fragments", self.stale_fragments,

@@ -36,6 +36,7 @@ def test_dqn_translation_counts_replay_ratio_and_target_interval_as_kuberl_does(
     # fixed through each burst, 128 updates
     assert dqn["target_update_interval"] == 128
     assert dqn["exploration_steps"] == 8000 and dqn["hidden_sizes"] == [256, 256]
+    assert (dqn["n_step"], dqn["double_dqn"]) == (1, False)   # SB3's DQN: one-step, Nature DQN targets
     every_step = translate(TASK, {**zoo, "train_freq": 4, "gradient_steps": -1, "target_update_interval": 250,
                                   "learning_starts": 0})["dqn"]
     assert (every_step["replay_ratio"], every_step["target_update_interval"]) == (64, 250)
@@ -52,7 +53,9 @@ def test_ppo_translation_keeps_the_batch_and_names_what_it_cannot_translate():
     # SB3's linear schedules run over n_timesteps env steps: 100,000 / 256 per batch = 391 updates
     assert (ppo["anneal_updates"], ppo["anneal_clip"]) == (391, True)
     assert "learning_rate" not in out["untranslated"] and "clip_range" not in out["untranslated"]
-    assert any(u.startswith("normalize") for u in out["untranslated"])
+    assert ppo["normalize_rewards"] is True and out["untranslated"] == []   # VecNormalize: both now
+    obs_only = translate(Task("t", "CartPole-v1", "ppo", 475, 100), {**zoo, "normalize": "dict(norm_reward=False)"})
+    assert (obs_only["ppo"]["normalize_observations"], obs_only["ppo"]["normalize_rewards"]) == (True, False)
     clip_only = translate(Task("t", "CartPole-v1", "ppo", 475, 100), {**zoo, "learning_rate": 3e-4})
     assert "anneal_updates" not in clip_only["ppo"] and clip_only["untranslated"][0] == "clip_range"
 

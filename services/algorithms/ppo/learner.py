@@ -11,6 +11,8 @@ entry point (services/algorithms).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -18,7 +20,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.algorithms.checks import check_finite, check_fits, skipped_step
 from services.common.config import PPOConfig
 from services.common.fragments import Fragment, decode_fragment
-from services.common.nets import ActorCritic, EnvSpec, resolve_device
+from services.common.nets import ActorCritic, EnvSpec, ObsNormalizer, resolve_device
 from services.common.stats import Metrics
 from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
@@ -68,6 +70,42 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tenso
     return clipped_rhos * (rewards + gamma * next_vs * not_term - values), vs
 
 
+MAX_RETURN_STREAMS = 65536  # envs whose running discounted return is kept, least recently updated forgotten
+
+
+class RewardNormalizer:
+    """ppo.normalize_rewards: rewards divided by the running standard deviation of the discounted
+    return, clipped (SB3's VecNormalize norm_reward). Each env of each actor process, (actor_id,
+    incarnation, env_id), keeps its running return r_0 + g r_1 + ... across fragments, restarted at
+    every episode end; every step's return goes into the statistics (summed over a learner group
+    first, like the observation statistics), which checkpoints carry."""
+
+    def __init__(self, gamma: float, clip: float, device):
+        self.gamma, self.clip = gamma, clip
+        self.stats = ObsNormalizer(1, clip=clip).to(device)
+        self.running: OrderedDict[tuple[str, int, int], float] = OrderedDict()
+
+    def returns(self, frag: Fragment) -> np.ndarray:
+        """[T, N] running discounted returns of `frag`'s steps, going on from each env's last fragment."""
+        keys = [(frag.actor_id, frag.incarnation, env) for env in frag.env_ids]
+        ret = np.array([self.running.pop(k, 0.0) for k in keys], np.float64)
+        out = np.empty(frag.rewards.shape, np.float64)
+        ended = frag.terminated | frag.truncated
+        for t in range(frag.num_steps):
+            ret = ret * self.gamma + frag.rewards[t]
+            out[t] = ret
+            ret[ended[t]] = 0.0
+        for k, r in zip(keys, ret.tolist()):
+            self.running[k] = r
+        while len(self.running) > MAX_RETURN_STREAMS:
+            self.running.popitem(last=False)
+        return out
+
+    def scale(self, rewards: torch.Tensor) -> torch.Tensor:
+        std = (self.stats.var + self.stats.eps).sqrt().to(rewards.dtype)
+        return (rewards / std).clamp(-self.clip, self.clip)
+
+
 class PPO:
     def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
                  metrics: Metrics | None = None):
@@ -77,6 +115,7 @@ class PPO:
         self.net = ActorCritic(spec, cfg.hidden_sizes, cfg.normalize_observations, cfg.obs_clip).to(self.device)
         self.net.head.validate = False  # a non-finite output: a non-finite loss, its step skipped (not a crash)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
+        self.rewards = RewardNormalizer(cfg.gamma, cfg.reward_clip, self.device) if cfg.normalize_rewards else None
         self.version = 0
         self.gradient_steps = 0
 
@@ -150,6 +189,8 @@ class PPO:
             next_values.view(-1)[self._tensor(frag.final_index)] = self.net.value(self._tensor(frag.final_obs))
         term, trunc = self._tensor(frag.terminated), self._tensor(frag.truncated)
         rewards = self._tensor(frag.rewards) * c.reward_scale
+        if self.rewards is not None:
+            rewards = self.rewards.scale(rewards)
         if correct:
             logprob = self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
             log_rhos = logprob - self._tensor(frag.behaviour_logprob)
@@ -172,6 +213,7 @@ class PPO:
         if not fragments and self.sync is None:
             return {}
         self._update_obs_stats(fragments)
+        self._update_reward_stats(fragments)
         correct = correct or [False] * len(fragments)
         # (obs, values, advantages, returns, actions, behaviour log-probs, masks or None), a row per sample
         data = None
@@ -213,8 +255,11 @@ class PPO:
             self.version += 1
         if last is None:
             return {}
-        return {**{k: v.item() for k, v in last.items()}, "clipfrac": float(np.mean(clipfracs)),
-                "learning_rate": c.learning_rate * remaining}
+        out = {**{k: v.item() for k, v in last.items()}, "clipfrac": float(np.mean(clipfracs)),
+               "learning_rate": c.learning_rate * remaining}
+        if self.rewards is not None:
+            out["return_std"] = float(self.rewards.stats.var.sqrt())
+        return out
 
     def remaining(self) -> float:
         """The share of the learning rate (and clip range) this update trains at: 1 without annealing,
@@ -233,6 +278,16 @@ class PPO:
         else:  # a group member with nothing still takes part in the sum
             moments = torch.zeros(1 + 2 * norm.mean.numel(), dtype=torch.float64, device=self.device)
         norm.merge(moments if self.sync is None else self.sync.sum(moments))
+
+    def _update_reward_stats(self, fragments: list[Fragment]) -> None:
+        """Merge the batch's discounted returns into the reward statistics (ppo.normalize_rewards),
+        summed over the group first, before any reward of the batch is scaled with them."""
+        if self.rewards is None:
+            return
+        moments = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for f in fragments:
+            moments += ObsNormalizer.moments(torch.as_tensor(self.rewards.returns(f).reshape(-1, 1), device=self.device))
+        self.rewards.stats.merge(moments if self.sync is None else self.sync.sum(moments))
 
     def _loss(self, data, mb: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped PPO loss on minibatch `mb` (indices into `data`) at clip range `clip`, and its
@@ -260,14 +315,19 @@ class PPO:
                       "approx_kl": approx_kl, "clipfrac": clipfrac}
 
     def state_dict(self) -> dict:
-        return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
-                "gradient_steps": self.gradient_steps}
+        state = {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
+                 "gradient_steps": self.gradient_steps}
+        if self.rewards is not None:
+            state["reward_stats"] = self.rewards.stats.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.net.load_state_dict(state["net"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.gradient_steps = int(state.get("gradient_steps", 0))
+        if self.rewards is not None and "reward_stats" in state:   # (a checkpoint from before: start afresh)
+            self.rewards.stats.load_state_dict(state["reward_stats"])
 
 
 Learner = PPO
