@@ -26,12 +26,16 @@ learner's policy version rises). The accounting is the reliability issue's, made
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import threading
 import time
 
-from tests.e2e.kube import (VERSION_METRIC, fresh_namespace, kubectl, metrics, pod_metrics, pod_ready, pods,
+import yaml
+
+from tests.e2e.adapt import adapt
+from tests.e2e.kube import (ROOT, VERSION_METRIC, fresh_namespace, kubectl, metrics, pod_metrics, pod_ready, pods,
                             render_overlay, wait_metric, wait_ready, with_config)
 from tests.k8s.cluster import binaries
 
@@ -205,3 +209,57 @@ def test_deleted_pods_are_replaced_and_nothing_is_lost(e2e_node, e2e_images, e2e
         wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=version + 1)
         timings["actor_delete_to_training_s"] = round(time.monotonic() - start, 1)
         e2e_report["pod_deletion"] = timings
+
+
+def dqn_with_replay_checkpoints(config: dict) -> None:
+    """CartPole DQN, one actor and one learner, the replay large enough not to wrap in the test."""
+    fixed_topology(config)
+    config.pop("ppo", None)
+    config["algorithm"] = "dqn"
+    config["dqn"] = {"rollout_steps": 16, "buffer_size": 200_000, "batch_size": 64, "learning_starts": 1000,
+                     "replay_ratio": 8.0, "hidden_sizes": [64, 64]}
+    config["buffer"] = {"checkpoint_interval_s": 3600}   # only the final checkpoint, written at SIGTERM
+
+
+def test_a_deleted_replay_buffer_with_its_claim_loses_nothing_acknowledged(e2e_node, e2e_images, e2e_report):
+    """DQN with k8s/components/buffer-checkpoints (the replay's claim, --checkpoint-dir on it): the
+    deleted buffer acknowledges what it stored (A0 = its count), writes its final checkpoint at SIGTERM,
+    and the replacement restores every sample it held, so nothing acknowledged is lost."""
+    overlay = e2e_node.workdir / "dqn-replay-overlay"
+    overlay.mkdir(exist_ok=True)
+    rel = lambda p: os.path.relpath(ROOT / p, overlay)   # noqa: E731 - kustomize takes no absolute dirs
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": NAMESPACE, "resources": [rel("k8s/overlays/dev")],
+        "components": [rel("k8s/components/buffer-checkpoints")]}))
+    with fresh_namespace(e2e_node, NAMESPACE):
+        manifest = adapt(kubectl(e2e_node, "kustomize", str(overlay)))
+        kubectl(e2e_node, "apply", "-f", "-", input=with_config(manifest, dqn_with_replay_checkpoints))
+        wait_ready(e2e_node, NAMESPACE, timeout_s=400)
+        wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=2)
+        (buffer,) = [p.metadata.name for p in pods(e2e_node, NAMESPACE, "buffer")]
+        (actor,) = [p.metadata.name for p in pods(e2e_node, NAMESPACE, "actor")]
+        deadline = time.monotonic() + 120
+        while pod_metrics(e2e_node, NAMESPACE, actor).get(ACKED, 0) < ACKED_BEFORE_DELETE:
+            assert time.monotonic() < deadline, "the actor had too few fragments acknowledged after 120 s"
+            time.sleep(1)
+        version = metrics(e2e_node, NAMESPACE, "kuberl-learner")[VERSION_METRIC]
+        follow = _follow(e2e_node, buffer)
+        start = time.monotonic()
+        kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", buffer, "--wait=true", timeout_s=200)
+        acked_at_gone = pod_metrics(e2e_node, NAMESPACE, actor)[ACKED]
+        out = _output(follow)
+        last = re.search(r"buffer stopped: (\d+) fragments received \((\d+) samples\), (\d+) samples served, "
+                         r"(\d+) held \(in its last checkpoint\)", out)
+        assert last, f"no final counts, or no final checkpoint, in the deleted buffer's log:\n{out[-2000:]}"
+        stored, samples, _, held = map(int, last.groups())
+        assert acked_at_gone >= ACKED_BEFORE_DELETE and acked_at_gone == stored, (
+            f"the old buffer stored {stored} fragments and acknowledged {acked_at_gone} of them to the actor")
+        assert held == samples, f"the old buffer held {held} of the {samples} samples it took (a ring that wrapped?)"
+        new_buffer = _replaced(e2e_node, "buffer", old="", timeout_s=300)
+        restored = pod_metrics(e2e_node, NAMESPACE, new_buffer)["kuberl_buffer_checkpoint_restored_samples"]
+        assert restored == held, f"the new buffer restored {restored} samples of the {held} the old one held"
+        wait_metric(e2e_node, NAMESPACE, "kuberl-learner", VERSION_METRIC, above=version + 1)
+        e2e_report["replay_buffer_deletion"] = {
+            "fragments_stored_and_acknowledged": stored, "samples_held": held, "samples_restored": restored,
+            "delete_to_training_s": round(time.monotonic() - start, 1)}
