@@ -263,8 +263,10 @@ class PPOConfig:
     # Rewards divided by the running standard deviation of each env's discounted return and clipped
     # to +-reward_clip before returns and advantages are computed (SB3's VecNormalize norm_reward,
     # gymnasium's NormalizeReward). The learner keeps the statistics (in its checkpoints) and each
-    # env's running return across fragments; the episode returns kuberl reports stay unscaled.
-    normalize_rewards: bool = False
+    # env's running return across fragments; the episode returns kuberl reports stay unscaled. On by
+    # default, as Sample Factory's normalize_returns: bench/zoo.py measured CartPole 92.2k/67.6k env
+    # steps to 475 without it and 63.5k/60.5k with it, Acrobot 45.9k/38.9k and 24.1k/18.3k to -100.
+    normalize_rewards: bool = True
     reward_clip: float = 10.0
     # Linear annealing (CleanRL's anneal_lr, rl-baselines3-zoo's "lin_" schedules): the learning rate,
     # and the clip range where anneal_clip is set, fall linearly from their values above to 0 over

@@ -196,7 +196,7 @@ def test_ppo_update_smoke():
     before = params(ppo.net)
     stats = ppo.update(ppo_fragments(T=4, N=2, count=2))  # 16 samples
     assert ppo.version == 1 and ppo.gradient_steps == 3 * 2
-    assert set(stats) == {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "learning_rate"}
+    assert set(stats) == {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "learning_rate", "return_std"}
     assert all(math.isfinite(v) for v in stats.values())
     assert any(not torch.equal(a, b) for a, b in zip(before, ppo.net.parameters()))
 

@@ -75,7 +75,7 @@ def test_the_advantages_use_rewards_divided_by_the_return_std_and_clipped():
     ppo = learner(reward_clip=0.5)
     ppo.update([frag])
     std = float((ppo.rewards.stats.var + ppo.rewards.stats.eps).sqrt())
-    plain = PPO(PPOConfig(gamma=GAMMA, num_epochs=1, num_minibatches=1), SPEC)
+    plain = PPO(PPOConfig(gamma=GAMMA, num_epochs=1, num_minibatches=1, normalize_rewards=False), SPEC)
     plain.net.load_state_dict(ppo.net.state_dict())
     scaled = decode_fragment(build_fragment(
         actor_id="a", seq=0, policy_version=0, algorithm=PPO_CODE, env_ids=range(frag.num_envs), incarnation=1,
@@ -87,14 +87,15 @@ def test_the_advantages_use_rewards_divided_by_the_return_std_and_clipped():
     assert np.abs(frag.rewards / std).max() > 0.5   # the clip mattered
 
 
-def test_the_statistics_go_through_a_checkpoint_and_are_off_by_default():
+def test_the_statistics_go_through_a_checkpoint_and_can_be_turned_off():
     ppo = learner()
     ppo.update(fragments(4))
     again = learner()
     again.load_state_dict(ppo.state_dict())
     for key in ("mean", "var", "count"):
         assert torch.equal(getattr(again.rewards.stats, key), getattr(ppo.rewards.stats, key))
-    off = PPO(PPOConfig(), SPEC)
+    assert PPO(PPOConfig(), SPEC).rewards is not None   # on by default
+    off = PPO(PPOConfig(normalize_rewards=False), SPEC)
     assert off.rewards is None and "reward_stats" not in off.state_dict()
     with pytest.raises(ConfigError, match="reward_clip"):
         config_from_dict({"ppo": {"reward_clip": 0}})

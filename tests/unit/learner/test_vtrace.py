@@ -204,7 +204,7 @@ def test_ppo_update_with_vtrace_correction_smoke():
     stats = ppo.update(frags, correct=[True, False])
     assert ppo.version == 1
     assert ppo.gradient_steps == 2 * 2
-    assert set(stats) == {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "learning_rate"}
+    assert set(stats) == {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "learning_rate", "return_std"}
     assert all(math.isfinite(v) for v in stats.values())
     assert any(not torch.equal(a, b) for a, b in zip(before, ppo.net.parameters()))
     ppo.update(frags, correct=[True, True])
