@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kuberl.v1 import common_pb2 as pb
-from services.algorithms.checks import check_finite, check_fits, skipped_step
+from services.algorithms.checks import check_fits, skipped_step
 from services.common.config import PPOConfig
 from services.common.fragments import Fragment, decode_fragment
 from services.common.nets import ActorCritic, EnvSpec, ObsNormalizer, resolve_device
@@ -125,13 +125,12 @@ class PPO:
         return self.net
 
     def decode(self, batch: pb.TrainingBatch) -> list[Fragment]:
-        """The batch's fragments, validated; raises ValueError (TensorError) naming what does not fit."""
+        """The batch's fragments, validated; raises ValueError (TensorError) naming what does not fit.
+        Decoding refuses NaN and infinity in every float field (NonFiniteError, counted apart)."""
         frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in batch.rollouts.fragments]
-        for i, f in enumerate(frags):
+        for f in frags:
             check_fits(self.spec, f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions,
                        lead=(f.num_steps, f.num_envs), mask=f.action_mask)
-            check_finite({f"rollouts.fragments[{i}].{name}": getattr(f, name)
-                          for name in ("obs", "final_obs", "actions", "rewards", "behaviour_logprob")})
         return frags
 
     def learn(self, frags: list[Fragment]) -> tuple[int, dict[str, float]] | None:
