@@ -151,7 +151,7 @@ def n_step_returns(rewards: np.ndarray, terminated: np.ndarray, truncated: np.nd
     total = rewards.astype(np.float64)
     last = np.broadcast_to(np.arange(T)[:, None], (T, N)).copy()
     open_ = ~ends                     # the window of (t, n) may take step last + 1
-    for i in range(1, n):
+    for i in range(1, min(n, T)):     # (a fragment, or a part of one, may be shorter than n)
         go = open_[:T - i]            # rows t whose window reaches step t + i (inside the fragment)
         t, col = np.nonzero(go)
         total[t, col] += gamma ** i * rewards[t + i, col]

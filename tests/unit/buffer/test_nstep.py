@@ -74,6 +74,19 @@ def test_ring_rows_are_the_n_step_transitions_of_a_per_step_loop(n, seed):
     assert held["rewards"].dtype == held["discount"].dtype == np.float32
 
 
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_fragments_shorter_than_n_sum_what_they_have(T):
+    """A fragment (or a part the compact layout splits off) of fewer steps than n: windows stop at its end."""
+    frags = [fragment(40 + T, T=T, N=4, p_end=0.3)]
+    ring = ReplayRing(capacity=100, n_step=5, gamma=GAMMA)
+    ring.add(frags[0])
+    held, want = ring.gather(np.arange(ring.size)), naive(frags[0], 5, GAMMA)
+    np.testing.assert_allclose(held["rewards"], want["rewards"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(held["discount"], want["discount"], rtol=1e-6)
+    np.testing.assert_array_equal(held["next_obs"], want["next_obs"].astype(np.float32))
+    np.testing.assert_array_equal(held["terminated"], want["terminated"])
+
+
 def test_one_step_rows_are_the_steps_as_they_came_without_a_discount():
     frag = fragment(1)
     ring = ReplayRing(capacity=100)
