@@ -40,6 +40,8 @@ from services.common.tensors import TensorError, encode
 
 SEQ_WINDOW = DEDUPE_WINDOW
 LEARNER_EXPIRY_S = 30.0
+LEARNER_FORGET_S = 10 * LEARNER_EXPIRY_S   # a learner silent this long is forgotten altogether
+MAX_UNREPORTED = 1024                      # learner ids served batches but never reporting, kept at most
 MAX_ACTORS_TRACKED = 65536
 # A restarted process of one actor id gets a new incarnation; its predecessor's window is kept for
 # this many newer incarnations (a zombie or a slow re-send of the old process still dedupes) and
@@ -159,7 +161,20 @@ class Store:
         if previous is not None and consumed_batches < previous[1]:
             # The learner restarted under the same id: what was in flight to it is gone.
             self._served_to[learner_id] = consumed_batches
+        if previous is None:
+            self._forget_learners(now)
         self._learners[learner_id] = (version, consumed_batches, now)
+
+    def _forget_learners(self, now: float) -> None:
+        """Drop learners silent for LEARNER_FORGET_S (restarted learners come back under new ids, so
+        a long run would otherwise keep every id it ever saw), and batch counts of ids that never
+        reported beyond MAX_UNREPORTED of them."""
+        for lid in [lid for lid, (_, _, seen) in list(self._learners.items()) if now - seen > LEARNER_FORGET_S]:
+            del self._learners[lid]
+            self._served_to.pop(lid, None)
+        unreported = [lid for lid in list(self._served_to) if lid not in self._learners]
+        for lid in unreported[:max(0, len(unreported) - MAX_UNREPORTED)]:
+            del self._served_to[lid]
 
     def in_flight(self, learner_id: str) -> int:
         """Batches served to `learner_id` that it has not reported consuming (prefetched or in transit)."""
@@ -183,7 +198,8 @@ class Store:
     def _live_learners(self) -> list[str]:
         """The learners that reported within LEARNER_EXPIRY_S."""
         now = time.monotonic()
-        return [lid for lid, (_, _, seen) in self._learners.items() if now - seen <= LEARNER_EXPIRY_S]
+        # A copy first: the Prometheus thread reads this (gauges) while the event loop adds learners.
+        return [lid for lid, (_, _, seen) in list(self._learners.items()) if now - seen <= LEARNER_EXPIRY_S]
 
     def insert_limit(self) -> int | None:
         """The samples-inserted count below which actors may start a fragment (None: no limit), for

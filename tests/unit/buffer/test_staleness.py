@@ -234,6 +234,7 @@ def test_a_restarted_learner_resets_what_is_in_flight():
 
 def test_a_silent_learner_expires(monkeypatch):
     import services.buffer.store as store_module
+    monkeypatch.setattr(store_module, "LEARNER_FORGET_S", 1e12)   # expired, not yet forgotten
     store = fresh_store()
     store.report_progress("old", 50, 0, now=0.0)
     store.report_progress("new", 3, 0)

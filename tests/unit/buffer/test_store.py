@@ -395,3 +395,18 @@ def test_a_reporting_learner_is_served_at_most_prefetch_plus_one_batches_ahead()
     assert store.next_batch(8, "l") is not None
     assert store.next_batch(8, "l") is None and store.wait_reason == "prefetched"
     assert all(store.next_batch(8, "other") is not None for _ in range(10))
+
+
+def test_learners_silent_for_long_are_forgotten_and_unreported_ids_are_bounded(monkeypatch):
+    """Restarted learners come back under new ids: a long run must not keep every id it saw."""
+    from services.buffer import store as store_module
+    monkeypatch.setattr(store_module, "MAX_UNREPORTED", 2)
+    store = ppo_store()
+    store.report_progress("old", 3, 3, now=0.0)
+    store.report_progress("recent", 5, 5, now=store_module.LEARNER_FORGET_S - 1)
+    for lid in ("s1", "s2", "s3"):   # served, never reporting
+        store._served_to[lid] = 1
+    store.report_progress("new", 0, 0, now=store_module.LEARNER_FORGET_S + 1)
+    assert set(store._learners) == {"recent", "new"}
+    assert "old" not in store._served_to
+    assert set(store._served_to) - set(store._learners) == {"s2", "s3"}   # the newest two kept
