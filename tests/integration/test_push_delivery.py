@@ -92,6 +92,17 @@ async def test_a_refused_fragment_is_counted_and_the_rest_are_stored(buffer_chan
     assert s["buffer/fragments_invalid_total"] == 1
 
 
+async def _tear_down(task: asyncio.Task, channel: grpc.aio.Channel, *buffers: Service | None) -> None:
+    """End the pusher, its channel and every buffer process still running."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await channel.close()
+    for svc in buffers:
+        if svc is not None and svc.popen.poll() is None:
+            svc.popen.kill()
+            svc.popen.wait()
+
+
 async def test_fragments_a_killed_buffer_never_acknowledged_are_resent_to_its_successor(tmp_path):
     config = write_config(tmp_path / "exp.yaml", TINY_PPO)
     address = f"127.0.0.1:{free_port()}"
@@ -125,13 +136,7 @@ async def test_fragments_a_killed_buffer_never_acknowledged_are_resent_to_its_su
         assert metrics.counters["actor/fragments_resent_total"] >= 10
         assert pusher.pending == 0
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await channel.close()
-        for svc in (old, new):
-            if svc is not None and svc.popen.poll() is None:
-                svc.popen.kill()
-                svc.popen.wait()
+        await _tear_down(task, channel, old, new)
 
 
 async def test_a_fragment_too_old_to_dedupe_is_counted_as_rejected_not_acknowledged(buffer_channel):
@@ -212,13 +217,7 @@ async def test_a_buffer_stopped_with_sigterm_acknowledges_what_its_open_stream_s
         restored = 0 if algorithm == "ppo" else held
         assert s["buffer/size_samples"] == restored + sum(m.samples for m in sent[10:])
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await channel.close()
-        for svc in (old, new):
-            if svc is not None and svc.popen.poll() is None:
-                svc.popen.kill()
-                svc.popen.wait()
+        await _tear_down(task, channel, old, new)
 
 
 async def test_an_actor_pushing_through_a_buffer_replacement_has_each_fragment_stored_once(tmp_path):
@@ -265,10 +264,4 @@ async def test_an_actor_pushing_through_a_buffer_replacement_has_each_fragment_s
             f"{cut} cut, the old buffer stored {stored_by_old}, the new {s['buffer/fragments_received_total']}")
         assert acked_at_gone == stored_by_old   # the old buffer's every fragment was acknowledged by it
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await channel.close()
-        for svc in (old, new):
-            if svc is not None and svc.popen.poll() is None:
-                svc.popen.kill()
-                svc.popen.wait()
+        await _tear_down(task, channel, old, new)
