@@ -92,6 +92,20 @@ async def test_a_refused_fragment_is_counted_and_the_rest_are_stored(buffer_chan
     assert s["buffer/fragments_invalid_total"] == 1
 
 
+def _pushing_to_a_buffer(tmp_path, config, *args: str, capacity: int, ack_interval_s: float):
+    """A buffer process on a fixed address (a successor can take it) and a Pusher running against it:
+    (address, buffer, channel, pusher, metrics, stopping, task)."""
+    address = f"127.0.0.1:{free_port()}"
+    old = Service("buffer", tmp_path, config, *args, listen=address)
+    old.wait_ready()
+    metrics = Metrics("actor")
+    channel = grpc.aio.insecure_channel(address)
+    pusher = Pusher(channel, capacity=capacity, ack_interval_s=ack_interval_s, metrics=metrics)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(pusher.run(stopping), name="push")
+    return address, old, channel, pusher, metrics, stopping, task
+
+
 async def _tear_down(task: asyncio.Task, channel: grpc.aio.Channel, *buffers: Service | None) -> None:
     """End the pusher, its channel and every buffer process still running."""
     task.cancel()
@@ -105,16 +119,10 @@ async def _tear_down(task: asyncio.Task, channel: grpc.aio.Channel, *buffers: Se
 
 async def test_fragments_a_killed_buffer_never_acknowledged_are_resent_to_its_successor(tmp_path):
     config = write_config(tmp_path / "exp.yaml", TINY_PPO)
-    address = f"127.0.0.1:{free_port()}"
-    old = Service("buffer", tmp_path, config, listen=address)
-    new = None
-    old.wait_ready()
-    metrics = Metrics("actor")
     # A long ack interval: the stream stays open, so nothing is acknowledged before the kill.
-    channel = grpc.aio.insecure_channel(address)
-    pusher = Pusher(channel, capacity=64, ack_interval_s=3600.0, metrics=metrics)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(pusher.run(stopping), name="push")
+    address, old, channel, pusher, metrics, stopping, task = _pushing_to_a_buffer(
+        tmp_path, config, capacity=64, ack_interval_s=3600.0)
+    new = None
     try:
         for s in range(10):
             pusher.enqueue(frag(s, incarnation=77))
@@ -177,16 +185,10 @@ async def test_a_buffer_stopped_with_sigterm_acknowledges_what_its_open_stream_s
     config = write_config(tmp_path / "exp.yaml", TINY_PPO if algorithm == "ppo" else TINY_DQN)
     args = () if algorithm == "ppo" else ("--checkpoint-dir", str(tmp_path / "replay"))
     kind = {"algorithm": pb.ALGORITHM_PPO if algorithm == "ppo" else pb.ALGORITHM_DQN}
-    address = f"127.0.0.1:{free_port()}"
-    old = Service("buffer", tmp_path, config, *args, listen=address)
-    new = None
-    old.wait_ready()
-    metrics = Metrics("actor")
     # A long ack interval: the stream is open, its fragments stored but not acknowledged, at SIGTERM.
-    channel = grpc.aio.insecure_channel(address)
-    pusher = Pusher(channel, capacity=64, ack_interval_s=3600.0, metrics=metrics)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(pusher.run(stopping), name="push")
+    address, old, channel, pusher, metrics, stopping, task = _pushing_to_a_buffer(
+        tmp_path, config, *args, capacity=64, ack_interval_s=3600.0)
+    new = None
     try:
         sent = [frag(s, incarnation=78, **kind) for s in range(15)]
         for m in sent[:10]:
@@ -224,15 +226,9 @@ async def test_an_actor_pushing_through_a_buffer_replacement_has_each_fragment_s
     """Fragments cut without pause while the buffer is stopped with SIGTERM and replaced: every one is
     acknowledged, and each is stored by exactly one of the two buffers (none lost, none stored twice)."""
     config = write_config(tmp_path / "exp.yaml", TINY_PPO)
-    address = f"127.0.0.1:{free_port()}"
-    old = Service("buffer", tmp_path, config, listen=address)
+    address, old, channel, pusher, metrics, stopping, task = _pushing_to_a_buffer(
+        tmp_path, config, capacity=4096, ack_interval_s=0.05)
     new = None
-    old.wait_ready()
-    metrics = Metrics("actor")
-    channel = grpc.aio.insecure_channel(address)
-    pusher = Pusher(channel, capacity=4096, ack_interval_s=0.05, metrics=metrics)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(pusher.run(stopping), name="push")
     cut = 0
 
     async def cut_until(check) -> None:
