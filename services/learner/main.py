@@ -19,7 +19,6 @@ import torch
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services import algorithms
 from services.common.config import ExperimentConfig
-from services.common.fragments import batch_samples
 from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
                                       start_server)
 from services.common.notify import Notifier
@@ -27,6 +26,7 @@ from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.learner.distributed import GradientSync, GroupBroken, GroupSpec
+from services.learner.inbox import Inbox, discard, starved_get
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
@@ -44,13 +44,13 @@ def batch_request(cfg: ExperimentConfig, learner_id: str) -> buffer_pb2.BatchReq
 
 
 async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.BatchRequest,
-                        queue: asyncio.Queue, metrics: Metrics) -> None:
-    """Keep a StreamBatches stream open, re-opening it when it ends; the queue bounds prefetch."""
+                        inbox: Inbox, metrics: Metrics) -> None:
+    """Keep a StreamBatches stream open, re-opening it when it ends; the inbox bounds prefetch."""
     backoff = Backoff()
     while True:
         try:
             async for batch in stub.StreamBatches(request):
-                await queue.put(batch)
+                await inbox.put(batch)
                 metrics.inc("learner/batches_received_total")
                 backoff.reset()
         except grpc.aio.AioRpcError as err:
@@ -63,38 +63,6 @@ async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.Ba
         await backoff.sleep()
 
 
-STARVED_TICK_S = 0.25
-
-
-def discard(metrics: Metrics, batches: list) -> None:
-    """Batches taken off the stream that will never be trained on (a group ending with one in hand,
-    or prefetched at shutdown): counted as discarded, and as consumed, which is what the buffer reads
-    (LearnerProgress.batches_consumed_total): a batch neither trained on nor counted would stay in
-    flight to this learner for good, and the buffer serves a learner only so far ahead of that."""
-    metrics.inc("learner/batches_discarded_total", len(batches))
-    metrics.inc("learner/batches_consumed_total", len(batches))
-    metrics.inc("learner/samples_consumed_total", sum(batch_samples(b) for b in batches))
-
-
-async def starved_get(queue: asyncio.Queue, metrics: Metrics):
-    """queue.get(), adding the time waited to `learner/starved_seconds_total` as the wait goes (every
-    STARVED_TICK_S), not only when it ends. The planner's TR_L is samples / (wall time - this) over
-    each interval between its reads; a long wait counted only at its end would credit one interval
-    with starvation from earlier ones (and show the intervals before it as busy)."""
-    getter = asyncio.ensure_future(queue.get())
-    last = time.perf_counter()
-    try:
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=STARVED_TICK_S)
-            now = time.perf_counter()
-            metrics.inc("learner/starved_seconds_total", now - last)
-            last = now
-            if done:
-                return getter.result()
-    finally:
-        getter.cancel()   # no-op once it has its item
-
-
 async def publish(hub: WeightsHub, trainer: Trainer) -> None:
     """Publish the trainer's current weights, unless it refuses them (NaN or infinity: `Trainer.weights`;
     then the newest version published stands)."""
@@ -102,13 +70,13 @@ async def publish(hub: WeightsHub, trainer: Trainer) -> None:
         hub.publish(chunks)
 
 
-async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
+async def train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int,
                      progressed: Notifier) -> None:
     """Train on each batch as it arrives; publish when `every` updates have passed since the last."""
     published = trainer.version
     trainer.metrics.inc("learner/starved_seconds_total", 0)
     while True:
-        batch = await starved_get(queue, trainer.metrics)
+        batch = await starved_get(inbox, trainer.metrics)
         await asyncio.to_thread(trainer.train, batch)
         if trainer.version - published >= every:
             await publish(hub, trainer)
@@ -116,13 +84,14 @@ async def train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, ev
             progressed.notify()
 
 
-async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsHub, every: int,
+async def group_train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int,
                            progressed: Notifier, stopping: asyncio.Event, *, elastic: bool = False) -> None:
     """Train in rounds with the other learners of the group (services/learner/distributed.py): each
     round agrees whether to stop and whether everyone holds a batch; only then does anyone train, so
     the gradient all-reduces line up. All stop at the same round once any learner is stopping.
     `elastic` (services/learner/membership.py): a peer's stop ends this group, and the caller forms the
-    next one; otherwise this learner waits for its own stop (its supervisor stops the whole group)."""
+    next one; otherwise this learner waits for its own stop (its supervisor stops the whole group).
+    A batch in hand when the group ends, taken or just arriving, goes back to the inbox for the next."""
     sync = trainer.sync
     published = trainer.version
     trainer.metrics.inc("learner/starved_seconds_total", 0)
@@ -132,7 +101,7 @@ async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsH
         while True:
             started = time.perf_counter()
             if held is None:
-                getter = getter or asyncio.ensure_future(queue.get())
+                getter = getter or inbox.get()
                 done, _ = await asyncio.wait({getter}, timeout=GROUP_ROUND_WAIT_S)
                 if done:
                     held, getter = getter.result(), None
@@ -151,10 +120,10 @@ async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsH
                 published = trainer.version
                 progressed.notify()
     finally:
+        if held is not None:
+            inbox.hand_back(held)
         if getter is not None:
-            getter.cancel()
-    if held is not None:
-        discard(trainer.metrics, [held])
+            inbox.cancel(getter)   # a batch it took while the round was agreed on goes back too
     if not stopping.is_set() and elastic:
         log.info("the group is ending (a peer left or saw a new group size)")
     elif not stopping.is_set():
@@ -169,23 +138,29 @@ async def group_train_loop(trainer: Trainer, queue: asyncio.Queue, hub: WeightsH
                               "be formed again") from None
 
 
+async def send_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, version: int, metrics: Metrics,
+                        timeout: float = 5.0) -> None:
+    """One LearnerProgress to the buffer: the version and what this learner has consumed so far."""
+    request = buffer_pb2.LearnerProgress(
+        learner_id=learner_id, policy_version=version,
+        samples_consumed_total=int(metrics.counters["learner/samples_consumed_total"]),
+        batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
+    try:
+        ack = await stub.ReportProgress(request, timeout=timeout)
+        produced = ack.samples_inserted_total - ack.warmup_samples   # the warm-up is not production
+        if produced > 0:
+            metrics.set("learner/samples_per_insert", request.samples_consumed_total / produced)
+    except grpc.aio.AioRpcError as err:
+        raise_if_cancelling(err)
+        metrics.inc("learner/progress_report_errors_total")
+        log.debug("progress report to buffer failed: %s", describe(err))
+
+
 async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, current: Generation,
                           metrics: Metrics, progressed: Notifier) -> None:
     """Tell the buffer the current version after each publication, and at least once a second."""
     while True:
-        request = buffer_pb2.LearnerProgress(
-            learner_id=learner_id, policy_version=current.trainer.version,
-            samples_consumed_total=int(metrics.counters["learner/samples_consumed_total"]),
-            batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
-        try:
-            ack = await stub.ReportProgress(request, timeout=5.0)
-            produced = ack.samples_inserted_total - ack.warmup_samples   # the warm-up is not production
-            if produced > 0:
-                metrics.set("learner/samples_per_insert", request.samples_consumed_total / produced)
-        except grpc.aio.AioRpcError as err:
-            raise_if_cancelling(err)
-            metrics.inc("learner/progress_report_errors_total")
-            log.debug("progress report to buffer failed: %s", describe(err))
+        await send_progress(stub, learner_id, current.trainer.version, metrics)
         await progressed.wait(timeout=1.0)
 
 
@@ -298,7 +273,7 @@ async def join(membership: FixedGroup | StatefulSetGroup, build: Callable[[Gradi
 
 
 async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: Trainer, world_size: int,
-                           queue: asyncio.Queue, hub: WeightsHub, every: int, progressed: Notifier,
+                           inbox: Inbox, hub: WeightsHub, every: int, progressed: Notifier,
                            stopping: asyncio.Event) -> None:
     """Train as the group now is until this learner stops or, with an elastic membership, the group's size
     changes or a peer leaves (the group breaks or stops at a round's end). A fixed group's break raises."""
@@ -317,7 +292,7 @@ async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: T
     try:
         if trainer.sync is not None:
             try:
-                await group_train_loop(trainer, queue, hub, every, progressed, leaving, elastic=membership.elastic)
+                await group_train_loop(trainer, inbox, hub, every, progressed, leaving, elastic=membership.elastic)
             except GroupBroken as err:
                 if not membership.elastic:
                     raise
@@ -326,7 +301,7 @@ async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: T
                 else:
                     log.warning("%s; forming the group again", err)
             return
-        train = asyncio.create_task(train_loop(trainer, queue, hub, every, progressed), name="train-alone")
+        train = asyncio.create_task(train_loop(trainer, inbox, hub, every, progressed), name="train-alone")
         left = asyncio.create_task(leaving.wait())
         try:
             await asyncio.wait({train, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -340,7 +315,7 @@ async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: T
         watcher.cancel()
 
 
-async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, build, queue: asyncio.Queue,
+async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, build, inbox: Inbox,
                 hub: WeightsHub, every: int, progressed: Notifier, stopping: asyncio.Event, set_ready) -> None:
     """Train group after group: when one ends without this learner stopping (an elastic membership's new
     size or lost peer), rank 0 checkpoints, and the next group starts from that checkpoint. The weights
@@ -348,7 +323,7 @@ async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, 
     metrics = current.trainer.metrics
     metrics.inc("learner/group_reforms_total", 0)
     while True:
-        await train_generation(membership, current.trainer, current.world_size, queue, hub, every, progressed,
+        await train_generation(membership, current.trainer, current.world_size, inbox, hub, every, progressed,
                                stopping)
         if stopping.is_set():
             return
@@ -400,17 +375,17 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         raise
     prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
     channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
-    queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.buffer.batch_prefetch)
+    inbox = Inbox(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
              current.trainer.version, buffer)
     try:
         async with asyncio.TaskGroup() as tg:
             fetch = tg.create_task(fetch_batches(buffer_pb2_grpc.BufferStub(channel), batch_request(cfg, learner_id),
-                                                 queue, metrics), name="fetch")
+                                                 inbox, metrics), name="fetch")
             progressed = Notifier()
             stub = buffer_pb2_grpc.BufferStub(channel)
             stopping = asyncio.Event()
-            train = tg.create_task(learn(membership, current, build, queue, hub, cfg.learner.publish_interval_updates,
+            train = tg.create_task(learn(membership, current, build, inbox, hub, cfg.learner.publish_interval_updates,
                                          progressed, stopping, srv.set_serving), name="train")
             side = [tg.create_task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), name="checkpoint"),
                     tg.create_task(report_progress(stub, learner_id, current, metrics, progressed), name="progress"),
@@ -425,11 +400,14 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     stopping.set()                 #    (a group stops together at a round's end)
                     await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
                     train.cancel()                 #    (the checkpoint below waits for it on the lock)
-                    if queue.qsize():
-                        log.info("discarding %d prefetched batches at shutdown", queue.qsize())
-                        discard(metrics, [queue.get_nowait() for _ in range(queue.qsize())])
+                    if inbox.qsize():
+                        log.info("discarding %d prefetched batches at shutdown", inbox.qsize())
+                        discard(metrics, inbox.drain())
                     for task in side:
                         task.cancel()
+                    # The last word to the buffer: what was discarded counts as consumed, so the buffer
+                    # stops counting it in flight now rather than when this learner's reports expire.
+                    await send_progress(stub, learner_id, current.trainer.version, metrics, timeout=1.0)
                     if not current.saved:
                         await asyncio.to_thread(current.trainer.checkpoint)  # 3. final checkpoint
                     hub.close()                    # 4. end weight streams, stop serving

@@ -3,42 +3,42 @@
 import asyncio
 
 from services.common.stats import Metrics
-from services.learner.main import STARVED_TICK_S, starved_get
+from services.learner.inbox import STARVED_TICK_S, Inbox, starved_get
 
 KEY = "learner/starved_seconds_total"
 
 
 async def test_a_long_wait_is_counted_while_it_lasts_and_the_item_is_returned():
     metrics = Metrics("learner")
-    queue: asyncio.Queue = asyncio.Queue()
-    getter = asyncio.create_task(starved_get(queue, metrics))
+    inbox = Inbox(0)
+    getter = asyncio.create_task(starved_get(inbox, metrics))
     # Wait (on the event loop, not the wall clock) until several ticks have been counted mid-wait.
     while metrics.counters.get(KEY, 0.0) < 3 * STARVED_TICK_S:
         assert not getter.done()
         await asyncio.sleep(STARVED_TICK_S / 2)
     mid_wait = metrics.counters[KEY]
-    queue.put_nowait("batch")
+    await inbox.put("batch")
     assert await getter == "batch"
     assert metrics.counters[KEY] >= mid_wait
-    assert queue.empty()
+    assert inbox.qsize() == 0
 
 
 async def test_an_item_already_there_is_taken_at_once():
     metrics = Metrics("learner")
-    queue: asyncio.Queue = asyncio.Queue()
-    queue.put_nowait(1)
-    queue.put_nowait(2)
-    assert await starved_get(queue, metrics) == 1
-    assert await starved_get(queue, metrics) == 2
-    assert KEY in metrics.counters and queue.empty()
+    inbox = Inbox(0)
+    await inbox.put(1)
+    await inbox.put(2)
+    assert await starved_get(inbox, metrics) == 1
+    assert await starved_get(inbox, metrics) == 2
+    assert KEY in metrics.counters and inbox.qsize() == 0
 
 
 async def test_cancelled_mid_wait_leaves_nothing_behind():
     metrics = Metrics("learner")
-    queue: asyncio.Queue = asyncio.Queue()
-    getter = asyncio.create_task(starved_get(queue, metrics))
+    inbox = Inbox(0)
+    getter = asyncio.create_task(starved_get(inbox, metrics))
     await asyncio.sleep(STARVED_TICK_S * 1.5)
     getter.cancel()
     await asyncio.gather(getter, return_exceptions=True)
-    queue.put_nowait("later")
-    assert queue.get_nowait() == "later"   # the inner get was cancelled too: it took nothing
+    await inbox.put("later")
+    assert inbox.drain() == ["later"]   # the inner get was cancelled too: it took nothing
