@@ -37,17 +37,20 @@ class Policy:
         self.have_weights = threading.Event()
         self.newer_weights = threading.Event()  # set while weights newer than `version` wait for `swap`
         self._pending: tuple[int, dict] | None = None
+        self._handoff = threading.Lock()   # offer (any thread) against swap's take-and-clear
 
     def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
         """Hand over new weights (any thread); loaded at the next `swap`. Newest offer wins."""
-        self._pending = (version, arrays)  # one atomic reference assignment
+        with self._handoff:
+            self._pending = (version, arrays)
         self.have_weights.set()
         self.newer_weights.set()
 
     def swap(self) -> None:
         """Load the newest offered weights, if any (inference thread only)."""
         self.newer_weights.clear()  # (before taking: an offer racing this swap sets it again)
-        pending, self._pending = self._pending, None
+        with self._handoff:   # without it, an offer landing between the read and the clear was lost
+            pending, self._pending = self._pending, None
         if pending is not None:
             version, arrays = pending
             load_numpy(self.net, arrays)

@@ -8,6 +8,7 @@ and counted. Insert limits go to the actor's InsertGate (limiter.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -36,8 +37,8 @@ async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: s
         try:
             # Long-lived by design: liveness comes from HTTP/2 keepalive, not a deadline.
             async for chunk in stub.SubscribeWeights(req):
-                try:
-                    got = assembler.add(chunk)
+                try:   # joining and hashing a version (megabytes for a CNN) runs off the event loop
+                    got = await asyncio.to_thread(assembler.assemble) if assembler.take(chunk) else None
                 except TensorError as err:
                     metrics.inc("actor/weights_invalid_total")
                     log.error("discarding weights: %s", err)

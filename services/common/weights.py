@@ -49,6 +49,12 @@ class WeightsAssembler:
         self._head: pb.Weights | None = None
 
     def add(self, chunk: pb.Weights) -> tuple[int, dict[str, np.ndarray]] | None:
+        """`take` and, once the version is complete, `assemble`."""
+        return self.assemble() if self.take(chunk) else None
+
+    def take(self, chunk: pb.Weights) -> bool:
+        """Keep `chunk`; True when it completes its version (then `assemble` it). Cheap: a caller on
+        an event loop takes chunks there and assembles in a thread."""
         if chunk.chunk_index == 0:
             self._head, self._chunks = chunk, []
         head = self._head
@@ -57,10 +63,16 @@ class WeightsAssembler:
             raise TensorError("weights.chunk_index", f"chunk {chunk.chunk_index} of version "
                                                      f"{chunk.version} arrived out of order")
         self._chunks.append(chunk.data)
-        if len(self._chunks) < head.num_chunks:
-            return None
-        payload = b"".join(self._chunks)
+        return len(self._chunks) >= head.num_chunks
+
+    def assemble(self) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, arrays) of the version `take` completed: joined and checked against its checksum
+        (megabytes of hashing for a CNN). The assembler is ready for the next version after it."""
+        head, chunks = self._head, self._chunks
         self._head, self._chunks = None, []
+        if head is None or len(chunks) < head.num_chunks:
+            raise TensorError("weights.num_chunks", "no complete version to assemble")
+        payload = b"".join(chunks)
         if len(payload) != head.total_bytes or hashlib.sha256(payload).hexdigest() != head.checksum:
             raise TensorError("weights.checksum", f"version {head.version} failed its checksum")
         return head.version, _split(head.specs, payload)

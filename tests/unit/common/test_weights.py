@@ -200,3 +200,22 @@ def test_spec_with_negative_dim_raises():
 def test_encode_rejects_unsupported_dtype():
     with pytest.raises(TensorError, match="no wire encoding"):
         encode_weights(1, {"c": np.zeros(2, np.complex64)})
+
+
+def test_take_then_assemble_is_add_split_in_two():
+    """The actor takes chunks on its event loop and assembles (join, hash, split) in a thread."""
+    tensors = named_tensors()
+    chunks = encode_weights(4, tensors, chunk_bytes=16)
+    assembler = WeightsAssembler()
+    assert [assembler.take(c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    version, arrays = assembler.assemble()
+    assert version == 4 and list(arrays) == list(tensors)
+    np.testing.assert_array_equal(arrays["steps"], tensors["steps"])
+    with pytest.raises(TensorError, match="no complete version"):
+        assembler.assemble()            # it was handed out: nothing is left to assemble
+    assert assemble(encode_weights(5, tensors, chunk_bytes=16), assembler)[0] == 5
+
+    partial = WeightsAssembler()
+    assert partial.take(chunks[0]) is False
+    with pytest.raises(TensorError, match="no complete version"):
+        partial.assemble()
