@@ -13,7 +13,7 @@ import uuid
 import zlib
 from contextlib import asynccontextmanager
 
-from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2, buffer_pb2_grpc, learner_pb2_grpc
 from services.actor.inference import BatchedInference
 from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
@@ -86,7 +86,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gate)
         policy, episodes = rollout.policy, rollout.episodes
     servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
-    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2_grpc.add_ActorServicer_to_server, servicer),
+    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2.DESCRIPTOR.services_by_name["Actor"], servicer),
                              [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
                              max_connection_age_s=None, tls=cfg.tls, auth=cfg.auth, metrics=metrics)  # simulator sessions are long-lived streams
     prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None

@@ -196,7 +196,7 @@ def add_to_server(servicer: BufferServicer, server) -> None:
     parse get INVALID_ARGUMENT), except that PushTrajectories gets each fragment as the serialized
     bytes (no deserializer), which `RawFragment` reads without copying the tensor payloads: on
     loopback that is most of what a push costs the buffer. It refuses malformed bytes itself."""
-    service, handlers = generated_handlers(buffer_pb2_grpc.add_BufferServicer_to_server, servicer)
+    service, handlers = generated_handlers(buffer_pb2.DESCRIPTOR.services_by_name["Buffer"], servicer)
     handlers["PushTrajectories"] = grpc.stream_unary_rpc_method_handler(
         servicer.PushTrajectories, request_deserializer=None,
         response_serializer=buffer_pb2.PushAck.SerializeToString)

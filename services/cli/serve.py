@@ -38,7 +38,7 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 
-from kuberl.v1 import actor_pb2, actor_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import actor_pb2, learner_pb2_grpc
 from services.actor.inference import BatchedInference
 from services.actor.policy import Policy
 from services.actor.servicer import ActorServicer
@@ -127,7 +127,7 @@ async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, li
     inference = BatchedInference(policy, hub, metrics)
     servicer = ActorServicer(metrics, hub.episodes, hub, inference, cfg.actor.session_timeout_s)
     max_bytes = cfg.buffer.max_message_mb * MiB
-    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2_grpc.add_ActorServicer_to_server, servicer),
+    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2.DESCRIPTOR.services_by_name["Actor"], servicer),
                              [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
                              max_connection_age_s=None, tls=cfg.tls, auth=cfg.auth, metrics=metrics)  # long sessions
     prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None

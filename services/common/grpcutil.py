@@ -5,11 +5,13 @@ age so that clients behind a headless Service rebalance onto new pods; long-live
 re-opened by their clients before the grace period ends.
 
 Request frames are parsed here, not by grpcio: every service registers through `add_servicer` (or
-`add_handlers`), whose handlers receive the raw bytes and parse them with the generated message's
-parser, so that a frame that is not a valid message ends its RPC with INVALID_ARGUMENT naming the
-RPC and the message type. (grpcio's own deserialization failure surfaces as UNKNOWN, which tells a
-client nothing about whose fault it was.) An INVALID_ARGUMENT refusal of a client stream is sent once
-the client has half-closed, so that the client sees it rather than a failed write (`_RequestContext`).
+`add_handlers`), whose handlers are built from the service's protobuf descriptor as a generated
+`add_XServicer_to_server` would build them (`generated_handlers`), receive the raw bytes and parse them
+with the generated message's parser, so that a frame that is not a valid message ends its RPC with
+INVALID_ARGUMENT naming the RPC and the message type. (grpcio's own deserialization failure surfaces
+as UNKNOWN, which tells a client nothing about whose fault it was.) An INVALID_ARGUMENT refusal of a
+client stream is sent once the client has half-closed, so that the client sees it rather than a
+failed write (`_RequestContext`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import ROLE_RPCS, AuthInterceptor
 from services.common.streams import read_to_half_close
 from services.common.tls import TlsError, open_channel, server_credentials
 
 if TYPE_CHECKING:
+    from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+
     from services.common.config import AuthConfig, TlsConfig
     from services.common.stats import Metrics
 
@@ -66,7 +70,7 @@ def server_options(max_message_bytes: int, max_connection_age_s: float | None = 
 class Serving:
     """A started gRPC server with health and reflection; `address` is the bound host:port."""
 
-    def __init__(self, server: grpc.aio.Server, health: HealthServicer, names: list[str], address: str):
+    def __init__(self, server: grpc.aio.Server, health: _Health, names: list[str], address: str):
         self.server, self.health, self.names, self.address = server, health, names, address
         self.loop = asyncio.get_running_loop()
 
@@ -108,34 +112,34 @@ class Serving:
         await self.server.stop(None)
 
 
-class _Capture:
-    """Stands in for a server to read the handlers a generated `add_XServicer_to_server` registers."""
-
-    def __init__(self):
-        self.service, self.handlers = "", {}
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        pass  # the same handlers also come through add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        self.service, self.handlers = service, dict(handlers)
+def _kind(request_streaming: bool, response_streaming: bool) -> str:
+    """"unary_unary", "unary_stream", "stream_unary" or "stream_stream": grpcio's name for an RPC's kind."""
+    return ("stream" if request_streaming else "unary") + "_" + ("stream" if response_streaming else "unary")
 
 
-def generated_handlers(add_generated, servicer) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
-    """(full service name, {method: handler}) as the generated `add_generated(servicer, server)`
-    would register them; to be adjusted and passed to `add_handlers`."""
-    capture = _Capture()
-    add_generated(servicer, capture)
-    if not capture.service:
-        raise TypeError(f"{add_generated.__qualname__} registered no method handlers")
-    return capture.service, capture.handlers
+def _method_handler(method: MethodDescriptor, behavior) -> grpc.RpcMethodHandler:
+    """The handler a generated `add_XServicer_to_server` registers for `method`: of the kind its
+    streaming flags say, parsing requests with the input message's parser and writing responses with
+    the output message's serializer."""
+    make = getattr(grpc, f"{_kind(method.client_streaming, method.server_streaming)}_rpc_method_handler")
+    return make(behavior, request_deserializer=GetMessageClass(method.input_type).FromString,
+                response_serializer=GetMessageClass(method.output_type).SerializeToString)
 
 
-def add_servicer(server, add_generated, servicer) -> None:
-    """Register `servicer` as `add_generated` (a generated `add_XServicer_to_server`) would, except
-    that request frames are parsed by `add_handlers`' handlers: a frame that does not parse gets
-    INVALID_ARGUMENT. Every service registers through this (or `add_handlers`)."""
-    add_handlers(server, *generated_handlers(add_generated, servicer))
+def generated_handlers(service: ServiceDescriptor, servicer) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+    """(full service name, {method: handler}) for every RPC of `service` (its descriptor, e.g.
+    `actor_pb2.DESCRIPTOR.services_by_name["Actor"]`), each calling `servicer`'s method of the same
+    name, as the generated `add_XServicer_to_server(servicer, server)` would register them; to be
+    adjusted and passed to `add_handlers`. AttributeError names a method `servicer` lacks (a servicer
+    derived from the generated base class has them all)."""
+    return service.full_name, {m.name: _method_handler(m, getattr(servicer, m.name)) for m in service.methods}
+
+
+def add_servicer(server, service: ServiceDescriptor, servicer) -> None:
+    """Register `servicer` for `service` (its descriptor) as the generated `add_XServicer_to_server`
+    would, except that request frames are parsed by `add_handlers`' handlers: a frame that does not
+    parse gets INVALID_ARGUMENT. Every service registers through this (or `add_handlers`)."""
+    add_handlers(server, *generated_handlers(service, servicer))
 
 
 def add_handlers(server, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
@@ -219,7 +223,7 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
     """`h` taking its request frames as bytes: a unary request is parsed before the behaviour runs,
     a stream's messages as the behaviour reads them (`_RequestContext`); a frame that does not parse
     ends the RPC with INVALID_ARGUMENT naming the RPC and the message type."""
-    kind = ("stream" if h.request_streaming else "unary") + "_" + ("stream" if h.response_streaming else "unary")
+    kind = _kind(h.request_streaming, h.response_streaming)
     behavior = getattr(h, kind)
     if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
         # A synchronous method: left to grpcio as it is (none in kuberl's servicers; see _Health).
@@ -251,17 +255,37 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
     return make(handler, request_deserializer=None, response_serializer=h.response_serializer)
 
 
-class _Health(HealthServicer):
+class _Health(health.aio.HealthServicer):
     """grpcio's asyncio health servicer, plus the Health/List RPC it leaves to the generated base
-    class (a synchronous UNIMPLEMENTED stub, which grpcio would also answer garbage for with UNKNOWN)."""
+    class (a synchronous UNIMPLEMENTED stub, which grpcio would also answer garbage for with UNKNOWN).
+
+    The base class keeps its statuses to itself, so this one keeps the same record through the
+    public `set` and `enter_graceful_shutdown`: the server's overall status starts SERVING, a `set`
+    after the graceful shutdown began changes nothing, and that shutdown turns every status NOT_SERVING.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses = {health.OVERALL_HEALTH: health_pb2.HealthCheckResponse.SERVING}
+        self._shutting_down = False
+
+    async def set(self, service: str, status: int) -> None:
+        await super().set(service, status)
+        if not self._shutting_down:
+            self._statuses[service] = status
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        self._shutting_down = True
+        self._statuses = dict.fromkeys(self._statuses, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def status(self, name: str) -> int:
         """The status a Check of `name` reports now (SERVICE_UNKNOWN for a name never set)."""
-        return self._server_status.get(name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        return self._statuses.get(name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
 
     async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
         return health_pb2.HealthListResponse(statuses={
-            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._statuses.items()})
 
 
 def is_loopback(host: str) -> bool:
@@ -326,11 +350,12 @@ async def start_server(listen: str, register, service_names: list[str], *,
     server = grpc.aio.server(interceptors=interceptors,
                              options=server_options(max_message_bytes, max_connection_age_s))
     register(server)
-    health = _Health()
+    health_servicer = _Health()
     # Health and reflection go through the same parsing registration as the services' own RPCs.
-    add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, health)
-    reflector = reflection.aio.ReflectionServicer([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME])
-    add_servicer(server, reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflector)
+    pool = descriptor_pool.Default()
+    add_servicer(server, pool.FindServiceByName(health.SERVICE_NAME), health_servicer)
+    reflector = reflection.aio.ReflectionServicer([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME])
+    add_servicer(server, pool.FindServiceByName(reflection.SERVICE_NAME), reflector)
     port = server.add_secure_port(listen, credentials) if secure else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not bind {listen}")
@@ -347,7 +372,7 @@ async def start_server(listen: str, register, service_names: list[str], *,
                     "auth.token_files (docs/security.md)", ", ".join(service_names), listen,
                     "EnvSession" if "Actor/EnvSession" in guarded else "the planner's write RPCs")
     await server.start()
-    serving = Serving(server, health, service_names, f"{host}:{port}")
+    serving = Serving(server, health_servicer, service_names, f"{host}:{port}")
     await serving.set_serving(False)
     return serving
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
+from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2
 from services import algorithms
 from services.common.config import ExperimentConfig
 from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
@@ -367,7 +367,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     max_bytes = cfg.buffer.max_message_mb * MiB
     servicer = LearnerServicer(hub, metrics)
     try:
-        srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2_grpc.add_LearnerServicer_to_server, servicer),
+        srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2.DESCRIPTOR.services_by_name["Learner"], servicer),
                                  [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
                                  max_message_bytes=max_bytes, tls=cfg.tls, auth=cfg.auth, metrics=metrics)
     except BaseException:

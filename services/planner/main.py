@@ -9,7 +9,7 @@ import os
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from kuberl.v1 import planner_pb2, planner_pb2_grpc
+from kuberl.v1 import planner_pb2
 from services.common.config import ExperimentConfig, dump_config, load_config
 from services.common.grpcutil import MiB, add_servicer, start_server
 from services.common.prometheus import serve_metrics
@@ -83,7 +83,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
     metrics = metrics or Metrics("planner")
     planner = Planner(cfg, backend, metrics, journal=journal)
     servicer = PlannerServicer(planner, metrics)
-    srv = await start_server(listen, lambda s: add_servicer(s, planner_pb2_grpc.add_PlannerServicer_to_server, servicer),
+    srv = await start_server(listen, lambda s: add_servicer(s, planner_pb2.DESCRIPTOR.services_by_name["Planner"], servicer),
                              [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
                              max_message_bytes=4 * MiB, tls=cfg.tls, auth=cfg.auth, metrics=metrics)
     prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
