@@ -21,6 +21,12 @@ from services.common.tensors import TensorError
 
 log = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 1 << 20
+# A StreamBatches stream ends itself (OK, after every batch written) once it has served this long,
+# and the learner opens the next at once. The server's max connection age (services/common/grpcutil.py:
+# 300 s, then 30 s of grace) would otherwise cancel a long-lived stream mid-write every few minutes,
+# losing the batch on the wire (counted in buffer/samples_lost_in_transit_total) and any it had
+# written that the learner had not read yet. Well inside the grace, so a stream never outlives it.
+BATCH_STREAM_S = 20.0
 # WatchInsertLimit sends at most one InsertLimit per this interval per actor, and re-reads the limit
 # at least this often (LIMIT_RECHECK_S) when nothing wakes it (a learner's report expiring moves it).
 LIMIT_INTERVAL_S = 0.01
@@ -118,11 +124,15 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         if not 0 < request.batch_size <= MAX_BATCH_SIZE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"batch_size: {request.batch_size} is outside 1..{MAX_BATCH_SIZE}")
-        log.info("learner %s streaming batches of %d", request.learner_id, request.batch_size)
-        sent = 0
+        log.debug("learner %s streaming batches of %d", request.learner_id, request.batch_size)
+        sent, ends = 0, time.monotonic() + BATCH_STREAM_S
         while not self.closing and (request.max_batches == 0 or sent < request.max_batches):
+            if sent and time.monotonic() >= ends:
+                return   # a clean end: the learner reads what was written, then opens the next stream
             batch = self.store.next_batch(request.batch_size, request.learner_id)
             if batch is None:
+                if time.monotonic() >= ends:
+                    return
                 started = time.monotonic()
                 await self.inserted.wait(timeout=1.0)
                 if self.store.wait_reason == "paced":

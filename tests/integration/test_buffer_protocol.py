@@ -11,6 +11,7 @@ import pytest
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer import main as buffer_main
+from services.buffer import servicer as buffer_servicer
 from services.common.config import config_from_dict
 from services.common.tensors import encode
 from tests.fragments import make_fragment
@@ -175,6 +176,22 @@ async def test_ppo_fragments_are_each_served_once_across_learners(ppo_buffer):
 
     a, b = await asyncio.gather(learner(), learner())
     assert sorted(a + b) == list(range(8))
+
+
+async def test_a_batch_stream_ends_itself_cleanly_after_its_time_and_loses_nothing(ppo_buffer, monkeypatch):
+    """A StreamBatches stream ends with OK once it has served BATCH_STREAM_S (here 0: after one batch),
+    so the server's max connection age never cancels one mid-write; the next stream goes on."""
+    monkeypatch.setattr(buffer_servicer, "BATCH_STREAM_S", 0.0)
+    await _push(ppo_buffer, [make_fragment(seq=i) for i in range(4)])  # 4 fragments x 8 samples
+    req = buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_PPO, batch_size=16)
+    streams = []
+    for _ in range(2):
+        call = ppo_buffer.StreamBatches(req, timeout=WAIT_S)
+        streams.append([[f.seq for f in b.rollouts.fragments] async for b in call])
+        assert await call.code() == grpc.StatusCode.OK
+    assert streams == [[[0, 1]], [[2, 3]]]
+    s = await _stats(ppo_buffer)
+    assert s["buffer/samples_served_total"] == 32 and s["buffer/samples_lost_in_transit_total"] == 0
 
 
 async def test_dqn_batches_have_the_requested_rows():
