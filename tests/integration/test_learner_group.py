@@ -4,7 +4,6 @@ with a buffer and an actor: they stay identical, stop together cleanly, and a de
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -84,9 +83,7 @@ def test_a_dead_peer_ends_the_group_with_an_error_naming_it(tmp_path):
         wait_for(lambda: stats(learners[0].address, learner_pb2_grpc.LearnerStub)["learner/policy_version"] >= 2,
                  timeout=120, interval=0.5, what="the group training")
         learners[1].kill()
-        started = time.monotonic()
-        code = learners[0].popen.wait(60)
-        assert code != 0 and time.monotonic() - started < 30
+        assert learners[0].popen.wait(60) != 0   # (the 60 s: a liveness bound, raising if it hangs)
         assert "GroupBroken" in learners[0].output() and "a peer is gone" in learners[0].output()
     finally:
         actor.terminate()

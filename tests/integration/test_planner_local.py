@@ -97,7 +97,9 @@ def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
     assert "scale up" in first_scale["reason"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["decisions"] and all(d["applied"] for d in summary["decisions"])
-    assert any(d.get("policy_lag", -1) >= 0 for d in journal), "the learners' policy lag is read and recorded"
+    # The learners' policy lag is read and recorded: replayed samples were cut with older weights than
+    # the learner's (at replay ratio 64 the learner is many versions ahead of what it samples).
+    assert any(d.get("policy_lag", 0) > 0 for d in journal), [d.get("policy_lag") for d in journal]
     # The buffer's own view is recorded too: what reaches it, and the replay ratio it realises (64 here).
     assert any(d.get("buffer_samples_received_per_s", 0) > 0 and d.get("buffer_samples_per_insert", 0) > 0
                for d in journal)
@@ -109,7 +111,7 @@ def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
     for name in actor_codes:
         line = re.search(r"(\d+) fragments cut, (\d+) acknowledged, (\d+) dropped",
                          (tmp_path / "run" / "logs" / f"{name}.log").read_text())
-        assert line and line.group(1) == line.group(2) and line.group(3) == "0", name
+        assert line and int(line.group(1)) > 0 and line.group(1) == line.group(2) and line.group(3) == "0", name
     # The change is real, not the planner's own arithmetic: production as the launcher measured it from
     # every actor's GetStats rose with the processes the planner started (one actor is capped at 100/s).
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:

@@ -417,7 +417,10 @@ async def test_kuberl_client_sessions_over_tls(role, tmp_path, client_auth):
     cfg = config_from_dict(external(role.tls(client_auth=client_auth)))
     async with stack(cfg, tmp_path / "ck", actor_id="actor-tls") as (_, _, actor):
         mine = {"cert_file": str(role.cert), "key_file": str(role.key)} if client_auth == "require" else {}
-        assert await asyncio.to_thread(_session, actor, 20, ca_file=str(role.ca), **mine) >= 0
+        version = await asyncio.to_thread(_session, actor, 20, ca_file=str(role.ca), **mine)
+        # Every step reached the actor over TLS, and was answered with weights it held.
+        a = await _stats(actor, actor_pb2_grpc.ActorStub, cfg.tls)
+        assert a["actor/env_steps_total"] == 20 * 2 and version <= a["actor/policy_version"], (version, a)
         with pytest.raises(SessionError) as err:
             await asyncio.to_thread(_session, actor, 1)      # plaintext
         assert err.value.code == "UNAVAILABLE"

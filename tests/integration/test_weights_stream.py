@@ -71,19 +71,28 @@ async def test_weights_larger_than_the_default_message_limit_arrive_in_chunks():
         await srv.server.stop(None)
 
 
-async def test_subscriber_holding_the_current_version_waits_for_a_new_one():
+async def test_subscriber_holding_the_current_version_waits_for_a_new_one(monkeypatch):
     hub = WeightsHub()
     hub.publish(encode_weights(5, {"w": np.zeros(3, np.float32)}))
+    # The stream waits for a publish in the hub's notifier: count the waits it enters there.
+    waiting = asyncio.Event()
+    wait = hub._changed.wait
+
+    async def counted(timeout=None):
+        waiting.set()
+        return await wait(timeout)
+
+    monkeypatch.setattr(hub._changed, "wait", counted)
     srv = await _learner(hub)
     try:
         async with grpc.aio.insecure_channel(srv.address) as ch:
             call = learner_pb2_grpc.LearnerStub(ch).SubscribeWeights(
                 learner_pb2.WeightsRequest(subscriber_id="s", after_version=5))
             first = asyncio.ensure_future(call.read())
-            await asyncio.sleep(0.3)
-            assert not first.done()  # nothing newer than what it holds
+            await asyncio.wait_for(waiting.wait(), 30)  # the stream holds 5, the newest: it waits
+            assert not first.done()
             hub.publish(encode_weights(6, {"w": np.ones(3, np.float32)}))
-            assert (await asyncio.wait_for(first, 5)).version == 6
+            assert (await asyncio.wait_for(first, 5)).version == 6  # the first message: nothing of 5 was sent
             call.cancel()
     finally:
         hub.close()

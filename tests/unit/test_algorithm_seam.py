@@ -27,8 +27,12 @@ def test_every_algorithm_has_every_part(name):
     env_id = "CartPole-v1" if Discrete in algo.action_spaces else "Pendulum-v1"  # an env it takes
     cfg = config_from_dict({"algorithm": name, "env": {"id": env_id}})
     assert algo.section(cfg) is getattr(cfg, name)
-    assert isinstance(algo.table(cfg), (ReplayTable, FifoTable))
-    assert algo.batch_size(cfg) >= 1 and algo.consumption_ratio(cfg) >= 0
+    table, section = algo.table(cfg), algo.section(cfg)
+    assert isinstance(table, (ReplayTable, FifoTable))
+    # Replay serves each sample replay_ratio times on average; on-policy FIFO data is trained on once.
+    replay = isinstance(table, ReplayTable)
+    assert algo.batch_size(cfg) == (section.batch_size if replay else section.batch_steps)
+    assert algo.consumption_ratio(cfg) == (section.replay_ratio if replay else 1.0)
     tensors = {f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields if f.message_type is pb.Tensor.DESCRIPTOR}
     assert set(algo.fragment_extras) <= tensors
 

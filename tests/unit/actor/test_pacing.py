@@ -3,8 +3,8 @@ the weights it holds waits for newer ones, never longer than actor.pace_timeout_
 
 from __future__ import annotations
 
+import collections
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -24,32 +24,58 @@ def rollout(**actor) -> Rollout:
     return r
 
 
-def test_the_actor_waits_for_new_weights_after_its_quota_and_steps_on_with_them():
+class Waits:
+    """The pacing waits a rollout enters, counted by the policy version it holds (wrapped around
+    `policy.newer_weights.wait`, the one call the rollout blocks in for newer weights, which it polls
+    every 0.1 s): a test knows the actor is held, instead of sleeping and guessing."""
+
+    def __init__(self, monkeypatch, r: Rollout):
+        self.entered: collections.Counter[int | None] = collections.Counter()
+        self._changed = threading.Condition()
+        wait = r.policy.newer_weights.wait
+
+        def counted(timeout=None):
+            with self._changed:
+                self.entered[r.policy.version] += 1
+                self._changed.notify_all()
+            return wait(timeout)
+
+        monkeypatch.setattr(r.policy.newer_weights, "wait", counted)
+
+    def until(self, version: int, count: int = 1) -> None:
+        """Block until `count` waits were entered holding `version` (an upper bound of 60 s)."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.entered[version] >= count, timeout=60), self.entered
+
+
+def test_the_actor_waits_for_new_weights_after_its_quota_and_steps_on_with_them(monkeypatch):
     r = rollout(fragments_per_version=2, pace_timeout_s=600)
-    assert r.collect() is not None and r.collect() is not None  # the quota of version 1
+    waits = Waits(monkeypatch, r)
+    assert [r.collect().seq, r.collect().seq] == [0, 1]  # the quota of version 1, cut without a wait
+    assert sum(waits.entered.values()) == 0
     third: list = []
     worker = threading.Thread(target=lambda: third.append(r.collect()))
     worker.start()
-    worker.join(timeout=0.5)
+    # A second wait entered: the first ran out with nothing newer, and the wait goes on.
+    waits.until(version=1, count=2)
     assert worker.is_alive() and not third  # held: nothing stepped
-    # counted while it goes on: the planner reads it mid-wait (services/planner/core.py)
-    deadline = time.monotonic() + 30
-    while r.metrics.counters["actor/pace_wait_seconds_total"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.is_alive() and r.metrics.counters["actor/pace_wait_seconds_total"] > 0
     assert r.metrics.counters["actor/env_steps_total"] == 2 * 4 * 2
+    # counted while it goes on: the planner reads it mid-wait (services/planner/core.py)
+    assert r.metrics.counters["actor/pace_wait_seconds_total"] > 0
     r.policy.offer_weights(2, to_numpy(r.policy.net))
     worker.join(timeout=60)
-    assert not worker.is_alive() and third[0] is not None and r.policy_version == 2
+    assert not worker.is_alive() and third[0].seq == 2 and r.policy_version == 2
+    assert r.metrics.counters["actor/env_steps_total"] == 3 * 4 * 2
     assert r.metrics.counters["actor/pace_timeouts_total"] == 0
     assert r.metrics.counters["actor/pace_wait_seconds_total"] > 0
     r.close()
 
 
-def test_each_version_gets_exactly_its_quota_of_fragments():
+def test_each_version_gets_exactly_its_quota_of_fragments(monkeypatch):
     """The fragment cut right after a wait is the new version's first, not a free one: with a quota of
     2, every version cuts exactly 2 fragments (3 would leave the FIFO a fragment per version to evict)."""
     r = rollout(fragments_per_version=2, pace_timeout_s=600)
+    waits = Waits(monkeypatch, r)
     stop, versions = threading.Event(), []
 
     def work():
@@ -61,10 +87,9 @@ def test_each_version_gets_exactly_its_quota_of_fragments():
     worker.start()
     try:
         for version in (2, 3, 4, 5):
-            deadline = time.monotonic() + 60
-            while len(versions) < 2 * (version - 1) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.3)  # an actor that is not held cuts another fragment meanwhile
+            # Held with the last version's weights: whatever it cut with them is in `versions` (the
+            # wait is in the next collect), and it cuts nothing more until new weights come.
+            waits.until(version=version - 1)
             assert versions == [v for v in range(1, version) for _ in range(2)]
             r.policy.offer_weights(version, to_numpy(r.policy.net))
     finally:
@@ -77,7 +102,7 @@ def test_a_wait_ends_at_the_timeout_counted_and_at_stop():
     r = rollout(fragments_per_version=2, pace_timeout_s=0.2)
     r.collect()
     r.collect()
-    assert r.collect() is not None  # waited 0.2 s for weights that never came, then stepped on
+    assert r.collect().seq == 2  # waited 0.2 s for weights that never came, then stepped on
     assert r.metrics.counters["actor/pace_timeouts_total"] == 1 and r.policy_version == 1
     stop = threading.Event()
     stop.set()
@@ -87,10 +112,11 @@ def test_a_wait_ends_at_the_timeout_counted_and_at_stop():
     r.close()
 
 
-def test_unpaced_actors_never_wait():
+def test_unpaced_actors_never_wait(monkeypatch):
     r = rollout()
-    for _ in range(5):
-        assert r.collect() is not None
+    waits = Waits(monkeypatch, r)
+    assert [r.collect().seq for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert sum(waits.entered.values()) == 0
     assert r.metrics.counters["actor/pace_wait_seconds_total"] == 0
     r.close()
 
@@ -107,7 +133,7 @@ def test_pacing_that_cannot_work_is_refused(data, match):
 
 
 # -- external sessions: the replies wait --------------------------------------------------------------
-async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut():
+async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut(monkeypatch):
     import asyncio
 
     from kuberl.v1 import actor_pb2
@@ -124,6 +150,16 @@ async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut():
     policy.offer_weights(1, to_numpy(policy.net))
     hub = SessionHub(cfg, spec, "actor-p", metrics, lambda msg: None)
     inference = BatchedInference(policy, hub, metrics)
+    # The replies' wait for newer weights polls, counting each poll with `pace.held`: the first call
+    # means the inference loop is held, with every reply that came in before it.
+    held_polls = asyncio.Event()
+    held = inference.pace.held
+
+    def counted(seconds: float) -> None:
+        held_polls.set()
+        held(seconds)
+
+    monkeypatch.setattr(inference.pace, "held", counted)
     serving = asyncio.create_task(inference.run())
     hello = actor_pb2.EnvHello(session_id="s", num_envs=2)
     hello.observation_space.box.shape[:] = (4,)
@@ -147,11 +183,14 @@ async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut():
             assert await step(k) == 1
         # Step T completes the first fragment (T = 4 transitions): the quota of version 1 is cut, and
         # the reply to that step waits for newer weights.
-        held = asyncio.create_task(step(cfg.rollout_steps))
-        await asyncio.sleep(0.3)
-        assert hub.seq == 1 and not held.done()
+        assert not held_polls.is_set()
+        reply = asyncio.create_task(step(cfg.rollout_steps))
+        polled = asyncio.create_task(held_polls.wait())
+        await asyncio.wait({reply, polled}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        polled.cancel()
+        assert held_polls.is_set() and hub.seq == 1 and not reply.done()
         policy.offer_weights(2, to_numpy(policy.net))
-        assert await asyncio.wait_for(held, 60) == 2
+        assert await asyncio.wait_for(reply, 60) == 2
         assert metrics.counters["actor/pace_timeouts_total"] == 0
     finally:
         serving.cancel()

@@ -158,7 +158,8 @@ def test_up_evaluates_unless_the_config_says_not_to(tmp_path):
     assert evaluate.evaluate_after_training(external, tmp_path / "run") is None  # the simulators' env, not ours
     on = config_from_dict({**CARTPOLE, "evaluation": {"episodes": 2, "num_envs": 2, "max_seconds": 0}})
     result = evaluate.evaluate_after_training(on, tmp_path / "run")
-    assert result["episodes"] == 2 and result["deterministic"] and result["wall_s"] >= 0
+    assert result["episodes"] == result["episodes_asked"] == 2 and result["num_envs"] == 2
+    assert result["deterministic"] and "wall_s" in result   # the time it took: recorded for the summary, not judged
     assert evaluate.evaluate_after_training(on, tmp_path / "nowhere") == {
         "error": f"{tmp_path / 'nowhere'}: no such run directory or checkpoint file"}
 
