@@ -20,7 +20,7 @@ from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.common.config import ExperimentConfig
 from services.common.fragments import batch_samples
-from services.common.nets import spec_of, to_numpy
+from services.common.nets import is_image, spec_of, to_numpy
 from services.common.stats import Metrics
 from services.common.tensors import NonFiniteError
 from services.common.weights import encode_weights
@@ -39,6 +39,11 @@ class Trainer:
         self.spec = spec_of(cfg.env)
         self.algorithm = algorithms.get(cfg.algorithm)
         self.algo = self._new_algo()
+        if self.algo.device.type == "cuda" and not is_image(self.spec):
+            # As SB3 warns for PPO without a CNN: measured on an H200, SAC's 64x64 MLPs updated at half
+            # the rate of one CPU thread there (docs/benchmarks.md, "GPU"), each update a few dozen tiny kernels.
+            log.warning("training on %s without a CNN (observations %s): small MLPs are often faster on "
+                        "the CPU; learner.device: cpu", self.algo.device, list(self.spec.obs_shape))
         self.lock = threading.Lock()
         # Serialises checkpoint writes (which run outside `lock`): the periodic one may still be on
         # disk when the shutdown one starts, and they must land in the order their snapshots were taken.
