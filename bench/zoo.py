@@ -185,8 +185,9 @@ def outcome(episodes: list[tuple[int, float, float]], task: Task, steps: int) ->
 
 
 # -- Stable-Baselines3 -------------------------------------------------------------------------------
-def sb3_child(task: Task, seed: int, stop_at_target: bool) -> dict:
-    """Train SB3 with the zoo's hyper-parameters; runs in a fresh interpreter (`--sb3-child`)."""
+def sb3_child(task: Task, seed: int, stop_at_target: bool, steps: int | None = None) -> dict:
+    """Train SB3 with the zoo's hyper-parameters, for `steps` env steps (default: the task's budget);
+    runs in a fresh interpreter (`--sb3-child`)."""
     import stable_baselines3
     import torch
     from stable_baselines3.common.callbacks import BaseCallback
@@ -195,7 +196,7 @@ def sb3_child(task: Task, seed: int, stop_at_target: bool) -> dict:
 
     torch.set_num_threads(1)
     hp = zoo_hyperparams(task)
-    steps = budget(task, hp)
+    steps = steps or budget(task, hp)
     for unsupported in ("env_wrapper", "frame_stack"):
         if unsupported in hp:
             raise SystemExit(f"{task.name}: the zoo's {unsupported} is not reproduced here")
@@ -225,8 +226,8 @@ def sb3_child(task: Task, seed: int, stop_at_target: bool) -> dict:
     return outcome(episodes, task, int(model.num_timesteps)) | {"wall_s": round(time.monotonic() - started, 1)}
 
 
-def sb3(task: Task, seed: int, stop_at_target: bool) -> dict:
-    cmd = [sys.executable, "-m", "bench.zoo", "--sb3-child", task.name, "--seed", str(seed)]
+def sb3(task: Task, seed: int, stop_at_target: bool, steps: int) -> dict:
+    cmd = [sys.executable, "-m", "bench.zoo", "--sb3-child", task.name, "--seed", str(seed), "--budget", str(steps)]
     out = subprocess.run(cmd + (["--stop-at-target"] if stop_at_target else []), cwd=ROOT, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -277,7 +278,8 @@ def table(rows: list[dict]) -> str:
             vs = (f"{steps / statistics.median(ref):.2f}x" if steps and ref and len(ref) == len(group) else "-")
             cells = "; ".join(_cell(r) for r in runs)
             finals = [r["final_mean"] for r in runs if r["final_mean"] is not None]
-            out.append(f"| {name} | {task.target:g} ({task.window}) | {group[0]['budget']:,} | {kind} | {cells} | "
+            cut = f" (cut from {group[0]['zoo_budget']:,})" if "zoo_budget" in group[0] else ""
+            out.append(f"| {name} | {task.target:g} ({task.window}) | {group[0]['budget']:,}{cut} | {kind} | {cells} | "
                        f"{statistics.median(finals):.1f} | {vs if kind != 'sb3' else ''} |")
     return "\n".join(out)
 
@@ -290,11 +292,15 @@ def main(argv=None) -> int:
     p.add_argument("--stop-at-target", action="store_true", help="end each run when it reaches the target")
     p.add_argument("--max-seconds", type=float, default=1800.0, help="wall limit of each kuberl run")
     p.add_argument("--json", default=None, help="write every run here (and read back runs already in it)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="env steps of every run, in place of the zoo's budget (a task too long for the machine: "
+                        "its rows compare the mean return at this budget, and SB3's linear schedules, if any, "
+                        "anneal over it)")
     p.add_argument("--sb3-child", metavar="TASK", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sb3_child:  # the child of sb3()
-        print(json.dumps(sb3_child(TASKS[args.sb3_child], args.seed, args.stop_at_target)))
+        print(json.dumps(sb3_child(TASKS[args.sb3_child], args.seed, args.stop_at_target, args.budget)))
         return 0
 
     kinds = args.runs.split(",")
@@ -302,12 +308,14 @@ def main(argv=None) -> int:
     for name in args.tasks.split(","):
         task = TASKS[name]
         hp = zoo_hyperparams(task)
-        steps = budget(task, hp)
+        steps = args.budget or budget(task, hp)
         tuned = translate(task, hp)
         for seed in range(args.seeds):
             row = {"task": name, "seed": seed, "budget": steps, "zoo": hp, "untranslated": tuned["untranslated"]}
+            if args.budget:
+                row["zoo_budget"] = budget(task, hp)
             if "sb3" in kinds:
-                row["sb3"] = sb3(task, seed, args.stop_at_target)
+                row["sb3"] = sb3(task, seed, args.stop_at_target, steps)
             if "defaults" in kinds:
                 row["defaults"] = kuberl(task, {}, seed, steps, args.stop_at_target, args.max_seconds)
             if "tuned" in kinds:
