@@ -11,15 +11,26 @@ round starts with `agree`, an all-reduce of (stop wanted, no batch in hand); a r
 every learner holds a batch, and all stop at the same round boundary when any wants to stop. A learner
 with a batch it cannot use (malformed, or all fragments too stale) still joins the round's gradient
 all-reduces with weight 0, so nobody waits forever. A peer that dies breaks the group: the others'
-collectives raise `GroupBroken` and the learner exits (its supervisor, services/common/supervise.py,
-stops the rest and re-forms the whole group from the newest checkpoint, under `kuberl up` with or without
-the planner; membership changes restart it the same way).
+collectives raise `GroupBroken`. In a fixed group the learner then exits (its supervisor,
+services/common/supervise.py, stops the rest and re-forms the whole group from the newest checkpoint,
+under `kuberl up` with or without the planner; membership changes restart it the same way); a
+StatefulSet's learners form the next group in their running processes (services/learner/membership.py).
 
 A step whose gradient is not finite is skipped, and the group must skip it together or its members'
 parameters part. The decision is therefore taken on the averaged gradient, which is the same on every
 member (a NaN anywhere makes the sum NaN everywhere); a member whose own loss is not finite makes its
 gradient NaN before the average, so its verdict reaches the others too (`average_over_group`,
 `finite_gradients`).
+
+**Generations** (`Rendezvous`). A StatefulSet's learners form group after group in the same processes,
+at the same address (services/learner/membership.py). Each group is a *generation* with a namespace of
+its own in rank 0's store, as TorchElastic's rendezvous rounds and torchft's quorums have: otherwise a
+member reads the keys the previous group left (gloo's addresses of ranks that have moved on) and
+waits on dead peers until the timeout, or two members count their groups differently (torch names its
+default group by a process-wide counter that a failed attempt advances) and never meet. Rank 0 hosts
+the store for as long as its process lives and alone opens generations; the group is built with a
+`ProcessGroupGloo` of its own, not torch's process-wide default group, so nothing but the store carries
+from one generation to the next.
 """
 
 from __future__ import annotations
@@ -27,6 +38,9 @@ from __future__ import annotations
 import io
 import logging
 import math
+import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,10 +48,17 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+STORE_PREFIX = "kuberl/learners/"   # this package's keys in rank 0's store
+POLL_S = 0.05                       # how often a member waiting for the others reads the store
 
 
 class GroupBroken(RuntimeError):
     """A collective failed: a peer learner died or could not be reached."""
+
+
+class FormationAbandoned(GroupBroken):
+    """The group being formed was given up at the caller's request (its size changed, or the learner is
+    stopping): nothing failed, and the next attempt may start at once."""
 
 
 @dataclass(frozen=True)
@@ -54,25 +75,141 @@ class GroupSpec:
             raise ValueError(f"rank: {self.rank} must lie in 0..{self.world_size - 1} (world size {self.world_size})")
         if self.world_size > 1 and not self.address:
             raise ValueError("a group of more than one learner needs the rendezvous address (host:port of rank 0)")
+        if self.world_size > 1:
+            host_port(self.address)
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """('kuberl-learner-0.kuberl-learner-group', 29500) from its 'host:port' (ValueError naming it)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"the rendezvous address {address!r} must be host:port (rank 0's)")
+    return host.strip("[]"), int(port)
+
+
+class Rendezvous:
+    """Where one learner meets its group, generation after generation: rank 0's TCPStore at `address`.
+
+    The contract, in the store under STORE_PREFIX (rank 0 alone writes `generation`, `open`, `go`, `gone`):
+    - Rank 0 hosts the store from its first formation until its process ends, so generation numbers
+      only grow while anybody can read them; a restarted rank 0 starts a new store, and the others
+      connect to it afresh (each of their formations opens a new connection).
+    - Rank 0 opens generation g for n members: g = the store's atomic add on `generation`, then
+      `open` = "g n".
+    - A member of rank r joins the generation `open` names if it is for the member's own size n and
+      neither closed (`g/<g>/go`) nor given up (`g/<g>/gone`): it writes `g/<g>/rank/<r>`. Otherwise it
+      waits for the next one. So a pod that joins late (restarted) finds the current generation, and
+      one that reads `open` before rank 0 has left the previous group waits for rank 0.
+    - Rank 0 closes g (writes `go`) once ranks 1..n-1 have all joined it, or gives it up (writes
+      `gone`: timeout, or `abandon`). On `go` every member builds gloo in the namespace `g/<g>/gloo/`,
+      where no key of another generation lies; on `gone` the members that joined look for the next.
+
+    `form` blocks for at most `timeout_s` (then GroupBroken). `abandon` set makes it raise
+    FormationAbandoned at its next read of the store, except in a member that has joined a generation:
+    rank 0 may be closing it with that member counted in, so it waits for `go` or `gone`."""
+
+    def __init__(self, address: str, rank: int, timeout_s: float = 120.0):
+        self.host, self.port = host_port(address)
+        self.address, self.rank, self.timeout_s = address, rank, timeout_s
+        self.token = f"{os.getpid()}-{time.monotonic_ns()}"   # names this process's entries, for debugging
+        self._server: dist.Store | None = None   # rank 0: the store it hosts, kept across generations
+
+    def form(self, world_size: int, abandon: threading.Event | None = None) -> GradientSync:
+        """Form a group of `world_size` with this learner at its rank; blocking (see the class)."""
+        spec = GroupSpec(self.rank, world_size, self.address, self.timeout_s)
+        abandon = abandon or threading.Event()
+        deadline = time.monotonic() + self.timeout_s
+        log.info("joining a group of %d learners as rank %d (rendezvous %s)", world_size, self.rank, self.address)
+        try:
+            store = self._store()
+            g = self._open(store, world_size, deadline, abandon) if self.rank == 0 else \
+                self._join(store, world_size, deadline, abandon)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g/{g}/gloo/", store), self.rank, world_size,
+                                       timedelta(seconds=self.timeout_s))
+        except GroupBroken:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+            raise GroupBroken(f"could not form the group of {world_size} learners at {self.address}: {err}") from err
+        log.info("group of %d learners formed (generation %d)", world_size, g)
+        return GradientSync(spec, pg, g)
+
+    def _store(self) -> dist.Store:
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.rank == 0:
+            if self._server is None:
+                self._server = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
+                                             timeout=timeout)
+            store = self._server
+        else:   # a new client each time: rank 0 may have restarted since (and with it, its store)
+            store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=timeout)
+        return dist.PrefixStore(STORE_PREFIX, store)
+
+    def _open(self, store: dist.Store, n: int, deadline: float, abandon: threading.Event) -> int:
+        g = store.add("generation", 1)
+        store.set("open", f"{g} {n}")
+        others = [f"g/{g}/rank/{r}" for r in range(1, n)]
+        try:
+            self._wait(lambda: store.check(others), deadline, abandon, f"ranks 1..{n - 1} to join generation {g}")
+        except BaseException:
+            store.set(f"g/{g}/gone", self.token)   # those that joined it look for the next one
+            raise
+        store.set(f"g/{g}/go", self.token)
+        return g
+
+    def _join(self, store: dist.Store, n: int, deadline: float, abandon: threading.Event) -> int:
+        while True:
+            g = self._wait(lambda: _joinable(store, n), deadline, abandon,
+                           f"rank 0 to open a generation for {n} learners")
+            store.set(f"g/{g}/rank/{self.rank}", self.token)
+            # Joined, it waits for rank 0's word however `abandon` stands: rank 0 may be closing g with
+            # it counted in, and gloo would then wait for it until the timeout.
+            outcome = self._wait(lambda g=g: _outcome(store, g), deadline, None, f"the others to join generation {g}")
+            if outcome == "go":
+                return g
+            log.info("rank 0 gave generation %d up; joining its next", g)
+
+    def _wait(self, ready, deadline: float, abandon: threading.Event | None, what: str):
+        """ready()'s first truthy value, read every POLL_S; GroupBroken past `deadline`, FormationAbandoned
+        once `abandon` is set."""
+        while not (value := ready()):
+            if abandon is not None and abandon.is_set():
+                raise FormationAbandoned(f"stopped waiting for {what}")
+            if time.monotonic() > deadline:
+                raise GroupBroken(f"waited {self.timeout_s:.0f} s for {what} at {self.address}")
+            time.sleep(POLL_S)
+        return value
+
+
+def _joinable(store: dist.Store, n: int) -> int | None:
+    """The generation rank 0 has open for `n` members and not yet closed, if any."""
+    if not store.check(["open"]):
+        return None
+    g, size = (int(x) for x in store.get("open").split())
+    return g if size == n and not store.check([f"g/{g}/go"]) and not store.check([f"g/{g}/gone"]) else None
+
+
+def _outcome(store: dist.Store, g: int) -> str | None:
+    """What became of generation g, which this member joined: "go" (closed: build gloo), "gone" (rank 0
+    gave it up, or opened a later one), or None (still open)."""
+    if store.check([f"g/{g}/go"]):
+        return "go"
+    if store.check([f"g/{g}/gone"]) or int(store.get("open").split()[0]) != g:
+        return "gone"
+    return None
 
 
 class GradientSync:
-    """One learner's membership of the group. Blocking; the trainer calls it from its worker thread."""
+    """One learner's membership of one generation of the group (`Rendezvous.form` builds it). Blocking;
+    the trainer calls it from its worker thread."""
 
-    def __init__(self, spec: GroupSpec):
-        self.spec = spec
+    def __init__(self, spec: GroupSpec, pg: dist.ProcessGroupGloo, generation: int):
+        self.spec, self.generation = spec, generation
         self.rank, self.world_size = spec.rank, spec.world_size
-        log.info("joining a group of %d learners as rank %d (rendezvous %s)", spec.world_size, spec.rank, spec.address)
-        try:
-            dist.init_process_group("gloo", init_method=f"tcp://{spec.address}", rank=spec.rank,
-                                    world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
-        except Exception as err:  # noqa: BLE001 - torch raises several kinds; all mean the same here
-            raise GroupBroken(f"could not form the group of {spec.world_size} learners at {spec.address}: {err}") from err
-        log.info("group of %d learners formed", spec.world_size)
+        self._pg: dist.ProcessGroupGloo | None = pg
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         try:
-            dist.all_reduce(t)
+            self._pg.allreduce([t]).wait()
         except Exception as err:  # noqa: BLE001
             raise GroupBroken(f"all-reduce across {self.world_size} learners failed (a peer is gone?): {err}") from err
         return t
@@ -114,10 +251,10 @@ class GradientSync:
                 size = torch.tensor([payload.numel()], dtype=torch.int64)
             else:
                 size = torch.zeros(1, dtype=torch.int64)
-            dist.broadcast(size, src=0)
+            self._pg.broadcast([size], dist.BroadcastOptions()).wait()   # (root: rank 0)
             if self.rank != 0:
                 payload = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.broadcast(payload, src=0)
+            self._pg.broadcast([payload], dist.BroadcastOptions()).wait()
         except Exception as err:  # noqa: BLE001
             raise GroupBroken(f"broadcasting rank 0's state failed: {err}") from err
         if self.rank == 0:
@@ -125,9 +262,11 @@ class GradientSync:
         return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the group: its connections close, so peers still in it see it broken at once."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
             try:
-                dist.destroy_process_group()
+                pg.shutdown()
             except Exception as err:  # noqa: BLE001 - leaving a broken group must not mask why it broke
                 log.debug("leaving the group: %s", err)
 

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ from services.common.notify import Notifier
 from services.common.prometheus import serve_metrics
 from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
-from services.learner.distributed import GradientSync, GroupBroken, GroupSpec
+from services.learner.distributed import FormationAbandoned, GradientSync, GroupBroken, GroupSpec, Rendezvous
 from services.learner.inbox import Inbox, discard, starved_get
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
 from services.learner.publish import WeightsHub
@@ -175,12 +175,15 @@ class StoppedBeforeGroupFormed(Exception):
     """Asked to stop while waiting for the rest of its group: nothing was trained, nothing to save."""
 
 
-async def form_group(group: GroupSpec, stop: asyncio.Event | None) -> GradientSync:
-    """Join the group (blocking in a thread until every rank has come) unless `stop` is set first."""
+async def form_group(rendezvous: Rendezvous, world_size: int, stop: asyncio.Event | None,
+                     changed: Awaitable[int] | None = None) -> GradientSync:
+    """Form a group of `world_size` at `rendezvous` (blocking in a thread until every rank has come)
+    unless `stop` is set first (StoppedBeforeGroupFormed) or `changed` (the membership's next size)
+    completes first (FormationAbandoned); either way the thread gives up at its next read of the store."""
     # A daemon thread of its own, not the default executor: the event loop's shutdown joins the
-    # executor's threads, and this one may stay blocked in the rendezvous until its timeout.
+    # executor's threads, and this one may stay blocked in gloo's connections until the timeout.
     loop = asyncio.get_running_loop()
-    forming = loop.create_future()
+    forming, abandon = loop.create_future(), threading.Event()
 
     def settle(set_outcome, value) -> None:
         if not forming.done():
@@ -188,7 +191,7 @@ async def form_group(group: GroupSpec, stop: asyncio.Event | None) -> GradientSy
 
     def join() -> None:
         try:
-            outcome = (forming.set_result, GradientSync(group))
+            outcome = (forming.set_result, rendezvous.form(world_size, abandon))
         except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
             outcome = (forming.set_exception, err)
         try:
@@ -197,10 +200,26 @@ async def form_group(group: GroupSpec, stop: asyncio.Event | None) -> GradientSy
             pass
 
     threading.Thread(target=join, name="join-learner-group", daemon=True).start()
-    # Stopped first: the joining thread stays blocked in the rendezvous; the process ends without
-    # waiting for it (services exit through runtime.exit_process).
-    return await _unless_stopped(forming, stop, f"stopped while waiting for the group of {group.world_size} "
-                                                f"learners to form")
+    watch = asyncio.ensure_future(changed) if changed is not None else None
+
+    async def formed() -> GradientSync:
+        if watch is not None:
+            await asyncio.wait({forming, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not forming.done():   # a new size: give this formation up; its thread answers shortly
+                log.info("the group's size is now %d while a group of %d forms: giving it up", watch.result(),
+                         world_size)
+                abandon.set()
+        return await forming
+
+    try:
+        # Stopped first: the joining thread gives up, or stays blocked in gloo until its timeout; the
+        # process ends without waiting for it (services exit through runtime.exit_process).
+        return await _unless_stopped(formed(), stop, f"stopped while waiting for the group of {world_size} "
+                                                     f"learners to form")
+    finally:
+        abandon.set()   # (a formed group is unaffected; a forming one stops at its next read of the store)
+        if watch is not None:
+            watch.cancel()
 
 
 @dataclass
@@ -256,8 +275,11 @@ async def join(membership: FixedGroup | StatefulSetGroup, build: Callable[[Gradi
         sync = None
         try:
             if n > 1:
-                sync = await form_group(membership.spec_for(n), stop)
+                changed = membership.wait_for_change(n) if membership.elastic else None
+                sync = await form_group(membership.rendezvous, n, stop, changed)
             return await asyncio.to_thread(build, sync)
+        except FormationAbandoned:
+            continue   # the size changed while this group formed: form one of the new size
         except GroupBroken as err:
             if sync is not None:
                 sync.close()
@@ -322,6 +344,7 @@ async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, 
     already published keep being served to actors meanwhile."""
     metrics = current.trainer.metrics
     metrics.inc("learner/group_reforms_total", 0)
+    metrics.inc("learner/group_formation_failures_total", 0)
     while True:
         await train_generation(membership, current.trainer, current.world_size, inbox, hub, every, progressed,
                                stopping)

@@ -11,8 +11,10 @@ scale subresource. Each learner reads that number from the API server (its Servi
 scale of that one StatefulSet and nothing else: RBAC_RULES) and watches it. When it changes, or a peer
 leaves, the group ends at a round boundary and is formed again inside the same processes (rank 0
 checkpoints, and the new group starts from that checkpoint), so no pod restarts and kubelet's crash
-back-off never delays a re-formation. A pod whose ordinal is outside the group (being removed by a
-scale-down) waits, not ready, for its SIGTERM.
+back-off never delays a re-formation. Each group is a new generation at rank 0's rendezvous, in a
+namespace of its own (services/learner/distributed.py, `Rendezvous`); a size that changes while a group
+forms abandons that formation for one of the new size. A pod whose ordinal is outside the group (being
+removed by a scale-down) waits, not ready, for its SIGTERM.
 
 The API is read with the standard library (the learner image carries no Kubernetes client): the pod's
 token is read again for every request, because projected tokens are rotated.
@@ -30,7 +32,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.learner.distributed import GroupSpec
+from services.learner.distributed import GroupSpec, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class FixedGroup:
 
     def __init__(self, spec: GroupSpec):
         self.spec, self.rank = spec, spec.rank
+        self.rendezvous = Rendezvous(spec.address, spec.rank, spec.timeout_s) if spec.world_size > 1 else None
 
     async def world_size(self) -> int:
         return self.spec.world_size
@@ -70,9 +73,6 @@ class FixedGroup:
     async def wait_for_change(self, world_size: int) -> int:
         await asyncio.Event().wait()   # never changes
         raise AssertionError("unreachable")
-
-    def spec_for(self, world_size: int) -> GroupSpec:
-        return self.spec
 
 
 class ScaleReader:
@@ -142,6 +142,7 @@ class StatefulSetGroup:
                              "(<statefulset>-0.<governing service>:<port>)")
         namespace = namespace or os.environ.get("POD_NAMESPACE") or _own_namespace()
         self.address, self.poll_s, self.timeout_s = address, poll_s, timeout_s
+        self.rendezvous = Rendezvous(address, self.rank, timeout_s)
         self.reader = ScaleReader(namespace, statefulset, api=api)
         self.read_errors = 0
 
@@ -165,9 +166,6 @@ class StatefulSetGroup:
             if n != world_size:
                 log.info("the learner StatefulSet now has %d replicas (the group has %d)", n, world_size)
                 return n
-
-    def spec_for(self, world_size: int) -> GroupSpec:
-        return GroupSpec(self.rank, world_size, self.address, timeout_s=self.timeout_s)
 
 
 def _own_namespace() -> str:

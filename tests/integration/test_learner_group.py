@@ -96,7 +96,8 @@ def test_bad_group_flags_are_refused_naming_the_flag(tmp_path):
     config = write_config(tmp_path / "c.yaml", TINY_DQN)
     for args, said in ((["--world-size", "2", "--rank", "2", "--group", "127.0.0.1:1"], "rank: 2 must lie in 0..1"),
                        (["--world-size", "2", "--rank", "0"], "needs the rendezvous address"),
-                       (["--world-size", "0"], "world size: 0 must be >= 1")):
+                       (["--world-size", "0"], "world size: 0 must be >= 1"),
+                       (["--world-size", "2", "--group", "learner-0"], "'learner-0' must be host:port")):
         lrn = Service("learner", tmp_path, config, "--buffer", "127.0.0.1:1", *args)
         assert lrn.popen.wait(60) == 2 and said in lrn.output(), lrn.output()
 

@@ -80,6 +80,7 @@ def _stat(lrn: Service, key: str) -> float:
     return stats(lrn.address, learner_pb2_grpc.LearnerStub)[key]
 
 
+
 def test_the_group_follows_the_statefulsets_replicas_and_a_killed_pod_coming_back(tmp_path, api):
     config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "learner": {**TINY_PPO["learner"],
                                                                         "publish_interval_updates": 1}})
@@ -176,3 +177,69 @@ def test_statefulset_membership_flags_are_checked(tmp_path, monkeypatch):
         lrn = Service("learner", tmp_path, config, "--buffer", "127.0.0.1:1", "--membership", "statefulset", *args,
                       env={"POD_NAMESPACE": NAMESPACE, "KUBERNETES_SERVICE_HOST": ""})
         assert lrn.popen.wait(60) == 2 and said in lrn.output(), lrn.output()
+
+
+def _trains_on(learners: list[Service], size: int, what: str, updates: int = 3) -> None:
+    """Every learner of `learners` is in a group of `size` and its policy version rises by `updates`."""
+    wait_for(lambda: all(_stat(lrn, "learner/group_size") == size for lrn in learners), timeout=240, interval=0.5,
+             what=f"a group of {size}")
+    versions = [_stat(lrn, "learner/policy_version") for lrn in learners]
+    wait_for(lambda: all(_stat(lrn, "learner/policy_version") >= v + updates for lrn, v in zip(learners, versions)),
+             timeout=240, interval=0.5, what=what)
+
+
+@pytest.mark.timeout(900)
+def test_a_group_resized_with_members_staying_in_it_forms_again_at_once(tmp_path, api):
+    """2 -> 3 -> 2 in the same processes: ranks 0 and 1 stay in every group, rank 2 joins and leaves. Then
+    a scale-up to 3 whose pod never comes is taken back to 2 while the group of 3 forms."""
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "learner": {**TINY_PPO["learner"],
+                                                                        "publish_interval_updates": 1}})
+    buffer = Service("buffer", tmp_path, config)
+    buffer.wait_ready()
+    rendezvous = f"127.0.0.1:{free_port()}"
+    api.replicas = 2
+    learners = [_learner(tmp_path, config, buffer, api, rendezvous, i) for i in range(2)]
+    for lrn in learners:
+        lrn.wait_ready(timeout=120)
+    actor = Service("actor", tmp_path, config, "--buffer", buffer.address, "--learner", learners[0].address)
+    actor.wait_ready()
+    third = None
+    try:
+        _trains_on(learners, 2, "the first group of 2 training")
+
+        api.replicas = 3
+        third = _learner(tmp_path, config, buffer, api, rendezvous, 2)
+        third.wait_ready(timeout=240)
+        _trains_on([*learners, third], 3, "the group of 3 training")
+        assert [_stat(lrn, "learner/rank") for lrn in (*learners, third)] == [0, 1, 2]
+        assert [_stat(lrn, "learner/group_reforms_total") for lrn in learners] == [1, 1]
+
+        api.replicas = 2
+        wait_for(lambda: not _serving(third.address), timeout=120, interval=0.5, what="pod 2 not ready")
+        _trains_on(learners, 2, "the group of 2 training again")
+        assert [_stat(lrn, "learner/group_reforms_total") for lrn in learners] == [2, 2]
+        assert "lies outside the group of 2 learners" in third.output()
+        assert third.terminate() == 0
+        # Each group met in a generation of its own at rank 0's rendezvous.
+        assert [f"formed (generation {g})" in learners[1].output() for g in (1, 2, 3)] == [True] * 3
+
+        # The planner asks for 3 again, pod 2 never comes (no room on a node), and the planner takes the
+        # count back while the group of 3 forms: it is given up, and the group of 2 trains on.
+        api.replicas = 3
+        wait_for(lambda: learners[0].output().count("joining a group of 3 learners") == 2, timeout=120,
+                 interval=0.2, what="rank 0 forming a group of 3 again")
+        api.replicas = 2
+        _trains_on(learners, 2, "the group of 2 training after the scale-up was taken back")
+        assert [_stat(lrn, "learner/group_reforms_total") for lrn in learners] == [3, 3]
+        assert "while a group of 3 forms: giving it up" in learners[0].output()
+
+        # Every group formed at its first try: none waited out the rendezvous timeout and broke.
+        assert [_stat(lrn, "learner/group_formation_failures_total") for lrn in learners] == [0, 0]
+        assert all(lrn.popen.poll() is None for lrn in learners), "ranks 0 and 1 re-formed without restarting"
+    finally:
+        codes = {"actor": actor.terminate()}
+        codes.update({f"learner-{i}": lrn.terminate() for i, lrn in enumerate(learners)})
+        if third is not None:
+            third.kill()
+        codes["buffer"] = buffer.terminate()
+    assert set(codes.values()) == {0}, (codes, learners[0].output()[-3000:])
