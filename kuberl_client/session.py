@@ -377,7 +377,7 @@ class EnvSessionClient:
         try:
             return next(self._call)
         except StopIteration:
-            raise self._fail(SessionError("OK", f"the actor ended the stream while the client waited for {what}"))
+            raise self._fail(SessionError("OK", f"the actor ended the stream while the client waited for {what}")) from None
         except grpc.RpcError as e:
             raise self._fail(self._translate(e)) from None
         finally:

@@ -67,7 +67,7 @@ class Pki:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = _key()
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
                      .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
                      .not_valid_before(now - datetime.timedelta(days=1))
@@ -86,7 +86,7 @@ class Pki:
         """A leaf certificate for `name` valid from now + days[0] to now + days[1], written as
         `<filename or name>.pem` and `<filename or name>-key.pem`."""
         key = _key()
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         builder = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(self.cert.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
                    .not_valid_before(now + datetime.timedelta(days=days[0]))

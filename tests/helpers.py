@@ -83,7 +83,7 @@ class Service:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
-            raise AssertionError(f"{self.role} ignored SIGTERM for {timeout} s:\n{self.output()}")
+            raise AssertionError(f"{self.role} ignored SIGTERM for {timeout} s:\n{self.output()}") from None
 
     def kill(self) -> None:
         if self.popen.poll() is None:

@@ -66,7 +66,7 @@ def _stop(proc: subprocess.Popen, tmp_path) -> str:
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
-        raise AssertionError(f"kuberl up did not stop within 150 s of SIGINT:\n{out}\n{run_logs(tmp_path / 'run')}")
+        raise AssertionError(f"kuberl up did not stop within 150 s of SIGINT:\n{out}\n{run_logs(tmp_path / 'run')}") from None
     return out
 
 

@@ -110,7 +110,7 @@ def test_nothing_loads_starts_fresh_with_a_warning(two_checkpoints, tmp_path_fac
 
 def test_empty_file_and_wrong_version_name_are_refused(tmp_path):
     (tmp_path / "ckpt-000000000003.pt").write_bytes(b"")
-    with pytest.raises(Exception):
+    with pytest.raises(EOFError):   # torch.load of an empty file
         checkpoint.load(tmp_path / "ckpt-000000000003.pt")
     torch.save({"algo": {"version": 5}}, tmp_path / "ckpt-000000000004.pt")
     with pytest.raises(checkpoint.CheckpointError, match="name says version 4"):
