@@ -38,7 +38,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.buffer import checkpoint
 from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.store import Outcome, Store
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import build_fragment
 from services.common.stats import Metrics
 

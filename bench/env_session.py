@@ -93,7 +93,8 @@ def in_process(n: int, seconds: float, warmup: float) -> dict:
     import gymnasium as gym
     import torch
 
-    from services.common.nets import ActorCritic, env_spec
+    from services.algorithms.ppo.networks import ActorCritic
+    from services.common.nets import env_spec
 
     torch.set_num_threads(1)
     net = ActorCritic(env_spec("CartPole-v1"), HIDDEN)

@@ -68,7 +68,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kuberl.v1 import actor_pb2, buffer_pb2
 from kuberl.v1 import common_pb2 as pb
-from services.common.config import TlsConfig, config_from_dict
+from services.common.tls import TlsConfig
+from services.config import config_from_dict
 from services.common.tls import open_channel
 from tests.fragments import make_fragment
 from tests.helpers import ROOT, TINY_PPO

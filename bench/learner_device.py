@@ -44,7 +44,7 @@ import yaml
 from services import algorithms
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
-from services.common.config import ExperimentConfig, config_from_dict
+from services.config import ExperimentConfig, config_from_dict
 from services.common.fragments import RawFragment
 from services.common.stats import Metrics
 from services.learner.trainer import Trainer

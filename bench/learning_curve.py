@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", default=None, help="keep the run here (default: a temporary directory)")
     args = p.parse_args(argv)
 
-    from services.common.config import config_from_dict, is_atari
+    from services.common.config import is_atari
+    from services.config import config_from_dict
 
     raw = yaml.safe_load(Path(args.config).read_text())
     if args.max_seconds is not None:

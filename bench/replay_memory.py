@@ -33,7 +33,7 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.compact import CompactReplay, frame_ring_size
 from services.buffer.store import Outcome, Store
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import build_fragment
 from services.common.stats import Metrics
 

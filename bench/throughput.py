@@ -61,7 +61,7 @@ def bare_actor_loop(cfg_dict: dict, warmup: float, seconds: float) -> float:
     import torch
 
     from services.actor.policy import Policy
-    from services.common.config import config_from_dict
+    from services.config import config_from_dict
     from services.common.envs import make_vector_env, spec_of
     from services.common.stats import Metrics
 
@@ -144,7 +144,7 @@ def learner_config(publish_every: int) -> dict:
 def pong_fragments(cfg_dict: dict, count: int) -> list:
     """`count` serialized DQN fragments of real Pong frames from the actor's rollout (random policy)."""
     from services.actor.rollout import Rollout
-    from services.common.config import config_from_dict
+    from services.config import config_from_dict
     from services.common.stats import Metrics
 
     cfg = config_from_dict(cfg_dict)
@@ -160,7 +160,7 @@ def local_learner(cfg_dict: dict, frags: list, warmup: float, seconds: float, tm
     import torch
 
     from services.buffer.store import Store
-    from services.common.config import config_from_dict
+    from services.config import config_from_dict
     from services.common.fragments import RawFragment
     from services.common.stats import Metrics
     from services.learner.trainer import Trainer
@@ -170,7 +170,7 @@ def local_learner(cfg_dict: dict, frags: list, warmup: float, seconds: float, tm
     store = Store(cfg, Metrics("buffer"))
     for f in frags:
         store.insert(RawFragment(f.payload))
-    batches = [store.next_batch(cfg.dqn.batch_size, "local") for _ in range(64)]
+    batches = [store.next_batch(cfg.section("dqn").batch_size, "local") for _ in range(64)]
     trainer = Trainer(cfg, Metrics("learner"), tmp / "ck-local")
     every = cfg.learner.publish_interval_updates
     i, start = 0, time.perf_counter()

@@ -50,7 +50,7 @@ def single_process_sac(cfg, target: float, window: int, max_steps: int) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    spec, c, n = env_spec(cfg.env.id), cfg.sac, cfg.env.num_envs
+    spec, c, n = env_spec(cfg.env.id), cfg.section("sac"), cfg.env.num_envs
     envs = gym.make_vec(cfg.env.id, num_envs=n, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
     sac, ring, rng = SAC(c, spec), ReplayRing(c.buffer_size, seed=cfg.seed), np.random.default_rng(cfg.seed)
@@ -101,10 +101,10 @@ def single_process_ppo(cfg, target: float, window: int, max_steps: int) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     spec = env_spec(cfg.env.id)
-    n, T = cfg.env.num_envs, cfg.ppo.rollout_steps
+    n, T = cfg.env.num_envs, cfg.section("ppo").rollout_steps
     envs = gym.make_vec(cfg.env.id, num_envs=n, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-    ppo = PPO(cfg.ppo, spec)
+    ppo = PPO(cfg.section("ppo"), spec)
     obs, _ = envs.reset(seed=cfg.env.seed)
     returns, ep_ret, steps = deque(maxlen=window), np.zeros(n), 0
     while steps < max_steps:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--single-process-only", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    from services.common.config import config_from_dict
+    from services.config import config_from_dict
 
     if args.single_process_only:  # the child of single_process_timed
         cfg = config_from_dict(json.loads(args.single_process_only))

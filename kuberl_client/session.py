@@ -36,7 +36,7 @@ is read) is sent as `authorization: Bearer <token>` metadata; the actor answers 
 one with UNAUTHENTICATED. Without TLS the token is sent anyway, with one warning per process.
 
 Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors, services.common.spaces,
-services.common.tls and services.common.auth (and the config's TlsConfig).
+services.common.tls (TlsConfig, the credentials) and services.common.auth; never the experiment config.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import numpy as np
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from services.common import spaces
 from services.common.auth import AuthError, bearer_metadata, read_client_token
-from services.common.config import TlsConfig
+from services.common.tls import TlsConfig
 from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 from services.common.tensors import TensorError, decode, dtype_code, encode
 from services.common.tls import Names, channel_credentials, open_channel

@@ -15,7 +15,7 @@ import torch
 from services import algorithms
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
-from services.common.config import config_from_dict, dump_config
+from services.config import config_from_dict, dump_config
 from services.common.fragments import RawFragment
 from services.common.nets import to_numpy
 from services.common.stats import Metrics

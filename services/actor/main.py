@@ -23,12 +23,12 @@ from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights, watch_insert_limit
 from services.common.fragments import EncodedFragment
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig, load_role_config
 from services.common.fragments import new_incarnation
 from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
 from services.common.nets import spec_of
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 
 # The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,

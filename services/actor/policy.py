@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services import algorithms
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig
 from services.common.nets import EnvSpec, load_numpy
 from services.common.stats import Metrics
 

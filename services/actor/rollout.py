@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from services import algorithms
-from services.common.config import ExperimentConfig, is_atari
+from services.common.config import is_atari
+from services.config import ExperimentConfig
 from services.common.fragments import EncodedFragment, encode_fragment
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import Check, check_env_step

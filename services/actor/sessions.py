@@ -23,7 +23,7 @@ import numpy as np
 from kuberl.v1 import actor_pb2
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import FINITE, Check
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig
 from services import algorithms
 from services.common.fragments import MAX_ID_LEN, build_fragment
 from services.common.nets import EnvSpec

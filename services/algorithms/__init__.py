@@ -1,10 +1,10 @@
 """The algorithm seam: services ask the algorithm, never its name.
 
-Each algorithm is a package here. Its `__init__` holds the torch-free `Algorithm` (what its fragments
-carry, how the buffer keeps and serves them, the batch size, what the planner balances); `acting.py`
-holds how actors act (network, exploration) and `learner.py` how learners decode batches and update.
-Adding one = a new package + an entry in `_ALGORITHMS` (and its config section in
-services/common/config.py).
+Each algorithm is a package here. Its `__init__` holds the torch-free `Algorithm` (its settings, what
+its fragments carry, how the buffer keeps and serves them, the batch size, what the planner balances);
+`config.py` its settings (the config section named after it), `networks.py` its networks, `acting.py`
+how actors act (exploration) and `learner.py` how learners decode batches and update. Adding one = a
+new package + an entry in `_ALGORITHMS`: services/config.py gives every registered algorithm its section.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from services.common.config import ExperimentConfig
+from services.common.config import CommonConfig
+from services.common.settings import require
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,19 @@ class ReplayTable:
     gamma: float = 1.0
 
 
+def check_replay(section) -> None:
+    """The replay settings DQN and SAC share: batch, capacity, warm-up and the pacing ratio."""
+    require(section.batch_size >= 1, "batch_size", section.batch_size, "must be >= 1")
+    require(section.buffer_size >= section.batch_size, "buffer_size", section.buffer_size,
+            f"must hold at least one batch ({section.batch_size})")
+    require(section.batch_size <= section.learning_starts <= section.buffer_size, "learning_starts",
+            section.learning_starts, f"must be between batch_size ({section.batch_size}) and buffer_size "
+                                     f"({section.buffer_size}), or the first batch could never be cut")
+    require(section.replay_ratio >= 0, "replay_ratio", section.replay_ratio, "must be >= 0 (0 = unpaced)")
+    require(0 < section.replay_ratio_tolerance < 1, "replay_ratio_tolerance", section.replay_ratio_tolerance,
+            "must be in (0, 1)")
+
+
 @dataclass(frozen=True)
 class FifoTable:
     """The buffer keeps whole fragments first in, first out (on-policy data: each is served once) and
@@ -39,6 +52,9 @@ class FifoTable:
 class Algorithm:
     """One algorithm: subclass it in `services/algorithms/<name>/__init__.py` and add it to the registry."""
     name: ClassVar[str]        # the config's `algorithm` and the name of its config section
+    # Its config section (`<package>/config.py`): a frozen dataclass of settings checked as they are
+    # built (services/common/settings.py), with at least `rollout_steps` and `hidden_sizes`.
+    settings: ClassVar[type]
     code: ClassVar[int]        # kuberl.v1.Algorithm, stamped on fragments and batch requests
     # Per-step float32 [T, N] tensors a fragment carries beyond the common ones (TrajectoryFragment
     # field names): what the actor records while acting and the learner needs.
@@ -66,26 +82,26 @@ class Algorithm:
         if not isinstance(spec.action, self.action_spaces):
             raise ValueError(f"algorithm: {self.name} takes {self.takes()}; {action} is {spec.action}")
 
-    def section(self, cfg: ExperimentConfig):
-        """This algorithm's config section (`cfg.<name>`); it has rollout_steps and hidden_sizes."""
-        return getattr(cfg, self.name)
+    def section(self, cfg: CommonConfig):
+        """This algorithm's settings in `cfg` (its `settings` class; the YAML section `<name>:`)."""
+        return cfg.section(self.name)
 
-    def table(self, cfg: ExperimentConfig) -> ReplayTable | FifoTable:
+    def table(self, cfg: CommonConfig) -> ReplayTable | FifoTable:
         """How the buffer keeps and serves this algorithm's fragments."""
         raise NotImplementedError
 
-    def batch_size(self, cfg: ExperimentConfig) -> int:
+    def batch_size(self, cfg: CommonConfig) -> int:
         """Samples per batch a learner asks the buffer for."""
         raise NotImplementedError
 
-    def consumption_ratio(self, cfg: ExperimentConfig) -> float:
+    def consumption_ratio(self, cfg: CommonConfig) -> float:
         """Samples trained on per sample produced, which the planner balances production against."""
         return 1.0
 
     def _part(self, module: str, attr: str):
         return getattr(importlib.import_module(f"{type(self).__module__}.{module}"), attr)
 
-    def acting(self, cfg: ExperimentConfig, spec, rng, metrics):
+    def acting(self, cfg: CommonConfig, spec, rng, metrics):
         """The actor's part (`<package>.acting.Acting`): `net`, the policy network the learner's weights
         load into, `act(obs, version, env_steps)` -> (actions, {fragment extra: [N] array}), and
         `greedy()`, the network's deterministic policy as a module obs -> actions (no exploration; Box
@@ -93,7 +109,7 @@ class Algorithm:
         self.check_spec(spec)
         return self._part("acting", "Acting")(cfg, spec, rng, metrics)
 
-    def learner(self, cfg: ExperimentConfig, spec, metrics, sync=None):
+    def learner(self, cfg: CommonConfig, spec, metrics, sync=None):
         """The learner's part (`<package>.learner.Learner`): `decode(batch)` validates a TrainingBatch,
         `learn(data)` updates on it (None: nothing usable), `empty_update()` joins a group's update
         with nothing; `version`, `policy` (the module actors run), `state_dict`/`load_state_dict`."""

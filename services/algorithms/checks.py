@@ -26,7 +26,7 @@ STEPS_SKIPPED = "learner/gradient_steps_skipped_nonfinite_total"
 
 def skipped_step(metrics: Metrics, what: str, version: int) -> None:
     """Count an optimiser step not taken because a loss or the (group's averaged) gradient was not
-    finite (services/learner/distributed.py: `finite_gradients`); log the first and every 1000th."""
+    finite (services/algorithms/group.py: `finite_gradients`); log the first and every 1000th."""
     metrics.inc(STEPS_SKIPPED)
     n = int(metrics.counters[STEPS_SKIPPED])
     if n == 1 or n % 1000 == 0:

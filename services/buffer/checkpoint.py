@@ -48,7 +48,8 @@ import numpy as np
 from services.buffer.replay import Spans
 from services.buffer.store import Store
 from services.common.atomic import write_atomically
-from services.common.config import ExperimentConfig, is_atari
+from services.common.config import is_atari
+from services.config import ExperimentConfig
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)

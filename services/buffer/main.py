@@ -13,10 +13,10 @@ from kuberl.v1 import buffer_pb2
 from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig, load_role_config
 from services.common.grpcutil import MiB, start_server
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 
 log = logging.getLogger(__name__)

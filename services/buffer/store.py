@@ -31,7 +31,7 @@ from services.buffer.fifo import RolloutFifo
 from services.buffer.compact import CompactReplay
 from services.buffer.limiter import RateLimiter
 from services.buffer.replay import Replay, ReplayRing
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig
 from services import algorithms
 from services.algorithms import FifoTable, ReplayTable
 from services.common.fragments import DEDUPE_WINDOW, RawFragment, batch_samples, decode_fragment
@@ -244,7 +244,8 @@ class Store:
         A RawFragment (the push path) is validated on views of its bytes and stored as those bytes:
         nothing of its payload is copied until a batch is cut.
         """
-        frag = decode_fragment(msg, algorithm=self.algorithm.code, max_elements=self.max_elements)
+        frag = decode_fragment(msg, algorithm=self.algorithm.code, extras=self.algorithm.fragment_extras,
+                               max_elements=self.max_elements)
         window = self._actors.get(frag.actor_id, {}).get(frag.incarnation)
         outcome = Outcome.ACCEPTED if window is None else window.outcome(frag.seq)
         if outcome is not Outcome.ACCEPTED:

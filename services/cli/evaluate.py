@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.config import ExperimentConfig, is_atari
+from services.common.config import is_atari
+from services.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 VIDEO_SUFFIXES = (".mp4", ".gif")

@@ -44,10 +44,10 @@ from services.actor.policy import Policy
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig, load_role_config
 from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
 from services.common.prometheus import serve_metrics
-from services.common.runtime import (Endpoints, base_parser, configure_logging, load_role_config, run_service,
+from services.common.runtime import (Endpoints, base_parser, configure_logging, run_service,
                                      write_ready_file)
 from services.common.stats import Metrics, tick_forever
 

@@ -35,7 +35,7 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
-from services.common.config import ConfigError, ExperimentConfig, dump_config, load_config
+from services.config import ConfigError, ExperimentConfig, check_algorithm_takes, dump_config, load_config
 from services.common.auth import AuthError, read_client_token, with_token
 from services.common.procs import ServiceProcess, free_port
 from services.common.runtime import add_tls_arguments, with_tls_flags
@@ -561,6 +561,20 @@ class LocalRun:
         return summary
 
 
+
+def checked_spec(cfg: ExperimentConfig):
+    """The run's env spec, refused unless the config's algorithm can train on it: what `kuberl up` asks
+    before it starts any process. Declared spaces were checked when the config was built; an env id's
+    are read by making the env once. Blocking. ConfigError naming `algorithm` and the env, or naming
+    `env.id` when the env cannot be made here."""
+    from services.common.envs import made_spec   # gymnasium: imported when a run starts, not by `kuberl --help`
+
+    spec = made_spec(cfg.env)
+    if cfg.env.declared_spec is None:
+        check_algorithm_takes(cfg, spec, f"env.id {cfg.env.id}'s action space", f"env.id {cfg.env.id}'s observations")
+    return spec
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kuberl up", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -580,8 +594,6 @@ def main(argv=None) -> int:
         cfg = load_config(args.config)
         # The algorithm must be able to train on the env's spaces (declared ones were checked on load;
         # an env id's are read by making the env once): refused here, not by processes crash-looping.
-        from services.common.envs import checked_spec
-
         checked_spec(cfg)
     except (ConfigError, OSError) as err:
         print(f"kuberl up: {args.config}: {err}", file=sys.stderr)

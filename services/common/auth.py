@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
+import math
 import logging
 import os
 import threading
@@ -34,13 +35,37 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.atomic import stamps
+from services.common.settings import require
 from services.common.streams import read_to_half_close
 
 if TYPE_CHECKING:
-    from services.common.config import AuthConfig
     from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Bearer tokens on the RPCs people and simulators call, and caps on EnvSession sessions
+    (services/common/auth.py, docs/security.md). No token files: those RPCs stay open, as before."""
+    token_files: tuple[str, ...] = ()  # files of accepted tokens, one per line
+    #                               ("TOKEN" or "TOKEN scope1,scope2"; scopes envsession, planner:write, read;
+    #                               none = all); re-read when they change, so tokens rotate without a restart
+    protect_reads: bool = False     # GetStats and the planner's read-only RPCs also need a token (scope read)
+    client_token_file: str = ""     # the token this role sends when it calls others (the planner's GetStats reads)
+    max_sessions_per_token: int = 0     # EnvSession sessions open at once per token (per peer host without
+    #                                     tokens); 0 = unlimited
+    new_sessions_per_minute: float = 0  # new EnvSession sessions a minute per token (a token bucket); 0 = unlimited
+
+    def __post_init__(self):
+        for i, path in enumerate(self.token_files):
+            require(isinstance(path, str) and bool(path.strip()), f"token_files[{i}]", path,
+                    "must be a file path")
+        require(self.max_sessions_per_token >= 0, "max_sessions_per_token", self.max_sessions_per_token,
+                "must be >= 0 (0 = unlimited)")
+        require(math.isfinite(self.new_sessions_per_minute) and self.new_sessions_per_minute >= 0,
+                "new_sessions_per_minute", self.new_sessions_per_minute, "must be >= 0 (0 = unlimited)")
+
 
 SCOPES = ("envsession", "planner:write", "read")
 ENV_SESSION = "/kuberl.v1.Actor/EnvSession"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.common.config import ConfigError, EnvConfig, ExperimentConfig, check_algorithm_takes, is_atari
+from services.common.config import ConfigError, EnvConfig, is_atari
 from services.common.spaces import Discrete, EnvSpec, dict_layout, from_gymnasium  # EnvSpec: also re-exported
 
 
@@ -139,22 +139,18 @@ def spec_of(cfg: EnvConfig) -> EnvSpec:
     return env_spec(cfg) if declared is None else declared
 
 
-def checked_spec(cfg: ExperimentConfig) -> EnvSpec:
-    """The run's env spec (`spec_of`), refused unless the config's algorithm can train on it: what
-    `kuberl up` asks before it starts any process. Declared spaces were checked when the config was
-    built; an env id's are read by making the env once. Blocking. ConfigError naming `algorithm` and
-    the env, or naming `env.id` when the env cannot be made here."""
-    declared = cfg.env.declared_spec
+def made_spec(cfg: EnvConfig) -> EnvSpec:
+    """The run's env spec (`spec_of`), read by making the env once where no spaces are declared.
+    Blocking. ConfigError naming `env.id` when the env cannot be made here."""
+    declared = cfg.declared_spec
     if declared is not None:
         return declared
     try:
-        spec = env_spec(cfg.env)
+        return env_spec(cfg)
     except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
         lines = str(err).strip().splitlines()
         detail = lines[0] if lines else ""
         if isinstance(err, ValueError) and detail.startswith("env.id: "):  # env_spec's own, naming the key
             raise ConfigError("env.id", detail.removeprefix("env.id: ")) from None
-        raise ConfigError("env.id", f"{cfg.env.id!r} cannot be made here ({type(err).__name__}"
+        raise ConfigError("env.id", f"{cfg.id!r} cannot be made here ({type(err).__name__}"
                                     f"{': ' + detail if detail else ''})") from None
-    check_algorithm_takes(cfg, spec, f"env.id {cfg.env.id}'s action space", f"env.id {cfg.env.id}'s observations")
-    return spec

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services import algorithms
 from services.common import wire
 from services.common.tensors import (DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, check_finite, decode, encode,
                                      encode_parts)
@@ -235,22 +234,33 @@ def _expect(cond: bool, field: str, message) -> None:
         raise TensorError(field, message() if callable(message) else message)
 
 
+def algorithm_name(code: int) -> str:
+    """A kuberl.v1.Algorithm code's name as configs write it (`ppo` for ALGORITHM_PPO), for messages;
+    the number itself when the protocol has no such code."""
+    try:
+        return pb.Algorithm.Name(code).removeprefix("ALGORITHM_").lower()
+    except ValueError:
+        return str(code)
+
+
 def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int | None = None,
-                    max_elements: int = DEFAULT_MAX_ELEMENTS) -> Fragment:
+                    extras: tuple[str, ...] | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Fragment:
     """Validate a TrajectoryFragment and return it decoded (zero-copy views of its bytes).
 
-    `algorithm`, when given, is the only algorithm accepted. Raises TensorError naming the field.
+    `algorithm`, when given, is the only algorithm accepted, and `extras` the per-step fields beyond
+    the common ones that its fragments must carry (the receiving algorithm's `fragment_extras`); None
+    requires none, and checks those present. Raises TensorError naming the field.
     `msg` may be a RawFragment (the zero-copy read of the serialized bytes); its arrays are then
     views of those bytes.
     """
     if isinstance(msg, RawFragment) and msg.error is not None:
         raise TensorError("fragment", msg.error)
     _expect(0 < len(msg.actor_id) <= MAX_ID_LEN, "actor_id", lambda: f"must be 1..{MAX_ID_LEN} characters")
-    algo = algorithms.BY_CODE.get(msg.algorithm)
-    _expect(algo is not None, "algorithm", lambda: f"unknown or unspecified algorithm {msg.algorithm}")
+    _expect(msg.algorithm in pb.Algorithm.values() and msg.algorithm != pb.ALGORITHM_UNSPECIFIED, "algorithm",
+            lambda: f"unknown or unspecified algorithm {msg.algorithm}")
     if algorithm is not None and msg.algorithm != algorithm:
-        raise TensorError("algorithm", f"fragment is for {algo.name} but this receiver serves "
-                                       f"{algorithms.name_of(algorithm)}")
+        raise TensorError("algorithm", f"fragment is for {algorithm_name(msg.algorithm)} but this receiver serves "
+                                       f"{algorithm_name(algorithm)}")
     T, N = msg.num_steps, len(msg.env_ids)
     _expect(0 < T <= MAX_STEPS, "num_steps", lambda: f"{T} is outside 1..{MAX_STEPS}")
     _expect(N > 0, "env_ids", "must name at least one env")
@@ -287,7 +297,7 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
             "final_obs", lambda: f"must be {obs.dtype.name} [K={len(final_index)}, *obs_shape={list(obs.shape[2:])}], "
                          f"got {final_obs.dtype.name} {list(final_obs.shape)}")
 
-    logprob = get("behaviour_logprob", present="behaviour_logprob" in algo.fragment_extras)
+    logprob = get("behaviour_logprob", present=extras is not None and "behaviour_logprob" in extras)
     if logprob is not None:
         _expect(logprob.shape == (T, N) and logprob.dtype == np.float32, "behaviour_logprob",
                 lambda: f"must be float32 [T={T}, N={N}], got {logprob.dtype.name} {list(logprob.shape)}")

@@ -38,7 +38,8 @@ from services.common.tls import TlsError, open_channel, server_credentials
 if TYPE_CHECKING:
     from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-    from services.common.config import AuthConfig, TlsConfig
+    from services.common.auth import AuthConfig
+    from services.common.tls import TlsConfig
     from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)

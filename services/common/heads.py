@@ -89,7 +89,7 @@ class Head(nn.Module):
     `validate`: whether the distributions check their parameters (torch's validate_args). An actor's
     do, so a non-finite output raises rather than becoming an action; a learner's need not (PPO turns
     it off), so a non-finite output becomes a non-finite loss, whose step is skipped and counted
-    (services/learner/distributed.py, `finite_gradients`) instead of ending the process."""
+    (services/algorithms/group.py, `finite_gradients`) instead of ending the process."""
     validate: bool = True
 
     def __init__(self, space: ActionSpace):

@@ -1,4 +1,6 @@
-"""Policy networks shared by the actor (inference) and the learner (training), as in CleanRL.
+"""The building blocks of every algorithm's networks (torch), as in CleanRL: initialised layers, MLPs,
+the Nature CNN torso, observation normalisation, the greedy policy module, weights as numpy arrays.
+Each algorithm's own networks are in its package (services/algorithms/<name>/networks.py).
 
 Imports torch and gymnasium: only the actor and the learner may import this module (an
 import-linter contract keeps the buffer and planner away from it).
@@ -12,7 +14,6 @@ from torch import nn
 
 from services.common import envs
 from services.common.config import EnvConfig
-from services.common.heads import Head, out_features
 from services.common.spaces import ActionSpace, Box
 from services.common.envs import EnvSpec, spec_of  # noqa: F401  (re-exported: the networks' view of an env)
 
@@ -39,19 +40,20 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _layer(inp: int, out: int, std: float = np.sqrt(2), bias: float = 0.0) -> nn.Linear:
-    layer = nn.Linear(inp, out)
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.constant_(layer.bias, bias)
-    return layer
+def layer(inp: int, out: int, std: float = np.sqrt(2), bias: float = 0.0) -> nn.Linear:
+    """A linear layer with orthogonal weights of gain `std` and a constant bias (CleanRL's layer_init)."""
+    lin = nn.Linear(inp, out)
+    nn.init.orthogonal_(lin.weight, std)
+    nn.init.constant_(lin.bias, bias)
+    return lin
 
 
 def mlp(inp: int, hidden: tuple[int, ...], out: int, act: type[nn.Module], out_std: float) -> nn.Sequential:
     layers: list[nn.Module] = []
     for h in hidden:
-        layers += [_layer(inp, h), act()]
+        layers += [layer(inp, h), act()]
         inp = h
-    layers.append(_layer(inp, out, std=out_std))
+    layers.append(layer(inp, out, std=out_std))
     return nn.Sequential(*layers)
 
 
@@ -75,7 +77,7 @@ class NatureCNN(nn.Module):
             nn.Flatten())
         with torch.no_grad():
             n_flat = self.convs(torch.zeros(1, c, h, w)).shape[1]
-        self.fc = nn.Sequential(_layer(n_flat, features), nn.ReLU())
+        self.fc = nn.Sequential(layer(n_flat, features), nn.ReLU())
         self.features = features
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
@@ -87,28 +89,6 @@ def _conv(inp: int, out: int, kernel: int, stride: int) -> nn.Conv2d:
     nn.init.orthogonal_(conv.weight, np.sqrt(2))
     nn.init.constant_(conv.bias, 0.0)
     return conv
-
-
-class QNetwork(nn.Module):
-    """Q(s, .) for discrete actions: an MLP over flat observations, or the Nature CNN over frames
-    (then `hidden` is unused: the CNN's 512-unit layer is the hidden layer)."""
-
-    def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
-        super().__init__()
-        if is_image(spec):
-            torso = NatureCNN(spec)
-            self.q = nn.Sequential(torso, _layer(torso.features, spec.num_actions, std=1.0))
-            self._flat = False
-        else:
-            self.q = mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
-            self._flat = True
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.q(obs.flatten(1).float() if self._flat else obs)
-
-    def mode(self, obs: torch.Tensor) -> torch.Tensor:
-        """The greedy action: argmax_a Q(s, a)."""
-        return self(obs).argmax(dim=1)
 
 
 class ObsNormalizer(nn.Module):
@@ -155,55 +135,6 @@ class ObsNormalizer(nn.Module):
 
     def update(self, x: torch.Tensor) -> None:
         self.merge(self.moments(x.flatten(1)))
-
-
-class ActorCritic(nn.Module):
-    """Policy and value heads. Flat observations: separate tanh MLPs (CleanRL's ppo.py). Frames: one
-    shared Nature CNN torso with a policy head (std 0.01) and a value head (std 1), as in CleanRL's
-    ppo_atari.py. The policy's output layer parameterises the action space's distribution
-    (services/common/heads.py: categorical, a product of categoricals, or a diagonal Gaussian)."""
-
-    def __init__(self, spec: EnvSpec, hidden: tuple[int, ...], normalize_obs: bool = False, obs_clip: float = 10.0):
-        super().__init__()
-        n_out = out_features(spec.action)
-        if normalize_obs and is_image(spec):
-            raise ValueError("ppo.normalize_observations: frames are scaled by 1/255 in the network; "
-                             "normalisation is for flat observations")
-        # Observation statistics (a module only when used: checkpoints without it stay loadable).
-        self.obs_norm = ObsNormalizer(int(np.prod(spec.obs_shape)), obs_clip) if normalize_obs else None
-        if is_image(spec):
-            self.torso = NatureCNN(spec)
-            self.critic = _layer(self.torso.features, 1, std=1.0)
-            self.actor = _layer(self.torso.features, n_out, std=0.01)
-        else:
-            n_in = int(np.prod(spec.obs_shape))
-            self.torso = nn.Flatten(1)
-            self.critic = mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
-            self.actor = mlp(n_in, hidden, n_out, nn.Tanh, out_std=0.01)
-        self.head = Head(spec.action)
-        self._flat = not is_image(spec)
-
-    def _features(self, obs: torch.Tensor) -> torch.Tensor:
-        if not self._flat:
-            return self.torso(obs)
-        x = obs.flatten(1).float()
-        return x if self.obs_norm is None else self.obs_norm(x)
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self._features(obs)).squeeze(-1)
-
-    def dist(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
-        """The action distribution at `obs` ([B, ...]); `mask` [B, M] bool: the allowed actions."""
-        return self.head(self.actor(self._features(obs)), mask)
-
-    def mode(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The most likely action at `obs` (heads.Head.mode): argmax of the logits, or the Gaussian's mean."""
-        return self.head.mode(self.actor(self._features(obs)), mask)
-
-    def dist_and_value(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
-        """Both heads from one pass through the torso (what the PPO update needs per minibatch)."""
-        x = self._features(obs)
-        return self.head(self.actor(x), mask), self.critic(x).squeeze(-1)
 
 
 class GreedyPolicy(nn.Module):

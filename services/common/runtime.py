@@ -79,9 +79,9 @@ TLS_FLAGS = {"tls_cert": "cert_file", "tls_key": "key_file", "tls_ca": "ca_file"
 
 
 def with_tls_flags(cfg, args: argparse.Namespace):
-    """`cfg` (an ExperimentConfig) with the --tls-* flags of `args` over its `tls` section. A certificate,
+    """`cfg` (a services.common.config.CommonConfig) with the --tls-* flags of `args` over its `tls` section. A certificate,
     key or CA given by flag or environment turns TLS on. ConfigError naming the flag when one is malformed."""
-    from services.common.config import ConfigError, parse_role_names
+    from services.common.tls import ConfigError, parse_role_names
 
     given = {key: getattr(args, flag) for flag, key in TLS_FLAGS.items() if getattr(args, flag, None) is not None}
     if not given:
@@ -123,49 +123,6 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=os.environ.get("KUBERL_TOKEN_FILE") or None, metavar="FILE",
                    help="file whose first token is sent as 'authorization: Bearer' (default $KUBERL_TOKEN_FILE; "
                         "else $KUBERL_TOKEN itself; else the config's auth.client_token_file; docs/security.md)")
-
-
-def client_channel(p: argparse.ArgumentParser, args: argparse.Namespace, target: str):
-    """A blocking channel to `target` as --config's tls section and the --tls-* flags say; a config or
-    TLS file that cannot work ends the command as a bad flag does (exit code 2). A client needs no
-    certificate of its own unless the server requires one (client_auth: require). Every call carries the
-    bearer token of --token-file, $KUBERL_TOKEN or auth.client_token_file, when there is one."""
-    from services.common.auth import AuthError, read_client_token, with_token
-    from services.common.config import ConfigError, ExperimentConfig, load_config
-    from services.common.tls import TlsError, open_channel
-
-    try:
-        cfg = with_tls_flags(load_config(args.config) if args.config else ExperimentConfig(), args)
-        token_file = getattr(args, "token_file", None)
-        if token_file:
-            token = read_client_token(token_file, "--token-file")
-        elif os.environ.get("KUBERL_TOKEN"):
-            token = os.environ["KUBERL_TOKEN"].strip()
-        elif cfg.auth.client_token_file:
-            token = read_client_token(cfg.auth.client_token_file, "auth.client_token_file")
-        else:
-            token = None
-        return with_token(open_channel(target, cfg.tls), token, cfg.tls.enabled)
-    except (AuthError, ConfigError, TlsError) as err:
-        p.error(str(err))
-    except OSError as err:  # the config file
-        p.error(f"--config: cannot read {args.config}: {err.strerror or err}")
-
-
-def load_role_config(args: argparse.Namespace):
-    """The experiment config of a role process: --config's file with the --tls-* and token flags over it,
-    its TLS files and the token it sends checked (a ConfigError, TlsError or AuthError ends the process with
-    exit code 2, see run_service)."""
-    from services.common.config import load_config
-    from services.common.tls import check_role
-
-    from services.common.auth import read_client_token
-
-    cfg = with_auth_flags(with_tls_flags(load_config(args.config), args), args)
-    check_role(cfg.tls)
-    if cfg.auth.client_token_file:  # read at every call later (rotation); a missing one must not go unnoticed
-        read_client_token(cfg.auth.client_token_file, "auth.client_token_file (--token-file, $KUBERL_TOKEN_FILE)")
-    return cfg
 
 
 def configure_logging(level: str, role: str) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.config import ExperimentConfig
+from services.common.config import CommonConfig
 from services.common.procs import ServiceProcess, free_port, learner_group_args, spawn
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def learner_args(name: str, run_dir: Path, *, buffer: str, world_size: int = 1, 
             "--learner-id", f"{name}-{Path(run_dir).name}", *learner_group_args(world_size, rank, group)]
 
 
-def buffer_args(cfg: ExperimentConfig, run_dir: Path) -> list[str]:
+def buffer_args(cfg: CommonConfig, run_dir: Path) -> list[str]:
     """`kuberl buffer` flags for the buffer of a local run: a relative `buffer.checkpoint_dir` is
     taken inside the run directory, so a restarted buffer restores the run's own replay."""
     if cfg.buffer.checkpoint_dir is None:

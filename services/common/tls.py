@@ -1,6 +1,6 @@
 """TLS for every kuberl gRPC endpoint: the credentials servers serve and clients dial with (docs/security.md).
 
-The settings are the config's `tls` section (services/common/config.TlsConfig), with each process's
+The settings are the config's `tls` section (`TlsConfig`, below), with each process's
 --tls-* flags over it (services/common/runtime.with_tls_flags). Everything is read from PEM files, so
 that a Kubernetes Secret (cert-manager's) mounted at the configured paths is all a pod needs:
 
@@ -24,17 +24,61 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from dataclasses import dataclass, field
 import grpc
 
 from services.common.atomic import stamps
-
-if TYPE_CHECKING:
-    from services.common.config import TlsConfig
+from services.common.settings import ConfigError, require
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on every gRPC endpoint, from PEM files (a mounted Secret; see docs/security.md). Each process's
+    --tls-cert/--tls-key/--tls-ca/--tls-client-auth/--tls-server-name flags override these
+    (services/common/runtime.with_tls_flags); the files are checked when a role starts."""
+    enabled: bool = False
+    cert_file: str = ""        # this process's certificate chain: served, and presented when dialling other roles
+    key_file: str = ""         # cert_file's private key (unencrypted)
+    ca_file: str = ""          # the CA bundle that verifies peers: servers dialled, and clients under client_auth: require
+    client_auth: str = "require"  # "require": servers accept only clients with a certificate from ca_file (mTLS);
+    #                               "none": server-side TLS only (e.g. an actor whose simulators have no certificate)
+    server_name: str = ""      # the name checked in servers' certificates ("" = the host dialled)
+    # Authorisation per role of the roles' internal RPCs: the certificate names (DNS names of its
+    # subjectAltName, or its CN) that prove a client is an actor or a learner. Set, the buffer serves
+    # PushTrajectories/WatchInsertLimit only to actors and StreamBatches/ReportProgress only to learners, and a learner
+    # SubscribeWeights only to actors (services/common/auth.ROLE_RPCS); empty: any certificate from ca_file.
+    role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,
+                "must be 'require' (servers verify client certificates: mutual TLS) or 'none'")
+        if self.role_names:
+            require(set(self.role_names) == set(PEER_ROLES), "role_names", dict(self.role_names),
+                    f"must name the certificates of exactly these roles, the callers of the internal RPCs: "
+                    f"{', '.join(PEER_ROLES)}")
+            for role, names in self.role_names.items():
+                require(bool(names) and all(isinstance(n, str) and n.strip() for n in names),
+                        f"role_names.{role}", names, "must be a list of certificate names (DNS names or CN)")
+
+
+PEER_ROLES = ("actor", "learner")  # the roles whose certificates tls.role_names names
+
+
+def parse_role_names(text: str, setting: str = "--tls-role-names") -> dict[str, tuple[str, ...]]:
+    """`actor=kuberl-actor,learner=kuberl-learner` (several names of a role joined by `|`) as a
+    `tls.role_names` mapping; ConfigError naming `setting` when malformed."""
+    out: dict[str, tuple[str, ...]] = {}
+    for part in (p.strip() for p in text.split(",")):
+        role, eq, names = part.partition("=")
+        role = role.strip()
+        if not part or not eq or role in out:
+            raise ConfigError(setting, f"{text!r} is invalid: write ROLE=NAME[|NAME...] for each of "
+                                       f"{', '.join(PEER_ROLES)}, separated by commas")
+        out[role] = tuple(n.strip() for n in names.split("|") if n.strip())
+    return out
+
 
 
 class TlsError(ValueError):

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 import threading
 import time
@@ -269,26 +268,3 @@ class GradientSync:
                 pg.shutdown()
             except Exception as err:  # noqa: BLE001 - leaving a broken group must not mask why it broke
                 log.debug("leaving the group: %s", err)
-
-
-def average_over_group(sync: GradientSync | None, params: list[torch.nn.Parameter], weight: float,
-                       loss: torch.Tensor | None = None) -> float:
-    """The weight behind the gradients about to be applied: this learner's own when it trains alone,
-    else the group's total after `sync.average_gradients` (0: nobody had data, skip the step).
-
-    `loss`: what this learner's gradients are of (None: it had no data). Where it is not finite, the
-    gradients are set to NaN first, so that `finite_gradients` refuses the step on every learner alike
-    (a non-finite loss can come with finite gradients, e.g. the Huber loss's, which are clipped)."""
-    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
-        for p in params:
-            if p.grad is not None:
-                p.grad.fill_(math.nan)
-    return weight if sync is None else sync.average_gradients(params, weight)
-
-
-def finite_gradients(params: list[torch.nn.Parameter]) -> bool:
-    """Whether every gradient of `params` is finite: the step may be taken. Called after
-    `average_over_group`, it sees the group's averaged gradient, the same on every learner, so the
-    whole group takes or skips the step together."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())

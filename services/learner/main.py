@@ -18,12 +18,12 @@ import torch
 
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2
 from services import algorithms
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig, load_role_config
 from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
                                       start_server)
 from services.common.notify import Notifier
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.learner.distributed import FormationAbandoned, GradientSync, GroupBroken, GroupSpec, Rendezvous
 from services.learner.inbox import Inbox, discard, starved_get

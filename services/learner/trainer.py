@@ -18,7 +18,7 @@ import torch
 
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig
 from services.common.fragments import batch_samples
 from services.common.nets import is_image, spec_of, to_numpy
 from services.common.stats import Metrics

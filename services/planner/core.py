@@ -29,7 +29,7 @@ from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services import algorithms
 from services.common.auth import AuthError, bearer_metadata, read_client_token
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.common.tls import TlsError, open_channel

@@ -22,7 +22,7 @@ import json
 import logging
 from pathlib import Path
 
-from services.common.config import ExperimentConfig
+from services.config import ExperimentConfig
 from services.common.procs import ServiceProcess, free_port
 from services.common.stats import Metrics
 from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, learner_specs,

@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kuberl.v1 import planner_pb2
-from services.common.config import ExperimentConfig, dump_config, load_config
+from services.config import ExperimentConfig, dump_config, load_config, load_role_config
 from services.common.grpcutil import MiB, add_servicer, start_server
 from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, load_role_config, run_service, write_ready_file
+from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
 from services.common.stats import Metrics, tick_forever
 from services.planner.backend import DryRunBackend
 from services.planner.core import Planner

@@ -30,7 +30,7 @@ import yaml
 from kuberl.v1 import buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer import main as buffer_main
-from services.common.config import load_config
+from services.config import load_config
 from tests.deploy.render import (OVERLAYS, ROOT, RenderError, container, helm_template, index, kustomize,
                                  kustomize_with, of_kind, validate, workloads)
 from tests.deploy.test_crosscheck import _comparable

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from services.common.config import load_config
+from services.config import load_config
 from services.common.prometheus import PROBE_TIMEOUT_S, PROBES
 from services.planner.kube import WORKLOADS
 from services.planner.rbac import RESOURCE_NAMES, RULES

@@ -29,7 +29,7 @@ import urllib.request
 import pytest
 import yaml
 
-from services.common.config import load_config
+from services.config import load_config
 from services.planner.rbac import RESOURCE_NAMES, RULES
 from tests.deploy.render import container, kustomize, of_kind, workloads
 from tests.k8s.cluster import expand

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import ROLE_RPCS, TokenStore, read_client_token
 from services.common.grpcutil import start_server
-from services.common.runtime import load_role_config
+from services.config import load_role_config
 from services.common.tls import open_channel
 from tests.certs import Pki
 from tests.deploy.render import (HELM_SECURE, RenderError, container, expand_vars, helm_template, kustomize, of_kind,

@@ -20,7 +20,7 @@ import yaml
 
 from kuberl.v1 import actor_pb2_grpc, common_pb2
 from services.common.auth import bearer_metadata
-from services.common.config import TlsConfig
+from services.common.tls import TlsConfig
 from services.common.tls import open_channel
 from tests.certs import Pki
 from tests.e2e.kube import (VERSION_METRIC, Simulator, fit_node, fresh_namespace, kubectl, metrics, pod_metrics,

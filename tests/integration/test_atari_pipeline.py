@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.envs import spec_of
 from services import algorithms
 from tests.integration.test_pipeline import _stat_at_least, _stats, _until, stack

@@ -17,7 +17,7 @@ from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, planner_pb2, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl_client import EnvSessionClient, SessionError
 from services.cli.main import main as kuberl
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.tls import open_channel
 from services.planner import main as planner_main
 from services.planner.core import Planner

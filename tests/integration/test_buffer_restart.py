@@ -8,7 +8,7 @@ import grpc
 from kuberl.v1 import buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer import main as buffer_main
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from tests.fragments import make_fragment
 from tests.helpers import TINY_DQN, TINY_PPO
 

@@ -19,7 +19,7 @@ import kuberl_envs
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from kuberl_client import Box, EnvSessionClient, SessionError
 from kuberl_client.gym import serve_gym_env
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from tests.helpers import TINY_PPO
 from tests.integration.test_pipeline import _stats, stack
 

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fuzz import SERVICES, fuzz_config, fuzz_server, max_message_bytes, serve_in_process
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.tls import open_channel
 from tests.certs import Pki
 

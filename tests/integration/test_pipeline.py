@@ -14,7 +14,7 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.actor import main as actor_main
 from services.buffer import main as buffer_main
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.learner import main as learner_main
 from tests.helpers import TINY_DQN, TINY_PPO, TINY_SAC
 

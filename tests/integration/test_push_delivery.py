@@ -15,7 +15,7 @@ from kuberl.v1 import buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.actor.push import Pusher
 from services.buffer import main as buffer_main
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import EncodedFragment, new_incarnation
 from services.common.procs import free_port
 from services.common.stats import Metrics

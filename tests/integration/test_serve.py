@@ -154,7 +154,7 @@ async def test_serve_refuses_infinity_in_one_session_and_answers_the_others(chec
     """`kuberl serve` and `kuberl serve --stochastic` (the same `serving`, in this process): an infinite
     observation or reward ends its session with INVALID_ARGUMENT; a session beside it goes on."""
     from services.cli.serve import serving, serving_config
-    from services.common.config import config_from_dict
+    from services.config import config_from_dict
 
     metrics = Metrics("actor")
     trained = load_trained(checkpoint, seed=3, greedy=greedy_actions_served, metrics=metrics)

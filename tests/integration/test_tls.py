@@ -34,7 +34,8 @@ from kuberl_client import EnvSessionClient, SessionError
 from services.actor import main as actor_main
 from services.buffer import main as buffer_main
 from services.cli.main import main as kuberl
-from services.common.config import TlsConfig, config_from_dict
+from services.common.tls import TlsConfig
+from services.config import config_from_dict
 from services.common.grpcutil import MiB, start_server
 from services.common.tls import open_channel
 from services.learner import main as learner_main

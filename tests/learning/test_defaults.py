@@ -1,6 +1,6 @@
 """Defaults that learn: the fastest task of bench/zoo.py's suite, through the whole stack (`kuberl up`),
 with nothing configured but the algorithm and the env id, so every other key is at its default
-(services/common/config.py) and the default is what is tested. Target and window are the suite's
+(services/algorithms/<name>/config.py) and the default is what is tested. Target and window are the suite's
 (bench/zoo.py TASKS); the budget is rl-baselines3-zoo's step budget for the task, which SB3 with the
 zoo's tuned hyper-parameters needs 6,600 steps of (docs/benchmarks.md). Assertions are on returns and env
 steps only, never on wall time.

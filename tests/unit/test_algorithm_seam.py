@@ -4,6 +4,7 @@ its parts, and no service outside services/algorithms branches on an algorithm's
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,9 @@ import pytest
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.algorithms.base import FifoTable, ReplayTable
-from services.common.config import config_from_dict
 from services.common.nets import env_spec
+from services.common.settings import require
+from services.config import ConfigError, config_from_dict
 from services.common.spaces import Discrete
 from services.common.stats import Metrics
 
@@ -26,7 +28,8 @@ def test_every_algorithm_has_every_part(name):
     assert algorithms.BY_CODE[algo.code] is algo and algo.code != pb.ALGORITHM_UNSPECIFIED
     env_id = "CartPole-v1" if Discrete in algo.action_spaces else "Pendulum-v1"  # an env it takes
     cfg = config_from_dict({"algorithm": name, "env": {"id": env_id}})
-    assert algo.section(cfg) is getattr(cfg, name)
+    assert algo.section(cfg) is cfg.section(name) and isinstance(algo.section(cfg), algo.settings)
+    assert algo.code == getattr(pb, f"ALGORITHM_{name.upper()}")   # the wire's name is the config's
     table, section = algo.table(cfg), algo.section(cfg)
     assert isinstance(table, (ReplayTable, FifoTable))
     # Replay serves each sample replay_ratio times on average; on-policy FIFO data is trained on once.
@@ -75,10 +78,10 @@ class _Unbounded:
     ("dqn", "kuberl_envs:MaskedChoice-v0", "MultiDiscrete([4, 3])"),
 ])
 def test_an_env_ids_spaces_the_algorithm_cannot_train_on_are_refused_before_anything_starts(name, env_id, space):
-    """What `kuberl up` asks before it starts a process (envs.checked_spec): the config names an env
+    """What `kuberl up` asks before it starts a process (services/cli/up.py: checked_spec): the config names an env
     whose spaces the algorithm does not take; the one-line refusal names both and the space."""
     from services.common.config import ConfigError
-    from services.common.envs import checked_spec
+    from services.cli.up import checked_spec
 
     _Unbounded.register()
     cfg = config_from_dict({"algorithm": name, "env": {"id": env_id}})  # loads: its spaces are the env's
@@ -92,7 +95,7 @@ def test_an_env_ids_spaces_the_algorithm_cannot_train_on_are_refused_before_anyt
 
 @pytest.mark.parametrize("name", sorted(algorithms.REGISTRY))
 def test_an_env_the_algorithm_takes_passes_the_check(name):
-    from services.common.envs import checked_spec
+    from services.cli.up import checked_spec
 
     env_id = "CartPole-v1" if Discrete in algorithms.get(name).action_spaces else "Pendulum-v1"
     assert checked_spec(config_from_dict({"algorithm": name, "env": {"id": env_id}})) == env_spec(env_id)
@@ -100,7 +103,7 @@ def test_an_env_the_algorithm_takes_passes_the_check(name):
 
 def test_an_env_that_cannot_be_made_is_refused_naming_env_id():
     from services.common.config import ConfigError
-    from services.common.envs import checked_spec
+    from services.cli.up import checked_spec
 
     with pytest.raises(ConfigError, match="'NoSuchEnv-v0' cannot be made here") as err:
         checked_spec(config_from_dict({"env": {"id": "NoSuchEnv-v0"}}))
@@ -132,3 +135,40 @@ def test_services_ask_the_algorithm_not_its_name():
             assert len(_literal_names(ast.parse(path.read_text()))) == 1
         found += [f"services/{rel}:{line}: {value!r}" for line, value in hits]
     assert not found, "\n".join(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToySettings:
+    rollout_steps: int = 4
+    hidden_sizes: tuple[int, ...] = (8,)
+    batch_size: int = 16
+
+    def __post_init__(self):
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+
+
+class _Toy(algorithms.Algorithm):
+    name = "toy"
+    settings = _ToySettings
+    code = 99
+    action_spaces = (Discrete,)
+
+
+def test_a_registered_algorithm_gets_its_config_section(monkeypatch):
+    """Adding an algorithm is its package and its registry line: the experiment config gives every
+    registered algorithm a section named after it (loaded, checked, defaulted and dumped), with no
+    change to services/config.py or services/common."""
+    monkeypatch.setitem(algorithms.REGISTRY, "toy", _Toy())
+    cfg = config_from_dict({"algorithm": "toy", "toy": {"batch_size": 32}})
+    assert cfg.section("toy") == _ToySettings(batch_size=32) and cfg.rollout_steps == 4
+    assert cfg.section("ppo") == config_from_dict({}).section("ppo")   # the others at their defaults
+    assert cfg.to_dict()["toy"] == {"rollout_steps": 4, "hidden_sizes": [8], "batch_size": 32}
+    assert config_from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"^toy\.batch_size: 0 is invalid"):
+        config_from_dict({"toy": {"batch_size": 0}})
+    with pytest.raises(ConfigError, match=r"^toy\.width: unknown key"):
+        config_from_dict({"toy": {"width": 3}})
+    assert cfg.with_section(_ToySettings(batch_size=8)).section("toy").batch_size == 8
+    monkeypatch.delitem(algorithms.REGISTRY, "toy")
+    with pytest.raises(ConfigError, match=r"^toy: unknown key"):
+        config_from_dict({"toy": {}})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.zoo import TASKS, Task, outcome, translate
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 
 TASK = Task("t", "CartPole-v1", "dqn", target=10.0, window=3)
 

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.base import Algorithm, ReplayTable
+from services.algorithms.dqn.config import DQNConfig
 from services.common.spaces import Discrete
 
 
 class DQN(Algorithm):
     name = "dqn"
+    settings = DQNConfig
     code = pb.ALGORITHM_DQN
     action_spaces = (Discrete,)
 
     def table(self, cfg) -> ReplayTable:
-        d = cfg.dqn
+        d = self.section(cfg)
         return ReplayTable(d.buffer_size, d.learning_starts, d.replay_ratio, d.replay_ratio_tolerance,
                            n_step=d.n_step, gamma=d.gamma)
 
     def batch_size(self, cfg) -> int:
-        return cfg.dqn.batch_size
+        return self.section(cfg).batch_size
 
     def consumption_ratio(self, cfg) -> float:
-        return cfg.dqn.replay_ratio
+        return self.section(cfg).replay_ratio

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.nets import GreedyPolicy, QNetwork
+from services.algorithms.dqn.networks import QNetwork
+from services.common.nets import GreedyPolicy
 
 
 def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
@@ -28,8 +29,8 @@ def run_env_steps(version: int | None, learning_starts: int, batch_size: int, re
 
 class Acting:
     def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
-        self.cfg, self.spec, self.rng, self.metrics = cfg.dqn, spec, rng, metrics
-        self.net = QNetwork(spec, cfg.dqn.hidden_sizes)
+        self.cfg, self.spec, self.rng, self.metrics = cfg.section("dqn"), spec, rng, metrics
+        self.net = QNetwork(spec, cfg.section("dqn").hidden_sizes)
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, version: int | None, env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

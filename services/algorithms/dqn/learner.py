@@ -12,11 +12,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services.algorithms.group import GroupSync, average_over_group, finite_gradients
 from services.algorithms.checks import TransitionLearner, skipped_step
-from services.common.config import DQNConfig
-from services.common.nets import EnvSpec, QNetwork, resolve_device
+from services.algorithms.dqn.config import DQNConfig
+from services.algorithms.dqn.networks import QNetwork
+from services.common.nets import EnvSpec, resolve_device
 from services.common.stats import Metrics
-from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: torch.Tensor,
@@ -30,7 +31,7 @@ def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_online: to
 
 
 class DQN(TransitionLearner):
-    def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
+    def __init__(self, cfg: DQNConfig, spec: EnvSpec, device: str = "cpu", sync: GroupSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
         self.metrics = metrics or Metrics("learner")

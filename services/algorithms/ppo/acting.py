@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.nets import ActorCritic, GreedyPolicy
+from services.algorithms.ppo.networks import ActorCritic
+from services.common.nets import GreedyPolicy
 
 
 class Acting:
     def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
         self.spec = spec
-        self.net = ActorCritic(spec, cfg.ppo.hidden_sizes, cfg.ppo.normalize_observations, cfg.ppo.obs_clip)
+        self.net = ActorCritic(spec, cfg.section("ppo").hidden_sizes, cfg.section("ppo").normalize_observations, cfg.section("ppo").obs_clip)
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, version: int | None, env_steps: int, mask: torch.Tensor | None = None

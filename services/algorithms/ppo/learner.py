@@ -17,12 +17,14 @@ import numpy as np
 import torch
 
 from kuberl.v1 import common_pb2 as pb
+from services.algorithms.group import GroupSync, average_over_group, finite_gradients
 from services.algorithms.checks import check_fits, skipped_step
-from services.common.config import PPOConfig
+from services.algorithms.ppo import PPO as PPOAlgorithm
+from services.algorithms.ppo.config import PPOConfig
 from services.common.fragments import Fragment, decode_fragment
-from services.common.nets import ActorCritic, EnvSpec, ObsNormalizer, resolve_device
+from services.algorithms.ppo.networks import ActorCritic
+from services.common.nets import EnvSpec, ObsNormalizer, resolve_device
 from services.common.stats import Metrics
-from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
@@ -107,7 +109,7 @@ class RewardNormalizer:
 
 
 class PPO:
-    def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
+    def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GroupSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
         self.metrics = metrics or Metrics("learner")
@@ -127,7 +129,8 @@ class PPO:
     def decode(self, batch: pb.TrainingBatch) -> list[Fragment]:
         """The batch's fragments, validated; raises ValueError (TensorError) naming what does not fit.
         Decoding refuses NaN and infinity in every float field (NonFiniteError, counted apart)."""
-        frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in batch.rollouts.fragments]
+        frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO, extras=PPOAlgorithm.fragment_extras)
+                 for m in batch.rollouts.fragments]
         for f in frags:
             check_fits(self.spec, f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions,
                        lead=(f.num_steps, f.num_envs), mask=f.action_mask)

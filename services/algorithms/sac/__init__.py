@@ -7,11 +7,13 @@ import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.base import Algorithm, ReplayTable
+from services.algorithms.sac.config import SACConfig
 from services.common.spaces import Box
 
 
 class SAC(Algorithm):
     name = "sac"
+    settings = SACConfig
     code = pb.ALGORITHM_SAC
     action_spaces = (Box,)
 
@@ -32,11 +34,11 @@ class SAC(Algorithm):
                              f"{spec.obs_dtype.name} frames {list(spec.obs_shape)}")
 
     def table(self, cfg) -> ReplayTable:
-        s = cfg.sac
+        s = self.section(cfg)
         return ReplayTable(s.buffer_size, s.learning_starts, s.replay_ratio, s.replay_ratio_tolerance)
 
     def batch_size(self, cfg) -> int:
-        return cfg.sac.batch_size
+        return self.section(cfg).batch_size
 
     def consumption_ratio(self, cfg) -> float:
-        return cfg.sac.replay_ratio
+        return self.section(cfg).replay_ratio

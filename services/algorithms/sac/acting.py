@@ -13,7 +13,7 @@ from services.common.nets import GreedyPolicy
 class Acting:
     def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
         self.spec, self.rng = spec, rng
-        self.net = SquashedGaussianActor(spec, cfg.sac.hidden_sizes)
+        self.net = SquashedGaussianActor(spec, cfg.section("sac").hidden_sizes)
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, version: int | None, env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

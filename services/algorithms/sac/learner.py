@@ -16,12 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services.algorithms.group import GroupSync, average_over_group, finite_gradients
 from services.algorithms.checks import TransitionLearner, skipped_step
 from services.algorithms.sac.networks import SquashedGaussianActor, TwinQ
-from services.common.config import SACConfig
+from services.algorithms.sac.config import SACConfig
 from services.common.nets import EnvSpec, resolve_device
 from services.common.stats import Metrics
-from services.learner.distributed import GradientSync, average_over_group, finite_gradients
 
 
 def critic_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
@@ -43,7 +43,7 @@ def alpha_loss(log_alpha: torch.Tensor, logp: torch.Tensor, target_entropy: floa
 
 
 class SAC(TransitionLearner):
-    def __init__(self, cfg: SACConfig, spec: EnvSpec, device: str = "cpu", sync: GradientSync | None = None,
+    def __init__(self, cfg: SACConfig, spec: EnvSpec, device: str = "cpu", sync: GroupSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
         self.metrics = metrics or Metrics("learner")

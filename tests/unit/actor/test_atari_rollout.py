@@ -9,7 +9,7 @@ import pytest
 from kuberl.v1 import common_pb2 as pb
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import RawFragment, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import decode

@@ -6,7 +6,7 @@ import pytest
 
 from services.actor.policy import Policy
 from services.algorithms.dqn.acting import epsilon_at, run_env_steps
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.nets import env_spec
 from services.common.stats import Metrics
 

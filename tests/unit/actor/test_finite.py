@@ -9,7 +9,7 @@ import pytest
 
 from services.actor.finite import BadEnvStep, Check
 from services.actor.rollout import Rollout
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import RawFragment, decode_fragment
 from services.common.nets import to_numpy
 from services.common.stats import Metrics

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from services.actor.rollout import Rollout
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict
 from services.common.nets import to_numpy
 from services.common.stats import Metrics
 

@@ -8,7 +8,7 @@ import pytest
 from kuberl.v1 import actor_pb2
 from kuberl.v1 import common_pb2 as pb
 from services.actor.sessions import SessionError, SessionHub
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import decode_fragment
 from services.common.nets import EnvSpec
 from services.common import spaces

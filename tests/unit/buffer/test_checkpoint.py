@@ -17,7 +17,7 @@ from services.buffer.compact import CompactReplay
 from services.buffer.main import parse_args
 from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict
 from services.common.stats import Metrics
 from tests.unit.fragment_factory import DQN, FrameEnvs, make_msg
 

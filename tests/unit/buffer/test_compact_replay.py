@@ -13,7 +13,7 @@ from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.compact import CompactReplay, frame_ring_size
 from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict
 from services.common.fragments import TRANSITION_FIELDS, Fragment, build_fragment, decode_fragment
 from services.common.stats import Metrics
 from services.common.tensors import TensorError

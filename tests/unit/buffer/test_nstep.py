@@ -13,7 +13,7 @@ from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.compact import CompactReplay
 from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict
 from services.common.fragments import build_fragment, decode_fragment
 from services.common.nets import EnvSpec
 from services.common.spaces import Discrete
@@ -148,7 +148,7 @@ def test_the_learner_bootstraps_each_row_with_its_own_discount(monkeypatch):
     """The batch's discount reaches the TD target in place of gamma, row by row."""
     import services.algorithms.dqn.learner as module
     spec = EnvSpec(obs_shape=(2,), obs_dtype=np.float32, action=Discrete(2))
-    learner = DQN(config().dqn, spec)
+    learner = DQN(config().section("dqn"), spec)
     seen = {}
     original = module.td_target
 

@@ -11,7 +11,7 @@ import torch
 
 from services.cli import evaluate
 from services.cli.trained import load_trained
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.heads import Head
 from services.common.spaces import Box, Discrete, MultiDiscrete
 from tests.helpers import eval_cli, video_frames

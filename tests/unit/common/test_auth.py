@@ -9,7 +9,7 @@ import pytest
 
 from services.common import auth
 from services.common.auth import AuthError, TokenStore, parse_tokens, read_client_token, scope_of
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict, load_role_config
 
 
 def _write(path, text: str) -> str:
@@ -117,7 +117,7 @@ def test_full_buckets_are_forgotten_when_there_are_many(monkeypatch):
 def test_role_flags_and_environment_over_the_auth_section(tmp_path, monkeypatch):
     """How a pod that mounts the token Secret gets its files with the shared ConfigMap's config
     (k8s/components/tokens): $KUBERL_AUTH_TOKEN_FILES and $KUBERL_TOKEN_FILE, or the flags over them."""
-    from services.common.runtime import base_parser, load_role_config
+    from services.common.runtime import base_parser
 
     config = tmp_path / "c.yaml"
     config.write_text("auth: {token_files: [/from/config], protect_reads: true}\n")

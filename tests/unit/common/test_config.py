@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import (ConfigError, EnvConfig, DQNConfig, ExperimentConfig, PPOConfig, config_from_dict,
-                                    dump_config, load_config)
+from services.algorithms.dqn.config import DQNConfig
+from services.algorithms.ppo.config import PPOConfig
+from services.common.config import ConfigError, EnvConfig
+from services.config import ExperimentConfig, config_from_dict, dump_config, load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -17,8 +19,8 @@ def test_defaults_are_ppo_on_cartpole():
     assert cfg == ExperimentConfig()
     assert cfg.algorithm == "ppo"
     assert cfg.env.id == "CartPole-v1"
-    assert cfg.rollout_steps == cfg.ppo.rollout_steps
-    assert cfg.hidden_sizes == cfg.ppo.hidden_sizes
+    assert cfg.rollout_steps == cfg.section("ppo").rollout_steps
+    assert cfg.hidden_sizes == cfg.section("ppo").hidden_sizes
 
 
 def test_derived_properties_follow_algorithm():
@@ -43,7 +45,7 @@ def test_from_dict_round_trips_through_to_dict():
                             "dqn": {"hidden_sizes": [16, 8, 4], "tau": 0.5}, "run": {"max_seconds": 12.5}})
     again = config_from_dict(cfg.to_dict())
     assert again == cfg
-    assert again.dqn.hidden_sizes == (16, 8, 4)
+    assert again.section("dqn").hidden_sizes == (16, 8, 4)
 
 
 def test_dump_then_load_gives_equal_config(tmp_path):
@@ -73,9 +75,9 @@ def test_every_shipped_config_loads(path):
 
 def test_example_dqn_config_reads_lists_and_ints_as_their_field_types():
     cfg = load_config(CONFIGS / "cartpole_dqn.yaml")
-    assert isinstance(cfg.dqn.hidden_sizes, tuple) and all(isinstance(h, int) for h in cfg.dqn.hidden_sizes)
+    assert isinstance(cfg.section("dqn").hidden_sizes, tuple) and all(isinstance(h, int) for h in cfg.section("dqn").hidden_sizes)
     assert isinstance(cfg.actor.max_env_steps_per_s, float)  # written as an int in the YAML
-    assert cfg.dqn.replay_ratio > 0  # the example is paced, as its comment says
+    assert cfg.section("dqn").replay_ratio > 0  # the example is paced, as its comment says
 
 
 def test_empty_yaml_file_gives_defaults(tmp_path):
@@ -86,8 +88,8 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
 
 def test_int_accepted_for_float_fields():
     cfg = config_from_dict({"ppo": {"learning_rate": 1, "ent_coef": 0}, "run": {"target_return": 475}})
-    assert cfg.ppo.learning_rate == 1.0 and isinstance(cfg.ppo.learning_rate, float)
-    assert isinstance(cfg.ppo.ent_coef, float)
+    assert cfg.section("ppo").learning_rate == 1.0 and isinstance(cfg.section("ppo").learning_rate, float)
+    assert isinstance(cfg.section("ppo").ent_coef, float)
     assert cfg.run.target_return == 475.0 and isinstance(cfg.run.target_return, float)
 
 
@@ -198,14 +200,14 @@ def test_yaml11_exponent_strings_are_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("ppo:\n  learning_rate: 1e-3\n  gamma: 9.9E-1\n")
     cfg = load_config(path)
-    assert cfg.ppo.learning_rate == 1e-3 and cfg.ppo.gamma == 0.99
+    assert cfg.section("ppo").learning_rate == 1e-3 and cfg.section("ppo").gamma == 0.99
 
 
 def test_empty_section_means_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("env:\nppo:\n  num_epochs: 2\n")
     cfg = load_config(path)
-    assert cfg.env == EnvConfig() and cfg.ppo.num_epochs == 2
+    assert cfg.env == EnvConfig() and cfg.section("ppo").num_epochs == 2
 
 
 @pytest.mark.parametrize("value,typename", [(3, "int"), ([1, 2], "list"), ("x", "str")])

@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import AtariConfig, ConfigError, EnvConfig, config_from_dict
+from services.common.config import AtariConfig, ConfigError, EnvConfig
+from services.config import config_from_dict
 from services.common.envs import atari_game, make_vector_env, spec_of
-from services.common.nets import ActorCritic, NatureCNN, QNetwork
+from services.algorithms.ppo.networks import ActorCritic
+from services.algorithms.dqn.networks import QNetwork
+from services.common.nets import NatureCNN
 
 pytest.importorskip("ale_py", reason="ale-py is in the actor extra")
 

@@ -261,9 +261,12 @@ def test_rejects_final_obs_of_other_dtype_than_obs():
 
 
 def test_rejects_ppo_fragment_without_behaviour_logprob():
+    """A receiver names the extras its algorithm needs (the buffer passes its algorithm's
+    `fragment_extras`); a fragment without one is refused naming it."""
     msg = good()
     msg.ClearField("behaviour_logprob")
-    reject(msg, "behaviour_logprob", "required but missing")
+    reject(msg, "behaviour_logprob", "required but missing", algorithm=PPO, extras=("behaviour_logprob",))
+    assert decode_fragment(msg).behaviour_logprob is None   # no extras required: none checked for
 
 
 def test_rejects_behaviour_logprob_of_wrong_shape():

@@ -10,7 +10,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-from services.common.config import ConfigError, TlsConfig, config_from_dict
+from services.common.tls import ConfigError, TlsConfig
+from services.config import config_from_dict
 from services.common.runtime import base_parser, with_tls_flags
 from services.common.tls import TlsError, _Reloading, channel_credentials, check_role
 from tests.certs import Pki

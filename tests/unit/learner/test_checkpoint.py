@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common import atomic
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.stats import Metrics
 from services.learner import checkpoint
 from services.learner.trainer import Trainer

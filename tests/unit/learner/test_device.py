@@ -7,7 +7,7 @@ import torch
 
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict
 from services.common.fragments import RawFragment
 from services.common.nets import resolve_device
 from services.common.stats import Metrics

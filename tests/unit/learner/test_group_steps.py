@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.stats import Metrics
 from services.learner.trainer import Trainer
 from tests.unit.learner.test_trainer_staleness import batch_of, msg, ppo_config

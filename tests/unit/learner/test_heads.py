@@ -9,7 +9,7 @@ from torch.distributions import Categorical, Independent, Normal
 
 from services.common.envs import EnvSpec
 from services.common.heads import MASKED_LOGIT, Head
-from services.common.nets import ActorCritic
+from services.algorithms.ppo.networks import ActorCritic
 from services.common.spaces import Box, Discrete, MultiDiscrete
 
 LOGITS = torch.tensor([[0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25]])

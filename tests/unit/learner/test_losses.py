@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import DQNConfig, PPOConfig
+from services.algorithms.dqn.config import DQNConfig
+from services.algorithms.ppo.config import PPOConfig
 from services.common.nets import EnvSpec
 from services.common.spaces import Discrete
 from services.algorithms.dqn.learner import DQN, td_target

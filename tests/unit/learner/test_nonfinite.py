@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.common.fragments import build_fragment
 from services.common.stats import Metrics
 from services.common.tensors import encode

@@ -9,8 +9,9 @@ import torch
 
 from services.actor.policy import Policy
 from services.algorithms.ppo.learner import PPO
-from services.common.config import config_from_dict
-from services.common.nets import ActorCritic, EnvSpec, ObsNormalizer, to_numpy
+from services.config import config_from_dict
+from services.algorithms.ppo.networks import ActorCritic
+from services.common.nets import EnvSpec, ObsNormalizer, to_numpy
 from services.common.spaces import Box, Discrete
 from services.common.stats import Metrics
 from services.common.weights import WeightsAssembler, encode_weights
@@ -71,7 +72,7 @@ class _GroupOfTwo:
 def test_the_learner_updates_the_statistics_and_actors_normalise_alike():
     cfg = config_from_dict({"ppo": {"normalize_observations": True, "hidden_sizes": [8], "batch_steps": 8,
                                     "num_minibatches": 2}})
-    learner = PPO(cfg.ppo, SPEC)
+    learner = PPO(cfg.section("ppo"), SPEC)
     frag = make_fragment(T=4, N=2)
     learner.update([frag])
     seen = frag.obs[:-1].reshape(-1, 3).astype(np.float64)
@@ -105,7 +106,7 @@ def test_every_head_sees_normalised_observations_and_carries_the_statistics(spac
 def test_a_group_merges_every_members_batch():
     cfg = config_from_dict({"ppo": {"normalize_observations": True, "hidden_sizes": [8], "batch_steps": 8,
                                     "num_minibatches": 2}})
-    learner = PPO(cfg.ppo, SPEC, sync=_GroupOfTwo())
+    learner = PPO(cfg.section("ppo"), SPEC, sync=_GroupOfTwo())
     frag = make_fragment(T=4, N=2)
     learner.update([frag])
     assert learner.net.obs_norm.count.item() == 2 * 4 * 2

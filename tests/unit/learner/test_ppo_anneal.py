@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.algorithms.ppo.learner import PPO
-from services.common.config import ConfigError, config_from_dict
+from services.config import ConfigError, config_from_dict
 from services.common.nets import EnvSpec
 from services.common.spaces import Discrete
 from tests.unit.fragment_factory import make_fragment
@@ -21,7 +21,7 @@ def ppo(**section) -> PPO:
     cfg = config_from_dict({"algorithm": "ppo", "ppo": {"hidden_sizes": [8], "num_epochs": 1, "num_minibatches": 1,
                                                          "learning_rate": 0.01, "clip_coef": 0.2, **section}})
     torch.manual_seed(0)
-    return PPO(cfg.ppo, SPEC)
+    return PPO(cfg.section("ppo"), SPEC)
 
 
 def test_the_rate_each_update_trains_at_falls_linearly_to_zero_and_stays_there():

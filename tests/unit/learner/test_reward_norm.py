@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.algorithms.ppo.learner import PPO
-from services.common.config import ConfigError, PPOConfig, config_from_dict
+from services.algorithms.ppo.config import PPOConfig
+from services.config import ConfigError, config_from_dict
 from services.common.fragments import build_fragment, decode_fragment
 from services.common.nets import EnvSpec
 from services.common.spaces import Discrete

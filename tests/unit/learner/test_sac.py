@@ -14,7 +14,8 @@ from torch.distributions import AffineTransform, Normal, TanhTransform, Transfor
 from services.algorithms.sac.acting import Acting
 from services.algorithms.sac.learner import SAC, actor_loss, alpha_loss, critic_target
 from services.algorithms.sac.networks import SquashedGaussianActor, squashed_log_prob
-from services.common.config import SACConfig, config_from_dict
+from services.algorithms.sac.config import SACConfig
+from services.config import config_from_dict
 from services.common.envs import EnvSpec
 from services.common.spaces import Box
 from services.common.stats import Metrics

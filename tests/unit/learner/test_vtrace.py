@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import PPOConfig
+from services.algorithms.ppo.config import PPOConfig
 from services.common.fragments import build_fragment, decode_fragment
 from services.common.nets import EnvSpec
 from services.common.spaces import Discrete

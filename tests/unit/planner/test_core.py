@@ -7,7 +7,7 @@ backends, a real 409 included, are exercised in tests/integration)."""
 from __future__ import annotations
 
 from kuberl.v1 import planner_pb2 as ppb
-from services.common.config import config_from_dict
+from services.config import config_from_dict
 from services.planner.backend import ApplyResult, Conflict, Replica, RoleState
 from services.planner.core import Planner
 from tests.helpers import TINY_PPO

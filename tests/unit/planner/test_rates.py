@@ -79,7 +79,7 @@ def test_a_paced_actor_is_measured_by_what_it_produces_when_not_held_for_weights
     """On-policy pacing holds an actor that outruns the learner; the planner must see its capacity
     (steps over the time it was not held), or it would add actors the learner cannot feed."""
     from services.actor.policy import Pace
-    from services.common.config import config_from_dict
+    from services.config import config_from_dict
     from services.common.stats import Metrics
     from services.planner.core import COUNTERS
 

@@ -1,0 +1,31 @@
+"""DQN's network (torch): Q-values over a discrete action space."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.common.nets import EnvSpec, NatureCNN, is_image, layer, mlp
+
+
+class QNetwork(nn.Module):
+    """Q(s, .) for discrete actions: an MLP over flat observations, or the Nature CNN over frames
+    (then `hidden` is unused: the CNN's 512-unit layer is the hidden layer)."""
+
+    def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
+        super().__init__()
+        if is_image(spec):
+            torso = NatureCNN(spec)
+            self.q = nn.Sequential(torso, layer(torso.features, spec.num_actions, std=1.0))
+            self._flat = False
+        else:
+            self.q = mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
+            self._flat = True
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q(obs.flatten(1).float() if self._flat else obs)
+
+    def mode(self, obs: torch.Tensor) -> torch.Tensor:
+        """The greedy action: argmax_a Q(s, a)."""
+        return self(obs).argmax(dim=1)

@@ -1,0 +1,86 @@
+"""PPO's settings: the `ppo` section of the experiment config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.settings import require
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO (clipped objective, GAE), as in CleanRL's ppo.py; a batch is whole fragments."""
+    rollout_steps: int = 64           # T: steps per env in one fragment
+    batch_steps: int = 512            # steps per learner batch (whole fragments, at least this many)
+    num_epochs: int = 10              # passes over each batch (SB3's default; bench/zoo.py: 4 left CartPole
+                                      # short of 475 in 100k steps and took Acrobot 63k steps to -100, 10 took 46.8k)
+    num_minibatches: int = 4          # minibatches per epoch
+    learning_rate: float = 1e-3
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    norm_adv: bool = True
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    # Staleness bound (docs/architecture.md section 4): a fragment whose policy_version is more than
+    # this many learner updates (batches) behind when it is consumed is stale. None = no bound.
+    max_policy_lag: int | None = 8
+    # What happens to stale fragments: "correct" (trained on with V-trace targets and truncated
+    # importance weights, Espeholt et al. 2018) or "drop" (counted, never trained on). docs/staleness.md
+    # measured correct reaching a return of 475 on CartPole in 6.8 s against 9.8 s for drop.
+    stale_fragments: str = "correct"
+    vtrace_rho_bar: float = 1.0       # truncation of the importance weight rho in V-trace
+    vtrace_c_bar: float = 1.0         # truncation of the trace-cutting weight c in V-trace
+    # Rewards are multiplied by this before returns and advantages are computed (the episode returns
+    # kuberl reports stay unscaled). Continuous-control rewards such as Pendulum's -16..0 give value
+    # targets in the hundreds; a scale of 0.1 keeps them near 1, as SB3's VecNormalize does adaptively.
+    reward_scale: float = 1.0
+    # Observations normalised by a running mean and variance, clipped to +-obs_clip (gymnasium's
+    # NormalizeObservation, SB3's VecNormalize), for flat (non-image) observations. The statistics
+    # are buffers of the network: the learner updates them from every batch it trains on (summed over
+    # a learner group) and they reach actors with the weights, so both normalise alike.
+    normalize_observations: bool = False
+    obs_clip: float = 10.0
+    # Rewards divided by the running standard deviation of each env's discounted return and clipped
+    # to +-reward_clip before returns and advantages are computed (SB3's VecNormalize norm_reward,
+    # gymnasium's NormalizeReward). The learner keeps the statistics (in its checkpoints) and each
+    # env's running return across fragments; the episode returns kuberl reports stay unscaled. On by
+    # default, as Sample Factory's normalize_returns: bench/zoo.py measured CartPole 92.2k/67.6k env
+    # steps to 475 without it and 63.5k/60.5k with it, Acrobot 45.9k/38.9k and 24.1k/18.3k to -100.
+    normalize_rewards: bool = True
+    reward_clip: float = 10.0
+    # Linear annealing (CleanRL's anneal_lr, rl-baselines3-zoo's "lin_" schedules): the learning rate,
+    # and the clip range where anneal_clip is set, fall linearly from their values above to 0 over
+    # this many updates (batches; the learner's version), and stay at 0 after. None: constant.
+    anneal_updates: int | None = None
+    anneal_clip: bool = False
+
+    def __post_init__(self):
+        require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
+        require(self.obs_clip > 0, "obs_clip", self.obs_clip, "must be > 0")
+        require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")
+        require(self.max_policy_lag is None or self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag,
+                "must be >= 0 (0 = train only on fragments from the current policy), or null for no bound")
+        require(self.stale_fragments in ("drop", "correct"), "stale_fragments", self.stale_fragments,
+                "must be 'drop' or 'correct'")
+        require(self.vtrace_rho_bar > 0 and self.vtrace_c_bar > 0, "vtrace_rho_bar",
+                (self.vtrace_rho_bar, self.vtrace_c_bar), "V-trace truncation levels must be > 0")
+        require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
+        require(self.batch_steps >= 1, "batch_steps", self.batch_steps, "must be >= 1")
+        require(self.num_epochs >= 1, "num_epochs", self.num_epochs, "must be >= 1")
+        require(self.anneal_updates is None or self.anneal_updates >= 1, "anneal_updates", self.anneal_updates,
+                "must be >= 1 (updates to anneal over), or null for constant rates")
+        require(not self.anneal_clip or self.anneal_updates is not None, "anneal_clip", self.anneal_clip,
+                "needs anneal_updates (the updates to anneal the clip range over)")
+        require(1 <= self.num_minibatches <= self.batch_steps, "num_minibatches", self.num_minibatches,
+                "must be 1..batch_steps, or minibatches would be empty")
+        require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
+        require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        require(self.clip_coef > 0, "clip_coef", self.clip_coef, "must be > 0")
+        require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
+        require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes,
+                "every layer needs a positive width")
