@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 STORE_PREFIX = "kuberl/learners/"   # this package's keys in rank 0's store
 POLL_S = 0.05                       # how often a member waiting for the others reads the store
+KEEPALIVE_S = 10.0                  # a member that joined and is not heard from for this long is given up
+GLOO_CONNECT_S = 20.0               # gloo's connections are made within this long of `go`
+STORE_ATTEMPT_S = 1.0               # a member tries to reach rank 0's store in attempts this long
 
 
 class GroupBroken(RuntimeError):
@@ -92,24 +96,42 @@ class Rendezvous:
     The contract, in the store under STORE_PREFIX (rank 0 alone writes `generation`, `open`, `go`, `gone`):
     - Rank 0 hosts the store from its first formation until its process ends, so generation numbers
       only grow while anybody can read them; a restarted rank 0 starts a new store, and the others
-      connect to it afresh (each of their formations opens a new connection).
+      connect to it afresh (each of their formations opens a new connection). A member tries to connect
+      in attempts of `store_attempt_s` until its deadline, and `abandon` is honoured between them, so a
+      size change or a stop is not held up behind a rank 0 that is down.
     - Rank 0 opens generation g for n members: g = the store's atomic add on `generation`, then
       `open` = "g n".
     - A member of rank r joins the generation `open` names if it is for the member's own size n and
       neither closed (`g/<g>/go`) nor given up (`g/<g>/gone`): it writes `g/<g>/rank/<r>`. Otherwise it
       waits for the next one. So a pod that joins late (restarted) finds the current generation, and
-      one that reads `open` before rank 0 has left the previous group waits for rank 0.
+      one that reads `open` before rank 0 has left the previous group waits for rank 0. Until rank 0's
+      word, a member that joined adds 1 to its heartbeat `g/<g>/alive/<r>` at each read (every POLL_S).
     - Rank 0 closes g (writes `go`) once ranks 1..n-1 have all joined it, or gives it up (writes
-      `gone`: timeout, or `abandon`). On `go` every member builds gloo in the namespace `g/<g>/gloo/`,
-      where no key of another generation lies; on `gone` the members that joined look for the next.
+      `gone`): at the timeout, on `abandon`, or once a member that joined has not moved its heartbeat
+      for `keepalive_s` (it died: GroupBroken naming it, after `keepalive_s` rather than the timeout; as
+      TorchElastic's rendezvous keep-alive, but judged by rank 0's own clock between its own reads, so
+      neither clocks that differ nor a pause of rank 0 count anybody dead). On `gone` the members that
+      joined look for the next generation.
+    - On `go` every member builds gloo in the namespace `g/<g>/gloo/`, where no key of another
+      generation lies. Its connections must be made within `gloo_connect_s` (a member that dies after
+      `go` breaks the formation for the others after that long, GroupBroken, not after the timeout);
+      the group's collectives then wait up to `timeout_s` for a slow peer.
+    - Once g is closed, rank 0 deletes every key of the generations before it, gloo's included: nobody
+      needs them, because a member still waiting on an earlier generation finds `open` naming a later one
+      and takes its own as given up. So the store holds the keys of the last closed generation and of
+      those opened since (and, at most, a heartbeat a late member wrote after the deletion, deleted at
+      the next close).
 
-    `form` blocks for at most `timeout_s` (then GroupBroken). `abandon` set makes it raise
-    FormationAbandoned at its next read of the store, except in a member that has joined a generation:
-    rank 0 may be closing it with that member counted in, so it waits for `go` or `gone`."""
+    `form` waits for the others at most `timeout_s`, and for gloo's connections at most `gloo_connect_s`
+    more (then GroupBroken). `abandon` set makes it raise FormationAbandoned at its next read of the
+    store, except in a member that has joined a generation: rank 0 may be closing it with that member
+    counted in, so it waits for `go` or `gone`."""
 
-    def __init__(self, address: str, rank: int, timeout_s: float = 120.0):
+    def __init__(self, address: str, rank: int, timeout_s: float = 120.0, *, keepalive_s: float = KEEPALIVE_S,
+                 gloo_connect_s: float = GLOO_CONNECT_S, store_attempt_s: float = STORE_ATTEMPT_S):
         self.host, self.port = host_port(address)
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
+        self.keepalive_s, self.gloo_connect_s, self.store_attempt_s = keepalive_s, gloo_connect_s, store_attempt_s
         self.token = f"{os.getpid()}-{time.monotonic_ns()}"   # names this process's entries, for debugging
         self._server: dist.Store | None = None   # rank 0: the store it hosts, kept across generations
 
@@ -120,11 +142,10 @@ class Rendezvous:
         deadline = time.monotonic() + self.timeout_s
         log.info("joining a group of %d learners as rank %d (rendezvous %s)", world_size, self.rank, self.address)
         try:
-            store = self._store()
+            store = self._store(deadline, abandon)
             g = self._open(store, world_size, deadline, abandon) if self.rank == 0 else \
                 self._join(store, world_size, deadline, abandon)
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g/{g}/gloo/", store), self.rank, world_size,
-                                       timedelta(seconds=self.timeout_s))
+            pg = self._connect(store, g, world_size)
         except GroupBroken:
             raise
         except Exception as err:  # noqa: BLE001 - torch raises several kinds; all mean the same here
@@ -132,27 +153,52 @@ class Rendezvous:
         log.info("group of %d learners formed (generation %d)", world_size, g)
         return GradientSync(spec, pg, g)
 
-    def _store(self) -> dist.Store:
-        timeout = timedelta(seconds=self.timeout_s)
+    def _store(self, deadline: float, abandon: threading.Event) -> dist.Store:
         if self.rank == 0:
             if self._server is None:
                 self._server = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
-                                             timeout=timeout)
+                                             timeout=timedelta(seconds=self.timeout_s))
             store = self._server
         else:   # a new client each time: rank 0 may have restarted since (and with it, its store)
-            store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=timeout)
+            store = self._client(deadline, abandon)
         return dist.PrefixStore(STORE_PREFIX, store)
+
+    def _client(self, deadline: float, abandon: threading.Event) -> dist.TCPStore:
+        """A new connection to rank 0's store, tried every `store_attempt_s` until `deadline` (GroupBroken)
+        or `abandon` (FormationAbandoned)."""
+        reported = False
+        while True:
+            started = time.monotonic()
+            try:
+                # A plain socket probes first: torch's client retries inside its constructor until its
+                # timeout, deaf to `abandon`, and logs a stack trace at every try.
+                socket.create_connection((self.host, self.port), timeout=self.store_attempt_s).close()
+                client = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=self.store_attempt_s))
+                client.set_timeout(timedelta(seconds=self.timeout_s))   # what a read may wait, from now on
+                return client
+            except (OSError, dist.DistError) as err:
+                if not reported:
+                    log.info("rank 0's store at %s is not reachable yet (%s); trying every %.1f s", self.address,
+                             err, self.store_attempt_s)
+                    reported = True
+                if abandon.wait(max(0.0, started + self.store_attempt_s - time.monotonic())):
+                    raise FormationAbandoned(f"stopped trying to reach rank 0's store at {self.address}") from err
+                if time.monotonic() > deadline:
+                    raise GroupBroken(f"waited {self.timeout_s:.0f} s for rank 0's store at {self.address}: "
+                                      f"{err}") from err
 
     def _open(self, store: dist.Store, n: int, deadline: float, abandon: threading.Event) -> int:
         g = store.add("generation", 1)
         store.set("open", f"{g} {n}")
-        others = [f"g/{g}/rank/{r}" for r in range(1, n)]
+        roll = _Roll(store, g, n, self.keepalive_s)
         try:
-            self._wait(lambda: store.check(others), deadline, abandon, f"ranks 1..{n - 1} to join generation {g}")
+            self._wait(roll.complete, deadline, abandon, f"ranks 1..{n - 1} to join generation {g}")
         except BaseException:
             store.set(f"g/{g}/gone", self.token)   # those that joined it look for the next one
             raise
         store.set(f"g/{g}/go", self.token)
+        _forget_before(store, g)
         return g
 
     def _join(self, store: dist.Store, n: int, deadline: float, abandon: threading.Event) -> int:
@@ -161,11 +207,20 @@ class Rendezvous:
                            f"rank 0 to open a generation for {n} learners")
             store.set(f"g/{g}/rank/{self.rank}", self.token)
             # Joined, it waits for rank 0's word however `abandon` stands: rank 0 may be closing g with
-            # it counted in, and gloo would then wait for it until the timeout.
-            outcome = self._wait(lambda g=g: _outcome(store, g), deadline, None, f"the others to join generation {g}")
+            # it counted in, and gloo would then wait for it until `gloo_connect_s`.
+            outcome = self._wait(lambda g=g: _outcome(store, g, self.rank), deadline, None,
+                                 f"the others to join generation {g}")
             if outcome == "go":
                 return g
             log.info("rank 0 gave generation %d up; joining its next", g)
+
+    def _connect(self, store: dist.Store, g: int, n: int) -> dist.ProcessGroupGloo:
+        """Gloo's connections among the n members of generation g, made within `gloo_connect_s`; its
+        collectives then wait up to `timeout_s` (a peer may be slow: rank 0 loading a checkpoint)."""
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"g/{g}/gloo/", store), self.rank, n,
+                                   timedelta(seconds=self.gloo_connect_s))
+        pg.set_timeout(timedelta(seconds=self.timeout_s))
+        return pg
 
     def _wait(self, ready, deadline: float, abandon: threading.Event | None, what: str):
         """ready()'s first truthy value, read every POLL_S; GroupBroken past `deadline`, FormationAbandoned
@@ -187,9 +242,43 @@ def _joinable(store: dist.Store, n: int) -> int | None:
     return g if size == n and not store.check([f"g/{g}/go"]) and not store.check([f"g/{g}/gone"]) else None
 
 
-def _outcome(store: dist.Store, g: int) -> str | None:
-    """What became of generation g, which this member joined: "go" (closed: build gloo), "gone" (rank 0
-    gave it up, or opened a later one), or None (still open)."""
+class _Roll:
+    """Rank 0's roll of generation g for n members: who has joined, and whether they still live. A member
+    that joined lives while its heartbeat `g/<g>/alive/<r>` moves between rank 0's reads; one whose
+    heartbeat has not moved for `keepalive_s` of rank 0's clock is taken for dead."""
+
+    def __init__(self, store: dist.Store, g: int, n: int, keepalive_s: float):
+        self.store, self.g, self.n, self.keepalive_s = store, g, n, keepalive_s
+        self.heard: dict[int, tuple[int, float]] = {}   # rank -> (its heartbeat, when rank 0 saw it move)
+
+    def complete(self) -> bool:
+        """Whether ranks 1..n-1 have all joined; GroupBroken once one that joined is taken for dead."""
+        now = time.monotonic()
+        for r in range(1, self.n):
+            if r not in self.heard and not self.store.check([f"g/{self.g}/rank/{r}"]):
+                continue
+            beat = self.store.add(f"g/{self.g}/alive/{r}", 0)
+            last, since = self.heard.get(r, (None, now))
+            if beat != last:
+                self.heard[r] = (beat, now)
+            elif now - since > self.keepalive_s:
+                raise GroupBroken(f"rank {r} joined generation {self.g} but has not been heard from for "
+                                  f"{self.keepalive_s:g} s (its learner died?)")
+        return len(self.heard) == self.n - 1
+
+
+def _forget_before(store: dist.Store, g: int) -> None:
+    """Delete the keys of every generation before g (`store` is rank 0's, under STORE_PREFIX)."""
+    for key in store.list_keys():   # (a PrefixStore lists its own keys, without its prefix)
+        parts = key.split("/")
+        if parts[0] == "g" and int(parts[1]) < g:
+            store.delete_key(key)
+
+
+def _outcome(store: dist.Store, g: int, rank: int) -> str | None:
+    """What became of generation g, which this member (`rank`) joined: "go" (closed: build gloo), "gone"
+    (rank 0 gave it up, or opened a later one), or None (still open). Each read is a heartbeat for rank 0."""
+    store.add(f"g/{g}/alive/{rank}", 1)
     if store.check([f"g/{g}/go"]):
         return "go"
     if store.check([f"g/{g}/gone"]) or int(store.get("open").split()[0]) != g:

@@ -181,7 +181,8 @@ async def form_group(rendezvous: Rendezvous, world_size: int, stop: asyncio.Even
     unless `stop` is set first (StoppedBeforeGroupFormed) or `changed` (the membership's next size)
     completes first (FormationAbandoned); either way the thread gives up at its next read of the store."""
     # A daemon thread of its own, not the default executor: the event loop's shutdown joins the
-    # executor's threads, and this one may stay blocked in gloo's connections until the timeout.
+    # executor's threads, and this one may stay blocked in gloo's connections for up to
+    # gloo_connect_s (services/learner/distributed.py).
     loop = asyncio.get_running_loop()
     forming, abandon = loop.create_future(), threading.Event()
 

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import threading
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
+import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kuberl.v1 import learner_pb2_grpc
 from services.common.procs import free_port
+from services.learner.distributed import STORE_PREFIX, host_port
 from services.learner.membership import MembershipError, ScaleReader, split_ordinal
 from tests.helpers import TINY_PPO, Service, stats, wait_for, write_config
 
@@ -232,6 +235,10 @@ def test_a_group_resized_with_members_staying_in_it_forms_again_at_once(tmp_path
         _trains_on(learners, 2, "the group of 2 training after the scale-up was taken back")
         assert [_stat(lrn, "learner/group_reforms_total") for lrn in learners] == [3, 3]
         assert "while a group of 3 forms: giving it up" in learners[0].output()
+        # Rank 0's store holds the keys of the group training now, and of no generation before it.
+        store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(*host_port(rendezvous), is_master=False,
+                                                              wait_for_workers=False, timeout=timedelta(seconds=10)))
+        assert len({key.split("/")[1] for key in store.list_keys() if key.startswith("g/")}) == 1, store.list_keys()
 
         # Every group formed at its first try: none waited out the rendezvous timeout and broke.
         assert [_stat(lrn, "learner/group_formation_failures_total") for lrn in learners] == [0, 0]
