@@ -70,7 +70,7 @@ def single_process_sac(cfg, target: float, window: int, max_steps: int) -> dict:
                           actions=act[None], rewards=r[None].astype(np.float32), terminated=term[None],
                           truncated=trunc[None], final_obs=np.array([info["final_obs"][i] for i in done],
                                                                      np.float32).reshape(-1, *spec.obs_shape),
-                          final_index=done.astype(np.int64), behaviour_logprob=None))
+                          final_index=done.astype(np.int64)))
         ep_ret += r
         for i in done:
             returns.append(ep_ret[i])
@@ -133,7 +133,7 @@ def single_process_ppo(cfg, target: float, window: int, max_steps: int) -> dict:
         frag = Fragment(actor_id="single", seq=0, policy_version=ppo.version, incarnation=0, algorithm=pb.ALGORITHM_PPO,
                         env_ids=tuple(range(n)), obs=o, actions=a, rewards=r, terminated=term, truncated=trunc,
                         final_obs=np.array(fin_obs, np.float32).reshape(-1, *spec.obs_shape),
-                        final_index=np.array(fin_idx, np.int64), behaviour_logprob=lp)
+                        final_index=np.array(fin_idx, np.int64), extras={"behaviour_logprob": lp})
         ppo.update([frag])
     return {"seconds": time.monotonic() - started, "env_steps": steps, "reached": False}
 

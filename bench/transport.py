@@ -162,7 +162,7 @@ def fragment_kwargs(actor_id: str, seq: int, obs: np.ndarray) -> dict:
                 obs=obs, actions=np.zeros((T, N), np.int64), rewards=np.zeros((T, N), np.float32),
                 terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
                 final_obs=np.empty((0, *obs.shape[2:]), obs.dtype), final_index=np.empty(0, np.int64),
-                behaviour_logprob=np.zeros((T, N), np.float32))
+                extras={"behaviour_logprob": np.zeros((T, N), np.float32)})
 
 
 def make_fragment(actor_id: str, seq: int, obs: np.ndarray):

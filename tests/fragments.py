@@ -24,4 +24,4 @@ def make_fragment(actor_id: str = "actor-t", seq: int = 0, *, T: int = 4, N: int
         actor_id=actor_id, seq=seq, policy_version=version, algorithm=algorithm, env_ids=range(N), obs=obs,
         actions=np.ones((T, N), np.int64), rewards=np.ones((T, N), np.float32), terminated=terminated,
         truncated=np.zeros((T, N), bool), final_obs=final_obs, final_index=final_index,
-        behaviour_logprob=np.full((T, N), -0.7, np.float32) if algorithm == pb.ALGORITHM_PPO else None)
+        extras={"behaviour_logprob": np.full((T, N), -0.7, np.float32)} if algorithm == pb.ALGORITHM_PPO else None)

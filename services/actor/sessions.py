@@ -337,7 +337,7 @@ class SessionHub:
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(s.final_index, np.int64),
             action_mask=b["action_mask"][:t] if s.masked else None,
-            **{name: b[name][:t] for name in self.algorithm.fragment_extras})
+            extras={name: b[name][:t] for name in self.algorithm.fragment_extras})
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
         self.on_fragment(msg)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,8 +45,9 @@ class Fragment:
     truncated: np.ndarray          # [T, N] bool
     final_obs: np.ndarray          # [K, *obs_shape]
     final_index: np.ndarray        # [K] int64, flat t * N + n
-    behaviour_logprob: np.ndarray | None  # [T, N] float32, where the algorithm's fragment_extras has it
     action_mask: np.ndarray | None = None  # [T, N, M] bool: the actions allowed at obs[t]; None: all
+    # The algorithm's per-step float32 tensors [T, N, ...] by name (its `fragment_extras`).
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -74,6 +76,9 @@ _FIELD_NUMBERS = {f.name: f.number for f in pb.TrajectoryFragment.DESCRIPTOR.fie
 _TENSOR_FIELDS = {f.number: f.name for f in pb.Tensor.DESCRIPTOR.fields}
 _TENSOR_NAMES = frozenset(f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields
                           if f.message_type is pb.Tensor.DESCRIPTOR)
+_EXTRAS = _FIELD_NUMBERS["extras"]
+MAX_EXTRAS = 16             # extras a fragment may carry
+MAX_EXTRA_NAME = 64         # characters of an extra's name
 
 
 class RawTensor:
@@ -110,6 +115,7 @@ class RawFragment:
         self.created_unix_s = 0.0
         self.env_ids: list[int] = []
         self._tensors: dict[str, RawTensor] = {}
+        self.extras: dict[str, RawTensor] = {}
         self.error: str | None = None
         try:
             self._read(memoryview(data))
@@ -122,7 +128,11 @@ class RawFragment:
             if fd is None:
                 continue  # an unknown (newer) field: skipped, as protobuf does
             name = fd.name
-            if name in _TENSOR_NAMES:
+            if number == _EXTRAS:
+                if wire_type != wire.LEN:
+                    raise wire.WireError(f"extras has wire type {wire_type}")
+                self._read_extra(value)
+            elif name in _TENSOR_NAMES:
                 if wire_type != wire.LEN:
                     raise wire.WireError(f"{name} has wire type {wire_type}")
                 if name in self._tensors:  # never written by a protobuf encoder; refused, not merged
@@ -139,6 +149,20 @@ class RawFragment:
                 setattr(self, name, value)
             else:
                 raise wire.WireError(f"{name} has wire type {wire_type}")
+
+    def _read_extra(self, buf: memoryview) -> None:
+        """One entry of the `extras` map: key (1) and value (2)."""
+        key, value = "", None
+        for number, wire_type, v in wire.fields(buf):
+            if number == 1 and wire_type == wire.LEN:
+                key = str(v, "utf-8")
+            elif number == 2 and wire_type == wire.LEN:
+                value = RawTensor(v)
+            else:
+                raise wire.WireError(f"an extras entry has field {number} of wire type {wire_type}")
+        if key in self.extras:  # never written by a protobuf encoder; refused, not merged
+            raise wire.WireError(f"extras.{key} appears twice")
+        self.extras[key] = value if value is not None else RawTensor(memoryview(b""))
 
     def HasField(self, name: str) -> bool:  # noqa: N802 (the generated messages' name)
         return name in self._tensors
@@ -165,7 +189,7 @@ def new_incarnation() -> int:
 def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
                    obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
-                   behaviour_logprob: np.ndarray | None = None, action_mask: np.ndarray | None = None,
+                   extras: Mapping[str, np.ndarray] | None = None, action_mask: np.ndarray | None = None,
                    incarnation: int = 0) -> pb.TrajectoryFragment:
     """Encode one fragment (arrays shaped as in TrajectoryFragment) into its wire message."""
     msg = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version, incarnation=incarnation,
@@ -178,10 +202,10 @@ def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: i
     encode(truncated.astype(bool, copy=False), msg.truncated)
     encode(final_obs, msg.final_obs)
     encode(final_index.astype(np.int64, copy=False), msg.final_index)
-    if behaviour_logprob is not None:
-        encode(behaviour_logprob.astype(np.float32, copy=False), msg.behaviour_logprob)
     if action_mask is not None:
         encode(action_mask.astype(bool, copy=False), msg.action_mask)
+    for name, arr in sorted((extras or {}).items()):
+        encode(arr.astype(np.float32, copy=False), msg.extras[name])
     return msg
 
 
@@ -200,7 +224,7 @@ class EncodedFragment:
 def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
                     obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                     truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
-                    behaviour_logprob: np.ndarray | None = None, action_mask: np.ndarray | None = None,
+                    extras: Mapping[str, np.ndarray] | None = None, action_mask: np.ndarray | None = None,
                     created_unix_s: float | None = None, incarnation: int = 0) -> EncodedFragment:
     """`build_fragment(...).SerializeToString()`, byte for byte, with the tensor data copied once.
 
@@ -215,13 +239,17 @@ def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: 
     tensors = [("obs", obs), ("actions", actions), ("rewards", rewards.astype(np.float32, copy=False)),
                ("terminated", terminated.astype(bool, copy=False)), ("truncated", truncated.astype(bool, copy=False)),
                ("final_obs", final_obs), ("final_index", final_index.astype(np.int64, copy=False))]
-    if behaviour_logprob is not None:
-        tensors.append(("behaviour_logprob", behaviour_logprob.astype(np.float32, copy=False)))
     if action_mask is not None:
         tensors.append(("action_mask", action_mask.astype(bool, copy=False)))
     for name, arr in tensors:  # in field-number order, as the protobuf runtime writes them
         t_head, data = encode_parts(arr)
         parts += [wire.len_prefix(_FIELD_NUMBERS[name], len(t_head) + len(data)), t_head, data]
+    for name, arr in sorted((extras or {}).items()):   # map entries: key (1), value (2)
+        key = name.encode()
+        t_head, data = encode_parts(arr.astype(np.float32, copy=False))
+        entry = len(wire.len_prefix(1, len(key))) + len(key) + len(wire.len_prefix(2, len(t_head) + len(data)))
+        parts += [wire.len_prefix(_EXTRAS, entry + len(t_head) + len(data)), wire.len_prefix(1, len(key)), key,
+                  wire.len_prefix(2, len(t_head) + len(data)), t_head, data]
     parts.append(pb.TrajectoryFragment(
         created_unix_s=time.time() if created_unix_s is None else created_unix_s).SerializeToString())
     return EncodedFragment(seq, int(rewards.size), b"".join(parts))
@@ -247,9 +275,10 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
                     extras: tuple[str, ...] | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Fragment:
     """Validate a TrajectoryFragment and return it decoded (zero-copy views of its bytes).
 
-    `algorithm`, when given, is the only algorithm accepted, and `extras` the per-step fields beyond
-    the common ones that its fragments must carry (the receiving algorithm's `fragment_extras`); None
-    requires none, and checks those present. Raises TensorError naming the field.
+    `algorithm`, when given, is the only algorithm accepted, and `extras` the names of the extras its
+    fragments carry (the receiving algorithm's `fragment_extras`): each is required and no other is
+    taken. None requires none and checks whichever are present. Raises TensorError naming the field
+    (`extras.<name>` for an extra).
     `msg` may be a RawFragment (the zero-copy read of the serialized bytes); its arrays are then
     views of those bytes.
     """
@@ -297,20 +326,31 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
             "final_obs", lambda: f"must be {obs.dtype.name} [K={len(final_index)}, *obs_shape={list(obs.shape[2:])}], "
                          f"got {final_obs.dtype.name} {list(final_obs.shape)}")
 
-    logprob = get("behaviour_logprob", present=extras is not None and "behaviour_logprob" in extras)
-    if logprob is not None:
-        _expect(logprob.shape == (T, N) and logprob.dtype == np.float32, "behaviour_logprob",
-                lambda: f"must be float32 [T={T}, N={N}], got {logprob.dtype.name} {list(logprob.shape)}")
+    given = dict(msg.extras)
+    _expect(len(given) <= MAX_EXTRAS, "extras", lambda: f"{len(given)} extras, at most {MAX_EXTRAS}")
+    for name in extras or ():
+        _expect(name in given, f"extras.{name}", "is required but missing")
+    decoded = {}
+    for name, tensor in sorted(given.items()):
+        _expect(0 < len(name) <= MAX_EXTRA_NAME, "extras", lambda: f"names are 1..{MAX_EXTRA_NAME} characters")
+        _expect(extras is None or name in extras, f"extras.{name}",
+                lambda: f"is not a field of {algorithm_name(msg.algorithm)} fragments "
+                        f"(it takes {', '.join(extras) or 'no extras'})")
+        arr = decode(tensor, f"extras.{name}", max_elements)
+        _expect(arr.ndim >= 2 and arr.shape[:2] == (T, N) and arr.dtype == np.float32, f"extras.{name}",
+                lambda: f"must be float32 [T={T}, N={N}, ...], got {arr.dtype.name} {list(arr.shape)}")
+        decoded[name] = arr
     mask = get("action_mask", present=False)
     if mask is not None:
         _expect(mask.ndim == 3 and mask.shape[:2] == (T, N) and mask.dtype == np.bool_, "action_mask",
                 lambda: f"must be bool [T={T}, N={N}, M], got {mask.dtype.name} {list(mask.shape)}")
     # Bad data is bad input: refused here, where it arrives, rather than stored to poison every batch
     # that samples it (a learner would skip those whole, services/algorithms/checks.py).
-    check_finite({"obs": obs, "final_obs": final_obs, "actions": actions, "behaviour_logprob": logprob})
+    check_finite({"obs": obs, "final_obs": final_obs, "actions": actions,
+                  **{f"extras.{name}": arr for name, arr in decoded.items()}})
     return Fragment(actor_id=msg.actor_id, seq=msg.seq, policy_version=msg.policy_version,
                     incarnation=msg.incarnation, algorithm=msg.algorithm, env_ids=tuple(msg.env_ids), obs=obs, actions=actions,
-                    final_obs=final_obs, final_index=final_index, behaviour_logprob=logprob, action_mask=mask,
+                    final_obs=final_obs, final_index=final_index, action_mask=mask, extras=decoded,
                     **step_fields)
 
 

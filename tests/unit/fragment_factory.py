@@ -41,7 +41,7 @@ def fragment_arrays(T: int = 3, N: int = 2, obs_shape: tuple[int, ...] = (3,), *
                rewards=(base + np.arange(T * N)).reshape(T, N).astype(np.float32),
                terminated=term, truncated=trunc, final_obs=final_obs, final_index=final_index)
     if with_logprob:
-        out["behaviour_logprob"] = np.full((T, N), np.log(0.5), np.float32)
+        out["extras"] = {"behaviour_logprob": np.full((T, N), np.log(0.5), np.float32)}
     return out
 
 

@@ -13,6 +13,7 @@ import pytest
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.algorithms.base import FifoTable, ReplayTable
+from services.common.fragments import MAX_EXTRA_NAME
 from services.common.nets import env_spec
 from services.common.settings import require
 from services.config import ConfigError, config_from_dict
@@ -36,8 +37,9 @@ def test_every_algorithm_has_every_part(name):
     replay = isinstance(table, ReplayTable)
     assert algo.batch_size(cfg) == (section.batch_size if replay else section.batch_steps)
     assert algo.consumption_ratio(cfg) == (section.replay_ratio if replay else 1.0)
-    tensors = {f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields if f.message_type is pb.Tensor.DESCRIPTOR}
-    assert set(algo.fragment_extras) <= tensors
+    # Its extras travel by name in the fragment's `extras` map: the protocol names no algorithm's field.
+    fields = {f.name for f in pb.TrajectoryFragment.DESCRIPTOR.fields}
+    assert not set(algo.fragment_extras) & fields and all(0 < len(n) <= MAX_EXTRA_NAME for n in algo.fragment_extras)
 
     spec = env_spec(env_id)
     acting = algo.acting(cfg, spec, np.random.default_rng(0), Metrics("actor"))

@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kuberl/v1/common.proto\x12\tkuberl.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.kuberl.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x9e\x04\n\x12TrajectoryFragment\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\'\n\talgorithm\x18\x04 \x01(\x0e\x32\x14.kuberl.v1.Algorithm\x12\x0f\n\x07\x65nv_ids\x18\x05 \x03(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\x1e\n\x03obs\x18\n \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07\x61\x63tions\x18\x0b \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07rewards\x18\x0c \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12%\n\nterminated\x18\r \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12$\n\ttruncated\x18\x0e \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12$\n\tfinal_obs\x18\x0f \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12&\n\x0b\x66inal_index\x18\x10 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12,\n\x11\x62\x65haviour_logprob\x18\x11 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12&\n\x0b\x61\x63tion_mask\x18\x12 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\x16\n\x0e\x63reated_unix_s\x18\x14 \x01(\x01\"\x95\x02\n\x0fTransitionBatch\x12\x1e\n\x03obs\x18\x01 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07rewards\x18\x03 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12#\n\x08next_obs\x18\x04 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12%\n\nterminated\x18\x05 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12)\n\x0epolicy_version\x18\x06 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12#\n\x08\x64iscount\x18\x07 \x01(\x0b\x32\x11.kuberl.v1.Tensor\"@\n\x0cRolloutBatch\x12\x30\n\tfragments\x18\x01 \x03(\x0b\x32\x1d.kuberl.v1.TrajectoryFragment\"\xbd\x01\n\rTrainingBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x31\n\x0btransitions\x18\x02 \x01(\x0b\x32\x1a.kuberl.v1.TransitionBatchH\x00\x12+\n\x08rollouts\x18\x03 \x01(\x0b\x32\x17.kuberl.v1.RolloutBatchH\x00\x12\x1d\n\x15\x62uffer_inserted_total\x18\x04 \x01(\x04\x12\x13\n\x0b\x62uffer_size\x18\x05 \x01(\x04\x42\x06\n\x04kind\"Z\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.kuberl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"\x9e\x01\n\x07Weights\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12$\n\x05specs\x18\x06 \x03(\x0b\x32\x15.kuberl.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"\x85\x01\n\x07\x45pisode\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x16\n\x0e\x65pisode_return\x18\x02 \x01(\x01\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tor_env_steps\x18\x04 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x12\n\nend_unix_s\x18\x06 \x01(\x01\"?\n\x0fGetStatsRequest\x12\x16\n\x0e\x65pisodes_after\x18\x01 \x01(\x04\x12\x14\n\x0cmax_episodes\x18\x02 \x01(\r\"\xe4\x02\n\x10GetStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x18\n\x10heartbeat_unix_s\x18\x03 \x01(\x01\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x39\n\x07metrics\x18\x05 \x03(\x0b\x32(.kuberl.v1.GetStatsResponse.MetricsEntry\x12$\n\x08\x65pisodes\x18\x06 \x03(\x0b\x32\x12.kuberl.v1.Episode\x12\x1a\n\x12\x65pisodes_remaining\x18\x07 \x01(\x04\x12\x18\n\x10\x65pisodes_skipped\x18\x08 \x01(\x04\x12\x1c\n\x14oldest_episode_index\x18\t \x01(\x04\x12\x1c\n\x14process_start_unix_s\x18\n \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xbb\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x01\x12\x0e\n\nDTYPE_INT8\x10\x02\x12\x0f\n\x0b\x44TYPE_INT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x11\n\rDTYPE_FLOAT16\x10\x06\x12\x11\n\rDTYPE_FLOAT32\x10\x07\x12\x11\n\rDTYPE_FLOAT64\x10\x08\x12\x0e\n\nDTYPE_BOOL\x10\t*_\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x11\n\rALGORITHM_DQN\x10\x01\x12\x11\n\rALGORITHM_PPO\x10\x02\x12\x11\n\rALGORITHM_SAC\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kuberl/v1/common.proto\x12\tkuberl.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.kuberl.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x86\x05\n\x12TrajectoryFragment\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\'\n\talgorithm\x18\x04 \x01(\x0e\x32\x14.kuberl.v1.Algorithm\x12\x0f\n\x07\x65nv_ids\x18\x05 \x03(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\x1e\n\x03obs\x18\n \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07\x61\x63tions\x18\x0b \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07rewards\x18\x0c \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12%\n\nterminated\x18\r \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12$\n\ttruncated\x18\x0e \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12$\n\tfinal_obs\x18\x0f \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12&\n\x0b\x66inal_index\x18\x10 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12&\n\x0b\x61\x63tion_mask\x18\x12 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\x39\n\x06\x65xtras\x18\x13 \x03(\x0b\x32).kuberl.v1.TrajectoryFragment.ExtrasEntry\x12\x16\n\x0e\x63reated_unix_s\x18\x14 \x01(\x01\x1a@\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor:\x02\x38\x01J\x04\x08\x11\x10\x12R\x11\x62\x65haviour_logprob\"\x95\x02\n\x0fTransitionBatch\x12\x1e\n\x03obs\x18\x01 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07rewards\x18\x03 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12#\n\x08next_obs\x18\x04 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12%\n\nterminated\x18\x05 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12)\n\x0epolicy_version\x18\x06 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12#\n\x08\x64iscount\x18\x07 \x01(\x0b\x32\x11.kuberl.v1.Tensor\"@\n\x0cRolloutBatch\x12\x30\n\tfragments\x18\x01 \x03(\x0b\x32\x1d.kuberl.v1.TrajectoryFragment\"\xbd\x01\n\rTrainingBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x31\n\x0btransitions\x18\x02 \x01(\x0b\x32\x1a.kuberl.v1.TransitionBatchH\x00\x12+\n\x08rollouts\x18\x03 \x01(\x0b\x32\x17.kuberl.v1.RolloutBatchH\x00\x12\x1d\n\x15\x62uffer_inserted_total\x18\x04 \x01(\x04\x12\x13\n\x0b\x62uffer_size\x18\x05 \x01(\x04\x42\x06\n\x04kind\"Z\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.kuberl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"\x9e\x01\n\x07Weights\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12$\n\x05specs\x18\x06 \x03(\x0b\x32\x15.kuberl.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"\x85\x01\n\x07\x45pisode\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x16\n\x0e\x65pisode_return\x18\x02 \x01(\x01\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tor_env_steps\x18\x04 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x12\n\nend_unix_s\x18\x06 \x01(\x01\"?\n\x0fGetStatsRequest\x12\x16\n\x0e\x65pisodes_after\x18\x01 \x01(\x04\x12\x14\n\x0cmax_episodes\x18\x02 \x01(\r\"\xe4\x02\n\x10GetStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x18\n\x10heartbeat_unix_s\x18\x03 \x01(\x01\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x39\n\x07metrics\x18\x05 \x03(\x0b\x32(.kuberl.v1.GetStatsResponse.MetricsEntry\x12$\n\x08\x65pisodes\x18\x06 \x03(\x0b\x32\x12.kuberl.v1.Episode\x12\x1a\n\x12\x65pisodes_remaining\x18\x07 \x01(\x04\x12\x18\n\x10\x65pisodes_skipped\x18\x08 \x01(\x04\x12\x1c\n\x14oldest_episode_index\x18\t \x01(\x04\x12\x1c\n\x14process_start_unix_s\x18\n \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xbb\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x01\x12\x0e\n\nDTYPE_INT8\x10\x02\x12\x0f\n\x0b\x44TYPE_INT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x11\n\rDTYPE_FLOAT16\x10\x06\x12\x11\n\rDTYPE_FLOAT32\x10\x07\x12\x11\n\rDTYPE_FLOAT64\x10\x08\x12\x0e\n\nDTYPE_BOOL\x10\t*_\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x11\n\rALGORITHM_DQN\x10\x01\x12\x11\n\rALGORITHM_PPO\x10\x02\x12\x11\n\rALGORITHM_SAC\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kuberl.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRAJECTORYFRAGMENT_EXTRASENTRY']._loaded_options = None
+  _globals['_TRAJECTORYFRAGMENT_EXTRASENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2006
-  _globals['_DTYPE']._serialized_end=2193
-  _globals['_ALGORITHM']._serialized_start=2195
-  _globals['_ALGORITHM']._serialized_end=2290
+  _globals['_DTYPE']._serialized_start=2110
+  _globals['_DTYPE']._serialized_end=2297
+  _globals['_ALGORITHM']._serialized_start=2299
+  _globals['_ALGORITHM']._serialized_end=2394
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=107
   _globals['_TRAJECTORYFRAGMENT']._serialized_start=110
-  _globals['_TRAJECTORYFRAGMENT']._serialized_end=652
-  _globals['_TRANSITIONBATCH']._serialized_start=655
-  _globals['_TRANSITIONBATCH']._serialized_end=932
-  _globals['_ROLLOUTBATCH']._serialized_start=934
-  _globals['_ROLLOUTBATCH']._serialized_end=998
-  _globals['_TRAININGBATCH']._serialized_start=1001
-  _globals['_TRAININGBATCH']._serialized_end=1190
-  _globals['_TENSORSPEC']._serialized_start=1192
-  _globals['_TENSORSPEC']._serialized_end=1282
-  _globals['_WEIGHTS']._serialized_start=1285
-  _globals['_WEIGHTS']._serialized_end=1443
-  _globals['_EPISODE']._serialized_start=1446
-  _globals['_EPISODE']._serialized_end=1579
-  _globals['_GETSTATSREQUEST']._serialized_start=1581
-  _globals['_GETSTATSREQUEST']._serialized_end=1644
-  _globals['_GETSTATSRESPONSE']._serialized_start=1647
-  _globals['_GETSTATSRESPONSE']._serialized_end=2003
-  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_start=1957
-  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_end=2003
+  _globals['_TRAJECTORYFRAGMENT']._serialized_end=756
+  _globals['_TRAJECTORYFRAGMENT_EXTRASENTRY']._serialized_start=667
+  _globals['_TRAJECTORYFRAGMENT_EXTRASENTRY']._serialized_end=731
+  _globals['_TRANSITIONBATCH']._serialized_start=759
+  _globals['_TRANSITIONBATCH']._serialized_end=1036
+  _globals['_ROLLOUTBATCH']._serialized_start=1038
+  _globals['_ROLLOUTBATCH']._serialized_end=1102
+  _globals['_TRAININGBATCH']._serialized_start=1105
+  _globals['_TRAININGBATCH']._serialized_end=1294
+  _globals['_TENSORSPEC']._serialized_start=1296
+  _globals['_TENSORSPEC']._serialized_end=1386
+  _globals['_WEIGHTS']._serialized_start=1389
+  _globals['_WEIGHTS']._serialized_end=1547
+  _globals['_EPISODE']._serialized_start=1550
+  _globals['_EPISODE']._serialized_end=1683
+  _globals['_GETSTATSREQUEST']._serialized_start=1685
+  _globals['_GETSTATSREQUEST']._serialized_end=1748
+  _globals['_GETSTATSRESPONSE']._serialized_start=1751
+  _globals['_GETSTATSRESPONSE']._serialized_end=2107
+  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_start=2061
+  _globals['_GETSTATSRESPONSE_METRICSENTRY']._serialized_end=2107
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,14 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TrajectoryFragment(_message.Message):
-    __slots__ = ("actor_id", "seq", "policy_version", "algorithm", "env_ids", "num_steps", "incarnation", "obs", "actions", "rewards", "terminated", "truncated", "final_obs", "final_index", "behaviour_logprob", "action_mask", "created_unix_s")
+    __slots__ = ("actor_id", "seq", "policy_version", "algorithm", "env_ids", "num_steps", "incarnation", "obs", "actions", "rewards", "terminated", "truncated", "final_obs", "final_index", "action_mask", "extras", "created_unix_s")
+    class ExtrasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -67,8 +74,8 @@ class TrajectoryFragment(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     FINAL_OBS_FIELD_NUMBER: _ClassVar[int]
     FINAL_INDEX_FIELD_NUMBER: _ClassVar[int]
-    BEHAVIOUR_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     ACTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     actor_id: str
     seq: int
@@ -84,10 +91,10 @@ class TrajectoryFragment(_message.Message):
     truncated: Tensor
     final_obs: Tensor
     final_index: Tensor
-    behaviour_logprob: Tensor
     action_mask: Tensor
+    extras: _containers.MessageMap[str, Tensor]
     created_unix_s: float
-    def __init__(self, actor_id: _Optional[str] = ..., seq: _Optional[int] = ..., policy_version: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., env_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., incarnation: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., truncated: _Optional[_Union[Tensor, _Mapping]] = ..., final_obs: _Optional[_Union[Tensor, _Mapping]] = ..., final_index: _Optional[_Union[Tensor, _Mapping]] = ..., behaviour_logprob: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, actor_id: _Optional[str] = ..., seq: _Optional[int] = ..., policy_version: _Optional[int] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., env_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., incarnation: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., terminated: _Optional[_Union[Tensor, _Mapping]] = ..., truncated: _Optional[_Union[Tensor, _Mapping]] = ..., final_obs: _Optional[_Union[Tensor, _Mapping]] = ..., final_index: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., extras: _Optional[_Mapping[str, Tensor]] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class TransitionBatch(_message.Message):
     __slots__ = ("obs", "actions", "rewards", "next_obs", "terminated", "policy_version", "discount")

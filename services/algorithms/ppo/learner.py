@@ -195,7 +195,7 @@ class PPO:
             rewards = self.rewards.scale(rewards)
         if correct:
             logprob = self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
-            log_rhos = logprob - self._tensor(frag.behaviour_logprob)
+            log_rhos = logprob - self._tensor(frag.extras["behaviour_logprob"])
             adv, ret = vtrace(rewards, values[:-1], next_values, term, term | trunc, log_rhos, c.gamma,
                               c.gae_lambda, c.vtrace_rho_bar, c.vtrace_c_bar)
         else:
@@ -225,7 +225,7 @@ class PPO:
             parts = [self._advantages(f, fix, m) for f, fix, m in zip(fragments, correct, masks)]
             data = (*(torch.cat(x) for x in zip(*parts)),
                     torch.cat([self._actions(f) for f in fragments]),
-                    torch.cat([self._tensor(f.behaviour_logprob).reshape(-1) for f in fragments]),
+                    torch.cat([self._tensor(f.extras["behaviour_logprob"]).reshape(-1) for f in fragments]),
                     torch.cat(masks) if masked else None)
         n = sum(f.num_samples for f in fragments)
         remaining = self.remaining()

@@ -210,10 +210,10 @@ def test_refused_fragment_stores_nothing_and_its_seq_stays_free():
 def test_malformed_fragment_is_refused():
     store = ppo_store()
     msg = ppo_msg(0)
-    msg.ClearField("behaviour_logprob")
+    msg.ClearField("extras")
     with pytest.raises(TensorError) as e:
         store.insert(msg)
-    assert e.value.field == "behaviour_logprob"
+    assert e.value.field == "extras.behaviour_logprob"
     assert store.size == 0
 
 

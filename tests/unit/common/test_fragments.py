@@ -21,8 +21,11 @@ def test_ppo_round_trip():
     assert frag.env_ids == (10, 11)
     assert (frag.num_steps, frag.num_envs, frag.num_samples) == (T, N, T * N)
     assert msg.num_steps == T
-    for name, arr in arrays.items():
-        got = getattr(frag, name)
+    flat = {k: v for k, v in arrays.items() if k != "extras"}
+    flat.update({f"extras.{k}": v for k, v in arrays["extras"].items()})
+    assert set(frag.extras) == {"behaviour_logprob"}
+    for name, arr in flat.items():
+        got = frag.extras[name[7:]] if name.startswith("extras.") else getattr(frag, name)
         assert got.dtype == arr.dtype, name
         np.testing.assert_array_equal(got, arr, err_msg=name)
         assert got.flags.writeable is False, name
@@ -31,9 +34,9 @@ def test_ppo_round_trip():
 def test_dqn_round_trip_without_logprob():
     arrays = fragment_arrays(T, N, with_logprob=False)
     msg = build_fragment(actor_id="a", seq=0, policy_version=0, algorithm=DQN, env_ids=range(N), **arrays)
-    assert not msg.HasField("behaviour_logprob")
-    frag = decode_fragment(msg, algorithm=DQN)
-    assert frag.behaviour_logprob is None
+    assert len(msg.extras) == 0
+    frag = decode_fragment(msg, algorithm=DQN, extras=())
+    assert frag.extras == {}
     np.testing.assert_array_equal(frag.obs, arrays["obs"])
     np.testing.assert_array_equal(frag.actions, arrays["actions"])
 
@@ -43,13 +46,13 @@ def test_build_converts_step_fields_to_wire_dtypes():
     arrays["rewards"] = arrays["rewards"].astype(np.float64)
     arrays["terminated"] = arrays["terminated"].astype(np.uint8)
     arrays["final_index"] = arrays["final_index"].astype(np.int32)
-    arrays["behaviour_logprob"] = arrays["behaviour_logprob"].astype(np.float64)
+    arrays["extras"]["behaviour_logprob"] = arrays["extras"]["behaviour_logprob"].astype(np.float64)
     frag = decode_fragment(build_fragment(actor_id="a", seq=0, policy_version=0, algorithm=PPO,
                                           env_ids=range(N), **arrays))
     assert frag.rewards.dtype == np.float32
     assert frag.terminated.dtype == np.bool_
     assert frag.final_index.dtype == np.int64
-    assert frag.behaviour_logprob.dtype == np.float32
+    assert frag.extras["behaviour_logprob"].dtype == np.float32
 
 
 def test_episode_ending_mid_fragment():
@@ -193,16 +196,17 @@ def test_rejects_non_finite_rewards(bad):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("field", ["obs", "final_obs", "actions", "behaviour_logprob"])
+@pytest.mark.parametrize("field", ["obs", "final_obs", "actions", "extras.behaviour_logprob"])
 def test_rejects_non_finite_observations_actions_and_logprobs(field, bad):
     """Whoever sends them (an actor of another build, a client of its own), NaN and infinity are
     refused where they arrive, naming the field: stored, they would be sampled into batch after batch."""
     msg = good()
-    arr = decode(getattr(msg, field), field).copy()
+    tensor = msg.extras[field.removeprefix("extras.")] if field.startswith("extras.") else getattr(msg, field)
+    arr = decode(tensor, field).copy()
     if field == "actions":
         arr = np.zeros((T, N, 2), np.float32)   # a continuous action
     arr.reshape(-1)[-1] = bad
-    getattr(msg, field).CopyFrom(encode(arr))
+    tensor.CopyFrom(encode(arr))
     reject(msg, field, f"1 of its {arr.size} values are NaN or infinite")
 
 
@@ -264,15 +268,30 @@ def test_rejects_ppo_fragment_without_behaviour_logprob():
     """A receiver names the extras its algorithm needs (the buffer passes its algorithm's
     `fragment_extras`); a fragment without one is refused naming it."""
     msg = good()
-    msg.ClearField("behaviour_logprob")
-    reject(msg, "behaviour_logprob", "required but missing", algorithm=PPO, extras=("behaviour_logprob",))
-    assert decode_fragment(msg).behaviour_logprob is None   # no extras required: none checked for
+    msg.ClearField("extras")
+    reject(msg, "extras.behaviour_logprob", "required but missing", algorithm=PPO, extras=("behaviour_logprob",))
+    assert decode_fragment(msg).extras == {}   # no extras required: none checked for
+
+
+def test_an_extra_the_algorithm_does_not_declare_is_refused_naming_it():
+    msg = good()
+    msg.extras["hidden_state"].CopyFrom(encode(np.zeros((T, N), np.float32)))
+    reject(msg, "extras.hidden_state", r"is not a field of ppo fragments \(it takes behaviour_logprob\)",
+           algorithm=PPO, extras=("behaviour_logprob",))
+    assert set(decode_fragment(msg).extras) == {"behaviour_logprob", "hidden_state"}   # none declared: any taken
+
+
+def test_extras_keep_trailing_dimensions():
+    msg = good()
+    state = np.arange(T * N * 4, dtype=np.float32).reshape(T, N, 4)
+    msg.extras["state"].CopyFrom(encode(state))
+    np.testing.assert_array_equal(decode_fragment(msg).extras["state"], state)
 
 
 def test_rejects_behaviour_logprob_of_wrong_shape():
     msg = good()
-    msg.behaviour_logprob.CopyFrom(encode(np.zeros(T * N, np.float32)))
-    reject(msg, "behaviour_logprob", "must be float32")
+    msg.extras["behaviour_logprob"].CopyFrom(encode(np.zeros(T * N, np.float32)))
+    reject(msg, "extras.behaviour_logprob", "must be float32")
 
 
 @pytest.mark.parametrize("name", ["obs", "actions", "rewards", "terminated", "truncated", "final_obs",

@@ -52,9 +52,11 @@ def test_raw_fragment_decodes_as_the_message_does_and_shares_its_bytes():
     assert raw.incarnation == 2**64 - 3
     assert raw.created_unix_s == msg.created_unix_s
     a, b = decode_fragment(raw, algorithm=PPO), decode_fragment(msg, algorithm=PPO)
+    assert set(a.extras) == set(b.extras) == {"behaviour_logprob"}
     for name in ("obs", "actions", "rewards", "terminated", "truncated", "final_obs", "final_index",
-                 "behaviour_logprob"):
-        x, y = getattr(a, name), getattr(b, name)
+                 "extras.behaviour_logprob"):
+        x, y = ((a.extras[name[7:]], b.extras[name[7:]]) if name.startswith("extras.")
+                else (getattr(a, name), getattr(b, name)))
         assert x.dtype == y.dtype and x.shape == y.shape, name
         np.testing.assert_array_equal(x, y, err_msg=name)
         assert not x.flags.writeable, name

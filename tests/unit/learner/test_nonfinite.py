@@ -43,7 +43,7 @@ def batch(name: str, field: str | None = None, value: float = np.nan) -> pb.Trai
         arrays = fragment_arrays(4, 2, (4,), terminated=[(1, 0)], truncated=[(3, 1)])
         arrays = {k: (v / 100 if k in ("obs", "final_obs") else v) for k, v in arrays.items()}
         if field is not None:
-            arrays[field].reshape(-1)[1] = value
+            (arrays["extras"] if field in arrays["extras"] else arrays)[field].reshape(-1)[1] = value
         msg = build_fragment(actor_id="a", seq=0, policy_version=0, algorithm=PPO, env_ids=range(2), **arrays)
         return pb.TrainingBatch(batch_id=7, rollouts=pb.RolloutBatch(fragments=[msg]))
     rng = np.random.default_rng(0)
@@ -71,7 +71,7 @@ def counter(trainer: Trainer, name: str) -> float:
     # (decoding a fragment refuses these already: a buffer would have refused the push)
     ("ppo", "obs", "obs: 1 of its 40 values"), ("ppo", "final_obs", "final_obs: 1 of its 8 values"),
     ("ppo", "rewards", "rewards: holds NaN or infinity"),
-    ("ppo", "behaviour_logprob", "behaviour_logprob: 1 of its 8 values"),
+    ("ppo", "behaviour_logprob", "extras.behaviour_logprob: 1 of its 8 values"),
     ("dqn", "obs", "transitions.obs: 1 of its 24 values"), ("dqn", "next_obs", "transitions.next_obs: 1 of its 24"),
     ("dqn", "rewards", "transitions.rewards: 1 of its 6 values"),
     ("sac", "obs", "transitions.obs: 1 of its 18 values"), ("sac", "actions", "actions: holds NaN or infinity"),

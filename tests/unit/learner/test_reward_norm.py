@@ -82,7 +82,7 @@ def test_the_advantages_use_rewards_divided_by_the_return_std_and_clipped():
         actor_id="a", seq=0, policy_version=0, algorithm=PPO_CODE, env_ids=range(frag.num_envs), incarnation=1,
         obs=frag.obs, actions=frag.actions, rewards=np.clip(frag.rewards / std, -0.5, 0.5).astype(np.float32),
         terminated=frag.terminated, truncated=frag.truncated, final_obs=frag.final_obs,
-        final_index=frag.final_index, behaviour_logprob=frag.behaviour_logprob))
+        final_index=frag.final_index, extras=frag.extras))
     for got, want in zip(ppo._advantages(frag, False), plain._advantages(scaled, False)):
         torch.testing.assert_close(got, want)
     assert np.abs(frag.rewards / std).max() > 0.5   # the clip mattered

@@ -196,7 +196,7 @@ def test_other_malformed_fragments_are_counted(make_trainer, breakage):
     trainer = make_trainer()
     m = msg(0, 0)
     if breakage == "missing_logprob":
-        m.ClearField("behaviour_logprob")
+        m.ClearField("extras")
     elif breakage == "dqn_fragment":
         m = make_msg(4, N, obs_shape=(4,), algorithm=pb.ALGORITHM_DQN)
     elif breakage == "bad_final_index":

@@ -192,7 +192,7 @@ def cartpole_fragment(seed: int, policy_version: int = 0, behaviour_logprob=None
                          actions=rng.integers(0, 2, (Tf, Nf)).astype(np.int64),
                          rewards=np.ones((Tf, Nf), np.float32), terminated=terminated, truncated=truncated,
                          final_obs=rng.standard_normal((len(final_index), 4)).astype(np.float32),
-                         final_index=final_index, behaviour_logprob=behaviour_logprob)
+                         final_index=final_index, extras={"behaviour_logprob": behaviour_logprob})
     return decode_fragment(msg)
 
 
