@@ -33,6 +33,7 @@ test: $(STAMP_DEV)
 	bash tests/k8s/provision.sh
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check services tests bench kuberl_client kuberl_envs examples
+	$(VENV)/bin/mypy
 	timeout --kill-after=30 $(TEST_DEADLINE_S) $(PY) -m pytest $(PYTEST_ARGS)
 
 # Regenerate the committed gRPC stubs (tests/unit/test_protos.py checks they are current).

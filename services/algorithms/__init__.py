@@ -9,19 +9,21 @@ new package + an entry in `_ALGORITHMS`: services/config.py gives every register
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.algorithms.base import Algorithm, FifoTable, ReplayTable
 from services.algorithms.dqn import DQN
 from services.algorithms.ppo import PPO
 from services.algorithms.sac import SAC
 
-_ALGORITHMS: tuple[Algorithm, ...] = (PPO(), DQN(), SAC())
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in _ALGORITHMS}
-BY_CODE: dict[int, Algorithm] = {a.code: a for a in _ALGORITHMS}
+_ALGORITHMS: tuple[Algorithm[Any], ...] = (PPO(), DQN(), SAC())
+REGISTRY: dict[str, Algorithm[Any]] = {a.name: a for a in _ALGORITHMS}
+BY_CODE: dict[int, Algorithm[Any]] = {a.code: a for a in _ALGORITHMS}
 
 __all__ = ["Algorithm", "FifoTable", "ReplayTable", "REGISTRY", "BY_CODE", "get", "name_of"]
 
 
-def get(name: str) -> Algorithm:
+def get(name: str) -> Algorithm[Any]:
     """The algorithm called `name`; ValueError naming `algorithm` for an unknown one."""
     try:
         return REGISTRY[name]

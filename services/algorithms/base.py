@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from services.common.config import CommonConfig
 from services.common.settings import require
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from services.common.spaces import ActionSpace, EnvSpec
+    from services.common.stats import Metrics
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,26 @@ class ReplayTable:
     gamma: float = 1.0
 
 
-def check_replay(section) -> None:
+class ReplaySettings(Protocol):
+    """What `check_replay` reads of a replay algorithm's section."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def buffer_size(self) -> int: ...
+
+    @property
+    def learning_starts(self) -> int: ...
+
+    @property
+    def replay_ratio(self) -> float: ...
+
+    @property
+    def replay_ratio_tolerance(self) -> float: ...
+
+
+def check_replay(section: ReplaySettings) -> None:
     """The replay settings DQN and SAC share: batch, capacity, warm-up and the pacing ratio."""
     require(section.batch_size >= 1, "batch_size", section.batch_size, "must be >= 1")
     require(section.buffer_size >= section.batch_size, "buffer_size", section.buffer_size,
@@ -49,8 +74,12 @@ class FifoTable:
     stale_fragments: str
 
 
-class Algorithm:
-    """One algorithm: subclass it in `services/algorithms/<name>/__init__.py` and add it to the registry."""
+SettingsT = TypeVar("SettingsT")
+
+
+class Algorithm(Generic[SettingsT]):
+    """One algorithm: subclass it in `services/algorithms/<name>/__init__.py` and add it to the registry
+    (as `Algorithm[<its settings class>]`)."""
     name: ClassVar[str]        # the config's `algorithm` and the name of its config section
     # Its config section (`<package>/config.py`): a frozen dataclass of settings checked as they are
     # built (services/common/settings.py), with at least `rollout_steps` and `hidden_sizes`.
@@ -63,7 +92,7 @@ class Algorithm:
     action_spaces: ClassVar[tuple[type, ...]]
     takes_action_masks: ClassVar[bool] = False
 
-    def uses_masks(self, space) -> bool:
+    def uses_masks(self, space: ActionSpace) -> bool:
         """Whether actions in `space` are masked under this algorithm: the space has mask columns
         (`mask_width`) and the algorithm takes masks. The one test the actor's rollout and sessions,
         `kuberl eval` and `kuberl export` make."""
@@ -73,7 +102,7 @@ class Algorithm:
         """The actions it takes, in words, for messages (e.g. "Discrete actions")."""
         return " or ".join(k.__name__ for k in self.action_spaces) + " actions"
 
-    def check_spec(self, spec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
+    def check_spec(self, spec: EnvSpec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
         """ValueError naming the algorithm unless it can train on an env of this spec (a
         services.common.spaces.EnvSpec); `action` and `obs` say where the spec's spaces come from (a
         config key, an env id), e.g. "algorithm: dqn takes Discrete actions; env.action_space is
@@ -82,9 +111,9 @@ class Algorithm:
         if not isinstance(spec.action, self.action_spaces):
             raise ValueError(f"algorithm: {self.name} takes {self.takes()}; {action} is {spec.action}")
 
-    def section(self, cfg: CommonConfig):
+    def section(self, cfg: CommonConfig) -> SettingsT:
         """This algorithm's settings in `cfg` (its `settings` class; the YAML section `<name>:`)."""
-        return cfg.section(self.name)
+        return cast(SettingsT, cfg.section(self.name))   # (services/config.py builds each section of its class)
 
     def table(self, cfg: CommonConfig) -> ReplayTable | FifoTable:
         """How the buffer keeps and serves this algorithm's fragments."""
@@ -98,10 +127,10 @@ class Algorithm:
         """Samples trained on per sample produced, which the planner balances production against."""
         return 1.0
 
-    def _part(self, module: str, attr: str):
+    def _part(self, module: str, attr: str) -> Any:
         return getattr(importlib.import_module(f"{type(self).__module__}.{module}"), attr)
 
-    def acting(self, cfg: CommonConfig, spec, rng, metrics):
+    def acting(self, cfg: CommonConfig, spec: EnvSpec, rng: np.random.Generator, metrics: Metrics) -> Any:
         """The actor's part (`<package>.acting.Acting`): `net`, the policy network the learner's weights
         load into, `act(obs, version, env_steps)` -> (actions, {fragment extra: [N] array}), and
         `greedy()`, the network's deterministic policy as a module obs -> actions (no exploration; Box
@@ -109,7 +138,9 @@ class Algorithm:
         self.check_spec(spec)
         return self._part("acting", "Acting")(cfg, spec, rng, metrics)
 
-    def learner(self, cfg: CommonConfig, spec, metrics, sync=None):
+    # `sync`: a services.algorithms.group.GroupSync, or None; not imported even for its type: this module is
+    # torch-free, and import-linter counts type-only imports too.
+    def learner(self, cfg: CommonConfig, spec: EnvSpec, metrics: Metrics, sync: object | None = None) -> Any:
         """The learner's part (`<package>.learner.Learner`): `decode(batch)` validates a TrainingBatch,
         `learn(data)` updates on it (None: nothing usable), `empty_update()` joins a group's update
         with nothing; `version`, `policy` (the module actors run), `state_dict`/`load_state_dict`."""

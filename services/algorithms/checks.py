@@ -17,7 +17,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.common.envs import EnvSpec
 from services.common.fragments import TRANSITION_FIELDS
 from services.common.spaces import check_actions, check_mask
-from services.common.stats import Metrics
+from services.common.stats import Histogram, Metrics
 from services.common.tensors import TensorError, check_finite, decode
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,13 @@ class TransitionLearner:
     """What a replay algorithm's learner shares: batches are TransitionBatch rows, one gradient step
     per update (the version counts them). A subclass sets `spec`, `lag` (the policy-lag histogram)
     and `version`, and defines `update(rows | None)`: None joins a group's update with nothing."""
+    spec: EnvSpec
+    lag: Histogram
+    version: int
+
+    def update(self, rows: dict[str, np.ndarray] | None) -> dict[str, float]:
+        """One gradient step on `rows` (None: the group's step with nothing of this learner's)."""
+        raise NotImplementedError
 
     @property
     def gradient_steps(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,11 +43,11 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Pat
     return path
 
 
-def stamps(paths) -> tuple[tuple[int, int, int] | None, ...]:
+def stamps(paths: Iterable[str | os.PathLike[str]]) -> tuple[tuple[int, int, int] | None, ...]:
     """Each file's (mtime, size, inode), None for one that is gone: how the readers of mounted Secrets
     (tls.py's certificates, auth.py's tokens) tell that a file changed. The kubelet updates a Secret
     volume by swapping a symlink, which changes the inode even when size and mtime happen to agree."""
-    out = []
+    out: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
             st = os.stat(path)

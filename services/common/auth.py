@@ -29,8 +29,9 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 
@@ -41,7 +42,11 @@ from services.common.streams import read_to_half_close
 if TYPE_CHECKING:
     from services.common.stats import Metrics
 
+    Context = grpc.aio.ServicerContext[Any, Any]
+
 log = logging.getLogger(__name__)
+_Req = TypeVar("_Req")     # an intercepted call's request and response
+_Resp = TypeVar("_Resp")
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class AuthConfig:
     #                                     tokens); 0 = unlimited
     new_sessions_per_minute: float = 0  # new EnvSession sessions a minute per token (a token bucket); 0 = unlimited
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for i, path in enumerate(self.token_files):
             require(isinstance(path, str) and bool(path.strip()), f"token_files[{i}]", path,
                     "must be a file path")
@@ -127,7 +132,7 @@ class TokenStore:
         self.tokens = self._load(self.files)  # AuthError naming the file when one cannot be read
         self.stamp = stamp
 
-    def _stamp(self) -> tuple:
+    def _stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
         return stamps(self.files)  # None for a file that is gone
 
     def _reload(self) -> list[tuple[bytes, frozenset[str]]]:
@@ -141,7 +146,7 @@ class TokenStore:
             raise AuthError(f"auth.token_files: none of {', '.join(self.files)} exists")
         return self._load(present)
 
-    def _load(self, files) -> list[tuple[bytes, frozenset[str]]]:
+    def _load(self, files: Sequence[str]) -> list[tuple[bytes, frozenset[str]]]:
         tokens = []
         for path in files:
             try:
@@ -211,7 +216,7 @@ class _Caps:
     per_minute: float
     metrics: Metrics | None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.open: dict[str, int] = defaultdict(int)
         self.buckets: dict[str, _Bucket] = {}
 
@@ -235,14 +240,14 @@ class _Caps:
         if self.open[key] <= 0:
             del self.open[key]
 
-    def _refuse(self, reason: str, details: str):
+    def _refuse(self, reason: str, details: str) -> NoReturn:
         if self.metrics is not None:
             self.metrics.inc("actor/sessions_refused_total")
             self.metrics.inc(f"actor/sessions_refused_{reason}_total")
         raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
 
 
-def _bearer(context) -> str | None:
+def _bearer(context: Context) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
             value = value.decode("latin-1") if isinstance(value, bytes) else value
@@ -252,7 +257,7 @@ def _bearer(context) -> str | None:
     return None
 
 
-def peer_names(context) -> list[str]:
+def peer_names(context: Context) -> list[str]:
     """The names the client's verified certificate carries, lower-cased: the DNS names of its
     subjectAltName, or its CN when it has none (RFC 6125: a CN is not looked at beside DNS names). IP,
     URI and email entries are not names here. Empty without a client certificate."""
@@ -261,7 +266,7 @@ def peer_names(context) -> list[str]:
     return [(n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n)).strip().lower() for n in names]
 
 
-def _peer_host(context) -> str:
+def _peer_host(context: Context) -> str:
     peer = context.peer() or "unknown"
     return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
 
@@ -288,7 +293,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             for name in ("sessions_refused_cap_total", "sessions_refused_rate_total"):
                 metrics.inc(f"actor/{name}", 0)
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         scope = scope_of(method, self.protect_reads) if self.store is not None else None
@@ -299,16 +306,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _guarded(handler, method, lambda context: self._admit(context, method, scope, capped, caller),
                         self._release)
 
-    def _admit(self, context, method: str, scope: str | None, capped: bool, caller: str | None = None) -> str | None:
-        key = None
+    def _admit(self, context: Context, method: str, scope: str | None, capped: bool,
+               caller: str | None = None) -> str | None:
+        key: str | None = None
         if caller is not None:
             names = peer_names(context)
             if not self.role_names[caller].intersection(names):
                 self._count("auth_wrong_role_total")
                 presented = ", ".join(names[:4]) or "no DNS name or CN"
-                key = (caller, tuple(names[:4]))
-                if key not in self._logged_wrong and len(self._logged_wrong) < 1000:   # once per kind of caller
-                    self._logged_wrong.add(key)
+                kind = (caller, tuple(names[:4]))
+                if kind not in self._logged_wrong and len(self._logged_wrong) < 1000:   # once per kind of caller
+                    self._logged_wrong.add(kind)
                     log.warning("refusing %s to %s (%s): its certificate names %s, none of tls.role_names.%s (%s)",
                                 method, _peer_host(context), caller, presented, caller,
                                 ", ".join(sorted(self.role_names[caller])))
@@ -317,6 +325,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                                f"{method} is served to {caller}s only: the client certificate names {presented}, "
                                f"not one of tls.role_names.{caller}")
         if scope is not None:
+            assert self.store is not None   # a scope is asked for only where tokens are configured
             token = _bearer(context)
             scopes = self.store.scopes(token) if token else None
             if scopes is None:
@@ -327,15 +336,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if scope not in scopes:
                 self._count("auth_denied_total")
                 raise _Refused(grpc.StatusCode.PERMISSION_DENIED, f"{method}: the token lacks scope '{scope}'")
+            assert token    # (no token has no scopes: refused above)
             key = "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
         if capped:
             key = key or "peer:" + _peer_host(context)
+            assert self.caps is not None    # (capped: there are caps)
             self.caps.acquire(key)
             return key
         return None
 
     def _release(self, key: str | None) -> None:
-        if key is not None:
+        if key is not None:   # (a key is given only where there are caps)
+            assert self.caps is not None
             self.caps.release(key)
 
     def _count(self, name: str) -> None:
@@ -343,7 +355,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.inc(f"{self.role}/{name}")
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str, admit, release) -> grpc.RpcMethodHandler:
+def _guarded(handler: grpc.RpcMethodHandler[Any, Any], method: str, admit: Callable[[Context], str | None],
+             release: Callable[[str | None], None]) -> grpc.RpcMethodHandler[Any, Any]:
     """`handler` run only once `admit(context)` passed (its key given to `release` when the RPC ends)."""
     kind = ("stream" if handler.request_streaming else "unary") + "_" + \
         ("stream" if handler.response_streaming else "unary")
@@ -351,7 +364,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, admit, release) -> grp
 
     client_stream = handler.request_streaming and not handler.response_streaming
 
-    async def check(context):
+    async def check(context: Context) -> str | None:
         try:
             return admit(context)
         except _Refused as err:
@@ -359,26 +372,30 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, admit, release) -> grp
                 await read_to_half_close(context)
             await context.abort(err.code, err.details)
 
+    wrapped: Callable[[Any, Context], Any]
     if inspect.isasyncgenfunction(behavior):
-        async def wrapped(request, context):
+        async def streamed(request: Any, context: Context) -> AsyncIterator[Any]:
             key = await check(context)
             try:
                 async for response in behavior(request, context):
                     yield response
             finally:
                 release(key)
+        wrapped = streamed
     else:
-        async def wrapped(request, context):
+        async def answered(request: Any, context: Context) -> Any:
             key = await check(context)
             try:
                 result = behavior(request, context)
                 return await result if inspect.isawaitable(result) else result
             finally:
                 release(key)
+        wrapped = answered
 
     make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(wrapped, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    guarded: grpc.RpcMethodHandler[Any, Any] = make(wrapped, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+    return guarded
 
 
 # -- clients ------------------------------------------------------------------------------------------
@@ -414,24 +431,30 @@ class _MetadataClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Adds `metadata` to every call of a blocking channel."""
 
-    def __init__(self, metadata):
+    def __init__(self, metadata: Iterable[tuple[str, str]]):
         self.metadata = tuple(metadata)
 
-    def _details(self, details):
+    def _details(self, details: grpc.ClientCallDetails) -> _Details:
         return _Details(details.method, details.timeout, (*(details.metadata or ()), *self.metadata),
                         details.credentials, getattr(details, "wait_for_ready", None),
                         getattr(details, "compression", None))
 
-    def intercept_unary_unary(self, continuation, details, request):
+    def intercept_unary_unary(self, continuation: Callable[[grpc.ClientCallDetails, _Req], grpc._CallFuture[_Resp]],
+                              details: grpc.ClientCallDetails, request: _Req) -> grpc._CallFuture[_Resp]:
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):
+    def intercept_unary_stream(self, continuation: Callable[[grpc.ClientCallDetails, _Req], grpc._CallIterator[_Resp]],
+                               details: grpc.ClientCallDetails, request: _Req) -> grpc._CallIterator[_Resp]:
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation, details, requests):
+    def intercept_stream_unary(
+            self, continuation: Callable[[grpc.ClientCallDetails, Iterator[_Req]], grpc._CallFuture[_Resp]],
+            details: grpc.ClientCallDetails, requests: Iterator[_Req]) -> grpc._CallFuture[_Resp]:
         return continuation(self._details(details), requests)
 
-    def intercept_stream_stream(self, continuation, details, requests):
+    def intercept_stream_stream(
+            self, continuation: Callable[[grpc.ClientCallDetails, Iterator[_Req]], grpc._CallIterator[_Resp]],
+            details: grpc.ClientCallDetails, requests: Iterator[_Req]) -> grpc._CallIterator[_Resp]:
         return continuation(self._details(details), requests)
 
 
@@ -439,10 +462,10 @@ class _MetadataClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 class _Details(grpc.ClientCallDetails):
     method: str
     timeout: float | None
-    metadata: tuple
-    credentials: object
+    metadata: tuple[tuple[str, str | bytes], ...]
+    credentials: grpc.CallCredentials | None
     wait_for_ready: bool | None
-    compression: object
+    compression: grpc.Compression | None
 
 
 def with_token(channel: grpc.Channel, token: str | None, secure: bool) -> grpc.Channel:

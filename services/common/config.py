@@ -48,7 +48,7 @@ class AtariConfig:
     full_action_space: bool = False
     threads: int = 1                  # ale_vector worker threads per actor (0 = one per core)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.backend in ("ale_vector", "gymnasium"), "backend", self.backend,
                 "must be 'ale_vector' or 'gymnasium'")
         require(1 <= self.frame_stack <= 16, "frame_stack", self.frame_stack, "must be 1..16")
@@ -82,7 +82,7 @@ class ActionSpaceConfig:
     low: tuple[float, ...] | None = None
     high: tuple[float, ...] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         kinds = {"discrete": ("n",), "multi_discrete": ("nvec",), "box": ("shape", "low", "high")}
         require(self.type in kinds, "type", self.type, "must be discrete, multi_discrete or box")
         for name in ("n", "nvec", "shape", "low", "high"):
@@ -100,10 +100,14 @@ class ActionSpaceConfig:
 
     def space(self) -> spaces.ActionSpace:
         """The space as services.common.spaces has it (ValueError if it cannot be one)."""
+        # (__post_init__ has required the type's own settings before it calls this)
         if self.type == "discrete":
+            assert self.n is not None
             return spaces.Discrete(self.n)
         if self.type == "multi_discrete":
+            assert self.nvec is not None
             return spaces.checked(spaces.MultiDiscrete(tuple(self.nvec)))
+        assert self.shape is not None
         inf = float("inf")
         return spaces.checked(spaces.Box.of(self.shape, self.low if self.low else -inf,
                                             self.high if self.high else inf))
@@ -133,7 +137,7 @@ class EnvConfig:
     action_space: ActionSpaceConfig | None = None
     atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",
                 self.id, "Atari ids are ALE/<Game>-v5, e.g. ALE/Pong-v5")
         require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
@@ -187,6 +191,7 @@ class EnvConfig:
         if self.observation_keys is not None:
             keys = spaces.dict_layout(self.observation_keys)
             return spaces.EnvSpec((spaces.flat_size(keys),), np.dtype(np.float32), action, keys)
+        assert self.observation_shape is not None   # declared with the action space (__post_init__)
         return spaces.EnvSpec(tuple(self.observation_shape), np.dtype(self.observation_dtype), action)
 
     @property
@@ -205,7 +210,7 @@ class TopologyConfig:
     learners: int = 1
     buffers: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(1 <= self.actors <= 256, "actors", self.actors, "must be 1..256")
         require(1 <= self.learners <= 64, "learners", self.learners,
                 "must be 1..64 (more than one train as a group, averaging gradients)")
@@ -244,7 +249,7 @@ class ActorConfig:
     # observation_space, a simulator's hello (its BoxSpace low/high, or each Dict key's).
     check_obs_bounds: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.max_sessions >= 1, "max_sessions", self.max_sessions, "must be >= 1")
         require(self.session_timeout_s > 0, "session_timeout_s", self.session_timeout_s, "must be > 0")
         require(self.session_resume_s >= 0, "session_resume_s", self.session_resume_s, "must be >= 0")
@@ -281,7 +286,7 @@ class BufferConfig:
     # A checkpoint restores in the layout it was saved in; "always"/"never" refuse one of the other.
     compact_replay: str = "auto"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(1 <= self.max_message_mb <= 1024, "max_message_mb", self.max_message_mb, "must be 1..1024")
         require(self.compact_replay in ("auto", "always", "never"), "compact_replay", self.compact_replay,
                 "must be 'auto' (frames stored once for stacked uint8 frames), 'always' or 'never'")
@@ -305,7 +310,7 @@ class LearnerConfig:
     torch_threads: int = 1
     device: str = "cpu"               # cpu | cuda | cuda:N | auto (cuda when torch sees a GPU, else cpu)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.publish_interval_updates >= 1, "publish_interval_updates",
                 self.publish_interval_updates, "must be >= 1")
         require(self.checkpoint_interval_s > 0, "checkpoint_interval_s", self.checkpoint_interval_s, "must be > 0")
@@ -325,7 +330,7 @@ class RunConfig:
     run_dir: str = "runs"             # parent directory of run directories
     poll_interval_s: float = 1.0      # stats polling and progress period
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.return_window >= 1, "return_window", self.return_window, "must be >= 1")
         require(self.max_env_steps >= 1, "max_env_steps", self.max_env_steps, "must be >= 1")
         require(self.max_seconds is None or self.max_seconds > 0, "max_seconds", self.max_seconds, "must be > 0")
@@ -345,7 +350,7 @@ class EvalConfig:
     max_seconds: float = 120.0        # `kuberl up`'s evaluation stops after this long and reports the
     #                                   episodes finished by then (0 = no limit); `kuberl eval` has none
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.episodes >= 1, "episodes", self.episodes, "must be >= 1")
         require(self.num_envs >= 1, "num_envs", self.num_envs, "must be >= 1")
         require(self.seed >= 0, "seed", self.seed, "must be >= 0 (gymnasium seeds are non-negative)")
@@ -362,7 +367,7 @@ class RolePlanConfig:
     max_step_up: int = 2       # most replicas added by one decision
     max_step_down: int = 1     # most replicas removed by one decision
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.min >= 0, "min", self.min, "must be >= 0")
         require(self.max >= max(self.min, 1), "max", self.max, f"must be >= min ({self.min}) and >= 1")
         require(self.cost > 0, "cost", self.cost, "must be > 0")
@@ -393,7 +398,7 @@ class KubernetesPlannerConfig:
     qps: float = 5.0                        # client-side rate limit on API writes and reads
     burst: int = 10
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.qps > 0, "qps", self.qps, "must be > 0")
         require(self.burst >= 1, "burst", self.burst, "must be >= 1")
         require(self.lease_duration_s >= 2, "lease_duration_s", self.lease_duration_s, "must be >= 2")
@@ -433,7 +438,7 @@ class PlannerConfig:
     learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
     kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.backend in ("local", "kubernetes", "dry-run"), "backend", self.backend,
                 "must be 'local', 'kubernetes' or 'dry-run'")
         require(self.interval_s > 0, "interval_s", self.interval_s, "must be > 0")
@@ -487,13 +492,15 @@ class CommonConfig:
     @property
     def rollout_steps(self) -> int:
         """Steps per fragment, from the training algorithm's section (every section has one)."""
-        return self.section(self.algorithm).rollout_steps
+        steps: int = self.section(self.algorithm).rollout_steps
+        return steps
 
     @property
     def hidden_sizes(self) -> tuple[int, ...]:
-        return self.section(self.algorithm).hidden_sizes
+        sizes: tuple[int, ...] = self.section(self.algorithm).hidden_sizes
+        return sizes
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.planner.actor.min <= self.topology.actors <= self.planner.actor.max, "topology.actors",
                 self.topology.actors, f"must lie within planner.actor.min..max "
                 f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")

@@ -15,10 +15,18 @@ Imports gymnasium and ale-py (lazily): only actors and learners may import this 
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
-from services.common.config import ConfigError, EnvConfig, is_atari
-from services.common.spaces import Discrete, EnvSpec, dict_layout, from_gymnasium  # EnvSpec: also re-exported
+from services.common.config import EnvConfig, is_atari
+from services.common.settings import ConfigError
+from services.common.spaces import EnvSpec as EnvSpec  # also re-exported
+from services.common.spaces import Discrete, dict_layout, from_gymnasium
+
+if TYPE_CHECKING:
+    import gymnasium
 
 
 def atari_game(env_id: str) -> str:
@@ -28,13 +36,7 @@ def atari_game(env_id: str) -> str:
     return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
-def _import_gym():
-    import gymnasium as gym
-
-    return gym
-
-
-def _import_ale():
+def _import_ale() -> ModuleType:
     try:
         import ale_py
     except ImportError as err:  # a clear message instead of gymnasium's NamespaceNotFound
@@ -42,20 +44,24 @@ def _import_ale():
     return ale_py
 
 
-def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: str | None = None):
+def make_vector_env(cfg: EnvConfig, num_envs: int | None = None,
+                    render_mode: str | None = None) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
     """A vector env of `num_envs` (default cfg.num_envs) copies, SAME_STEP autoreset. Blocking.
 
     `render_mode` (e.g. "rgb_array", for `kuberl eval --video`) is passed to every copy; Atari games
     then need env.atari.backend "gymnasium" (ale-py's vector env does not render).
     Raises ValueError naming `env.id` for an unknown game.
     """
-    gym = _import_gym()
+    import gymnasium as gym
+
     n = cfg.num_envs if num_envs is None else num_envs
     render = {} if render_mode is None else {"render_mode": render_mode}
     if not is_atari(cfg.id):
+        # gymnasium types `wrappers` as returning a Wrapper; make_vec applies them, any Env will do.
         return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
                             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-                            wrappers=[_flatten_dict], max_episode_steps=cfg.max_episode_steps, **render)
+                            wrappers=[_flatten_dict],  # type: ignore[list-item]
+                            max_episode_steps=cfg.max_episode_steps, **render)
     ale_py = _import_ale()
     a = cfg.atari
     game = atari_game(cfg.id)
@@ -67,7 +73,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: st
                              "use the 'gymnasium' backend")
         from ale_py.vector_env import AtariVectorEnv
 
-        frames = {} if cfg.max_episode_steps is None else {
+        frames: dict[str, Any] = {} if cfg.max_episode_steps is None else {
             "max_num_frames_per_episode": cfg.max_episode_steps * a.frameskip}
         return AtariVectorEnv(
             game, n, num_threads=a.threads or 0, autoreset_mode="SameStep", img_height=a.screen_size,
@@ -79,7 +85,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: st
     gym.register_envs(ale_py)
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
-    def wrap(env):
+    def wrap(env: gymnasium.Env[Any, Any]) -> gymnasium.Wrapper[Any, Any, Any, Any]:
         env = AtariPreprocessing(env, noop_max=a.noop_max, frame_skip=a.frameskip, screen_size=a.screen_size,
                                  terminal_on_life_loss=False, grayscale_obs=True, scale_obs=False)
         return FrameStackObservation(env, a.frame_stack)
@@ -91,10 +97,11 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: st
                         full_action_space=a.full_action_space, max_episode_steps=cfg.max_episode_steps, **render)
 
 
-def _flatten_dict(env):
+def _flatten_dict(env: gymnasium.Env[Any, Any]) -> gymnasium.Env[Any, Any]:
     """A Dict-of-Box observation flattened into one float32 vector (the keys in sorted order, each
     Box row-major: gymnasium's flatten), which is what the policy networks take; others as they are."""
-    gym = _import_gym()
+    import gymnasium as gym
+
     space = env.observation_space
     if not isinstance(space, gym.spaces.Dict):
         return env
@@ -107,21 +114,24 @@ def _flatten_dict(env):
 
 def env_spec(cfg: EnvConfig) -> EnvSpec:
     """The observation and action spaces of the env actors step (after any preprocessing). Blocking."""
-    gym = _import_gym()
+    import gymnasium as gym
+
     if is_atari(cfg.id):
         a = cfg.atari
         env = make_vector_env(cfg, num_envs=1)
         try:
             act = env.single_action_space
+            assert isinstance(act, gym.spaces.Discrete)   # Atari games (either backend) have Discrete actions
             return EnvSpec((a.frame_stack, a.screen_size, a.screen_size), np.dtype(np.uint8), Discrete(int(act.n)))
         finally:
             env.close()
     raw = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps)
-    keys = (dict_layout({k: s.shape for k, s in raw.observation_space.spaces.items()})
+    # (its spaces are Boxes, whose shape gymnasium types as set: _flatten_dict refuses any other)
+    keys = (dict_layout({k: s.shape for k, s in raw.observation_space.spaces.items()})  # type: ignore[misc]
             if isinstance(raw.observation_space, gym.spaces.Dict) else None)
-    env = _flatten_dict(raw)
+    flat = _flatten_dict(raw)
     try:
-        obs, act = env.observation_space, env.action_space
+        obs, act = flat.observation_space, flat.action_space
         if not isinstance(obs, gym.spaces.Box):
             raise ValueError(f"env.id: {cfg.id} has observation space {obs}; only Box is supported so far")
         try:
@@ -130,7 +140,7 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
             raise ValueError(f"env.id: {cfg.id}: {err}") from None
         return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action, keys)
     finally:
-        env.close()
+        flat.close()
 
 
 def spec_of(cfg: EnvConfig) -> EnvSpec:

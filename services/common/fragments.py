@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
 from services.common import wire
-from services.common.tensors import (DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, check_finite, decode, encode,
-                                     encode_parts)
+from services.common.tensors import (DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, TensorLike, check_finite,
+                                     decode, encode, encode_parts)
 
 MAX_STEPS = 65536
 MAX_ID_LEN = 128
@@ -51,11 +51,11 @@ class Fragment:
 
     @property
     def num_steps(self) -> int:
-        return self.rewards.shape[0]
+        return int(self.rewards.shape[0])
 
     @property
     def num_envs(self) -> int:
-        return self.rewards.shape[1]
+        return int(self.rewards.shape[1])
 
     @property
     def num_samples(self) -> int:
@@ -84,16 +84,20 @@ MAX_EXTRA_NAME = 64         # characters of an extra's name
 class RawTensor:
     """A Tensor read off the wire: `data` is a memoryview of the received bytes (no copy)."""
     __slots__ = ("dtype", "shape", "data")
+    dtype: int
+    shape: list[int]
+    data: memoryview
 
     def __init__(self, buf: memoryview):
         self.dtype, self.shape, self.data = 0, [], memoryview(b"")
         for number, wire_type, value in wire.fields(buf):
             name = _TENSOR_FIELDS.get(number)
-            if name == "dtype" and wire_type == wire.VARINT:
+            # (wire.fields gives a VARINT's value as an int, a LEN's as a memoryview: isinstance only narrows)
+            if name == "dtype" and wire_type == wire.VARINT and isinstance(value, int):
                 self.dtype = value
             elif name == "shape":
                 self.shape.extend(wire.as_int64(v) for v in wire.packed_varints(value, wire_type))
-            elif name == "data" and wire_type == wire.LEN:
+            elif name == "data" and wire_type == wire.LEN and isinstance(value, memoryview):
                 self.data = value
             elif name is not None:
                 raise wire.WireError(f"Tensor.{name} has wire type {wire_type}")
@@ -128,21 +132,22 @@ class RawFragment:
             if fd is None:
                 continue  # an unknown (newer) field: skipped, as protobuf does
             name = fd.name
+            # (wire.fields gives a LEN's value as a memoryview, the others' as an int: isinstance only narrows)
             if number == _EXTRAS:
-                if wire_type != wire.LEN:
+                if wire_type != wire.LEN or not isinstance(value, memoryview):
                     raise wire.WireError(f"extras has wire type {wire_type}")
                 self._read_extra(value)
             elif name in _TENSOR_NAMES:
-                if wire_type != wire.LEN:
+                if wire_type != wire.LEN or not isinstance(value, memoryview):
                     raise wire.WireError(f"{name} has wire type {wire_type}")
                 if name in self._tensors:  # never written by a protobuf encoder; refused, not merged
                     raise wire.WireError(f"{name} appears twice")
                 self._tensors[name] = RawTensor(value)
             elif name == "env_ids":
                 self.env_ids.extend(wire.packed_varints(value, wire_type))
-            elif name == "actor_id" and wire_type == wire.LEN:
+            elif name == "actor_id" and wire_type == wire.LEN and isinstance(value, memoryview):
                 self.actor_id = str(value, "utf-8")
-            elif name == "created_unix_s" and wire_type == wire.FIXED64:
+            elif name == "created_unix_s" and wire_type == wire.FIXED64 and isinstance(value, int):
                 self.created_unix_s = float(np.frombuffer(value.to_bytes(8, "little"), "<f8")[0])
             elif wire_type == wire.VARINT and name in ("seq", "policy_version", "algorithm", "num_steps",
                                                                 "incarnation"):
@@ -154,9 +159,9 @@ class RawFragment:
         """One entry of the `extras` map: key (1) and value (2)."""
         key, value = "", None
         for number, wire_type, v in wire.fields(buf):
-            if number == 1 and wire_type == wire.LEN:
+            if number == 1 and wire_type == wire.LEN and isinstance(v, memoryview):
                 key = str(v, "utf-8")
-            elif number == 2 and wire_type == wire.LEN:
+            elif number == 2 and wire_type == wire.LEN and isinstance(v, memoryview):
                 value = RawTensor(v)
             else:
                 raise wire.WireError(f"an extras entry has field {number} of wire type {wire_type}")
@@ -167,7 +172,7 @@ class RawFragment:
     def HasField(self, name: str) -> bool:  # noqa: N802 (the generated messages' name)
         return name in self._tensors
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> RawTensor:
         if name in _TENSOR_NAMES:  # an absent tensor reads as empty, as on a generated message
             return self._tensors.get(name) or RawTensor(memoryview(b""))
         raise AttributeError(name)
@@ -186,7 +191,7 @@ def new_incarnation() -> int:
     return secrets.randbits(64) or 1
 
 
-def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
+def build_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: pb.Algorithm, env_ids: Iterable[int],
                    obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
                    extras: Mapping[str, np.ndarray] | None = None, action_mask: np.ndarray | None = None,
@@ -221,7 +226,7 @@ class EncodedFragment:
         return cls(msg.seq, msg.num_steps * len(msg.env_ids), msg.SerializeToString())
 
 
-def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: int, env_ids,
+def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: pb.Algorithm, env_ids: Iterable[int],
                     obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
                     truncated: np.ndarray, final_obs: np.ndarray, final_index: np.ndarray,
                     extras: Mapping[str, np.ndarray] | None = None, action_mask: np.ndarray | None = None,
@@ -235,7 +240,7 @@ def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: 
     head = pb.TrajectoryFragment(actor_id=actor_id, seq=seq, policy_version=policy_version, algorithm=algorithm,
                                  env_ids=list(env_ids), num_steps=rewards.shape[0],
                                  incarnation=incarnation).SerializeToString()
-    parts: list = [head]
+    parts: list[bytes | memoryview] = [head]
     tensors = [("obs", obs), ("actions", actions), ("rewards", rewards.astype(np.float32, copy=False)),
                ("terminated", terminated.astype(bool, copy=False)), ("truncated", truncated.astype(bool, copy=False)),
                ("final_obs", final_obs), ("final_index", final_index.astype(np.int64, copy=False))]
@@ -255,7 +260,7 @@ def encode_fragment(*, actor_id: str, seq: int, policy_version: int, algorithm: 
     return EncodedFragment(seq, int(rewards.size), b"".join(parts))
 
 
-def _expect(cond: bool, field: str, message) -> None:
+def _expect(cond: bool, field: str, message: str | Callable[[], str]) -> None:
     """Raise TensorError(field, message) unless `cond`; `message` may be a callable, formatted only
     on failure (the checks run for every fragment a buffer receives)."""
     if not cond:
@@ -294,10 +299,9 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
     _expect(0 < T <= MAX_STEPS, "num_steps", lambda: f"{T} is outside 1..{MAX_STEPS}")
     _expect(N > 0, "env_ids", "must name at least one env")
 
-    def get(name: str, present: bool = True) -> np.ndarray | None:
-        if not msg.HasField(name):
-            _expect(not present, name, "is required but missing")
-            return None
+    def get(name: str) -> np.ndarray:
+        """A required tensor, decoded."""
+        _expect(msg.HasField(name), name, "is required but missing")
         return decode(getattr(msg, name), name, max_elements)
 
     obs = get("obs")
@@ -306,7 +310,7 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
     actions = get("actions")
     _expect(actions.ndim >= 2 and actions.shape[:2] == (T, N), "actions.shape",
             lambda: f"must start with [T={T}, N={N}], got {list(actions.shape)}")
-    step_fields = {}
+    step_fields: dict[str, np.ndarray] = {}
     for name, dtype in (("rewards", np.float32), ("terminated", np.bool_), ("truncated", np.bool_)):
         arr = get(name)
         _expect(arr.shape == (T, N), f"{name}.shape", lambda: f"must be [T={T}, N={N}], got {list(arr.shape)}")
@@ -326,21 +330,21 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
             "final_obs", lambda: f"must be {obs.dtype.name} [K={len(final_index)}, *obs_shape={list(obs.shape[2:])}], "
                          f"got {final_obs.dtype.name} {list(final_obs.shape)}")
 
-    given = dict(msg.extras)
+    given: dict[str, TensorLike] = dict(msg.extras)
     _expect(len(given) <= MAX_EXTRAS, "extras", lambda: f"{len(given)} extras, at most {MAX_EXTRAS}")
     for name in extras or ():
         _expect(name in given, f"extras.{name}", "is required but missing")
-    decoded = {}
+    decoded: dict[str, np.ndarray] = {}
     for name, tensor in sorted(given.items()):
         _expect(0 < len(name) <= MAX_EXTRA_NAME, "extras", lambda: f"names are 1..{MAX_EXTRA_NAME} characters")
         _expect(extras is None or name in extras, f"extras.{name}",
                 lambda: f"is not a field of {algorithm_name(msg.algorithm)} fragments "
-                        f"(it takes {', '.join(extras) or 'no extras'})")
+                        f"(it takes {', '.join(extras or ()) or 'no extras'})")
         arr = decode(tensor, f"extras.{name}", max_elements)
         _expect(arr.ndim >= 2 and arr.shape[:2] == (T, N) and arr.dtype == np.float32, f"extras.{name}",
                 lambda: f"must be float32 [T={T}, N={N}, ...], got {arr.dtype.name} {list(arr.shape)}")
         decoded[name] = arr
-    mask = get("action_mask", present=False)
+    mask = decode(msg.action_mask, "action_mask", max_elements) if msg.HasField("action_mask") else None
     if mask is not None:
         _expect(mask.ndim == 3 and mask.shape[:2] == (T, N) and mask.dtype == np.bool_, "action_mask",
                 lambda: f"must be bool [T={T}, N={N}, M], got {mask.dtype.name} {list(mask.shape)}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
-from torch.distributions import Categorical, Normal
+from torch.distributions import Categorical, Distribution, Normal
 
 from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 
@@ -41,7 +41,7 @@ class MultiCategorical:
     """Independent categoricals over runs of logits (one per choice); actions [B, k]."""
 
     def __init__(self, logits: torch.Tensor, nvec: tuple[int, ...], validate_args: bool = True):
-        self.parts = [Categorical(logits=part, validate_args=validate_args)
+        self.parts: list[Categorical] = [Categorical(logits=part, validate_args=validate_args)
                       for part in torch.split(logits, list(nvec), dim=-1)]
 
     def sample(self) -> torch.Tensor:
@@ -51,14 +51,17 @@ class MultiCategorical:
         return torch.stack([d.logits.argmax(-1) for d in self.parts], dim=-1)
 
     def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
-        return sum(d.log_prob(actions[..., i]) for i, d in enumerate(self.parts))
+        total: torch.Tensor = sum(d.log_prob(actions[..., i]) for i, d in enumerate(self.parts))
+        return total
 
     def entropy(self) -> torch.Tensor:
-        return sum(d.entropy() for d in self.parts)
+        total: torch.Tensor = sum(d.entropy() for d in self.parts)
+        return total
 
 
 class ModeCategorical(Categorical):
-    def mode(self) -> torch.Tensor:
+    # A method, as the other heads' `mode()`, where torch's distributions have a property.
+    def mode(self) -> torch.Tensor:  # type: ignore[override]
         return self.logits.argmax(-1)
 
 
@@ -67,7 +70,7 @@ class DiagGaussian:
 
     def __init__(self, mean: torch.Tensor, log_std: torch.Tensor, shape: tuple[int, ...], validate_args: bool = True):
         self.shape = shape
-        self.normal = Normal(mean, log_std.expand_as(mean).exp(), validate_args=validate_args)
+        self.normal: Distribution = Normal(mean, log_std.expand_as(mean).exp(), validate_args=validate_args)
 
     def sample(self) -> torch.Tensor:
         return self.normal.sample().view(-1, *self.shape)
@@ -80,6 +83,9 @@ class DiagGaussian:
 
     def entropy(self) -> torch.Tensor:
         return self.normal.entropy().sum(-1)
+
+
+ActionDist = DiagGaussian | MultiCategorical | ModeCategorical
 
 
 class Head(nn.Module):
@@ -98,7 +104,7 @@ class Head(nn.Module):
         if isinstance(space, Box):
             self.log_std = nn.Parameter(torch.zeros(out_features(space)))
 
-    def forward(self, out: torch.Tensor, mask: torch.Tensor | None = None):
+    def forward(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> ActionDist:
         space = self.space
         if isinstance(space, Box):
             if mask is not None:

@@ -8,6 +8,9 @@ import-linter contract keeps the buffer and planner away from it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import numpy as np
 import torch
 from torch import nn
@@ -15,7 +18,8 @@ from torch import nn
 from services.common import envs
 from services.common.config import EnvConfig
 from services.common.spaces import ActionSpace, Box
-from services.common.envs import EnvSpec, spec_of  # noqa: F401  (re-exported: the networks' view of an env)
+from services.common.envs import EnvSpec as EnvSpec  # re-exported: the networks' view of an env
+from services.common.envs import spec_of as spec_of
 
 
 def env_spec(env_id: str, max_episode_steps: int | None = None) -> EnvSpec:
@@ -81,12 +85,14 @@ class NatureCNN(nn.Module):
         self.features = features
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.convs(obs.float() / 255.0))
+        features: torch.Tensor = self.fc(self.convs(obs.float() / 255.0))
+        return features
 
 
 def _conv(inp: int, out: int, kernel: int, stride: int) -> nn.Conv2d:
     conv = nn.Conv2d(inp, out, kernel, stride)
     nn.init.orthogonal_(conv.weight, np.sqrt(2))
+    assert conv.bias is not None   # (made with a bias, the default)
     nn.init.constant_(conv.bias, 0.0)
     return conv
 
@@ -98,6 +104,9 @@ class ObsNormalizer(nn.Module):
     parallel algorithm of Chan et al. (1979); `moments` and `merge` split it for a learner group,
     which sums every rank's batch moments before merging them, so all ranks keep the same statistics.
     """
+    mean: torch.Tensor    # buffers (register_buffer)
+    var: torch.Tensor
+    count: torch.Tensor
 
     def __init__(self, size: int, clip: float = 10.0, eps: float = 1e-8):
         super().__init__()
@@ -137,18 +146,29 @@ class ObsNormalizer(nn.Module):
         self.merge(self.moments(x.flatten(1)))
 
 
+class ModalNet(Protocol):
+    """A policy network as GreedyPolicy sees it (an nn.Module): `mode(obs)`, or `mode(obs, mask)` where
+    it takes masks, gives its deterministic actions."""
+
+    @property
+    def mode(self) -> Callable[..., torch.Tensor]: ...
+
+
 class GreedyPolicy(nn.Module):
     """A policy network's deterministic actions as a module of its own: `net.mode(obs)` (argmax of Q or
     of the logits, the Gaussian's mean, SAC's squashed mean), Box actions clipped into the space's
     bounds as actors clip what they send to the env. What `kuberl eval` runs by default and `kuberl
     export` writes: its forward holds no distribution objects and no Python branching on data, so it
     traces into one graph, observation normalisation (a submodule of `net`) included."""
+    net: ModalNet
+    low: torch.Tensor     # buffers, where the space is a Box
+    high: torch.Tensor
 
-    def __init__(self, net: nn.Module, space: ActionSpace):
+    def __init__(self, net: ModalNet, space: ActionSpace):
         super().__init__()
         self.net = net
         self.bounded = isinstance(space, Box)
-        if self.bounded:
+        if isinstance(space, Box):
             self.register_buffer("low", torch.as_tensor(space.low_array, dtype=torch.float32))
             self.register_buffer("high", torch.as_tensor(space.high_array, dtype=torch.float32))
 

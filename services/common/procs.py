@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -46,7 +47,8 @@ def free_port() -> int:
             return port
     with socket.socket() as s:  # nothing free below the range: fall back to an ephemeral port
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        ephemeral: int = s.getsockname()[1]
+        return ephemeral
 
 
 # Names the supervisor's pid to the child, which asks the kernel for SIGTERM when it dies
@@ -75,12 +77,12 @@ def die_with_parent() -> None:
 class ServiceProcess:
     role: str
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     log_path: Path
     ready_path: Path
     address: str = ""
     metrics: str | None = None
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
     def poll_ready(self) -> bool:
         """True once the service serves (its ready file exists); fills address and metrics."""

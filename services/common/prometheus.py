@@ -23,15 +23,20 @@ from __future__ import annotations
 import re
 import socket
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from typing import TYPE_CHECKING, Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from services.common.stats import Metrics
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 DOCS = "see docs/metrics.md"
 PROBE_TIMEOUT_S = 3.0  # under the manifests' probe timeoutSeconds (4-5 s), so a slow loop reads as a 503 with its reason
@@ -52,7 +57,7 @@ class _Collector:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for name, value in sorted(self.metrics.snapshot().items()):
             prom = prometheus_name(name)
             if name.endswith("_total"):
@@ -68,7 +73,7 @@ class _Collector:
 class MetricsServer:
     """A running /metrics (and /livez, /readyz) endpoint; `address` is the bound host:port."""
     address: str
-    _httpd: object
+    _httpd: WSGIServer
 
     def close(self) -> None:
         self._httpd.shutdown()
@@ -76,14 +81,14 @@ class MetricsServer:
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format, *args):  # scrapes and probes every few seconds: not worth a log line each
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes and probes every few seconds: not worth a log line each
         pass
 
 
-def _app(registry: CollectorRegistry, health: Probed | None):
-    metrics_app = make_wsgi_app(registry)
+def _app(registry: CollectorRegistry, health: Probed | None) -> WSGIApplication:
+    metrics_app: WSGIApplication = make_wsgi_app(registry)
 
-    def app(environ, start_response):
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return metrics_app(environ, start_response)
@@ -107,7 +112,7 @@ def serve_metrics(metrics: Metrics, listen: str, health: Probed | None = None) -
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(metrics))
     family = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    server_class = type("_Server", (ThreadingWSGIServer,), {"address_family": family})
+    server_class: type[ThreadingWSGIServer] = type("_Server", (ThreadingWSGIServer,), {"address_family": family})
     httpd = make_server(host, int(port), _app(registry, health), server_class, handler_class=_Quiet)
     threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return MetricsServer(f"{shown}:{httpd.server_port}", httpd)

@@ -14,7 +14,13 @@ import dataclasses
 import re
 import types
 import typing
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+S = TypeVar("S", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -34,7 +40,7 @@ def require(cond: bool, key: str, value: Any, why: str) -> None:
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
 
 
-def convert(tp, value, key: str):
+def convert(tp: Any, value: Any, key: str) -> Any:
     """Check `value` against the annotation `tp` (strictly: no bool for int, no str for float)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -43,7 +49,7 @@ def convert(tp, value, key: str):
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return convert(inner, value, key)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if value is None:  # `section:` with nothing under it means "all defaults"
             value = {}
         if not isinstance(value, dict):
@@ -70,7 +76,7 @@ def convert(tp, value, key: str):
     raise ConfigError(key, f"must be {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
 
 
-def build(cls, data: dict, prefix: str = "", **given):
+def build(cls: type[S], data: Mapping[str, Any], prefix: str = "", **given: Any) -> S:
     """`cls` (a settings dataclass) from the mapping `data`, its keys named under `prefix` in errors.
     `given` are constructor arguments already built (not looked up in `data`)."""
     hints = typing.get_type_hints(cls)
@@ -90,7 +96,7 @@ def build(cls, data: dict, prefix: str = "", **given):
         raise ConfigError(f"{prefix}{e.key}", str(e).split(": ", 1)[1]) from None
 
 
-def plain(value):
+def plain(value: Any) -> Any:
     """Settings as plain data (dicts, lists, scalars) for YAML: the inverse of `build`."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}

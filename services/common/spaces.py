@@ -16,11 +16,17 @@ what an algorithm checks it can train on (`Algorithm.check_spec`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from services.common.tensors import NonFiniteError, TensorError, dtype_code, numpy_dtype
+
+if TYPE_CHECKING:
+    from kuberl.v1 import actor_pb2
 
 MAX_CHOICES = 64       # MultiDiscrete: choices per action
 MAX_ACTION_DIMS = 4    # Box actions: rank
@@ -71,7 +77,7 @@ class Box:
     mask_width = 0
 
     @classmethod
-    def of(cls, shape, low, high) -> Box:
+    def of(cls, shape: Iterable[int], low: npt.ArrayLike, high: npt.ArrayLike) -> Box:
         """A Box from array-likes (a scalar bound applies to every element); ValueError if malformed."""
         shape = tuple(int(d) for d in shape)
         size = int(np.prod(shape)) if shape else 1
@@ -98,7 +104,8 @@ class Box:
 
     def clip(self, actions: np.ndarray) -> np.ndarray:
         """`actions` [N, *shape] clipped to the bounds: what the env receives."""
-        return np.clip(actions, self.low_array, self.high_array)
+        clipped: np.ndarray = np.clip(actions, self.low_array, self.high_array)
+        return clipped
 
     def __str__(self) -> str:
         lo, hi = set(self.low), set(self.high)
@@ -132,7 +139,7 @@ def check_mask(space: ActionSpace, mask: np.ndarray, lead: tuple[int, ...], fiel
     """Raise TensorError naming `field` unless `mask` is bool `lead` + [mask width] allowing at least
     one action (of every choice) everywhere."""
     width = space.mask_width
-    if not width:
+    if not width or isinstance(space, Box):   # (a Box's mask_width is 0)
         raise TensorError(field, f"{space} takes no action mask")
     want = (*lead, width)
     if mask.shape != want or mask.dtype != np.bool_:
@@ -144,7 +151,7 @@ def check_mask(space: ActionSpace, mask: np.ndarray, lead: tuple[int, ...], fiel
             raise TensorError(field, f"allows no value of {what} somewhere: at least one must be allowed")
 
 
-def from_gymnasium(space) -> ActionSpace:
+def from_gymnasium(space: Any) -> ActionSpace:
     """The action space of a gymnasium env; ValueError naming env.id's action space otherwise."""
     kind = type(space).__name__
     if kind == "Discrete":
@@ -172,7 +179,7 @@ def checked(space: ActionSpace) -> ActionSpace:
     return space
 
 
-def to_proto(space: ActionSpace, msg) -> None:
+def to_proto(space: ActionSpace, msg: actor_pb2.Space) -> None:
     """Write `space` into a kuberl.v1.Space message."""
     if isinstance(space, Discrete):
         msg.discrete.n = space.n
@@ -185,7 +192,7 @@ def to_proto(space: ActionSpace, msg) -> None:
         msg.box.high.extend(space.high)
 
 
-def from_proto(msg, field: str = "action_space") -> ActionSpace:
+def from_proto(msg: actor_pb2.Space, field: str = "action_space") -> ActionSpace:
     """The action space a kuberl.v1.Space declares; TensorError naming `field` if it is not one."""
     kind = msg.WhichOneof("kind")
     try:
@@ -201,7 +208,7 @@ def from_proto(msg, field: str = "action_space") -> ActionSpace:
                 raise ValueError("a Box action must be DTYPE_FLOAT32")
             shape = tuple(box.shape)
             size = int(np.prod(shape)) if shape else 1
-            bounds = []
+            bounds: list[float | list[float]] = []
             for name, values, default in (("low", box.low, -math.inf), ("high", box.high, math.inf)):
                 if len(values) not in (0, 1, size):
                     raise ValueError(f"{name} has {len(values)} values: give 0, 1 or {size}")
@@ -222,7 +229,7 @@ MAX_KEY_LEN = 64
 DictLayout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def dict_layout(shapes: dict) -> DictLayout:
+def dict_layout(shapes: Mapping[str, Iterable[int]]) -> DictLayout:
     """The layout of a Dict observation given each key's shape; ValueError if it cannot be one."""
     if not 0 < len(shapes) <= MAX_KEYS:
         raise ValueError(f"a Dict observation has 1..{MAX_KEYS} keys, got {len(shapes)}")
@@ -245,7 +252,7 @@ def describe(layout: DictLayout) -> str:
     return "Dict(" + ", ".join(f"{k}: {list(s)}" for k, s in layout) + ")"
 
 
-def dict_layout_from_proto(msg, field: str = "observation_space") -> DictLayout:
+def dict_layout_from_proto(msg: actor_pb2.DictSpace, field: str = "observation_space") -> DictLayout:
     """The layout a kuberl.v1.DictSpace declares; TensorError naming `field` if malformed."""
     try:
         for key, box in msg.spaces.items():
@@ -255,14 +262,14 @@ def dict_layout_from_proto(msg, field: str = "observation_space") -> DictLayout:
         raise TensorError(field, f"dict: {err}") from None
 
 
-def dict_layout_to_proto(layout: DictLayout, msg, dtype=np.float32) -> None:
+def dict_layout_to_proto(layout: DictLayout, msg: actor_pb2.DictSpace, dtype: npt.DTypeLike = np.float32) -> None:
     """Write `layout` into a kuberl.v1.DictSpace message (every Box of `dtype`)."""
     for key, shape in layout:
         msg.spaces[key].shape.extend(shape)
         msg.spaces[key].dtype = dtype_code(np.dtype(dtype))
 
 
-def flatten_dict(values: dict, layout: DictLayout, lead: tuple[int, ...] = ()) -> np.ndarray:
+def flatten_dict(values: Mapping[str, npt.ArrayLike], layout: DictLayout, lead: tuple[int, ...] = ()) -> np.ndarray:
     """`values` (key -> array of `lead` + that key's shape) as one float32 array of `lead` + [flat size]."""
     if set(values) != {k for k, _ in layout}:
         raise ValueError(f"observation keys {sorted(values)} differ from the declared {[k for k, _ in layout]}")

@@ -13,8 +13,11 @@ import os
 import socket
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kuberl.v1 import common_pb2 as pb
 
@@ -84,7 +87,7 @@ class Rolling:
     def add(self, value: float) -> None:
         self._values.append(float(value))
 
-    def extend(self, values) -> None:
+    def extend(self, values: Iterable[float]) -> None:
         self._values.extend(float(v) for v in values)
 
     def summary(self, prefix: str) -> dict[str, float]:
@@ -104,14 +107,14 @@ class Histogram:
     """A distribution: cumulative counts per bucket since start (exported as a Prometheus histogram)
     and a rolling window of recent values (summarised as mean/p50/p95/max)."""
 
-    def __init__(self, buckets=LAG_BUCKETS, window: int = 4096):
+    def __init__(self, buckets: Iterable[float] = LAG_BUCKETS, window: int = 4096):
         self.buckets = tuple(float(b) for b in buckets)
         self.counts = np.zeros(len(self.buckets) + 1, dtype=np.int64)  # last: above every bound (+Inf)
         self.sum = 0.0
         self.count = 0
         self.recent = Rolling(window)
 
-    def observe(self, values, weights=None) -> None:
+    def observe(self, values: npt.ArrayLike, weights: npt.ArrayLike | None = None) -> None:
         """Record each value (`weights[i]` times, if given)."""
         values = np.asarray(values, dtype=np.float64).reshape(-1)
         w = np.ones(len(values), np.int64) if weights is None else np.asarray(weights, np.int64).reshape(-1)
@@ -140,7 +143,7 @@ class Metrics:
         self.histograms: dict[str, Histogram] = {}
         self._rates: dict[str, tuple[str, WindowRate]] = {}
         self._rate_window_s = rate_window_s
-        self._gauge_providers: list = []
+        self._gauge_providers: list[Callable[[], Mapping[str, float]]] = []
 
     def inc(self, name: str, n: float = 1) -> None:
         self.counters[name] += n
@@ -153,11 +156,11 @@ class Metrics:
             self.rollings[name] = Rolling(size)
         return self.rollings[name]
 
-    def add_gauges(self, provider) -> None:
+    def add_gauges(self, provider: Callable[[], Mapping[str, float]]) -> None:
         """Include `provider()` (a dict of gauges, computed on demand) in every snapshot."""
         self._gauge_providers.append(provider)
 
-    def histogram(self, name: str, buckets=LAG_BUCKETS) -> Histogram:
+    def histogram(self, name: str, buckets: Iterable[float] = LAG_BUCKETS) -> Histogram:
         if name not in self.histograms:
             self.histograms[name] = Histogram(buckets)
         return self.histograms[name]
@@ -190,7 +193,7 @@ class Metrics:
         out[f"{self.role}/cpu_seconds_total"] = time.process_time()
         return out
 
-    def response(self, episodes=(), **fields) -> pb.GetStatsResponse:
+    def response(self, episodes: Iterable[pb.Episode] = (), **fields: Any) -> pb.GetStatsResponse:
         """The GetStats answer: this snapshot, a heartbeat, uptime and the process's start time (plus
         any other GetStatsResponse `fields`, e.g. an actor's episode paging)."""
         metrics = self.snapshot()

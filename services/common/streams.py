@@ -13,6 +13,8 @@ must hear of a refusal at once. Used by grpcutil's parsing (INVALID_ARGUMENT) an
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 # After refusing a client stream, at most this many more frames are read (and dropped) while waiting
@@ -21,7 +23,7 @@ import grpc
 DRAIN_LIMIT_FRAMES = 65536
 
 
-async def read_to_half_close(context) -> None:
+async def read_to_half_close(context: grpc.aio.ServicerContext[Any, Any]) -> None:
     """Read and drop the client's frames until it half-closes, at most DRAIN_LIMIT_FRAMES of them."""
     for _ in range(DRAIN_LIMIT_FRAMES):
         if await context.read() is grpc.aio.EOF:

@@ -28,9 +28,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.config import CommonConfig
 from services.common.procs import ServiceProcess, free_port, learner_group_args, spawn
@@ -102,7 +103,8 @@ class Group:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, config_path: Path, *, on_restart=None, log_events: bool = True):
+    def __init__(self, run_dir: Path, config_path: Path, *, on_restart: Callable[[str], object] | None = None,
+                 log_events: bool = True):
         self.run_dir, self.config_path = Path(run_dir), Path(config_path)
         self.events_path = self.run_dir / "events.jsonl"
         self.specs: dict[str, Spec] = {}          # processes restarted alone (group members are in `groups`)
@@ -135,7 +137,7 @@ class Supervisor:
         self._form(group, time.monotonic())
         return [self.procs[n] for n in group.members]
 
-    def release(self, names) -> list[ServiceProcess]:
+    def release(self, names: Iterable[str]) -> list[ServiceProcess]:
         """Stop supervising `names` and return their processes, for the caller to stop or drain. A group
         member takes its whole group along, members still exiting after a break included: a group cannot
         lose one member."""
@@ -152,7 +154,7 @@ class Supervisor:
                 out.append(proc)
         return out
 
-    def stop(self, names, timeout_s: float) -> dict[str, int | None]:
+    def stop(self, names: Iterable[str], timeout_s: float) -> dict[str, int | None]:
         """`release` `names` and stop them (`stop_procs`); blocks until they have exited."""
         codes = stop_procs(self.release(names), timeout_s)
         self.exit_codes.update(codes)
@@ -265,13 +267,13 @@ class Supervisor:
             return None
         return RESTART_BACKOFF_S[min(max(self.failures[key] - 1, 0), len(RESTART_BACKOFF_S) - 1)]
 
-    def _restarted(self, name: str, what: str, **fields) -> None:
+    def _restarted(self, name: str, what: str, **fields: Any) -> None:
         self.restarts[name] = self.restarts.get(name, 0) + 1
         self.event(name, what, restarts=self.restarts[name], **fields)
         if self.on_restart is not None:
             self.on_restart(name)
 
-    def event(self, name: str, what: str, **fields) -> None:
+    def event(self, name: str, what: str, **fields: Any) -> None:
         """Append one event to events.jsonl and the log (`kuberl up` prints them as they come)."""
         record = {"unix_s": round(time.time(), 3), "name": name, "event": what, **fields}
         tail = fields.get("log_tail")
@@ -305,7 +307,7 @@ def stop_procs(procs: list[ServiceProcess], timeout_s: float) -> dict[str, int |
     return {p.name: wait_or_kill(p, timeout_s) for p in procs}
 
 
-def format_event(record: dict) -> str:
+def format_event(record: Mapping[str, Any]) -> str:
     """One events.jsonl record as the console line `kuberl up` prints."""
     name, what = record.get("name", "?"), record.get("event", "?")
     if what == "exited":

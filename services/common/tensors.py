@@ -9,6 +9,8 @@ message bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -31,7 +33,21 @@ _TO_NUMPY: dict[int, np.dtype] = {
     pb.DTYPE_BOOL: np.dtype("?"),
 }
 # Keyed by (kind, itemsize) so that either byte order of a numpy dtype maps to its wire code.
-_FROM_NUMPY: dict[tuple[str, int], int] = {(dt.kind, dt.itemsize): code for code, dt in _TO_NUMPY.items()}
+_FROM_NUMPY: dict[tuple[str, int], pb.DType] = {(dt.kind, dt.itemsize): cast(pb.DType, code)
+                                                for code, dt in _TO_NUMPY.items()}
+
+
+class TensorLike(Protocol):
+    """What `decode` reads: a Tensor message, or a RawTensor read off the wire (services/common/fragments.py)."""
+
+    @property
+    def dtype(self) -> int: ...
+
+    @property
+    def shape(self) -> Iterable[int]: ...
+
+    @property
+    def data(self) -> bytes | memoryview: ...
 
 
 class TensorError(ValueError):
@@ -56,7 +72,7 @@ def check_finite(arrays: dict[str, np.ndarray | None]) -> None:
             raise NonFiniteError(name, f"{bad} of its {arr.size} values are NaN or infinite")
 
 
-def dtype_code(dtype: np.dtype) -> int:
+def dtype_code(dtype: np.dtype) -> pb.DType:
     """Wire code of a numpy dtype; raises TensorError for dtypes outside the whitelist."""
     dt = np.dtype(dtype)
     try:
@@ -98,13 +114,14 @@ def encode_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
     wire_dtype = _TO_NUMPY[code]
     arr = np.ascontiguousarray(arr if arr.dtype == wire_dtype else arr.astype(wire_dtype))
     head = pb.Tensor(dtype=code, shape=arr.shape).SerializeToString()
-    data = memoryview(arr.reshape(-1).view(np.uint8))
+    # numpy's stubs give ndarray `__buffer__` for Python >= 3.12 only; it is a buffer on 3.11 too.
+    data = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     if len(data):  # proto3 leaves an empty `data` out
         head += wire.len_prefix(_DATA_FIELD, len(data))
     return head, data
 
 
-def check_shape(shape, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple[int, ...]:
+def check_shape(shape: Iterable[int], field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple[int, ...]:
     """Validate a wire shape (rank, non-negative dims, element limit) and return it as a tuple."""
     dims = tuple(int(d) for d in shape)
     if len(dims) > MAX_RANK:
@@ -118,7 +135,7 @@ def check_shape(shape, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> 
     return dims
 
 
-def decode(msg: pb.Tensor, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> np.ndarray:
+def decode(msg: TensorLike, field: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> np.ndarray:
     """Validate a Tensor and return a read-only, zero-copy numpy view of its data.
 
     Raises TensorError naming `field` for an unknown dtype, a bad shape, or a byte length that

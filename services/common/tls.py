@@ -24,7 +24,10 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, overload
+
 import grpc
 
 from services.common.atomic import stamps
@@ -51,7 +54,7 @@ class TlsConfig:
     # SubscribeWeights only to actors (services/common/auth.ROLE_RPCS); empty: any certificate from ca_file.
     role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,
                 "must be 'require' (servers verify client certificates: mutual TLS) or 'none'")
         if self.role_names:
@@ -120,7 +123,7 @@ def read_key(path: str, setting: str) -> bytes:
     return data
 
 
-def _refuse_password():
+def _refuse_password() -> NoReturn:
     raise TlsError("encrypted private key")
 
 
@@ -175,15 +178,15 @@ class _Reloading:
         self.stamp = self._stamp()
         self.initial = self._load()
 
-    def _stamp(self) -> tuple:
+    def _stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
         return stamps(self.paths)
 
-    def _load(self):
+    def _load(self) -> grpc.ServerCertificateConfiguration:
         cert, key = read_pair(self.tls.cert_file, self.tls.key_file)
         ca = read_ca(self.tls.ca_file) if self.tls.client_auth == "require" else None
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
-    def fetch(self):
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """A new configuration if the files changed and load, else None (keep the current one)."""
         try:
             with self.lock:
@@ -210,7 +213,8 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     verified against the CA when `client_auth` is "require"."""
     check_role(tls)
     reloading = _Reloading(tls)
-    return grpc.dynamic_ssl_server_credentials(reloading.initial, reloading.fetch,
+    # (the fetcher's None keeps the current configuration, as gRPC documents; its stubs leave None out)
+    return grpc.dynamic_ssl_server_credentials(reloading.initial, reloading.fetch,  # type: ignore[arg-type]
                                                require_client_authentication=tls.client_auth == "require")
 
 
@@ -228,12 +232,26 @@ def channel_credentials(tls: TlsConfig, names: Names = ROLE_NAMES) -> grpc.Chann
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def open_channel(target: str, tls: TlsConfig | None, *, options=(), aio: bool = False, names: Names = ROLE_NAMES):
+@overload
+def open_channel(target: str, tls: TlsConfig | None, *, options: Sequence[tuple[str, Any]] = (),
+                 aio: Literal[False] = False, names: Names = ROLE_NAMES) -> grpc.Channel: ...
+
+
+@overload
+def open_channel(target: str, tls: TlsConfig | None, *, options: Sequence[tuple[str, Any]] = (),
+                 aio: Literal[True], names: Names = ROLE_NAMES) -> grpc.aio.Channel: ...
+
+
+def open_channel(target: str, tls: TlsConfig | None, *, options: Sequence[tuple[str, Any]] = (), aio: bool = False,
+                 names: Names = ROLE_NAMES) -> grpc.Channel | grpc.aio.Channel:
     """A channel to `target` (a grpc.aio one with `aio`): TLS as `tls` says, plaintext when it is None
     or off. `tls.server_name` replaces the host of `target` as the name checked in the server's
     certificate."""
-    module = grpc.aio if aio else grpc
+    module = grpc.aio if aio else grpc   # (a module: what it makes is typed by the declared return)
+    channel: grpc.Channel | grpc.aio.Channel
     if tls is None or not tls.enabled:
-        return module.insecure_channel(target, options=list(options))
+        channel = module.insecure_channel(target, options=list(options))
+        return channel
     override = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-    return module.secure_channel(target, channel_credentials(tls, names), options=[*options, *override])
+    channel = module.secure_channel(target, channel_credentials(tls, names), options=[*options, *override])
+    return channel

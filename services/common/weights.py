@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class WeightsAssembler:
         return head.version, _split(head.specs, payload)
 
 
-def _split(specs, payload: bytes) -> dict[str, np.ndarray]:
+def _split(specs: Iterable[pb.TensorSpec], payload: bytes) -> dict[str, np.ndarray]:
     out = {}
     for spec in specs:
         dt = numpy_dtype(spec.dtype, f"weights.specs[{spec.name}].dtype")

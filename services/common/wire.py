@@ -43,6 +43,7 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
     while pos < n:
         key, pos = read_varint(buf, pos)
         number, wire_type = key >> 3, key & 7
+        value: int | memoryview
         if number == 0:
             raise WireError(f"field number 0 at byte {pos}")
         if wire_type == VARINT:
@@ -64,9 +65,10 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
 
 def packed_varints(value: int | memoryview, wire_type: int) -> list[int]:
     """The elements of a repeated integer field occurrence (packed LEN or one unpacked VARINT)."""
-    if wire_type == VARINT:
+    # (`fields` gives a VARINT's value as an int and a LEN's as a memoryview: the isinstance tests only narrow)
+    if wire_type == VARINT and isinstance(value, int):
         return [value]
-    if wire_type != LEN:
+    if wire_type != LEN or not isinstance(value, memoryview):
         raise WireError(f"repeated integer field with wire type {wire_type}")
     out, pos = [], 0
     while pos < len(value):

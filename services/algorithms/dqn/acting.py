@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from services.algorithms.dqn.networks import QNetwork
 from services.common.nets import GreedyPolicy
+
+if TYPE_CHECKING:
+    from services.common.config import CommonConfig
+    from services.common.spaces import EnvSpec
+    from services.common.stats import Metrics
 
 
 def epsilon_at(step: int, start: float, end: float, duration: int) -> float:
@@ -28,7 +35,7 @@ def run_env_steps(version: int | None, learning_starts: int, batch_size: int, re
 
 
 class Acting:
-    def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
+    def __init__(self, cfg: CommonConfig, spec: EnvSpec, rng: np.random.Generator, metrics: Metrics):
         self.cfg, self.spec, self.rng, self.metrics = cfg.section("dqn"), spec, rng, metrics
         self.net = QNetwork(spec, cfg.section("dqn").hidden_sizes)
 

@@ -37,7 +37,7 @@ class DQNConfig:
     max_grad_norm: float = 10.0
     hidden_sizes: tuple[int, ...] = (256, 256)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
         require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
         require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")

@@ -7,6 +7,8 @@ replay as numpy arrays (see TransitionBatch). `Learner` is the seam's entry poin
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,11 +83,11 @@ class DQN(TransitionLearner):
                     tp.lerp_(p, self.cfg.tau)
         return stats
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"q": self.q.state_dict(), "target": self.target.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "version": self.version}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.q.load_state_dict(state["q"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -24,8 +24,10 @@ class QNetwork(nn.Module):
             self._flat = True
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.q(obs.flatten(1).float() if self._flat else obs)
+        q: torch.Tensor = self.q(obs.flatten(1).float() if self._flat else obs)
+        return q
 
     def mode(self, obs: torch.Tensor) -> torch.Tensor:
         """The greedy action: argmax_a Q(s, a)."""
-        return self(obs).argmax(dim=1)
+        q: torch.Tensor = self(obs)
+        return q.argmax(dim=1)

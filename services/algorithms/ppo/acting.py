@@ -3,15 +3,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from services.algorithms.ppo.networks import ActorCritic
 from services.common.nets import GreedyPolicy
 
+if TYPE_CHECKING:
+    from services.common.config import CommonConfig
+    from services.common.spaces import EnvSpec
+    from services.common.stats import Metrics
+
 
 class Acting:
-    def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
+    def __init__(self, cfg: CommonConfig, spec: EnvSpec, rng: np.random.Generator, metrics: Metrics):
         self.spec = spec
         self.net = ActorCritic(spec, cfg.section("ppo").hidden_sizes, cfg.section("ppo").normalize_observations, cfg.section("ppo").obs_clip)
 

@@ -58,7 +58,7 @@ class PPOConfig:
     anneal_updates: int | None = None
     anneal_clip: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
         require(self.obs_clip > 0, "obs_clip", self.obs_clip, "must be > 0")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")

@@ -12,6 +12,8 @@ entry point (services/algorithms).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,7 +84,7 @@ class RewardNormalizer:
     every episode end; every step's return goes into the statistics (summed over a learner group
     first, like the observation statistics), which checkpoints carry."""
 
-    def __init__(self, gamma: float, clip: float, device):
+    def __init__(self, gamma: float, clip: float, device: torch.device | str):
         self.gamma, self.clip = gamma, clip
         self.stats = ObsNormalizer(1, clip=clip).to(device)
         self.running: OrderedDict[tuple[str, int, int], float] = OrderedDict()
@@ -106,6 +108,10 @@ class RewardNormalizer:
     def scale(self, rewards: torch.Tensor) -> torch.Tensor:
         std = (self.stats.var + self.stats.eps).sqrt().to(rewards.dtype)
         return (rewards / std).clamp(-self.clip, self.clip)
+
+
+# A batch's rows: (obs, values, advantages, returns, actions, behaviour log-probs, masks or None).
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class PPO:
@@ -181,7 +187,8 @@ class PPO:
         return self._tensor(frag.action_mask).reshape(frag.num_samples, -1)
 
     @torch.no_grad()
-    def _advantages(self, frag: Fragment, correct: bool, mask: torch.Tensor | None = None):
+    def _advantages(self, frag: Fragment, correct: bool, mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
         T, N = frag.num_steps, frag.num_envs
         obs = self._tensor(frag.obs)
@@ -218,15 +225,16 @@ class PPO:
         self._update_reward_stats(fragments)
         correct = correct or [False] * len(fragments)
         # (obs, values, advantages, returns, actions, behaviour log-probs, masks or None), a row per sample
-        data = None
+        data: Rows | None = None
         if fragments:
             masked = any(f.action_mask is not None for f in fragments)
             masks = [self._mask(f, masked) for f in fragments]
             parts = [self._advantages(f, fix, m) for f, fix, m in zip(fragments, correct, masks)]
-            data = (*(torch.cat(x) for x in zip(*parts)),
+            obs, values, adv, ret = (torch.cat(x) for x in zip(*parts))
+            data = (obs, values, adv, ret,
                     torch.cat([self._actions(f) for f in fragments]),
                     torch.cat([self._tensor(f.extras["behaviour_logprob"]).reshape(-1) for f in fragments]),
-                    torch.cat(masks) if masked else None)
+                    torch.cat([m for m in masks if m is not None]) if masked else None)  # (masked: none is None)
         n = sum(f.num_samples for f in fragments)
         remaining = self.remaining()
         for group in self.optimizer.param_groups:
@@ -240,6 +248,7 @@ class PPO:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = None
                 if len(mb):
+                    assert data is not None   # (rows to split: there were fragments)
                     loss, last = self._loss(data, mb, clip)
                     loss.backward()
                     clipfracs.append(last["clipfrac"].item())
@@ -276,7 +285,9 @@ class PPO:
         if norm is None:
             return
         if fragments:
-            moments = sum(norm.moments(self._tensor(f.obs[:-1]).flatten(0, 1).flatten(1)) for f in fragments)
+            # (a sum of at least one tensor: a tensor, where typeshed's sum allows its start, 0)
+            moments: torch.Tensor = sum(  # type: ignore[assignment]
+                norm.moments(self._tensor(f.obs[:-1]).flatten(0, 1).flatten(1)) for f in fragments)
         else:  # a group member with nothing still takes part in the sum
             moments = torch.zeros(1 + 2 * norm.mean.numel(), dtype=torch.float64, device=self.device)
         norm.merge(moments if self.sync is None else self.sync.sum(moments))
@@ -291,7 +302,7 @@ class PPO:
             moments += ObsNormalizer.moments(torch.as_tensor(self.rewards.returns(f).reshape(-1, 1), device=self.device))
         self.rewards.stats.merge(moments if self.sync is None else self.sync.sum(moments))
 
-    def _loss(self, data, mb: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(self, data: Rows, mb: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped PPO loss on minibatch `mb` (indices into `data`) at clip range `clip`, and its
         diagnostics (detached)."""
         c = self.cfg
@@ -316,14 +327,14 @@ class PPO:
         return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy.detach(),
                       "approx_kl": approx_kl, "clipfrac": clipfrac}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         state = {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,
                  "gradient_steps": self.gradient_steps}
         if self.rewards is not None:
             state["reward_stats"] = self.rewards.stats.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.net.load_state_dict(state["net"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.common.heads import Head, out_features
+from services.common.heads import ActionDist, Head, out_features
 from services.common.nets import EnvSpec, NatureCNN, ObsNormalizer, is_image, layer, mlp
 
 
@@ -24,10 +24,14 @@ class ActorCritic(nn.Module):
                              "normalisation is for flat observations")
         # Observation statistics (a module only when used: checkpoints without it stay loadable).
         self.obs_norm = ObsNormalizer(int(np.prod(spec.obs_shape)), obs_clip) if normalize_obs else None
+        self.torso: nn.Module
+        self.critic: nn.Module
+        self.actor: nn.Module
         if is_image(spec):
-            self.torso = NatureCNN(spec)
-            self.critic = layer(self.torso.features, 1, std=1.0)
-            self.actor = layer(self.torso.features, n_out, std=0.01)
+            cnn = NatureCNN(spec)
+            self.torso = cnn
+            self.critic = layer(cnn.features, 1, std=1.0)
+            self.actor = layer(cnn.features, n_out, std=0.01)
         else:
             n_in = int(np.prod(spec.obs_shape))
             self.torso = nn.Flatten(1)
@@ -38,22 +42,26 @@ class ActorCritic(nn.Module):
 
     def _features(self, obs: torch.Tensor) -> torch.Tensor:
         if not self._flat:
-            return self.torso(obs)
+            features: torch.Tensor = self.torso(obs)
+            return features
         x = obs.flatten(1).float()
         return x if self.obs_norm is None else self.obs_norm(x)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self._features(obs)).squeeze(-1)
+        v: torch.Tensor = self.critic(self._features(obs))
+        return v.squeeze(-1)
 
-    def dist(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
+    def dist(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> ActionDist:
         """The action distribution at `obs` ([B, ...]); `mask` [B, M] bool: the allowed actions."""
-        return self.head(self.actor(self._features(obs)), mask)
+        dist: ActionDist = self.head(self.actor(self._features(obs)), mask)
+        return dist
 
     def mode(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The most likely action at `obs` (heads.Head.mode): argmax of the logits, or the Gaussian's mean."""
         return self.head.mode(self.actor(self._features(obs)), mask)
 
-    def dist_and_value(self, obs: torch.Tensor, mask: torch.Tensor | None = None):
+    def dist_and_value(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[ActionDist, torch.Tensor]:
         """Both heads from one pass through the torso (what the PPO update needs per minibatch)."""
         x = self._features(obs)
-        return self.head(self.actor(x), mask), self.critic(x).squeeze(-1)
+        v: torch.Tensor = self.critic(x)
+        return self.head(self.actor(x), mask), v.squeeze(-1)

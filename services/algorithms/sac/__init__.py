@@ -3,6 +3,8 @@ paces as DQN's are; actors sample a tanh-squashed Gaussian policy (acting.py, le
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
@@ -10,8 +12,12 @@ from services.algorithms.base import Algorithm, ReplayTable
 from services.algorithms.sac.config import SACConfig
 from services.common.spaces import Box
 
+if TYPE_CHECKING:
+    from services.common.config import CommonConfig
+    from services.common.spaces import EnvSpec
 
-class SAC(Algorithm):
+
+class SAC(Algorithm[SACConfig]):
     name = "sac"
     settings = SACConfig
     code = pb.ALGORITHM_SAC
@@ -21,10 +27,11 @@ class SAC(Algorithm):
         # The squashed policy maps tanh's (-1, 1) onto [low, high] with float32 arithmetic.
         return "Box actions with bounds finite in float32 with low < high"
 
-    def check_spec(self, spec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
+    def check_spec(self, spec: EnvSpec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
         """A Box with finite bounds (the squashed policy maps onto them) over flat observations."""
         super().check_spec(spec, action, obs)
         box = spec.action
+        assert isinstance(box, Box)   # (super().check_spec refused any other space)
         # The policy maps tanh's (-1, 1) onto [low, high] with float32 arithmetic: the width must fit it.
         width = np.asarray(box.high, np.float64) - np.asarray(box.low, np.float64)
         if not ((width > 0) & (width <= np.finfo(np.float32).max)).all():
@@ -33,12 +40,12 @@ class SAC(Algorithm):
             raise ValueError(f"algorithm: sac takes flat observations; {obs} are "
                              f"{spec.obs_dtype.name} frames {list(spec.obs_shape)}")
 
-    def table(self, cfg) -> ReplayTable:
+    def table(self, cfg: CommonConfig) -> ReplayTable:
         s = self.section(cfg)
         return ReplayTable(s.buffer_size, s.learning_starts, s.replay_ratio, s.replay_ratio_tolerance)
 
-    def batch_size(self, cfg) -> int:
+    def batch_size(self, cfg: CommonConfig) -> int:
         return self.section(cfg).batch_size
 
-    def consumption_ratio(self, cfg) -> float:
+    def consumption_ratio(self, cfg: CommonConfig) -> float:
         return self.section(cfg).replay_ratio

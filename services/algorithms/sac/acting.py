@@ -3,15 +3,23 @@ learner's first update (CleanRL samples the action space before `learning_starts
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from services.algorithms.sac.networks import SquashedGaussianActor
 from services.common.nets import GreedyPolicy
+from services.common.spaces import Box
+
+if TYPE_CHECKING:
+    from services.common.config import CommonConfig
+    from services.common.spaces import EnvSpec
+    from services.common.stats import Metrics
 
 
 class Acting:
-    def __init__(self, cfg, spec, rng: np.random.Generator, metrics):
+    def __init__(self, cfg: CommonConfig, spec: EnvSpec, rng: np.random.Generator, metrics: Metrics):
         self.spec, self.rng = spec, rng
         self.net = SquashedGaussianActor(spec, cfg.section("sac").hidden_sizes)
 
@@ -21,6 +29,7 @@ class Acting:
         learner's untrained initialisation: the buffer serves no batch before `sac.learning_starts`
         transitions, so until then the replay fills with uniform samples of the space."""
         box = self.spec.action
+        assert isinstance(box, Box)   # (SAC takes Box actions only: Algorithm.check_spec)
         if not version:
             return self.rng.uniform(box.low_array, box.high_array, (len(obs), *box.shape)).astype(np.float32), {}
         action, _ = self.net.sample(obs)

@@ -32,7 +32,7 @@ class SACConfig:
     target_entropy: float | None = None  # None: -(action dimensions), the paper's heuristic
     hidden_sizes: tuple[int, ...] = (256, 256)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")
         check_replay(self)
         require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")

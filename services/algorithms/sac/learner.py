@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from services.common.stats import Metrics
 
 
 def critic_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
-                  next_logp: torch.Tensor, alpha: torch.Tensor | float, gamma: float) -> torch.Tensor:
+                  next_logp: torch.Tensor, alpha: torch.Tensor | float, gamma: torch.Tensor | float) -> torch.Tensor:
     """y = r + gamma * (1 - terminated) * (min(Q1', Q2')(s', a') - alpha * log pi(a'|s')), a' ~ pi(s')."""
     soft_value = torch.min(next_q1, next_q2) - alpha * next_logp
     return rewards + gamma * (1.0 - terminated.float()) * soft_value
@@ -84,7 +86,8 @@ class SAC(TransitionLearner):
         if t is not None:
             with torch.no_grad():
                 next_action, next_logp = self.actor.sample(t["next_obs"])
-                y = critic_target(t["rewards"], t["terminated"], *self.target(t["next_obs"], next_action),
+                next_q1, next_q2 = self.target(t["next_obs"], next_action)
+                y = critic_target(t["rewards"], t["terminated"], next_q1, next_q2,
                                   next_logp, alpha, t.get("discount", self.cfg.gamma))
             q1, q2 = self.critic(t["obs"], t["actions"])
             q_loss = F.mse_loss(q1, y) + F.mse_loss(q2, y)
@@ -105,7 +108,8 @@ class SAC(TransitionLearner):
             self.critic.requires_grad_(False)  # the policy's gradient flows through Q's input, not its weights
             try:
                 action, logp = self.actor.sample(t["obs"])
-                pi_loss = actor_loss(logp, *self.critic(t["obs"], action), alpha)
+                pi_q1, pi_q2 = self.critic(t["obs"], action)
+                pi_loss = actor_loss(logp, pi_q1, pi_q2, alpha)
                 pi_loss.backward()
             finally:
                 self.critic.requires_grad_(True)
@@ -130,14 +134,14 @@ class SAC(TransitionLearner):
         stats["alpha"] = float(self.log_alpha.detach().exp())
         return stats
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
                 "target": self.target.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
                 "q_optimizer": self.q_optimizer.state_dict(), "pi_optimizer": self.pi_optimizer.state_dict(),
                 "alpha_optimizer": None if self.alpha_optimizer is None else self.alpha_optimizer.state_dict(),
                 "version": self.version}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.actor.load_state_dict(state["actor"])
         self.critic.load_state_dict(state["critic"])
         self.target.load_state_dict(state["target"])

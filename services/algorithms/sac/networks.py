@@ -19,6 +19,7 @@ from torch import nn
 
 from services.common.envs import EnvSpec
 from services.common.nets import mlp
+from services.common.spaces import Box
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
@@ -26,7 +27,8 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 def squashed_log_prob(normal: torch.distributions.Normal, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """log pi(a) of a = tanh(u) * scale + bias for the pre-squash sample `u` [B, D] of `normal`: [B]."""
     log_det = torch.log(scale) + 2.0 * (math.log(2.0) - u - F.softplus(-2.0 * u))
-    return (normal.log_prob(u) - log_det).sum(-1)
+    log_prob: torch.Tensor = normal.log_prob(u)
+    return (log_prob - log_det).sum(-1)
 
 
 class SquashedGaussianActor(nn.Module):
@@ -35,9 +37,12 @@ class SquashedGaussianActor(nn.Module):
     parameters; the learner's does not (as services/common/heads.py's `Head.validate`): a non-finite
     output becomes a non-finite loss, whose step is skipped, instead of an exception."""
     validate: bool = True
+    scale: torch.Tensor   # buffers (register_buffer)
+    bias: torch.Tensor
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
+        assert isinstance(spec.action, Box)   # (SAC takes Box actions only: Algorithm.check_spec)
         self.shape = spec.action.shape
         self.dims = int(np.prod(self.shape))
         self.net = mlp(int(np.prod(spec.obs_shape)), hidden, 2 * self.dims, nn.ReLU, out_std=0.01)
