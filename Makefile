@@ -32,7 +32,7 @@ TEST_DEADLINE_S ?= 3000
 test: $(STAMP_DEV)
 	bash tests/k8s/provision.sh
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check services tests bench kuberl_client kuberl_envs examples
+	$(VENV)/bin/ruff check services tests bench kuberl_client kuberl_envs examples docker
 	$(VENV)/bin/mypy
 	timeout --kill-after=30 $(TEST_DEADLINE_S) $(PY) -m pytest $(PYTEST_ARGS)
 

@@ -21,7 +21,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.runtime import add_client_arguments, client_channel
+from services.cli.client import client_channel
+from services.common.runtime import add_client_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
