@@ -22,14 +22,13 @@ from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights, watch_insert_limit
-from services.common.fragments import EncodedFragment
-from services.config import ExperimentConfig, load_role_config
-from services.common.fragments import new_incarnation
-from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
+from services.common.fragments import EncodedFragment, new_incarnation
+from services.common.grpcutil import MiB, add_servicer, make_channel
+from services.common.lifecycle import Lifecycle
 from services.common.nets import spec_of
-from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
-from services.common.stats import Metrics, tick_forever
+from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.stats import Metrics
+from services.config import ExperimentConfig, load_role_config
 
 # The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,
 # starving the event loop that pushes fragments and receives weights; hand it over sooner.
@@ -86,10 +85,14 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gate)
         policy, episodes = rollout.policy, rollout.episodes
     servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
-    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2.DESCRIPTOR.services_by_name["Actor"], servicer),
-                             [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
-                             max_connection_age_s=None, tls=cfg.tls, auth=cfg.auth, metrics=metrics)  # simulator sessions are long-lived streams
-    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
+    lc = Lifecycle("actor", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
+    lc.on_close(rollout.close if rollout is not None else lambda: None)   # release envs
+    lc.on_close(learner_ch.close)
+    lc.on_close(buffer_ch.close)
+    service = actor_pb2.DESCRIPTOR.services_by_name["Actor"]
+    await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name], max_message_bytes=max_bytes,
+                   metrics_listen=metrics_listen, max_connection_age_s=None,   # simulator sessions are long-lived
+                   tls=cfg.tls, auth=cfg.auth)
     worker_done: asyncio.Future = loop.create_future()
 
     def done(exc):
@@ -109,56 +112,52 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     stopping = asyncio.Event()
     log.info("actor %s (incarnation %016x): %s, %s, %s, buffer %s, learner %s", actor_id, incarnation, cfg.env.id,
              "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm, buffer, learner)
-    try:
-        async with asyncio.TaskGroup() as tg:
-            push = tg.create_task(pusher.run(stopping), name="push")
-            side = [tg.create_task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id,
-                                                     policy, metrics), name="weights"),
-                    tg.create_task(watch_insert_limit(buffer_pb2_grpc.BufferStub(buffer_ch), actor_id, incarnation,
-                                                      gate, metrics), name="insert-limit"),
-                    tg.create_task(tick_forever(metrics), name="stats")]
-            if inference is not None:
-                side.append(tg.create_task(inference.run(), name="inference"))
-            watch = tg.create_task(_watch(worker_done), name="rollout-watch")
+    async with lc.running():
+        push = lc.task(pusher.run(stopping), "push", keep=True)
+        lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id, policy, metrics), "weights")
+        lc.task(watch_insert_limit(buffer_pb2_grpc.BufferStub(buffer_ch), actor_id, incarnation, gate, metrics),
+                "insert-limit")
+        if inference is not None:
+            lc.task(inference.run(), "inference")
+        watch = lc.task(_watch(worker_done), "rollout-watch", keep=True)
+        if worker is not None:
+            worker.start()
+
+        async def stop_stepping() -> None:
+            """Stop stepping (a hold on the limiter ends too) and flush the partial fragment into the
+            queue; sessions: refuse new ones, flush every open one's fragment."""
             if worker is not None:
-                worker.start()
-            await srv.set_serving(True)
+                worker.stop_event.set()
+                gate.clear()
+            await watch
+            if hub is not None:
+                hub.close_all()
+            await asyncio.sleep(0)   # (let the enqueue callbacks run)
+
+        async def drain() -> None:
+            """Push what is queued and get it acked; what the buffer cannot take in time is counted dropped."""
+            stopping.set()
             try:
-                yield Endpoints(srv.address, prom.address if prom else None)
-            finally:
-                # Shutdown, in order, under one hard deadline so a hung drain cannot wedge a pod:
-                async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
-                    await srv.set_serving(False)           # 1. readiness goes NOT_SERVING
-                    if worker is not None:
-                        worker.stop_event.set()             # 2. stop stepping (a hold on the limiter
-                        gate.clear()                        #    ends too); the partial fragment
-                    await watch                             #    is flushed into the queue
-                    if hub is not None:                     #    (sessions: refuse new ones, flush
-                        hub.close_all()                     #    every open one's fragment)
-                    await asyncio.sleep(0)                  #    (let the enqueue callbacks run)
-                    stopping.set()                          # 3. drain: push what is queued, get acked
-                    try:
-                        async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):
-                            await asyncio.shield(push)
-                    except TimeoutError:
-                        push.cancel()
-                        log.warning("buffer unreachable at shutdown: %d fragments not delivered (counted as dropped)",
-                                    pusher.drop_pending())
-                    for task in side:
-                        task.cancel()
-                    await srv.server.stop(grace=1.0)       # 4. stop serving stats and sessions
-                    c = metrics.counters
-                    log.info("actor %s stopped: %d fragments cut, %d acknowledged, %d dropped, %d rejected",
-                             actor_id, c["actor/fragments_total"], c["actor/fragments_acked_total"],
-                             c["actor/fragments_dropped_total"], c["actor/fragments_rejected_total"])
-    finally:
-        await srv.close()
-        if prom is not None:
-            prom.close()
-        await buffer_ch.close()                             # 5. close channels, release envs
-        await learner_ch.close()
-        if rollout is not None:
-            rollout.close()
+                async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):
+                    await asyncio.shield(push)
+            except TimeoutError:
+                push.cancel()
+                log.warning("buffer unreachable at shutdown: %d fragments not delivered (counted as dropped)",
+                            pusher.drop_pending())
+
+        def stopped() -> None:
+            c = metrics.counters
+            log.info("actor %s stopped: %d fragments cut, %d acknowledged, %d dropped, %d rejected",
+                     actor_id, c["actor/fragments_total"], c["actor/fragments_acked_total"],
+                     c["actor/fragments_dropped_total"], c["actor/fragments_rejected_total"])
+
+        lc.on_stop(stop_stepping)
+        lc.on_stop(drain)
+        lc.on_stop(lc.stop_server(grace=1.0))   # stop serving stats and sessions (the other tasks end after)
+        lc.on_stop(stopped)
+        await lc.ready()
+        yield lc.endpoints
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = base_parser("actor", 50053, "Steps environments and pushes trajectory fragments to a buffer.")

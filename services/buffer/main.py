@@ -1,5 +1,5 @@
-"""Buffer wiring: config -> Store (restored from a checkpoint) -> gRPC server -> stats and checkpoint
-loops -> shutdown (with a last checkpoint)."""
+"""Buffer wiring: config -> Store (restored from a checkpoint) -> gRPC server -> the checkpoint loop ->
+shutdown (with a last checkpoint), on the common lifecycle (services/common/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
 from services.config import ExperimentConfig, load_role_config
-from services.common.grpcutil import MiB, start_server
-from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
-from services.common.stats import Metrics, tick_forever
+from services.common.grpcutil import MiB
+from services.common.lifecycle import Lifecycle
+from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE_S = 10.0
@@ -41,40 +41,32 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         checkpointer = BufferCheckpointer(store, cfg, checkpoint_dir, metrics)
         await checkpointer.restore()  # before serving: pushes go into the restored ring
     servicer = BufferServicer(store, metrics)
-    srv = await start_server(listen, lambda s: add_to_server(servicer, s),
-                             [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
-                             max_message_bytes=cfg.buffer.max_message_mb * MiB, tls=cfg.tls,
-                             auth=cfg.auth, metrics=metrics)
-    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
+    lc = Lifecycle("buffer", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
+    await lc.serve(listen, lambda s: add_to_server(servicer, s), [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
+                   max_message_bytes=cfg.buffer.max_message_mb * MiB, metrics_listen=metrics_listen, tls=cfg.tls,
+                   auth=cfg.auth)
     log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
              f"replay of {store.replay.capacity}" if store.replay is not None
              else f"FIFO of {store.fifo.capacity_steps} steps")
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tick = tg.create_task(tick_forever(metrics), name="stats")
+    async with lc.running():
+        lc.on_stop(servicer.close)             # refuse new pushes, ack open ones, end batch streams
+        lc.on_stop(lc.stop_server(grace=2.0))  # let in-flight calls finish
+        if checkpointer is not None:
+            # A last checkpoint of the final contents, after the deadline: a large ring takes longer to
+            # write, and a write cut short leaves the previous one.
             checkpoint_stop = asyncio.Event()
-            saving = tg.create_task(checkpointer.run(checkpoint_stop), name="checkpoint") if checkpointer else None
-            await srv.set_serving(True)
-            try:
-                yield Endpoints(srv.address, prom.address if prom else None)
-            finally:
-                async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
-                    await srv.set_serving(False)      # 1. readiness goes NOT_SERVING
-                    servicer.close()                  # 2. refuse new pushes, ack open ones, end batch streams
-                    await srv.server.stop(grace=2.0)  # 3. let in-flight calls finish
-                    tick.cancel()
-                if saving is not None:                # 4. a last checkpoint of the final contents; not under
-                    checkpoint_stop.set()             #    the deadline: a large ring takes longer to write,
-                    await saving                      #    and a write cut short leaves the previous one
-                # Acknowledged and never served: kept by the last checkpoint, else gone with this process.
-                log.info("buffer stopped: %d fragments received (%d samples), %d samples served, %d held (%s)",
-                         metrics.counters["buffer/fragments_received_total"], store.inserted_samples,
-                         store.served_samples, store.size,
-                         "in its last checkpoint" if saving is not None else "lost with it: no checkpoint")
-    finally:
-        await srv.close()
-        if prom is not None:
-            prom.close()
+            saving = lc.task(checkpointer.run(checkpoint_stop), "checkpoint", keep=True)
+            lc.after_deadline(checkpoint_stop.set)
+            lc.after_deadline(lambda: saving)
+
+        def stopped() -> None:  # acknowledged and never served: kept by the last checkpoint, else gone
+            log.info("buffer stopped: %d fragments received (%d samples), %d samples served, %d held (%s)",
+                     metrics.counters["buffer/fragments_received_total"], store.inserted_samples,
+                     store.served_samples, store.size,
+                     "in its last checkpoint" if checkpointer is not None else "lost with it: no checkpoint")
+        lc.after_deadline(stopped)
+        await lc.ready()
+        yield lc.endpoints
 
 
 def parse_args(argv=None) -> argparse.Namespace:

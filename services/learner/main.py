@@ -19,12 +19,11 @@ import torch
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2
 from services import algorithms
 from services.config import ExperimentConfig, load_role_config
-from services.common.grpcutil import (Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling,
-                                      start_server)
+from services.common.grpcutil import Backoff, MiB, add_servicer, describe, make_channel, raise_if_cancelling
+from services.common.lifecycle import Lifecycle
 from services.common.notify import Notifier
-from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
-from services.common.stats import Metrics, tick_forever
+from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.stats import Metrics
 from services.learner.distributed import FormationAbandoned, GradientSync, GroupBroken, GroupSpec, Rendezvous
 from services.learner.inbox import Inbox, discard, starved_get
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
@@ -390,58 +389,55 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     await publish(hub, current.trainer)  # actors start from the learner's initialisation (or checkpoint)
     max_bytes = cfg.buffer.max_message_mb * MiB
     servicer = LearnerServicer(hub, metrics)
+    lc = Lifecycle("learner", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
+    lc.on_close(current.close)
+    service = learner_pb2.DESCRIPTOR.services_by_name["Learner"]
     try:
-        srv = await start_server(listen, lambda s: add_servicer(s, learner_pb2.DESCRIPTOR.services_by_name["Learner"], servicer),
-                                 [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name],
-                                 max_message_bytes=max_bytes, tls=cfg.tls, auth=cfg.auth, metrics=metrics)
+        await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name],
+                       max_message_bytes=max_bytes, metrics_listen=metrics_listen, tls=cfg.tls, auth=cfg.auth)
     except BaseException:
         current.close()
         raise
-    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
     channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
+    lc.on_close(channel.close)
     inbox = Inbox(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
              current.trainer.version, buffer)
-    try:
-        async with asyncio.TaskGroup() as tg:
-            fetch = tg.create_task(fetch_batches(buffer_pb2_grpc.BufferStub(channel), batch_request(cfg, learner_id),
-                                                 inbox, metrics), name="fetch")
-            progressed = Notifier()
-            stub = buffer_pb2_grpc.BufferStub(channel)
-            stopping = asyncio.Event()
-            train = tg.create_task(learn(membership, current, build, inbox, hub, cfg.learner.publish_interval_updates,
-                                         progressed, stopping, srv.set_serving), name="train")
-            side = [tg.create_task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), name="checkpoint"),
-                    tg.create_task(report_progress(stub, learner_id, current, metrics, progressed), name="progress"),
-                    tg.create_task(tick_forever(metrics), name="stats")]
-            await srv.set_serving(True)
-            try:
-                yield Endpoints(srv.address, prom.address if prom else None)
-            finally:
-                async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
-                    await srv.set_serving(False)  # 1. readiness goes NOT_SERVING
-                    fetch.cancel()                 # 2. stop consuming; an update in flight finishes
-                    stopping.set()                 #    (a group stops together at a round's end)
-                    await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
-                    train.cancel()                 #    (the checkpoint below waits for it on the lock)
-                    if inbox.qsize():
-                        log.info("discarding %d prefetched batches at shutdown", inbox.qsize())
-                        discard(metrics, inbox.drain())
-                    for task in side:
-                        task.cancel()
-                    # The last word to the buffer: what was discarded counts as consumed, so the buffer
-                    # stops counting it in flight now rather than when this learner's reports expire.
-                    await send_progress(stub, learner_id, current.trainer.version, metrics, timeout=1.0)
-                    if not current.saved:
-                        await asyncio.to_thread(current.trainer.checkpoint)  # 3. final checkpoint
-                    hub.close()                    # 4. end weight streams, stop serving
-                    await srv.server.stop(grace=1.0)
-    finally:
-        await srv.close()
-        if prom is not None:
-            prom.close()
-        await channel.close()
-        current.close()
+    async with lc.running():
+        stub = buffer_pb2_grpc.BufferStub(channel)
+        fetch = lc.task(fetch_batches(stub, batch_request(cfg, learner_id), inbox, metrics), "fetch")
+        progressed = Notifier()
+        stopping = asyncio.Event()
+        train = lc.task(learn(membership, current, build, inbox, hub, cfg.learner.publish_interval_updates,
+                              progressed, stopping, lc.server.set_serving), "train")
+        side = [lc.task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), "checkpoint"),
+                lc.task(report_progress(stub, learner_id, current, metrics, progressed), "progress")]
+
+        async def stop_training() -> None:
+            """Stop consuming; an update in flight finishes (a group stops together at a round's end)."""
+            fetch.cancel()
+            stopping.set()
+            await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
+            train.cancel()                 # (the checkpoint below waits for it on the lock)
+            if inbox.qsize():
+                log.info("discarding %d prefetched batches at shutdown", inbox.qsize())
+                discard(metrics, inbox.drain())
+            for task in side:              # the last progress report and checkpoint are the steps below
+                task.cancel()
+
+        async def last_word() -> None:
+            """What was discarded counts as consumed: the buffer stops counting it in flight now rather
+            than when this learner's reports expire. Then the final checkpoint."""
+            await send_progress(stub, learner_id, current.trainer.version, metrics, timeout=1.0)
+            if not current.saved:
+                await asyncio.to_thread(current.trainer.checkpoint)
+
+        lc.on_stop(stop_training)
+        lc.on_stop(last_word)
+        lc.on_stop(hub.close)                     # end weight streams, stop serving
+        lc.on_stop(lc.stop_server(grace=1.0))
+        await lc.ready()
+        yield lc.endpoints
 
 
 def parse_args(argv=None) -> argparse.Namespace:

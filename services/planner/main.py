@@ -11,16 +11,18 @@ from pathlib import Path
 
 from kuberl.v1 import planner_pb2
 from services.config import ExperimentConfig, dump_config, load_config, load_role_config
-from services.common.grpcutil import MiB, add_servicer, start_server
-from services.common.prometheus import serve_metrics
-from services.common.runtime import Endpoints, base_parser, run_service, write_ready_file
-from services.common.stats import Metrics, tick_forever
+from services.common.grpcutil import MiB, add_servicer
+from services.common.lifecycle import Lifecycle
+from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.stats import Metrics
 from services.planner.backend import DryRunBackend
 from services.planner.core import Planner
 from services.planner.local import LocalBackend
 from services.planner.servicer import PlannerServicer
 
 log = logging.getLogger(__name__)
+SHUTDOWN_DEADLINE_S = 10.0   # readiness off, decisions stopped, watch streams ended, calls drained; the
+#                              backend's own close (draining actors it started) comes after, unbounded
 
 PORT = 50054
 
@@ -83,30 +85,19 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
     metrics = metrics or Metrics("planner")
     planner = Planner(cfg, backend, metrics, journal=journal)
     servicer = PlannerServicer(planner, metrics)
-    srv = await start_server(listen, lambda s: add_servicer(s, planner_pb2.DESCRIPTOR.services_by_name["Planner"], servicer),
-                             [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
-                             max_message_bytes=4 * MiB, tls=cfg.tls, auth=cfg.auth, metrics=metrics)
-    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
-    try:
+    lc = Lifecycle("planner", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
+    await lc.serve(listen, lambda s: add_servicer(s, planner_pb2.DESCRIPTOR.services_by_name["Planner"], servicer),
+                   [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name], max_message_bytes=4 * MiB,
+                   metrics_listen=metrics_listen, tls=cfg.tls, auth=cfg.auth)
+    lc.on_close(backend.close)                 # drain actors, stop learners (local)
+    async with lc.running():
         await backend.start()
-        async with asyncio.TaskGroup() as tg:
-            tick = tg.create_task(tick_forever(metrics), name="stats")
-            loop = tg.create_task(planner.run_forever() if cfg.planner.enabled else asyncio.Event().wait(),
-                                  name="decide")
-            await srv.set_serving(True)
-            try:
-                yield Endpoints(srv.address, prom.address if prom else None), planner
-            finally:
-                await srv.set_serving(False)          # 1. readiness goes NOT_SERVING
-                loop.cancel()                         # 2. no more decisions
-                await planner.close()                 # 3. end watch streams
-                await srv.server.stop(grace=1.0)
-                tick.cancel()
-    finally:
-        await srv.close()
-        await backend.close()                         # 4. drain actors, stop learners (local)
-        if prom is not None:
-            prom.close()
+        decide = lc.task(planner.run_forever() if cfg.planner.enabled else asyncio.Event().wait(), "decide")
+        lc.on_stop(decide.cancel)              # no more decisions
+        lc.on_stop(planner.close)              # end watch streams
+        lc.on_stop(lc.stop_server(grace=1.0))
+        await lc.ready()
+        yield lc.endpoints, planner
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
