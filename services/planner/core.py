@@ -115,7 +115,7 @@ class ReplicaRate:
         if cpu_s is not None and cpu0 is not None:
             cores = (cpu_s - cpu0) / dt
             self.cores = cores if self.cores is None else self.cores + alpha * (cores - self.cores)
-        # Starved seconds are counted as they pass (services/learner/main.py), so an interval's share
+        # Starved seconds are counted as they pass (services/learner/inbox.py: starved_get), so an interval's share
         # is within [0, dt] up to one tick; clamp, so a late count never reads as more than all of it.
         denom = dt if starved is None else dt - min(max(starved - (b0 or 0.0), 0.0), dt)
         if denom <= STARVED_SHARE * dt:

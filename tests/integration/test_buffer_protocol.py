@@ -212,7 +212,7 @@ async def test_dqn_batches_have_the_requested_rows():
 
 async def test_a_learners_progress_ack_names_the_warm_up_so_its_ratio_counts_from_its_end():
     """TINY_DQN's warm-up is 32 samples (learning_starts): the learner's replay ratio divides by what
-    was inserted after it, as the buffer's own gauge does (services/learner/main.py: report_progress)."""
+    was inserted after it, as the buffer's own gauge does (services/learner/loops.py: report_progress)."""
     async with buffer_main.serving(config_from_dict(TINY_DQN), listen="127.0.0.1:0") as endpoints:
         async with grpc.aio.insecure_channel(endpoints.grpc) as ch:
             stub = buffer_pb2_grpc.BufferStub(ch)

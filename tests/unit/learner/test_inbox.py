@@ -8,7 +8,7 @@ import time
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.learner.inbox import Inbox, starved_get
-from services.learner.main import group_train_loop
+from services.learner.loops import group_train_loop
 from services.learner.publish import WeightsHub
 
 

@@ -16,7 +16,7 @@ from services.config import config_from_dict
 from services.common.fragments import build_fragment
 from services.common.stats import Metrics
 from services.common.tensors import encode
-from services.learner.main import publish
+from services.learner.loops import publish
 from services.learner.publish import WeightsHub
 from services.learner.trainer import Trainer
 from tests.unit.fragment_factory import PPO, fragment_arrays

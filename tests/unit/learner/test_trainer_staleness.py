@@ -238,6 +238,6 @@ def test_buffer_projection_after_the_learner_drops_a_stale_batch(make_trainer):
     batch = store.next_batch(8, "l")  # no progress report yet: the buffer cannot judge it
     trainer.train(batch)              # lag 5: dropped at consumption
     assert counter(trainer, "batches_skipped_total") == 1
-    # the learner has consumed every batch it was served; report as learner/main.py does
+    # the learner has consumed every batch it was served; report as learner/loops.py does
     store.report_progress("l", trainer.version, int(trainer.metrics.counters["learner/batches_consumed_total"]))
     assert store.learner_version == trainer.version

@@ -1,0 +1,178 @@
+"""The learner's loops: fetching batches from the buffer, training and publishing (alone, or one
+round at a time in a group), reporting progress to the buffer, checkpointing. `Generation` is what
+they train with: the group as it is now (services/learner/group.py replaces it when the group forms
+again)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
+from services import algorithms
+from services.config import ExperimentConfig
+from services.common.grpcutil import Backoff, describe, raise_if_cancelling
+from services.common.notify import Notifier
+from services.common.stats import Metrics
+from services.learner.distributed import GroupBroken
+from services.learner.inbox import Inbox, starved_get
+from services.learner.publish import WeightsHub
+from services.learner.trainer import Trainer
+
+log = logging.getLogger(__name__)
+GROUP_ROUND_WAIT_S = 0.5       # a learner of a group without a batch joins the round after this long
+GROUP_PEER_STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Generation:
+    """The group as it is now: its Trainer (holding its GradientSync, None alone). An elastic membership
+    replaces it each time the group is formed again; `saved`: the Trainer has written its last checkpoint
+    and is done (between two groups, or stopped while the next one formed)."""
+    trainer: Trainer
+    saved: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.sync.world_size if self.trainer.sync is not None else 1
+
+    def close(self) -> None:
+        if self.trainer.sync is not None:
+            self.trainer.sync.close()
+
+
+def batch_request(cfg: ExperimentConfig, learner_id: str) -> buffer_pb2.BatchRequest:
+    algorithm = algorithms.get(cfg.algorithm)
+    return buffer_pb2.BatchRequest(learner_id=learner_id, algorithm=algorithm.code, batch_size=algorithm.batch_size(cfg))
+
+
+async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.BatchRequest,
+                        inbox: Inbox, metrics: Metrics) -> None:
+    """Keep a StreamBatches stream open, re-opening it when it ends; the inbox bounds prefetch."""
+    backoff = Backoff()
+    while True:
+        try:
+            async for batch in stub.StreamBatches(request):
+                await inbox.put(batch)
+                metrics.inc("learner/batches_received_total")
+                backoff.reset()
+        except grpc.aio.AioRpcError as err:
+            raise_if_cancelling(err)
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise RuntimeError(f"the buffer refused this learner's batch request: {err.details()}") from err
+            metrics.inc("learner/batch_stream_errors_total")
+            log.log(logging.INFO if err.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING,
+                    "batch stream from buffer ended (%s); reconnecting", describe(err))
+        await backoff.sleep()
+
+
+async def publish(hub: WeightsHub, trainer: Trainer) -> None:
+    """Publish the trainer's current weights, unless it refuses them (NaN or infinity: `Trainer.weights`;
+    then the newest version published stands)."""
+    if (chunks := await asyncio.to_thread(trainer.weights)) is not None:
+        hub.publish(chunks)
+
+
+async def train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int,
+                     progressed: Notifier) -> None:
+    """Train on each batch as it arrives; publish when `every` updates have passed since the last."""
+    published = trainer.version
+    trainer.metrics.inc("learner/starved_seconds_total", 0)
+    while True:
+        batch = await starved_get(inbox, trainer.metrics)
+        await asyncio.to_thread(trainer.train, batch)
+        if trainer.version - published >= every:
+            await publish(hub, trainer)
+            published = trainer.version
+            progressed.notify()
+
+
+async def group_train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int,
+                           progressed: Notifier, stopping: asyncio.Event, *, elastic: bool = False) -> None:
+    """Train in rounds with the other learners of the group (services/learner/distributed.py): each
+    round agrees whether to stop and whether everyone holds a batch; only then does anyone train, so
+    the gradient all-reduces line up. All stop at the same round once any learner is stopping.
+    `elastic` (services/learner/membership.py): a peer's stop ends this group, and the caller forms the
+    next one; otherwise this learner waits for its own stop (its supervisor stops the whole group).
+    A batch in hand when the group ends, taken or just arriving, goes back to the inbox for the next."""
+    sync = trainer.sync
+    published = trainer.version
+    trainer.metrics.inc("learner/starved_seconds_total", 0)
+    trainer.metrics.inc("learner/group_rounds_waiting_total", 0)
+    held, getter = None, None
+    try:
+        while True:
+            started = time.perf_counter()
+            if held is None:
+                getter = getter or inbox.get()
+                done, _ = await asyncio.wait({getter}, timeout=GROUP_ROUND_WAIT_S)
+                if done:
+                    held, getter = getter.result(), None
+            stop, all_ready = await asyncio.to_thread(sync.agree, stopping.is_set(), held is not None)
+            if stop:
+                break
+            if not all_ready:  # somebody has no batch yet: nobody trains; what is held waits for the next round
+                trainer.metrics.inc("learner/group_rounds_waiting_total")
+                trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
+                continue
+            trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
+            batch, held = held, None
+            await asyncio.to_thread(trainer.train, batch)
+            if trainer.version - published >= every:
+                await publish(hub, trainer)
+                published = trainer.version
+                progressed.notify()
+    finally:
+        if held is not None:
+            inbox.hand_back(held)
+        if getter is not None:
+            inbox.cancel(getter)   # a batch it took while the round was agreed on goes back too
+    if not stopping.is_set() and elastic:
+        log.info("the group is ending (a peer left or saw a new group size)")
+    elif not stopping.is_set():
+        # A peer is stopping, so the group is over; this learner's own stop should follow (its
+        # supervisor stops the whole group). If it does not, exit so the group can be formed again.
+        log.info("the group is stopping (a peer asked to); waiting up to %.0f s for this learner's stop",
+                 GROUP_PEER_STOP_GRACE_S)
+        try:
+            await asyncio.wait_for(stopping.wait(), GROUP_PEER_STOP_GRACE_S)
+        except TimeoutError:
+            raise GroupBroken("the group stopped without this learner being stopped: exiting so that it can "
+                              "be formed again") from None
+
+
+async def send_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, version: int, metrics: Metrics,
+                        timeout: float = 5.0) -> None:
+    """One LearnerProgress to the buffer: the version and what this learner has consumed so far."""
+    request = buffer_pb2.LearnerProgress(
+        learner_id=learner_id, policy_version=version,
+        samples_consumed_total=int(metrics.counters["learner/samples_consumed_total"]),
+        batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
+    try:
+        ack = await stub.ReportProgress(request, timeout=timeout)
+        produced = ack.samples_inserted_total - ack.warmup_samples   # the warm-up is not production
+        if produced > 0:
+            metrics.set("learner/samples_per_insert", request.samples_consumed_total / produced)
+    except grpc.aio.AioRpcError as err:
+        raise_if_cancelling(err)
+        metrics.inc("learner/progress_report_errors_total")
+        log.debug("progress report to buffer failed: %s", describe(err))
+
+
+async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, current: Generation,
+                          metrics: Metrics, progressed: Notifier) -> None:
+    """Tell the buffer the current version after each publication, and at least once a second."""
+    while True:
+        await send_progress(stub, learner_id, current.trainer.version, metrics)
+        await progressed.wait(timeout=1.0)
+
+
+async def checkpoint_loop(current: Generation, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        if not current.saved:
+            await asyncio.to_thread(current.trainer.checkpoint)
