@@ -29,136 +29,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
 import sys
-from contextlib import asynccontextmanager
 
-import numpy as np
-
-from kuberl.v1 import actor_pb2, learner_pb2_grpc
-from services.actor.inference import BatchedInference
 from services.actor.policy import Policy
-from services.actor.servicer import ActorServicer
-from services.actor.sessions import SessionHub
-from services.actor.subscribe import subscribe_weights
-from services.config import ExperimentConfig, load_role_config
-from services.common.grpcutil import MiB, add_servicer, make_channel, start_server
-from services.common.prometheus import serve_metrics
-from services.common.runtime import (Endpoints, base_parser, configure_logging, run_service,
-                                     write_ready_file)
-from services.common.stats import Metrics, tick_forever
+from services.actor.serve import serving, serving_config
+from services.common.runtime import base_parser, configure_logging, run_service, write_ready_file
+from services.common.stats import Metrics
+from services.config import load_role_config
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50055  # next to the roles' 50051-50054
-SHUTDOWN_DEADLINE_S = 10.0
-
-
-def serving_config(trained: ExperimentConfig, own: ExperimentConfig) -> ExperimentConfig:
-    """The checkpoint's config with the serving process's own `tls`, `auth` and `actor` sections. Pacing
-    (`actor.fragments_per_version`) is off: nothing is recorded, so there is nothing to pace, and a
-    training config's setting must not be checked against another algorithm's checkpoint."""
-    return dataclasses.replace(trained, tls=own.tls, auth=own.auth,
-                               actor=dataclasses.replace(own.actor, fragments_per_version=0))
-
-
-def _misfit(got: dict[str, tuple], want: dict[str, tuple]) -> str:
-    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
-    if missing or extra:
-        return f"its tensors are another network's (missing {missing[:3]}, unexpected {extra[:3]})"
-    name = next(k for k in want if got[k] != want[k])
-    return f"{name} is {list(got[name])}, the checkpoint's network has {list(want[name])}"
-
-
-class FittingWeights:
-    """What `subscribe_weights` offers versions to: the policy, behind two checks.
-
-    - Each version must fit the checkpoint's network (tensor names and shapes). A learner of another
-      network would otherwise fail the load in the inference thread and end the process; here its
-      version is refused, counted (`actor/weights_invalid_total`) and logged.
-    - Unless `accept_older`, a version older than the newest served is refused and counted
-      (`actor/weights_older_total`): a learner restored from an earlier checkpoint republishes older
-      weights (actors take them, to stay on-policy; a served policy would regress), until it trains
-      past what is served. The first refusal of a run of them is logged, and the version that ends it.
-
-    Serving goes on with the weights it has."""
-
-    def __init__(self, policy: Policy, learner: str, metrics: Metrics, accept_older: bool = False):
-        self.policy, self.learner, self.metrics, self.accept_older = policy, learner, metrics, accept_older
-        self.shapes = {k: tuple(v.shape) for k, v in policy.net.state_dict().items()}
-        self.newest = policy.version   # the newest version accepted (the checkpoint's, at first)
-        self.refused_older = 0         # older versions refused since the last one accepted
-        for name in ("actor/weights_invalid_total", "actor/weights_older_total"):
-            metrics.inc(name, 0)       # (reported from the start, as docs/metrics.md lists them)
-
-    def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
-        got = {k: tuple(np.shape(v)) for k, v in arrays.items()}
-        if got != self.shapes:
-            self.metrics.inc("actor/weights_invalid_total")
-            log.error("refusing weights version %d from the learner at %s: %s; still serving version %s",
-                      version, self.learner, _misfit(got, self.shapes), self.newest)
-            return
-        if not self.accept_older and self.newest is not None and version < self.newest:
-            self.metrics.inc("actor/weights_older_total")
-            if not self.refused_older:
-                log.warning("refusing weights version %d from the learner at %s: older than version %d, served; "
-                            "refusing older versions until it publishes %d or later (--accept-older takes them)",
-                            version, self.learner, self.newest, self.newest)
-            self.refused_older += 1
-            return
-        if self.refused_older:
-            log.info("weights version %d from the learner at %s, after %d older versions refused",
-                     version, self.learner, self.refused_older)
-            self.refused_older = 0
-        log.info("weights version %d from the learner at %s: swapped in at the next batch", version, self.learner)
-        self.newest = version
-        self.policy.offer_weights(version, arrays)
-
-
-@asynccontextmanager
-async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
-                  metrics_listen: str | None = None, follow_learner: str | None = None, accept_older: bool = False,
-                  serve_id: str = "serve"):
-    """Serve `policy` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
-    Leaving the context runs the shutdown sequence."""
-    hub = SessionHub(cfg, policy.spec, serve_id, metrics, on_fragment=None)  # no sink: nothing recorded
-    inference = BatchedInference(policy, hub, metrics)
-    servicer = ActorServicer(metrics, hub.episodes, hub, inference, cfg.actor.session_timeout_s)
-    max_bytes = cfg.buffer.max_message_mb * MiB
-    srv = await start_server(listen, lambda s: add_servicer(s, actor_pb2.DESCRIPTOR.services_by_name["Actor"], servicer),
-                             [actor_pb2.DESCRIPTOR.services_by_name["Actor"].full_name], max_message_bytes=max_bytes,
-                             max_connection_age_s=None, tls=cfg.tls, auth=cfg.auth, metrics=metrics)  # long sessions
-    prom = serve_metrics(metrics, metrics_listen, health=srv) if metrics_listen else None
-    learner_ch = make_channel(follow_learner, max_bytes, tls=cfg.tls) if follow_learner else None
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(inference.run(), name="inference"),
-                     tg.create_task(tick_forever(metrics), name="stats")]
-            if learner_ch is not None:
-                tasks.append(tg.create_task(subscribe_weights(
-                    learner_pb2_grpc.LearnerStub(learner_ch), serve_id, FittingWeights(policy, follow_learner, metrics, accept_older),
-                    metrics), name="weights"))
-            await srv.set_serving(True)
-            try:
-                yield Endpoints(srv.address, prom.address if prom else None)
-            finally:
-                # Shutdown, in order, under one hard deadline (nothing to flush: no fragments):
-                async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
-                    await srv.set_serving(False)          # 1. readiness goes NOT_SERVING
-                    hub.close_all()                       # 2. refuse new sessions (UNAVAILABLE), end open ones
-                    await srv.server.stop(grace=1.0)      # 3. streams see their end; then stop serving
-                    for task in tasks:                    # 4. inference, stats, weights
-                        task.cancel()
-                    log.info("serve stopped: %d sessions, %d env steps served", metrics.counters["actor/sessions_total"],
-                             metrics.counters["actor/env_steps_total"])
-    finally:
-        await srv.close()
-        if prom is not None:
-            prom.close()
-        if learner_ch is not None:
-            await learner_ch.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -153,7 +153,7 @@ def test_a_nan_observation_gets_invalid_argument_never_nan_actions(served):
 async def test_serve_refuses_infinity_in_one_session_and_answers_the_others(checkpoint, greedy_actions_served):
     """`kuberl serve` and `kuberl serve --stochastic` (the same `serving`, in this process): an infinite
     observation or reward ends its session with INVALID_ARGUMENT; a session beside it goes on."""
-    from services.cli.serve import serving, serving_config
+    from services.actor.serve import serving, serving_config
     from services.config import config_from_dict
 
     metrics = Metrics("actor")

@@ -1,0 +1,131 @@
+"""The actor's inference-only mode (`kuberl serve`): a trained policy served over `Actor.EnvSession`, an
+actor that only answers.
+
+A simulator that trained against kuberl actors (examples/, kuberl_client) connects to it unchanged and
+gets the policy's actions: the same servicer (servicer.py), the same session hub and its space, step
+and mask checks (sessions.py) and the same batched inference across sessions (inference.py) as an
+actor with `env.mode: external`, on the same lifecycle (services/common/lifecycle.py). What an actor
+does for training it does not do: its hub has no fragment sink, so no transitions are kept, no
+fragment is cut and nothing is pushed; it needs no buffer and no learner. With a learner to follow,
+it subscribes to its weights stream as actors do (`FittingWeights` guards what is swapped in).
+`kuberl serve` (services/cli/serve.py) loads the checkpoint into a Policy and runs `serving`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+
+from kuberl.v1 import actor_pb2, learner_pb2_grpc
+from services.actor.inference import BatchedInference
+from services.actor.policy import Policy
+from services.actor.servicer import ActorServicer
+from services.actor.sessions import SessionHub
+from services.actor.subscribe import subscribe_weights
+from services.common.grpcutil import MiB, add_servicer, make_channel
+from services.common.lifecycle import Lifecycle
+from services.common.runtime import Endpoints
+from services.common.stats import Metrics
+from services.config import ExperimentConfig
+
+log = logging.getLogger(__name__)
+SHUTDOWN_DEADLINE_S = 10.0
+
+
+def serving_config(trained: ExperimentConfig, own: ExperimentConfig) -> ExperimentConfig:
+    """The checkpoint's config with the serving process's own `tls`, `auth` and `actor` sections. Pacing
+    (`actor.fragments_per_version`) is off: nothing is recorded, so there is nothing to pace, and a
+    training config's setting must not be checked against another algorithm's checkpoint."""
+    return dataclasses.replace(trained, tls=own.tls, auth=own.auth,
+                               actor=dataclasses.replace(own.actor, fragments_per_version=0))
+
+
+def _misfit(got: dict[str, tuple], want: dict[str, tuple]) -> str:
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    if missing or extra:
+        return f"its tensors are another network's (missing {missing[:3]}, unexpected {extra[:3]})"
+    name = next(k for k in want if got[k] != want[k])
+    return f"{name} is {list(got[name])}, the checkpoint's network has {list(want[name])}"
+
+
+class FittingWeights:
+    """What `subscribe_weights` offers versions to: the policy, behind two checks.
+
+    - Each version must fit the checkpoint's network (tensor names and shapes). A learner of another
+      network would otherwise fail the load in the inference thread and end the process; here its
+      version is refused, counted (`actor/weights_invalid_total`) and logged.
+    - Unless `accept_older`, a version older than the newest served is refused and counted
+      (`actor/weights_older_total`): a learner restored from an earlier checkpoint republishes older
+      weights (actors take them, to stay on-policy; a served policy would regress), until it trains
+      past what is served. The first refusal of a run of them is logged, and the version that ends it.
+
+    Serving goes on with the weights it has."""
+
+    def __init__(self, policy: Policy, learner: str, metrics: Metrics, accept_older: bool = False):
+        self.policy, self.learner, self.metrics, self.accept_older = policy, learner, metrics, accept_older
+        self.shapes = {k: tuple(v.shape) for k, v in policy.net.state_dict().items()}
+        self.newest = policy.version   # the newest version accepted (the checkpoint's, at first)
+        self.refused_older = 0         # older versions refused since the last one accepted
+        for name in ("actor/weights_invalid_total", "actor/weights_older_total"):
+            metrics.inc(name, 0)       # (reported from the start, as docs/metrics.md lists them)
+
+    def offer_weights(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+        got = {k: tuple(np.shape(v)) for k, v in arrays.items()}
+        if got != self.shapes:
+            self.metrics.inc("actor/weights_invalid_total")
+            log.error("refusing weights version %d from the learner at %s: %s; still serving version %s",
+                      version, self.learner, _misfit(got, self.shapes), self.newest)
+            return
+        if not self.accept_older and self.newest is not None and version < self.newest:
+            self.metrics.inc("actor/weights_older_total")
+            if not self.refused_older:
+                log.warning("refusing weights version %d from the learner at %s: older than version %d, served; "
+                            "refusing older versions until it publishes %d or later (--accept-older takes them)",
+                            version, self.learner, self.newest, self.newest)
+            self.refused_older += 1
+            return
+        if self.refused_older:
+            log.info("weights version %d from the learner at %s, after %d older versions refused",
+                     version, self.learner, self.refused_older)
+            self.refused_older = 0
+        log.info("weights version %d from the learner at %s: swapped in at the next batch", version, self.learner)
+        self.newest = version
+        self.policy.offer_weights(version, arrays)
+
+
+@asynccontextmanager
+async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
+                  metrics_listen: str | None = None, follow_learner: str | None = None, accept_older: bool = False,
+                  serve_id: str = "serve") -> AsyncIterator[Endpoints]:
+    """Serve `policy` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
+    Leaving the context runs the shutdown sequence (nothing to flush: no fragments)."""
+    hub = SessionHub(cfg, policy.spec, serve_id, metrics, on_fragment=None)  # no sink: nothing recorded
+    inference = BatchedInference(policy, hub, metrics)
+    servicer = ActorServicer(metrics, hub.episodes, hub, inference, cfg.actor.session_timeout_s)
+    max_bytes = cfg.buffer.max_message_mb * MiB
+    lc = Lifecycle("serve", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
+    service = actor_pb2.DESCRIPTOR.services_by_name["Actor"]
+    await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name], max_message_bytes=max_bytes,
+                   metrics_listen=metrics_listen, max_connection_age_s=None,   # long sessions
+                   tls=cfg.tls, auth=cfg.auth)
+    learner_ch = make_channel(follow_learner, max_bytes, tls=cfg.tls) if follow_learner else None
+    if learner_ch is not None:
+        lc.on_close(learner_ch.close)
+    async with lc.running():
+        lc.task(inference.run(), "inference")
+        if learner_ch is not None:
+            weights = FittingWeights(policy, follow_learner or "", metrics, accept_older)
+            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), serve_id, weights, metrics), "weights")
+
+        def stopped() -> None:
+            log.info("serve stopped: %d sessions, %d env steps served", metrics.counters["actor/sessions_total"],
+                     metrics.counters["actor/env_steps_total"])
+        lc.on_stop(hub.close_all)                # refuse new sessions (UNAVAILABLE), end open ones
+        lc.on_stop(lc.stop_server(grace=1.0))    # streams see their end; then stop serving
+        lc.on_stop(stopped)
+        await lc.ready()
+        yield lc.endpoints
