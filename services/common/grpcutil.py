@@ -22,14 +22,17 @@ import ipaddress
 import logging
 import random
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
+# These two ship no type information and their stubs (types-grpcio-health-checking, types-grpcio-reflection)
+# are not among the dev dependencies: their names are Any here.
+from grpc_health.v1 import health, health_pb2  # type: ignore[import-untyped]
+from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
 
 from services.common.auth import ROLE_RPCS, AuthInterceptor
 from services.common.streams import read_to_half_close
@@ -84,7 +87,7 @@ class Serving:
         answered = threading.Event()
         statuses: dict[str, int] = {}
 
-        def look():
+        def look() -> None:
             statuses.update({name: self.health.status(name) for name in self.names})
             answered.set()
 
@@ -118,16 +121,26 @@ def _kind(request_streaming: bool, response_streaming: bool) -> str:
     return ("stream" if request_streaming else "unary") + "_" + ("stream" if response_streaming else "unary")
 
 
-def _method_handler(method: MethodDescriptor, behavior) -> grpc.RpcMethodHandler:
+# grpcio's handler factory for each kind of RPC (`_kind`).
+_HANDLER_FACTORIES: dict[str, Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _method_handler(method: MethodDescriptor, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """The handler a generated `add_XServicer_to_server` registers for `method`: of the kind its
     streaming flags say, parsing requests with the input message's parser and writing responses with
     the output message's serializer."""
-    make = getattr(grpc, f"{_kind(method.client_streaming, method.server_streaming)}_rpc_method_handler")
+    make = _HANDLER_FACTORIES[_kind(method.client_streaming, method.server_streaming)]
     return make(behavior, request_deserializer=GetMessageClass(method.input_type).FromString,
                 response_serializer=GetMessageClass(method.output_type).SerializeToString)
 
 
-def generated_handlers(service: ServiceDescriptor, servicer) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+def generated_handlers(service: ServiceDescriptor,
+                       servicer: object) -> tuple[str, dict[str, grpc.RpcMethodHandler[Any, Any]]]:
     """(full service name, {method: handler}) for every RPC of `service` (its descriptor, e.g.
     `actor_pb2.DESCRIPTOR.services_by_name["Actor"]`), each calling `servicer`'s method of the same
     name, as the generated `add_XServicer_to_server(servicer, server)` would register them; to be
@@ -136,14 +149,14 @@ def generated_handlers(service: ServiceDescriptor, servicer) -> tuple[str, dict[
     return service.full_name, {m.name: _method_handler(m, getattr(servicer, m.name)) for m in service.methods}
 
 
-def add_servicer(server, service: ServiceDescriptor, servicer) -> None:
+def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object) -> None:
     """Register `servicer` for `service` (its descriptor) as the generated `add_XServicer_to_server`
     would, except that request frames are parsed by `add_handlers`' handlers: a frame that does not
     parse gets INVALID_ARGUMENT. Every service registers through this (or `add_handlers`)."""
     add_handlers(server, *generated_handlers(service, servicer))
 
 
-def add_handlers(server, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+def add_handlers(server: grpc.aio.Server, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
     """Register `handlers` of `service`, each taking its request frames as bytes and parsing them
     with the handler's own `request_deserializer` (see `_parsing_handler`). A handler registered
     with no deserializer (`request_deserializer=None`) gets the bytes as they are and answers
@@ -176,15 +189,17 @@ class _RequestContext:
     data). Everything else is the real context's.
     """
 
-    def __init__(self, context, rpc: str, type_name: str, deserialize, client_stream: bool):
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, type_name: str,
+                 deserialize: Callable[[bytes], Any] | None, client_stream: bool) -> None:
         self._context, self._rpc, self._type_name = context, rpc, type_name
         self._deserialize, self._client_stream = deserialize, client_stream
         self._count = 0
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
-    async def read(self):
+    async def read(self) -> Any:
+        """The next message (the frame as it is without a parser), or grpc.aio.EOF after the half-close."""
         data = await self._context.read()
         if data is grpc.aio.EOF:
             return data
@@ -197,7 +212,8 @@ class _RequestContext:
             await self.abort(grpc.StatusCode.INVALID_ARGUMENT,
                              _not_valid(self._rpc, f"message {self._count}", self._type_name, err))
 
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: grpc.aio.Metadata | Sequence[tuple[str, str | bytes]] = ()) -> NoReturn:
         if self._client_stream and code == grpc.StatusCode.INVALID_ARGUMENT:
             await read_to_half_close(self._context)
         await self._context.abort(code, details, trailing_metadata)
@@ -210,17 +226,17 @@ class _Requests:
     def __init__(self, context: _RequestContext):
         self._context = context
 
-    def __aiter__(self):
+    def __aiter__(self) -> _Requests:
         return self
 
-    async def __anext__(self):
+    async def __anext__(self) -> Any:
         msg = await self._context.read()
         if msg is grpc.aio.EOF:
             raise StopAsyncIteration
         return msg
 
 
-def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """`h` taking its request frames as bytes: a unary request is parsed before the behaviour runs,
     a stream's messages as the behaviour reads them (`_RequestContext`); a frame that does not parse
     ends the RPC with INVALID_ARGUMENT naming the RPC and the message type."""
@@ -233,10 +249,12 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
     if deserialize is None and not h.request_streaming:
         return h  # the behaviour reads the bytes itself
 
-    async def arguments(request, context) -> tuple:
+    async def arguments(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[object, object]:
+        """The behaviour's arguments: the request (parsed) or the stream's messages, and its context."""
         if h.request_streaming:  # `request`, grpcio's iterator over the frames, is never read
             ctx = _RequestContext(context, rpc, type_name, deserialize, client_stream=not h.response_streaming)
             return _Requests(ctx), ctx
+        assert deserialize is not None  # a unary request without a parser was left as it is, above
         try:
             return deserialize(request), context
         except DecodeError as err:
@@ -244,19 +262,21 @@ def _parsing_handler(rpc: str, type_name: str, h: grpc.RpcMethodHandler) -> grpc
 
     # The wrapper is of the same kind as the behaviour: grpcio tells a handler that writes through
     # its context (a coroutine) from one that yields its responses (an async generator) by that.
+    handler: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], object]
     if inspect.isasyncgenfunction(behavior):
-        async def handler(request, context):
+        async def generator_handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             async for response in behavior(*await arguments(request, context)):
                 yield response
+        handler = generator_handler
     else:
-        async def handler(request, context):
+        async def coroutine_handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             return await behavior(*await arguments(request, context))
+        handler = coroutine_handler
 
-    make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(handler, request_deserializer=None, response_serializer=h.response_serializer)
+    return _HANDLER_FACTORIES[kind](handler, request_deserializer=None, response_serializer=h.response_serializer)
 
 
-class _Health(health.aio.HealthServicer):
+class _Health(health.aio.HealthServicer):  # type: ignore[misc]  # Any: grpcio-health-checking has no types
     """grpcio's asyncio health servicer, plus the Health/List RPC it leaves to the generated base
     class (a synchronous UNIMPLEMENTED stub, which grpcio would also answer garbage for with UNKNOWN).
 
@@ -267,7 +287,7 @@ class _Health(health.aio.HealthServicer):
 
     def __init__(self) -> None:
         super().__init__()
-        self._statuses = {health.OVERALL_HEALTH: health_pb2.HealthCheckResponse.SERVING}
+        self._statuses: dict[str, int] = {health.OVERALL_HEALTH: health_pb2.HealthCheckResponse.SERVING}
         self._shutting_down = False
 
     async def set(self, service: str, status: int) -> None:
@@ -282,9 +302,11 @@ class _Health(health.aio.HealthServicer):
 
     def status(self, name: str) -> int:
         """The status a Check of `name` reports now (SERVICE_UNKNOWN for a name never set)."""
-        return self._statuses.get(name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        unknown: int = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN  # (health_pb2 is untyped: Any)
+        return self._statuses.get(name, unknown)
 
-    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+    async def List(self, request: health_pb2.HealthListRequest,
+                   context: grpc.aio.ServicerContext[Any, Any]) -> health_pb2.HealthListResponse:
         return health_pb2.HealthListResponse(statuses={
             name: health_pb2.HealthCheckResponse(status=status) for name, status in self._statuses.items()})
 
@@ -315,7 +337,7 @@ def role_names_served(tls: TlsConfig | None, service_names: list[str]) -> dict[s
     return dict(tls.role_names)
 
 
-async def start_server(listen: str, register, service_names: list[str], *,
+async def start_server(listen: str, register: Callable[[grpc.aio.Server], None], service_names: list[str], *,
                        max_message_bytes: int, max_connection_age_s: float | None = 300.0,
                        tls: TlsConfig | None = None, auth: AuthConfig | None = None,
                        metrics: Metrics | None = None) -> Serving:
@@ -342,8 +364,8 @@ async def start_server(listen: str, register, service_names: list[str], *,
     RPCs that would need one: one warning says so.
     """
     host = listen.rsplit(":", 1)[0]
-    secure = tls is not None and tls.enabled
-    credentials = server_credentials(tls) if secure else None  # TlsError before anything is bound
+    served_tls = tls if tls is not None and tls.enabled else None  # TLS on
+    credentials = server_credentials(served_tls) if served_tls is not None else None  # TlsError before anything is bound
     role = service_names[0].rsplit(".", 1)[-1].lower() if service_names else "grpc"
     role_names = role_names_served(tls, service_names)  # TlsError before anything is bound
     interceptors = [AuthInterceptor(auth, role, metrics, role_names)] if auth is not None or role_names else []
@@ -357,12 +379,12 @@ async def start_server(listen: str, register, service_names: list[str], *,
     add_servicer(server, pool.FindServiceByName(health.SERVICE_NAME), health_servicer)
     reflector = reflection.aio.ReflectionServicer([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME])
     add_servicer(server, pool.FindServiceByName(reflection.SERVICE_NAME), reflector)
-    port = server.add_secure_port(listen, credentials) if secure else server.add_insecure_port(listen)
+    port = server.add_secure_port(listen, credentials) if credentials is not None else server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not bind {listen}")
-    if secure:
-        log.info("serving TLS on %s with %s (%s)", listen, tls.cert_file, "client certificates required"
-                 if tls.client_auth == "require" else "no client certificate asked for")
+    if served_tls is not None:
+        log.info("serving TLS on %s with %s (%s)", listen, served_tls.cert_file, "client certificates required"
+                 if served_tls.client_auth == "require" else "no client certificate asked for")
     elif not is_loopback(host):
         log.warning("serving %s on %s without TLS: anyone who can reach this address can call every RPC; "
                     "set tls.enabled (docs/security.md)", ", ".join(service_names) or "gRPC", listen)

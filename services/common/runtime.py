@@ -18,12 +18,18 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from pathlib import Path
 
 from services.common.procs import die_with_parent
 
+if TYPE_CHECKING:
+    from services.common.config import CommonConfig
+
 log = logging.getLogger(__name__)
+
+# The experiment's config: a CommonConfig, or services.config.ExperimentConfig (a subclass) kept as itself.
+C = TypeVar("C", bound="CommonConfig")
 
 
 def base_parser(role: str, default_port: int, description: str) -> argparse.ArgumentParser:
@@ -78,12 +84,14 @@ TLS_FLAGS = {"tls_cert": "cert_file", "tls_key": "key_file", "tls_ca": "ca_file"
              "tls_server_name": "server_name", "tls_role_names": "role_names"}
 
 
-def with_tls_flags(cfg, args: argparse.Namespace):
+def with_tls_flags(cfg: C, args: argparse.Namespace) -> C:
     """`cfg` (a services.common.config.CommonConfig) with the --tls-* flags of `args` over its `tls` section. A certificate,
     key or CA given by flag or environment turns TLS on. ConfigError naming the flag when one is malformed."""
-    from services.common.tls import ConfigError, parse_role_names
+    from services.common.settings import ConfigError
+    from services.common.tls import parse_role_names
 
-    given = {key: getattr(args, flag) for flag, key in TLS_FLAGS.items() if getattr(args, flag, None) is not None}
+    given: dict[str, Any] = {key: getattr(args, flag) for flag, key in TLS_FLAGS.items()
+                             if getattr(args, flag, None) is not None}
     if not given:
         return cfg
     if "role_names" in given:
@@ -97,12 +105,12 @@ def with_tls_flags(cfg, args: argparse.Namespace):
         raise
 
 
-def with_auth_flags(cfg, args: argparse.Namespace):
+def with_auth_flags(cfg: C, args: argparse.Namespace) -> C:
     """`cfg` with a role's --auth-token-files and --token-file over its `auth` section: what lets one
     ConfigMap serve pods that mount their token Secret (k8s/components/tokens, the chart's auth values)."""
-    from services.common.config import ConfigError
+    from services.common.settings import ConfigError
 
-    given = {}
+    given: dict[str, Any] = {}
     if getattr(args, "auth_token_files", None) is not None:
         files = tuple(f.strip() for f in args.auth_token_files.split(",") if f.strip())
         if not files:
@@ -172,7 +180,7 @@ def run_service(role: str, args: argparse.Namespace,
     import uvloop
 
     from services.common.auth import AuthError
-    from services.common.config import ConfigError
+    from services.common.settings import ConfigError
     from services.common.tls import TlsError
 
     try:
@@ -181,8 +189,8 @@ def run_service(role: str, args: argparse.Namespace,
         log.critical("%s cannot start: %s", role, err)
         return 2
     except Exception as exc:  # a background loop crashed: end loudly, let the supervisor restart us
-        for err in (exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]):
-            log.critical("%s failed: %s", role, err, exc_info=err)
+        for failure in (exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]):
+            log.critical("%s failed: %s", role, failure, exc_info=failure)
         return 1
     log.info("%s stopped cleanly", role)
     return 0
