@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.planner.core import ReplicaRate
+from services.planner.rates import ReplicaRate
 
 
 def test_actor_rate_counts_only_after_warm_up_from_first_progress():
