@@ -36,7 +36,8 @@ is read) is sent as `authorization: Bearer <token>` metadata; the actor answers 
 one with UNAUTHENTICATED. Without TLS the token is sent anyway, with one warning per process.
 
 Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors, services.common.spaces,
-services.common.tls (TlsConfig, the credentials) and services.common.auth; never the experiment config.
+services.common.tls (TlsConfig, the credentials) and services.common.tokens; never the experiment
+config nor the servers' side.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from services.common import spaces
-from services.common.auth import AuthError, bearer_metadata, read_client_token
+from services.common.tokens import AuthError, bearer_metadata, read_client_token
 from services.common.tls import TlsConfig
 from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 from services.common.tensors import TensorError, decode, dtype_code, encode

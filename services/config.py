@@ -22,7 +22,7 @@ import yaml
 
 from services import algorithms
 from services.common import spaces
-from services.common.auth import read_client_token
+from services.common.tokens import read_client_token
 from services.common.config import CommonConfig
 from services.common.runtime import with_auth_flags, with_tls_flags
 from services.common.settings import ConfigError, build, plain, require

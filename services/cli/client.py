@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from services.common.auth import AuthError, read_client_token, with_token
+from services.common.tokens import AuthError, read_client_token, with_token
 from services.common.runtime import with_tls_flags
 from services.common.tls import TlsError, open_channel
 from services.config import ConfigError, ExperimentConfig, load_config

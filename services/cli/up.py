@@ -36,7 +36,7 @@ from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
 from services.config import ConfigError, ExperimentConfig, check_algorithm_takes, dump_config, load_config
-from services.common.auth import AuthError, read_client_token, with_token
+from services.common.tokens import AuthError, read_client_token, with_token
 from services.common.procs import ServiceProcess, free_port
 from services.common.runtime import add_tls_arguments, with_tls_flags
 from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,

@@ -15,7 +15,7 @@ The settings are the config's `auth` section (services/common/config.AuthConfig)
   that calls it (`ROLE_RPCS`), PERMISSION_DENIED otherwise. It also caps EnvSession sessions per token
   (per peer host without tokens): `auth.max_sessions_per_token` open at once and
   `auth.new_sessions_per_minute` (a token bucket).
-- `bearer_metadata` / `read_client_token`: what clients send.
+What clients send (`read_client_token`, `bearer_metadata`, `with_token`) is services/common/tokens.py.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
 from services.common.atomic import stamps
 from services.common.settings import require
 from services.common.streams import read_to_half_close
+from services.common.tokens import AuthError
 
 if TYPE_CHECKING:
     from services.common.stats import Metrics
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
 
 log = logging.getLogger(__name__)
-_Req = TypeVar("_Req")     # an intercepted call's request and response
-_Resp = TypeVar("_Resp")
 
 
 @dataclass(frozen=True)
@@ -82,10 +81,6 @@ STATS = frozenset(f"/kuberl.v1.{s}/GetStats" for s in ("Actor", "Buffer", "Learn
 ROLE_RPCS = {"/kuberl.v1.Buffer/PushTrajectories": "actor", "/kuberl.v1.Buffer/WatchInsertLimit": "actor",
              "/kuberl.v1.Buffer/StreamBatches": "learner", "/kuberl.v1.Buffer/ReportProgress": "learner",
              "/kuberl.v1.Learner/SubscribeWeights": "actor"}
-
-
-class AuthError(ValueError):
-    """A token file that cannot be used; the message names the setting and the file."""
 
 
 def scope_of(method: str, protect_reads: bool) -> str | None:
@@ -396,79 +391,3 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], method: str, admit: Calla
     guarded: grpc.RpcMethodHandler[Any, Any] = make(wrapped, request_deserializer=handler.request_deserializer,
                                                     response_serializer=handler.response_serializer)
     return guarded
-
-
-# -- clients ------------------------------------------------------------------------------------------
-def read_client_token(path: str, setting: str = "token_file") -> str:
-    """The first token of a token file (scopes and comments ignored)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as err:
-        raise AuthError(f"{setting}: cannot read {path}: {err.strerror or err}") from None
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            return line.split()[0]
-    raise AuthError(f"{setting}: {path} holds no token")
-
-
-_warned_plaintext = False
-
-
-def bearer_metadata(token: str | None, secure: bool) -> tuple[tuple[str, str], ...]:
-    """The metadata that carries `token` (none without one); over plaintext, one warning per process."""
-    global _warned_plaintext
-    if not token:
-        return ()
-    if not secure and not _warned_plaintext:
-        _warned_plaintext = True
-        log.warning("sending a bearer token without TLS: anyone on the path can read it (docs/security.md)")
-    return (("authorization", f"Bearer {token}"),)
-
-
-class _MetadataClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds `metadata` to every call of a blocking channel."""
-
-    def __init__(self, metadata: Iterable[tuple[str, str]]):
-        self.metadata = tuple(metadata)
-
-    def _details(self, details: grpc.ClientCallDetails) -> _Details:
-        return _Details(details.method, details.timeout, (*(details.metadata or ()), *self.metadata),
-                        details.credentials, getattr(details, "wait_for_ready", None),
-                        getattr(details, "compression", None))
-
-    def intercept_unary_unary(self, continuation: Callable[[grpc.ClientCallDetails, _Req], grpc._CallFuture[_Resp]],
-                              details: grpc.ClientCallDetails, request: _Req) -> grpc._CallFuture[_Resp]:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Callable[[grpc.ClientCallDetails, _Req], grpc._CallIterator[_Resp]],
-                               details: grpc.ClientCallDetails, request: _Req) -> grpc._CallIterator[_Resp]:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(
-            self, continuation: Callable[[grpc.ClientCallDetails, Iterator[_Req]], grpc._CallFuture[_Resp]],
-            details: grpc.ClientCallDetails, requests: Iterator[_Req]) -> grpc._CallFuture[_Resp]:
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(
-            self, continuation: Callable[[grpc.ClientCallDetails, Iterator[_Req]], grpc._CallIterator[_Resp]],
-            details: grpc.ClientCallDetails, requests: Iterator[_Req]) -> grpc._CallIterator[_Resp]:
-        return continuation(self._details(details), requests)
-
-
-@dataclass(frozen=True)
-class _Details(grpc.ClientCallDetails):
-    method: str
-    timeout: float | None
-    metadata: tuple[tuple[str, str | bytes], ...]
-    credentials: grpc.CallCredentials | None
-    wait_for_ready: bool | None
-    compression: grpc.Compression | None
-
-
-def with_token(channel: grpc.Channel, token: str | None, secure: bool) -> grpc.Channel:
-    """`channel` sending `token` as bearer metadata on every call (as it is without a token)."""
-    metadata = bearer_metadata(token, secure)
-    return grpc.intercept_channel(channel, _MetadataClient(metadata)) if metadata else channel

@@ -179,7 +179,7 @@ def run_service(role: str, args: argparse.Namespace,
 
     import uvloop
 
-    from services.common.auth import AuthError
+    from services.common.tokens import AuthError
     from services.common.settings import ConfigError
     from services.common.tls import TlsError
 

@@ -20,7 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import ROLE_RPCS, TokenStore, read_client_token
+from services.common.auth import ROLE_RPCS, TokenStore
+from services.common.tokens import read_client_token
 from services.common.grpcutil import start_server
 from services.config import load_role_config
 from services.common.tls import open_channel

@@ -19,7 +19,7 @@ import grpc
 import yaml
 
 from kuberl.v1 import actor_pb2_grpc, common_pb2
-from services.common.auth import bearer_metadata
+from services.common.tokens import bearer_metadata
 from services.common.tls import TlsConfig
 from services.common.tls import open_channel
 from tests.certs import Pki

@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from services.common import auth
-from services.common.auth import AuthError, TokenStore, parse_tokens, read_client_token, scope_of
+from services.common.auth import TokenStore, parse_tokens, scope_of
+from services.common.tokens import AuthError, read_client_token
 from services.config import ConfigError, config_from_dict, load_role_config
 
 
