@@ -8,88 +8,30 @@ reads the Endpoints of the role's headless Service; it writes ONLY the scale sub
 the configured field manager), so a concurrent change gives 409 -> `Conflict`, and the planner core
 re-reads and decides again. It refuses (`Refused`, naming the HPA) to scale a workload an HPA targets,
 and leaves alone a workload annotated `<pause_annotation>: "true"`. Both kinds go through the same code,
-parameterised by `Kind`. One planner writes at a time: a coordination.k8s.io/v1 Lease, renewed in a
-background task (client-go's algorithm, written here because the aio client's LeaseLock cannot create
-its Lease).
-
-Every API call goes through `_call`, which checks it against services/planner/rbac.RULES (a call not
-listed there is a bug and raises), records it in `calls`, waits on a client-side token bucket
-(qps/burst), runs the blocking official client in a thread, retries 429 (honouring Retry-After), 5xx and
-connection failures with capped exponential backoff and jitter, and turns what remains into an
-`ApiError` whose message names the verb, resource, object and namespace.
+parameterised by `Kind`. One planner writes at a time: a coordination.k8s.io/v1 Lease (lease.py).
+Every API call goes through `KubeApi.call` (kubeapi.py: RBAC-checked, rate-limited, retried, errors
+naming the call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
-import json
 import logging
-import math
-import os
-import random
 import socket
-import time
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
-import urllib3
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
 
 from services.common.config import KubernetesPlannerConfig
-from services.planner import rbac
 from services.planner.backend import ROLES, ApplyResult, Conflict, Refused, Replica, RoleState
+from services.planner.kubeapi import ApiError, KubeApi, load_client
+from services.planner.lease import LeaderLease
 
 log = logging.getLogger(__name__)
 
-IN_CLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-MAX_ATTEMPTS = 5            # per call: the first try plus up to 4 retries of 429 / 5xx / connection failures
-BACKOFF_BASE_S = 0.2
-BACKOFF_CAP_S = 10.0
-RETRY_AFTER_CAP_S = 60.0
 MERGE_PATCH = "application/merge-patch+json"
-
-
-class ApiError(RuntimeError):
-    """The Kubernetes API refused or failed a call; `status` is the HTTP status (0: no response)."""
-
-    def __init__(self, verb: str, group: str, resource: str, name: str, namespace: str, status: int,
-                 reason: str, message: str, retry_after: float | None = None):
-        self.verb, self.group, self.resource, self.name, self.namespace = verb, group, resource, name, namespace
-        self.status, self.reason, self.message, self.retry_after = status, reason, message, retry_after
-        what = f"{verb} {group + '/' if group else ''}{resource}" + (f" {name!r}" if name else "")
-        where = f" in namespace {namespace!r}" if namespace else ""
-        status_text = f"HTTP {status} {reason}".strip() if status else "no response"
-        hint = ""
-        if status in (401, 403):
-            hint = (" (the planner's identity lacks this permission: its Role must grant the rules in "
-                    "services/planner/rbac.py)")
-        super().__init__(f"kubernetes API: {what}{where} failed with {status_text}: {message}{hint}")
-
-
-class TokenBucket:
-    """Client-side rate limit: `qps` tokens per second, at most `burst` saved up. `reserve()` takes a
-    token (the bucket may go negative) and returns how long the caller must wait before using it."""
-
-    def __init__(self, qps: float, burst: int, clock=time.monotonic):
-        self.qps, self.burst, self._clock = qps, burst, clock
-        self._tokens = float(burst)
-        self._last = clock()
-
-    def reserve(self) -> float:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.qps)
-        self._last = now
-        self._tokens -= 1
-        return max(0.0, -self._tokens / self.qps)
-
-    async def acquire(self) -> None:
-        delay = self.reserve()
-        if delay > 0:
-            await asyncio.sleep(delay)
 
 
 @dataclass(frozen=True)
@@ -121,33 +63,6 @@ class Workload:
         return f"{self.kind.name} {self.name!r}"
 
 
-def _retry_after(headers) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date), capped; None if absent/bad."""
-    value = headers.get("Retry-After") if headers is not None else None
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds()
-        except (TypeError, ValueError):
-            return None
-    return min(max(seconds, 0.0), RETRY_AFTER_CAP_S)
-
-
-def _status_message(e: ApiException) -> str:
-    try:
-        return json.loads(e.body).get("message") or e.body
-    except (TypeError, ValueError, AttributeError):
-        return (e.body or "").strip() or str(e.reason)
-
-
-def _micro_time(dt: datetime | None = None) -> str:
-    """RFC 3339 with microseconds, as a MicroTime field wants it."""
-    return (dt or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 class KubernetesBackend:
     """Backend over the workloads named in `cfg` (see the module docstring).
 
@@ -164,42 +79,36 @@ class KubernetesBackend:
         self.cfg = cfg
         self.namespace = namespace or cfg.namespace
         self.identity = identity or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-        self.calls: set[tuple[str, str, str]] = set()   # (group, resource, verb) of every call made
         self._kubeconfig = kubeconfig
         self._api = api_client
         self._owns_api = api_client is None
-        self._timeout = request_timeout_s
-        self._limiter = TokenBucket(cfg.qps, cfg.burst)
+        self.kube = KubeApi(cfg.qps, cfg.burst, request_timeout_s, self.namespace or "")
+        self.calls = self.kube.calls                   # (group, resource, verb) of every call made
+        self.lease = LeaderLease(self.kube, cfg.lease_name, self.identity, cfg.lease_duration_s)
         names = {"actor": cfg.actor_deployment, "learner": cfg.learner_statefulset}
         self._workloads = {role: Workload(WORKLOADS[role], names[role]) for role in ROLES}
         self._services = {"actor": cfg.actor_service, "learner": cfg.learner_service, "buffer": cfg.buffer_service}
         self._read: dict[str, tuple[str, str]] = {}    # role -> (resourceVersion, pause reason) as last read
-        # Leader election (client-go's timings as fractions of the lease duration).
-        self._lease_s = max(1, math.ceil(cfg.lease_duration_s))
-        self._renew_deadline_s = cfg.lease_duration_s * 2 / 3   # lead only this long after the last renewal
-        self._retry_period_s = cfg.lease_duration_s / 5
-        self._renewed_at: float | None = None          # monotonic start of the last successful acquire/renew
-        self._observed: tuple = ()                     # the other holder's record, and when we saw it change
-        self._observed_at = 0.0
         self._task: asyncio.Task | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect and, with leader election on, try for the Lease once and keep trying in the background."""
         if self._api is None:
-            self._api, detected = await asyncio.to_thread(_load_client, self._kubeconfig)
+            self._api, detected = await asyncio.to_thread(load_client, self._kubeconfig)
             self.namespace = self.namespace or detected
         self.namespace = self.namespace or "default"
+        self.kube.namespace = self.namespace
+        self.lease.bind(self._api)
         self._apps = client.AppsV1Api(self._api)
         self._core = client.CoreV1Api(self._api)
         self._autoscaling = client.AutoscalingV1Api(self._api)
-        self._coordination = client.CoordinationV1Api(self._api)
         log.info("kubernetes backend: namespace %s, workloads %s, identity %s, leader election %s",
                  self.namespace, {role: str(w) for role, w in self._workloads.items()}, self.identity,
                  self.cfg.leader_election)
         if self.cfg.leader_election:
-            await self._elect_once()
-            self._task = asyncio.create_task(self._elect_forever(), name="planner-lease")
+            await self.lease.elect_once()
+            self._task = asyncio.create_task(self.lease.run_forever(), name="planner-lease")
 
     async def close(self, *, release: bool = True) -> None:
         """Stop renewing; with `release`, hand the Lease back so another planner takes over at once
@@ -211,8 +120,8 @@ class KubernetesBackend:
             self._task = None
         if release and self.leader and self.cfg.leader_election:
             with contextlib.suppress(ApiError):
-                await self._release()
-        self._renewed_at = None
+                await self.lease.release()
+        self.lease.forget()
         if self._owns_api and self._api is not None:
             self._api.close()
             self._api = None
@@ -221,9 +130,7 @@ class KubernetesBackend:
     def leader(self) -> bool:
         """True only while this planner holds the Lease (renewed within the renew deadline); always True
         with leader_election off."""
-        if not self.cfg.leader_election:
-            return True
-        return self._renewed_at is not None and time.monotonic() - self._renewed_at < self._renew_deadline_s
+        return not self.cfg.leader_election or self.lease.leader
 
     # ---- observe -------------------------------------------------------------------------------------
     async def observe(self) -> dict[str, RoleState]:
@@ -346,128 +253,6 @@ class KubernetesBackend:
         return ApplyResult(applied=applied, dry_run=dry_run,
                            detail=("dry run (dryRun=All): nothing stored" if dry_run else f"patched {patched}"))
 
-    # ---- leader election -----------------------------------------------------------------------------
-    async def _elect_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._retry_period_s)
-            await self._elect_once()
-
-    async def _elect_once(self) -> None:
-        try:
-            await self._try_acquire_or_renew()
-        except ApiError as e:   # keep trying; `leader` lapses by itself after the renew deadline
-            log.warning("leader election: %s", e)
-
-    async def _try_acquire_or_renew(self) -> None:
-        started = time.monotonic()
-        name, ns = self.cfg.lease_name, self.namespace
-        now = _micro_time()
-        try:
-            lease = await self._call("get", "coordination.k8s.io", "leases", name,
-                                     self._coordination.read_namespaced_lease, name, ns)
-        except ApiError as e:
-            if e.status != 404:
-                raise
-            body = {"metadata": {"name": name}, "spec": {
-                "holderIdentity": self.identity, "leaseDurationSeconds": self._lease_s,
-                "acquireTime": now, "renewTime": now, "leaseTransitions": 0}}
-            try:
-                await self._call("create", "coordination.k8s.io", "leases", name,
-                                 self._coordination.create_namespaced_lease, ns, body)
-            except ApiError as e2:
-                if e2.status == 409:   # another planner created it first
-                    return self._not_leader()
-                raise
-            return self._leading(started)
-        spec = lease.spec
-        holder = spec.holder_identity or ""
-        record = (holder, str(spec.renew_time), spec.lease_transitions)
-        if record != self._observed:   # judge expiry by our own clock: when did the record last change?
-            self._observed, self._observed_at = record, started
-        duration = spec.lease_duration_seconds or self._lease_s
-        if holder and holder != self.identity and started - self._observed_at < duration:
-            return self._not_leader()
-        mine = holder == self.identity
-        body = {"metadata": {"name": name, "resourceVersion": lease.metadata.resource_version}, "spec": {
-            "holderIdentity": self.identity, "leaseDurationSeconds": self._lease_s,
-            "acquireTime": _micro_time(spec.acquire_time) if mine and spec.acquire_time else now, "renewTime": now,
-            "leaseTransitions": (spec.lease_transitions or 0) + (0 if mine else 1)}}
-        try:
-            await self._call("update", "coordination.k8s.io", "leases", name,
-                             self._coordination.replace_namespaced_lease, name, ns, body)
-        except ApiError as e:
-            if e.status == 409:   # someone else wrote it since we read it
-                return self._not_leader()
-            raise
-        self._leading(started)
-
-    def _leading(self, started: float) -> None:
-        if not self.leader:
-            log.info("leader election: %s now holds Lease %s/%s", self.identity, self.namespace, self.cfg.lease_name)
-        self._renewed_at = started
-
-    def _not_leader(self) -> None:
-        if self._renewed_at is not None:
-            log.warning("leader election: %s lost Lease %s/%s", self.identity, self.namespace, self.cfg.lease_name)
-        self._renewed_at = None
-
-    async def _release(self) -> None:
-        name = self.cfg.lease_name
-        lease = await self._call("get", "coordination.k8s.io", "leases", name,
-                                 self._coordination.read_namespaced_lease, name, self.namespace)
-        if (lease.spec.holder_identity or "") != self.identity:
-            return
-        now = _micro_time()
-        body = {"metadata": {"name": name, "resourceVersion": lease.metadata.resource_version}, "spec": {
-            "holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
-            "leaseTransitions": lease.spec.lease_transitions or 0}}
-        await self._call("update", "coordination.k8s.io", "leases", name,
-                         self._coordination.replace_namespaced_lease, name, self.namespace, body)
-        log.info("leader election: %s released Lease %s/%s", self.identity, self.namespace, name)
-
-    # ---- the one way to the API ----------------------------------------------------------------------
     async def _call(self, verb: str, group: str, resource: str, name: str, fn, *args, **kwargs):
-        """Run one blocking client call in a thread, rate-limited and retried (see the module docstring)."""
-        if not rbac.allowed(group, resource, verb):
-            raise RuntimeError(f"bug: the planner tried to {verb} {group or 'core'}/{resource}, which "
-                               f"services/planner/rbac.py RULES does not grant")
-        self.calls.add((group, resource, verb))
-        for attempt in range(MAX_ATTEMPTS):
-            await self._limiter.acquire()
-            try:
-                return await asyncio.to_thread(fn, *args, _request_timeout=self._timeout, **kwargs)
-            except ApiException as e:
-                err = ApiError(verb, group, resource, name, self.namespace, e.status or 0, e.reason or "",
-                               _status_message(e), _retry_after(e.headers))
-            except (urllib3.exceptions.HTTPError, OSError) as e:
-                err = ApiError(verb, group, resource, name, self.namespace, 0, "", f"connection failed: {e}")
-            if not (err.status in (0, 429) or err.status >= 500) or attempt == MAX_ATTEMPTS - 1:
-                raise err
-            delay = err.retry_after
-            if delay is None:
-                delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.0)
-            log.info("%s; retrying in %.2f s (attempt %d of %d)", err, delay, attempt + 2, MAX_ATTEMPTS)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
-
-
-def _load_client(kubeconfig: str | None) -> tuple[client.ApiClient, str]:
-    """Blocking: an ApiClient from `kubeconfig` if given, else in-cluster auth, else ~/.kube/config; and the
-    namespace that source names ("" if none). urllib3 retries only failed connections: status codes
-    (429/5xx) are retried by KubernetesBackend._call, which honours Retry-After and the rate limit."""
-    cfg = client.Configuration()
-    namespace = ""
-    if kubeconfig is None:
-        try:
-            config.load_incluster_config(client_configuration=cfg)
-            with contextlib.suppress(OSError), open(IN_CLUSTER_NAMESPACE) as f:
-                namespace = f.read().strip()
-        except config.ConfigException:
-            kubeconfig = os.path.expanduser("~/.kube/config")
-    if kubeconfig is not None:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
-        _, active = config.list_kube_config_contexts(kubeconfig)
-        namespace = (active or {}).get("context", {}).get("namespace", "")
-    cfg.retries = urllib3.Retry(total=None, connect=2, read=0, redirect=0, status=0, other=0,
-                                respect_retry_after_header=False)
-    return client.ApiClient(cfg), namespace
+        """Every API call (services/planner/kubeapi.py: checked against RBAC, rate-limited, retried)."""
+        return await self.kube.call(verb, group, resource, name, fn, *args, **kwargs)

@@ -19,7 +19,8 @@ from kubernetes import client
 from services.common.config import KubernetesPlannerConfig
 from services.planner import rbac
 from services.planner.backend import Conflict, DryRunBackend, Refused
-from services.planner.kube import DEPLOYMENT, STATEFULSET, WORKLOADS, ApiError, Kind, KubernetesBackend, TokenBucket
+from services.planner.kube import DEPLOYMENT, STATEFULSET, WORKLOADS, Kind, KubernetesBackend
+from services.planner.kubeapi import ApiError, TokenBucket
 from tests.k8s.cluster import TOKENS, expand, grant
 
 ACTOR, LEARNER = "kuberl-actor", "kuberl-learner"
@@ -407,7 +408,7 @@ async def test_leader_election_one_leads_and_another_takes_over(k8s_admin, k8s_n
     await b.observe()
     assert (await b.apply({"actor": 2}, dry_run=True)).applied == {"actor": 2}   # previews need no lease
 
-    last_renewal = a._renewed_at   # (monotonic, this process's clock: b's too)
+    last_renewal = a.lease.renewed_at   # (monotonic, this process's clock: b's too)
     await a.close(release=False)   # a crashes: it stops renewing and does not hand the lease back
     stopped = time.monotonic()
     while not b.leader:
