@@ -34,7 +34,8 @@ import grpc
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
-from services.cli.tally import LOSS_REASONS, Tally, fmt_losses, fmt_return
+from services.cli.progress import CSV_COLUMNS, EPISODE_COLUMNS, HeldShare, progress_line
+from services.cli.tally import Tally, fmt_losses, fmt_return
 from services.config import ConfigError, ExperimentConfig, check_algorithm_takes, dump_config, load_config
 from services.common.tokens import AuthError, read_client_token, with_token
 from services.common.procs import ServiceProcess, free_port
@@ -45,13 +46,6 @@ from services.common.tls import TlsError, check_role, open_channel
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
-CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "episodes_skipped", "return_mean", "actor_env_steps_per_s",
-               "actor_fragments_dropped_total", "actor_fragments_rejected_total", "samples_lost_total",
-               *(f"samples_lost_{r}" for r in LOSS_REASONS), "buffer_size_samples", "buffer_samples_per_insert",
-               "learner_updates_per_s", "learner_samples_per_s", "learner_policy_version",
-               "learner_policy_lag_mean", "replay_ratio_target", "actors_held_share", "actors", "learners",
-               "planner_ratio", "process_restarts"]
-EPISODE_COLUMNS = ["wall_s", "env_steps", "return", "length", "policy_version"]
 
 
 def _port_free(port: int) -> bool:
@@ -153,7 +147,7 @@ class LocalRun:
         self.episodes = 0
         self.env_steps = 0
         self.started = time.monotonic()
-        self._held_last: tuple[float, float] | None = None  # (when, actors' held seconds) at the last row
+        self.held = HeldShare()
         self.reached: dict | None = None
         self.last_decision_id = 0
         self.episode_rows: csv.writer | None = None  # episodes.csv, while `run` has it open
@@ -340,41 +334,13 @@ class LocalRun:
             "learner_policy_version": learner.get("learner/policy_version"),
             "learner_policy_lag_mean": learner.get("learner/policy_lag_mean"),
             "replay_ratio_target": buffer.get("buffer/replay_ratio_target"),
-            "actors_held_share": self._held_share(),
+            "actors_held_share": self.held.update(time.monotonic(), self.tally.total("actor/pace_wait_seconds_total"),
+                                                  len(self._role("actor"))),
             "actors": len(self._role("actor")),
             "learners": len(self._role("learner")),
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
             "process_restarts": sum(self.restarts.values()),
         }
-
-    def _held_share(self) -> float | None:
-        """The share of the actors' time since the last row that they were held (the rate limiter or
-        on-policy pacing: `actor/pace_wait_seconds_total`), None on the first row."""
-        now, held = time.monotonic(), self.tally.total("actor/pace_wait_seconds_total")
-        last, self._held_last = self._held_last, (now, held)
-        actors = len(self._role("actor"))
-        if last is None or not actors or now <= last[0]:
-            return None
-        return min(1.0, max(0.0, (held - last[1]) / ((now - last[0]) * actors)))
-
-    def show(self, row: dict) -> None:
-        def f(v, spec=",.0f"):
-            return "-" if v is None else format(v, spec)
-        skipped = f" ({row['episodes_skipped']:,} skipped)" if row["episodes_skipped"] else ""
-        # The replay ratio held against its target, and how much of the time the actors were held for it.
-        ratio = (f" ratio {f(row['buffer_samples_per_insert'], ',.1f')}/{row['replay_ratio_target']:g}"
-                 if row["replay_ratio_target"] else "")
-        held = f" held {row['actors_held_share']:.0%}" if row["actors_held_share"] is not None else ""
-        line = (f"[{row['wall_s']:7.1f}s] steps {row['env_steps']:>10,} ({f(row['actor_env_steps_per_s'])}/s,"
-                f" {row['actors']} actor{'s' if row['actors'] != 1 else ''})"
-                f" | episodes {row['episodes']:>6,}{skipped} | return {fmt_return(row['return_mean'])}"
-                f" (last {len(self.returns)}) | {'learner' if row['learners'] <= 1 else str(row['learners']) + ' learners'}"
-                f" v{f(row['learner_policy_version'])}"
-                f" {f(row['learner_updates_per_s'], ',.1f')} upd/s {f(row['learner_samples_per_s'])} smp/s"
-                f" lag {f(row['learner_policy_lag_mean'], '.1f')} | buffer {f(row['buffer_size_samples'])}"
-                f"{ratio}{held}"
-                f" | lost {fmt_losses({r: row[f'samples_lost_{r}'] for r in LOSS_REASONS})}")
-        print(line, flush=True)
 
     def _final_stats(self, role: str) -> None:
         """Read `role`'s counters once more, into the run totals too (they are final now)."""
@@ -524,7 +490,7 @@ class LocalRun:
                     if k not in ("wall_s", "env_steps") and v is not None:
                         self.tb.add_scalar(k.replace("_", "/", 1), v, self.env_steps)
                 if self.progress:
-                    self.show(row)
+                    print(progress_line(row, len(self.returns)), flush=True)
                 if (reason := self.stop_reason()) is not None:
                     break
         except KeyboardInterrupt:

@@ -199,22 +199,24 @@ class FakeBoard:
 def local_run(members):
     from types import SimpleNamespace
 
-    from services.cli.up import LocalRun
+    from services.cli.progress import HeldShare
     from services.cli.tally import Tally
+    from services.cli.up import LocalRun
     run = object.__new__(LocalRun)  # no directories, no processes
     run.cfg = SimpleNamespace(run=SimpleNamespace(return_window=100))
     run.tally = Tally(100)
     run.returns = run.tally.returns
     run.planned, run.members, run.retired, run.tb, run.started = False, members, [], FakeBoard(), 0.0
-    run._held_last = None
+    run.held = HeldShare()
     run.restarts = Counter()
     run.episodes_out = io.StringIO()  # what would be episodes.csv
     run.episode_rows = csv.writer(run.episodes_out)
     return run
 
 
-def test_progress_line_counts_every_episode_and_loss_across_a_restart(capsys):
-    from services.cli.up import CSV_COLUMNS, Member
+def test_progress_line_counts_every_episode_and_loss_across_a_restart():
+    from services.cli.progress import CSV_COLUMNS, progress_line
+    from services.cli.up import Member
     actor = FakeActor(start=1000.0)
     buffer = FakeStub(metrics={"buffer/samples_evicted_total": 12_000.0, "buffer/size_samples": 64.0})
     members = [Member("actor", "actor-0", stub=FakeStub(actor)), Member("buffer", "buffer-0", stub=buffer)]
@@ -227,8 +229,7 @@ def test_progress_line_counts_every_episode_and_loss_across_a_restart(capsys):
     assert set(row) == set(CSV_COLUMNS)
     assert row["episodes"] == 9000 and row["env_steps"] == 90_000 and len(run.returns) == 100
     assert row["samples_lost_total"] == 12_000 and row["samples_lost_evicted"] == 12_000
-    run.show(row)
-    line = capsys.readouterr().out
+    line = progress_line(row, len(run.returns))
     assert "episodes  9,000 |" in line and "return 0.8512 (last 100)" in line
     assert line.rstrip().endswith("lost 12,000 (evicted 12,000)")
 
@@ -246,12 +247,21 @@ def test_progress_line_counts_every_episode_and_loss_across_a_restart(capsys):
     assert rows[-1][1:] == ["90010", "1.0", "10", "0"] and rows[0][2:4] == ["0.8512", "10"]
 
 
-def test_progress_line_says_lost_0_only_when_nothing_was_lost(capsys):
+def test_held_share_is_the_actors_held_seconds_over_their_time_between_rows():
+    from services.cli.progress import HeldShare
+    held = HeldShare()
+    assert held.update(10.0, 0.0, actors=2) is None            # the first row has no interval
+    assert held.update(20.0, 5.0, actors=2) == 0.25            # 5 of 2 x 10 actor-seconds
+    assert held.update(30.0, 45.0, actors=2) == 1.0            # capped (counters read at different times)
+    assert held.update(40.0, 45.0, actors=0) is None           # no actors: no share
+
+
+def test_progress_line_says_lost_0_only_when_nothing_was_lost():
+    from services.cli.progress import progress_line
     from services.cli.up import Member
     run = local_run([Member("buffer", "buffer-0", stub=FakeStub(metrics={"buffer/samples_evicted_total": 0.0}))])
     run.poll()
-    run.show(run.row())
-    assert capsys.readouterr().out.rstrip().endswith("| lost 0")
+    assert progress_line(run.row(), len(run.returns)).endswith("| lost 0")
 
 
 def test_process_restarts_are_the_restarts_and_group_re_forms_events_jsonl_records(tmp_path, capsys):
