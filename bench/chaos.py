@@ -53,12 +53,16 @@ class RunEnded(AssertionError):
 
 def chaos_config(target: float, budget: int, seed: int = 0) -> dict:
     """configs/cartpole_ppo.yaml, one actor (the restarts are under test, not scaling), checkpoints
-    every 5 s (a killed learner loses at most that much)."""
+    every 5 s (a killed learner loses at most that much). The actor is capped at 1,500 env steps/s (a
+    user's cap, actor.max_env_steps_per_s): the kills follow each other in wall time, and on an idle
+    machine an uncapped run reached the target 14 s in, before the last kill (clean-clone make test,
+    2026-11-26: 89,784 env steps); capped, reaching it takes a minute or more."""
     cfg = yaml.safe_load((ROOT / "configs" / "cartpole_ppo.yaml").read_text())
     cfg["seed"] = seed
     cfg["run"] = {"target_return": target, "return_window": 100, "max_env_steps": budget, "poll_interval_s": 0.5}
     cfg["learner"] = {**cfg["learner"], "checkpoint_interval_s": 5}
     cfg["planner"] = {"actor": {"min": 1, "max": 1}}
+    cfg["actor"] = {**cfg.get("actor", {}), "max_env_steps_per_s": 1500}
     return cfg
 
 
