@@ -26,6 +26,7 @@ from services.common.fragments import EncodedFragment, new_incarnation
 from services.common.grpcutil import MiB, add_servicer, make_channel
 from services.common.lifecycle import Lifecycle
 from services.common.nets import spec_of
+from services.common.shards import buffer_addresses, shard_of
 from services.common.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.config import ExperimentConfig, load_role_config
@@ -54,13 +55,18 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                   actor_id: str | None = None, actor_index: int | None = None):
     """Start an actor; yields its Endpoints. Leaving the context runs the shutdown sequence."""
     actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    actor_index = seed_index(actor_id, actor_index)
+    given_index, actor_index = actor_index, seed_index(actor_id, actor_index)
     incarnation = new_incarnation()  # this process's: a restart under the same actor_id never collides
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = Metrics("actor", instance_id=actor_id)
     loop = asyncio.get_running_loop()
     external = cfg.env.mode == "external"
     max_bytes = cfg.buffer.max_message_mb * MiB
+    # Buffer shards: this actor pushes to one, always the same (dedupe and high-water marks are per shard).
+    shards = buffer_addresses(buffer)
+    shard = shard_of(actor_id, len(shards), given_index)
+    buffer = shards[shard]
+    metrics.set("actor/buffer_shard", shard)
     buffer_ch, learner_ch = make_channel(buffer, max_bytes, tls=cfg.tls), make_channel(learner, max_bytes, tls=cfg.tls)
     pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics,
                     max_bytes=int(cfg.actor.queue_mb * MiB))
@@ -110,8 +116,9 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     else:
         done(None)  # no rollout thread to watch
     stopping = asyncio.Event()
-    log.info("actor %s (incarnation %016x): %s, %s, %s, buffer %s, learner %s", actor_id, incarnation, cfg.env.id,
-             "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm, buffer, learner)
+    log.info("actor %s (incarnation %016x): %s, %s, %s, buffer %s (shard %d of %d), learner %s", actor_id, incarnation,
+             cfg.env.id, "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm, buffer,
+             shard, len(shards), learner)
     async with lc.running():
         push = lc.task(pusher.run(stopping), "push", keep=True)
         lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id, policy, metrics), "weights")
@@ -162,14 +169,21 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 def parse_args(argv=None) -> argparse.Namespace:
     p = base_parser("actor", 50053, "Steps environments and pushes trajectory fragments to a buffer.")
     p.add_argument("--buffer", default=os.environ.get("KUBERL_BUFFER", "127.0.0.1:50051"),
-                   help="buffer address host:port (default $KUBERL_BUFFER or 127.0.0.1:50051)")
+                   help="buffer address host:port, or one per buffer shard separated by commas: this actor pushes "
+                        "to one of them, picked by its --actor-index, else a hash of its id "
+                        "(default $KUBERL_BUFFER or 127.0.0.1:50051)")
     p.add_argument("--learner", default=os.environ.get("KUBERL_LEARNER", "127.0.0.1:50052"),
                    help="learner address host:port (default $KUBERL_LEARNER or 127.0.0.1:50052)")
     p.add_argument("--actor-id", default=None, help="unique actor id (default: host-pid-random)")
     p.add_argument("--actor-index", type=int, default=None,
                    help="index used to derive env seeds (seed + 1000 * index; default: from a hash of the actor id, "
                         "so replicas of a Deployment step differently seeded envs)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        buffer_addresses(args.buffer)
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:

@@ -20,6 +20,7 @@ blocked or refused for it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import OrderedDict
@@ -113,13 +114,24 @@ class SeqWindow:
         return w
 
 
+def shard_table(table: ReplayTable | FifoTable, shards: int, batch_size: int) -> ReplayTable | FifoTable:
+    """What one of `shards` buffer shards keeps (services/common/shards.py). A replay's capacity and
+    warm-up are the experiment's: each shard holds its share of them (rounded up, and a warm-up of at
+    least one batch), so the run replays as much history, and starts learning as soon, with any number
+    of shards. A FIFO's capacity bounds what one shard holds unserved, so each keeps all of it."""
+    if shards <= 1 or not isinstance(table, ReplayTable):
+        return table
+    return dataclasses.replace(table, capacity=-(-table.capacity // shards),
+                               learning_starts=max(batch_size, -(-table.learning_starts // shards)))
+
+
 class Store:
     def __init__(self, cfg: ExperimentConfig, metrics: Metrics):
         self.cfg, self.metrics = cfg, metrics
         self.algorithm = algorithms.get(cfg.algorithm)
         self.max_elements = cfg.buffer.max_message_mb * (1 << 20)
         # How the algorithm wants its fragments kept and served (services/algorithms/base.py).
-        self.table = self.algorithm.table(cfg)
+        self.table = shard_table(self.algorithm.table(cfg), cfg.topology.buffers, self.algorithm.batch_size(cfg))
         replay = isinstance(self.table, ReplayTable)
         self.limiter = RateLimiter(ratio=self.table.replay_ratio if replay else 1.0,
                                    warmup=self.table.learning_starts if replay else 0,
@@ -396,6 +408,7 @@ class Store:
         produced = self.inserted_samples - self.limiter.warmup  # the warm-up is not production
         ratio = self.served_samples / produced if produced > 0 else 0.0
         out = {"buffer/size_samples": self.size, "buffer/samples_per_insert": ratio,
+               "buffer/samples_produced": max(0, produced),   # what the ratio divides by: shards combine on it
                "buffer/actors_known": len(self._actors)}
         if self.learner_version is not None:
             out["buffer/learner_version"] = self.learner_version

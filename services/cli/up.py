@@ -40,6 +40,7 @@ from services.config import ConfigError, ExperimentConfig, check_algorithm_takes
 from services.common.tokens import AuthError, read_client_token, with_token
 from services.common.procs import ServiceProcess, free_port
 from services.common.runtime import add_tls_arguments, with_tls_flags
+from services.common.shards import combined_samples_per_insert
 from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                        format_event, learner_specs)
 from services.common.tls import TlsError, check_role, open_channel
@@ -183,8 +184,13 @@ class LocalRun:
         With the planner on, its local backend starts (and later rescales) the learner and actors."""
         # Fixed addresses (a restarted process comes back where its peers look), below the ephemeral
         # range and outside the external actors' ports.
-        buffer = f"127.0.0.1:{self._free_port()}"
-        self._spawn("buffer", "buffer-0", buffer, buffer_args(self.cfg, self.dir))
+        ports: set[int] = set()
+        while len(ports) < self.cfg.topology.buffers:
+            ports.add(self._free_port())
+        shards = [f"127.0.0.1:{port}" for port in sorted(ports)]
+        for i, address in enumerate(shards):
+            self._spawn("buffer", f"buffer-{i}", address, buffer_args(self.cfg, self.dir, shard=i))
+        buffer = ",".join(shards)   # every shard, in order: each actor picks its own, learners read all
         if self.planned:
             port = self.planner_port
             if port is None:
@@ -315,7 +321,8 @@ class LocalRun:
 
     def row(self) -> dict:
         learner = self._role("learner")[0].stats if self._role("learner") else {}
-        buffer = self._role("buffer")[0].stats if self._role("buffer") else {}
+        buffers = [m.stats for m in self._role("buffer")]
+        buffer = buffers[0] if buffers else {}
         planner = self._role("planner")[0].stats if self._role("planner") else {}
         tally = self.tally
         losses = tally.losses()
@@ -327,8 +334,8 @@ class LocalRun:
             "actor_fragments_rejected_total": tally.total("actor/fragments_rejected_total"),
             "samples_lost_total": sum(losses.values()),
             **{f"samples_lost_{r}": v for r, v in losses.items()},
-            "buffer_size_samples": buffer.get("buffer/size_samples"),
-            "buffer_samples_per_insert": buffer.get("buffer/samples_per_insert"),
+            "buffer_size_samples": self._sum("buffer", "buffer/size_samples") if buffers else None,
+            "buffer_samples_per_insert": combined_samples_per_insert(buffers),
             "learner_updates_per_s": learner.get("learner/updates_per_s"),
             "learner_samples_per_s": self._sum("learner", "learner/samples_per_s") if self._role("learner") else None,
             "learner_policy_version": learner.get("learner/policy_version"),

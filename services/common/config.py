@@ -19,6 +19,7 @@ import numpy as np
 from services.common import spaces
 from services.common.fragments import DEDUPE_WINDOW
 from services.common.settings import ConfigError, require
+from services.common.shards import MAX_SHARDS
 from services.common.auth import AuthConfig
 from services.common.tls import TlsConfig
 
@@ -208,14 +209,16 @@ class TopologyConfig:
     """How many processes of each role `kuberl up` starts."""
     actors: int = 1
     learners: int = 1
+    # Buffer shards: each actor pushes to one, each learner streams from all; a replay's buffer_size
+    # and learning_starts are split between them (docs/architecture.md, "Buffer shards").
     buffers: int = 1
 
     def __post_init__(self) -> None:
         require(1 <= self.actors <= 256, "actors", self.actors, "must be 1..256")
         require(1 <= self.learners <= 64, "learners", self.learners,
                 "must be 1..64 (more than one train as a group, averaging gradients)")
-        require(self.buffers == 1, "buffers", self.buffers,
-                "only one buffer per experiment is supported so far (no sharding yet)")
+        require(1 <= self.buffers <= MAX_SHARDS, "buffers", self.buffers,
+                f"must be 1..{MAX_SHARDS} (buffer shards: each actor pushes to one, each learner streams from all)")
 
 
 @dataclass(frozen=True)

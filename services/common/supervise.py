@@ -58,12 +58,14 @@ def learner_args(name: str, run_dir: Path, *, buffer: str, world_size: int = 1, 
             "--learner-id", f"{name}-{Path(run_dir).name}", *learner_group_args(world_size, rank, group)]
 
 
-def buffer_args(cfg: CommonConfig, run_dir: Path) -> list[str]:
-    """`kuberl buffer` flags for the buffer of a local run: a relative `buffer.checkpoint_dir` is
-    taken inside the run directory, so a restarted buffer restores the run's own replay."""
+def buffer_args(cfg: CommonConfig, run_dir: Path, shard: int = 0) -> list[str]:
+    """`kuberl buffer` flags for buffer shard `shard` of a local run: a relative `buffer.checkpoint_dir`
+    is taken inside the run directory, so a restarted buffer restores the run's own replay; with
+    several shards each checkpoints under its own `shard-<i>` directory there."""
     if cfg.buffer.checkpoint_dir is None:
         return []
-    return ["--checkpoint-dir", str(Path(run_dir) / cfg.buffer.checkpoint_dir)]
+    path = Path(run_dir) / cfg.buffer.checkpoint_dir
+    return ["--checkpoint-dir", str(path / f"shard-{shard}" if cfg.topology.buffers > 1 else path)]
 
 
 @dataclass(frozen=True)

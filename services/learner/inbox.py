@@ -15,11 +15,45 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 from services.common.fragments import batch_samples
 from services.common.stats import Metrics
 
 STARVED_TICK_S = 0.25
+
+
+@dataclass(eq=False)
+class Shard:
+    """One buffer shard as this learner sees it (services/common/shards.py): its stub, and what this
+    learner consumed from it, which it reports to that shard alone: each shard paces the learner by
+    its own served and consumed counts. `produced`: the shard's samples inserted after its warm-up, as
+    its last ProgressAck said."""
+    index: int
+    address: str
+    stub: Any
+    batches_consumed: int = 0
+    samples_consumed: int = 0
+    produced: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Fetched:
+    """A batch and the shard that served it: what the Inbox holds."""
+    batch: Any
+    shard: Shard
+
+    def consumed(self) -> None:
+        """Count the batch consumed (trained on, or discarded) towards its shard."""
+        self.shard.batches_consumed += 1
+        self.shard.samples_consumed += batch_samples(self.batch)
+
+
+def samples_per_insert(shards: list[Shard]) -> float | None:
+    """Samples this learner consumed over samples produced, over every shard; None before any production."""
+    produced = sum(s.produced for s in shards)
+    return sum(s.samples_consumed for s in shards) / produced if produced > 0 else None
 
 
 class Inbox:
@@ -66,13 +100,15 @@ class Inbox:
         return batches
 
 
-def discard(metrics: Metrics, batches: list) -> None:
+def discard(metrics: Metrics, items: list[Fetched]) -> None:
     """Batches taken off the stream that will never be trained on (prefetched at shutdown): counted as
     discarded, and as consumed, which is what the buffer reads (LearnerProgress.batches_consumed_total):
     a batch neither trained on nor counted would stay in flight to this learner for good."""
-    metrics.inc("learner/batches_discarded_total", len(batches))
-    metrics.inc("learner/batches_consumed_total", len(batches))
-    metrics.inc("learner/samples_consumed_total", sum(batch_samples(b) for b in batches))
+    metrics.inc("learner/batches_discarded_total", len(items))
+    metrics.inc("learner/batches_consumed_total", len(items))
+    metrics.inc("learner/samples_consumed_total", sum(batch_samples(f.batch) for f in items))
+    for f in items:
+        f.consumed()
 
 
 async def starved_get(inbox: Inbox, metrics: Metrics):

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
+from kuberl.v1 import buffer_pb2
 from services import algorithms
 from services.config import ExperimentConfig
 from services.common.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.learner.distributed import GroupBroken
-from services.learner.inbox import Inbox, starved_get
+from services.learner.inbox import Fetched, Inbox, Shard, samples_per_insert, starved_get
 from services.learner.publish import WeightsHub
 from services.learner.trainer import Trainer
 
@@ -50,23 +50,26 @@ def batch_request(cfg: ExperimentConfig, learner_id: str) -> buffer_pb2.BatchReq
     return buffer_pb2.BatchRequest(learner_id=learner_id, algorithm=algorithm.code, batch_size=algorithm.batch_size(cfg))
 
 
-async def fetch_batches(stub: buffer_pb2_grpc.BufferStub, request: buffer_pb2.BatchRequest,
-                        inbox: Inbox, metrics: Metrics) -> None:
-    """Keep a StreamBatches stream open, re-opening it when it ends; the inbox bounds prefetch."""
+async def fetch_batches(shard: Shard, request: buffer_pb2.BatchRequest, inbox: Inbox, metrics: Metrics) -> None:
+    """Keep a StreamBatches stream open to one buffer shard, re-opening it when it ends; the inbox bounds
+    prefetch. With several shards one of these runs per shard, all filling the same inbox: the learner
+    trains on whichever shard's batch comes first, and each shard serves it as fast as its own rate
+    limiter allows, so each shard is sampled in proportion to what its actors insert."""
     backoff = Backoff()
     while True:
         try:
-            async for batch in stub.StreamBatches(request):
-                await inbox.put(batch)
+            async for batch in shard.stub.StreamBatches(request):
+                await inbox.put(Fetched(batch, shard))
                 metrics.inc("learner/batches_received_total")
                 backoff.reset()
         except grpc.aio.AioRpcError as err:
             raise_if_cancelling(err)
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise RuntimeError(f"the buffer refused this learner's batch request: {err.details()}") from err
+                raise RuntimeError(f"the buffer at {shard.address} refused this learner's batch request: "
+                                   f"{err.details()}") from err
             metrics.inc("learner/batch_stream_errors_total")
             log.log(logging.INFO if err.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING,
-                    "batch stream from buffer ended (%s); reconnecting", describe(err))
+                    "batch stream from buffer %s ended (%s); reconnecting", shard.address, describe(err))
         await backoff.sleep()
 
 
@@ -83,8 +86,9 @@ async def train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int
     published = trainer.version
     trainer.metrics.inc("learner/starved_seconds_total", 0)
     while True:
-        batch = await starved_get(inbox, trainer.metrics)
-        await asyncio.to_thread(trainer.train, batch)
+        item = await starved_get(inbox, trainer.metrics)
+        await asyncio.to_thread(trainer.train, item.batch)
+        item.consumed()
         if trainer.version - published >= every:
             await publish(hub, trainer)
             published = trainer.version
@@ -120,8 +124,9 @@ async def group_train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, ever
                 trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
                 continue
             trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
-            batch, held = held, None
-            await asyncio.to_thread(trainer.train, batch)
+            item, held = held, None
+            await asyncio.to_thread(trainer.train, item.batch)
+            item.consumed()
             if trainer.version - published >= every:
                 await publish(hub, trainer)
                 published = trainer.version
@@ -145,29 +150,29 @@ async def group_train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, ever
                               "be formed again") from None
 
 
-async def send_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, version: int, metrics: Metrics,
+async def send_progress(shard: Shard, shards: list[Shard], learner_id: str, version: int, metrics: Metrics,
                         timeout: float = 5.0) -> None:
-    """One LearnerProgress to the buffer: the version and what this learner has consumed so far."""
+    """One LearnerProgress to one buffer shard: the version, and what this learner has consumed from
+    that shard so far. `learner/samples_per_insert` is over every shard."""
     request = buffer_pb2.LearnerProgress(
-        learner_id=learner_id, policy_version=version,
-        samples_consumed_total=int(metrics.counters["learner/samples_consumed_total"]),
-        batches_consumed_total=int(metrics.counters["learner/batches_consumed_total"]))
+        learner_id=learner_id, policy_version=version, samples_consumed_total=shard.samples_consumed,
+        batches_consumed_total=shard.batches_consumed)
     try:
-        ack = await stub.ReportProgress(request, timeout=timeout)
-        produced = ack.samples_inserted_total - ack.warmup_samples   # the warm-up is not production
-        if produced > 0:
-            metrics.set("learner/samples_per_insert", request.samples_consumed_total / produced)
+        ack = await shard.stub.ReportProgress(request, timeout=timeout)
+        shard.produced = max(0, ack.samples_inserted_total - ack.warmup_samples)   # the warm-up is not production
+        if (ratio := samples_per_insert(shards)) is not None:
+            metrics.set("learner/samples_per_insert", ratio)
     except grpc.aio.AioRpcError as err:
         raise_if_cancelling(err)
         metrics.inc("learner/progress_report_errors_total")
-        log.debug("progress report to buffer failed: %s", describe(err))
+        log.debug("progress report to buffer %s failed: %s", shard.address, describe(err))
 
 
-async def report_progress(stub: buffer_pb2_grpc.BufferStub, learner_id: str, current: Generation,
+async def report_progress(shard: Shard, shards: list[Shard], learner_id: str, current: Generation,
                           metrics: Metrics, progressed: Notifier) -> None:
-    """Tell the buffer the current version after each publication, and at least once a second."""
+    """Tell one buffer shard the current version after each publication, and at least once a second."""
     while True:
-        await send_progress(stub, learner_id, current.trainer.version, metrics)
+        await send_progress(shard, shards, learner_id, current.trainer.version, metrics)
         await progressed.wait(timeout=1.0)
 
 

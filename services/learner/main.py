@@ -17,11 +17,12 @@ from services.config import ExperimentConfig, load_role_config
 from services.common.grpcutil import MiB, add_servicer, make_channel
 from services.common.lifecycle import Lifecycle
 from services.common.notify import Notifier
+from services.common.shards import buffer_addresses
 from services.common.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.learner.distributed import GradientSync, GroupSpec
 from services.learner.group import StoppedBeforeGroupFormed, join, learn
-from services.learner.inbox import Inbox, discard
+from services.learner.inbox import Inbox, Shard, discard
 from services.learner.loops import (Generation, batch_request, checkpoint_loop, fetch_batches, publish,
                                      report_progress, send_progress)
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
@@ -63,24 +64,29 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     except BaseException:
         current.close()
         raise
-    channel = make_channel(buffer, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
-    lc.on_close(channel.close)
+    shards = []   # every buffer shard: this learner streams batches from each (services/common/shards.py)
+    for i, address in enumerate(buffer_addresses(buffer)):
+        channel = make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
+        lc.on_close(channel.close)
+        shards.append(Shard(i, address, buffer_pb2_grpc.BufferStub(channel)))
     inbox = Inbox(maxsize=cfg.buffer.batch_prefetch)
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
              current.trainer.version, buffer)
     async with lc.running():
-        stub = buffer_pb2_grpc.BufferStub(channel)
-        fetch = lc.task(fetch_batches(stub, batch_request(cfg, learner_id), inbox, metrics), "fetch")
+        request = batch_request(cfg, learner_id)
+        fetches = [lc.task(fetch_batches(shard, request, inbox, metrics), f"fetch-{shard.index}") for shard in shards]
         progressed = Notifier()
         stopping = asyncio.Event()
         train = lc.task(learn(membership, current, build, inbox, hub, cfg.learner.publish_interval_updates,
                               progressed, stopping, lc.server.set_serving), "train")
         side = [lc.task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), "checkpoint"),
-                lc.task(report_progress(stub, learner_id, current, metrics, progressed), "progress")]
+                *(lc.task(report_progress(shard, shards, learner_id, current, metrics, progressed),
+                          f"progress-{shard.index}") for shard in shards)]
 
         async def stop_training() -> None:
             """Stop consuming; an update in flight finishes (a group stops together at a round's end)."""
-            fetch.cancel()
+            for fetch in fetches:
+                fetch.cancel()
             stopping.set()
             await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
             train.cancel()                 # (the checkpoint below waits for it on the lock)
@@ -93,7 +99,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         async def last_word() -> None:
             """What was discarded counts as consumed: the buffer stops counting it in flight now rather
             than when this learner's reports expire. Then the final checkpoint."""
-            await send_progress(stub, learner_id, current.trainer.version, metrics, timeout=1.0)
+            await asyncio.gather(*(send_progress(shard, shards, learner_id, current.trainer.version, metrics,
+                                                 timeout=1.0) for shard in shards))
             if not current.saved:
                 await asyncio.to_thread(current.trainer.checkpoint)
 
@@ -108,7 +115,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 def parse_args(argv=None) -> argparse.Namespace:
     p = base_parser("learner", 50052, "Trains on batches streamed from a buffer and publishes weights.")
     p.add_argument("--buffer", default=os.environ.get("KUBERL_BUFFER", "127.0.0.1:50051"),
-                   help="buffer address host:port (default $KUBERL_BUFFER or 127.0.0.1:50051)")
+                   help="buffer address host:port, or one per buffer shard separated by commas: this learner "
+                        "streams batches from every shard (default $KUBERL_BUFFER or 127.0.0.1:50051)")
     p.add_argument("--checkpoint-dir", default=os.environ.get("KUBERL_CHECKPOINT_DIR", "checkpoints"),
                    help="where checkpoints are written and restored from (default ./checkpoints)")
     p.add_argument("--learner-id", default=None, help="name of this learner (default: learner-host-pid)")
@@ -130,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "http://127.0.0.1:8001 through `kubectl proxy`)")
     args = p.parse_args(argv)
     try:
+        buffer_addresses(args.buffer)
         if args.membership == "statefulset":
             if args.rank != 0 or args.world_size != 1:
                 raise ValueError("--membership=statefulset takes the rank and the world size from the StatefulSet: "

@@ -21,6 +21,7 @@ from services import algorithms
 from services.common.tokens import AuthError, bearer_metadata, read_client_token
 from services.config import ExperimentConfig
 from services.common.notify import Notifier
+from services.common.shards import combined_samples_per_insert
 from services.common.stats import Metrics
 from services.common.tls import TlsError, open_channel
 from services.planner.backend import ROLES, Backend, Conflict, Refused, RoleState
@@ -38,9 +39,11 @@ COUNTERS = {"actor": ("actor/env_steps_total", "actor/pace_wait_seconds_total"),
             "learner": ("learner/samples_total", "learner/starved_seconds_total")}
 LAG_KEY = "learner/policy_lag_mean"
 # What the planner records from each buffer's GetStats: key -> (Decision field, how buffers combine).
-BUFFER_KEYS = {"buffer/samples_per_insert": ("buffer_samples_per_insert", "mean"),
+# The replay ratio combines as served over produced, summed over the shards (services/common/shards.py).
+BUFFER_KEYS = {"buffer/samples_per_insert": ("buffer_samples_per_insert", "ratio"),
                "buffer/samples_received_per_s": ("buffer_samples_received_per_s", "sum"),
                "buffer/size_samples": ("buffer_size_samples", "sum")}
+BUFFER_READ = (*BUFFER_KEYS, "buffer/samples_produced")
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
@@ -129,7 +132,7 @@ class Planner:
         resp = await self._get_stats("buffer", name, address, pb.GetStatsRequest())
         if resp is None:
             return
-        self.buffer_stats[name] = (self.clock(), {k: resp.metrics[k] for k in BUFFER_KEYS if k in resp.metrics})
+        self.buffer_stats[name] = (self.clock(), {k: resp.metrics[k] for k in BUFFER_READ if k in resp.metrics})
 
     def buffer_view(self) -> dict[str, float]:
         """Decision fields from the buffers whose stats are fresh (empty when none are)."""
@@ -137,9 +140,11 @@ class Planner:
         fresh = [m for t, m in self.buffer_stats.values() if now - t <= stale]
         out = {}
         for key, (field, how) in BUFFER_KEYS.items():
-            values = [m[key] for m in fresh if key in m]
-            if values:
-                out[field] = sum(values) / (len(values) if how == "mean" else 1)
+            if how == "ratio":
+                if (ratio := combined_samples_per_insert(fresh)) is not None:
+                    out[field] = ratio
+            elif values := [m[key] for m in fresh if key in m]:
+                out[field] = sum(values)
         return out
 
     async def _read(self, role: str, name: str, address: str, tracker: ReplicaRate) -> None:

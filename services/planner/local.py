@@ -27,6 +27,7 @@ from services.common.procs import ServiceProcess, free_port
 from services.common.stats import Metrics
 from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, learner_specs,
                                        stop_procs, wait_or_kill)
+from services.common.shards import buffer_addresses
 from services.planner.backend import ROLES, ApplyResult, Replica, RoleState
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class LocalBackend:
                  actor_port: int = 50053, metrics: Metrics | None = None):
         self.cfg, self.config_path, self.run_dir, self.buffer = cfg, Path(config_path), Path(run_dir), buffer
         self.actor_port = actor_port
+        self.shards = buffer_addresses(buffer)   # ValueError naming a malformed address
         self.external = cfg.env.mode == "external"
         self.metrics = metrics or Metrics("planner")
         # Restarts of single processes and re-forms of the learner group alike.
@@ -105,7 +107,7 @@ class LocalBackend:
         return states
 
     async def buffers(self) -> list[Replica]:
-        return [Replica("buffer-0", self.buffer)]
+        return [Replica(f"buffer-{i}", address) for i, address in enumerate(self.shards)]
 
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
         for role, n in targets.items():

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("local", "kubernetes", "dry-run"), default=os.environ.get("KUBERL_PLANNER_BACKEND"),
                    help="override planner.backend from the config")
     p.add_argument("--buffer", default=os.environ.get("KUBERL_BUFFER", "127.0.0.1:50051"),
-                   help="local backend: the buffer the processes it starts push to / read from (default $KUBERL_BUFFER "
-                        "or 127.0.0.1:50051)")
+                   help="local backend: the buffer the processes it starts push to / read from, host:port, or one per "
+                        "shard separated by commas (default $KUBERL_BUFFER or 127.0.0.1:50051)")
     p.add_argument("--run-dir", default=os.environ.get("KUBERL_RUN_DIR", "."),
                    help="local backend: directory for the started processes' logs/, ready/ and checkpoints/")
     p.add_argument("--actor-port", type=int, default=50053,

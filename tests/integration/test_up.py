@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,10 +13,11 @@ import pytest
 from tests.helpers import ROOT, TINY_DQN, TINY_PPO, wait_for, write_config
 
 
-@pytest.mark.parametrize("planner,learners", [(True, 1), (False, 1), (False, 2)],
-                         ids=["planner", "fixed-topology", "fixed-topology-learner-group"])
-def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner, learners):
-    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "topology": {"actors": 2, "learners": learners},
+@pytest.mark.parametrize("planner,learners,buffers", [(True, 1, 1), (False, 1, 1), (False, 2, 1), (True, 1, 2)],
+                         ids=["planner", "fixed-topology", "fixed-topology-learner-group", "planner-buffer-shards"])
+def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner, learners, buffers):
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "topology": {"actors": 2, "learners": learners,
+                                                                          "buffers": buffers},
                                                 "planner": {"enabled": planner},
                                                 "run": {"target_return": None, "poll_interval_s": 0.2}})
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
@@ -38,10 +40,17 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner, learners):
     assert "interrupted" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reason"] == "interrupted"
-    names = (["buffer-0", "actor-0", "actor-1"] + [f"learner-{i}" for i in range(learners)]
+    names = ([f"buffer-{i}" for i in range(buffers)] + ["actor-0", "actor-1"] + [f"learner-{i}" for i in range(learners)]
              + (["planner-0"] if planner else []))
     assert summary["exit_codes"] == {name: 0 for name in names}
     assert summary["env_steps"] > 0
+    if buffers > 1:   # each actor pushed to its own shard, and the learner trained from both
+        for i in range(buffers):
+            log = (tmp_path / "run" / "logs" / f"actor-{i}.log").read_text()
+            assert re.search(rf"buffer \S+ \(shard {i} of {buffers}\)", log), log[-2000:]
+        last = [summary["last_stats"][f"buffer-{i}"] for i in range(buffers)]
+        assert all(s["buffer/fragments_received_total"] > 0 for s in last), last
+        assert sum(s["buffer/samples_served_total"] for s in last) > 0, last
     assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))  # the learner's shutdown checkpoint
     for name in names:
         assert "stopped cleanly" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()

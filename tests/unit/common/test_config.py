@@ -163,7 +163,7 @@ def test_wrong_types(data, key, match):
     ({"topology": {"learners": 2}}, "topology.learners", "must lie within planner.learner.min..max (1..1)"),
     ({"topology": {"learners": 0}}, "topology.learners", "must be 1..64"),
     ({"planner": {"min_scale_gain": 1.5}}, "planner.min_scale_gain", "must be in [0, 1]"),
-    ({"topology": {"buffers": 2}}, "topology.buffers", "only one buffer"),
+    ({"topology": {"buffers": 0}}, "topology.buffers", "must be 1..64"),
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
     ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be one of dqn, ppo"),
     ({"planner": {"max_policy_lag": -1}}, "planner.max_policy_lag", "must be >= 0"),
