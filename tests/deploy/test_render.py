@@ -9,8 +9,8 @@ import copy
 
 import pytest
 
-from tests.deploy.render import (CHART, OVERLAYS, RenderError, helm, helm_template, index, kustomize, of_kind,
-                                 validate)
+from tests.deploy.render import (CHART, OVERLAYS, RenderError, container, helm, helm_template, index, kustomize, of_kind,
+                                 validate, workloads)
 
 HELM_VARIANTS = {
     "defaults": [],
@@ -106,3 +106,47 @@ def test_learner_claims_come_from_the_statefulset_template():
     assert template(helm_template("--set", "learner.persistence.enabled=false")) == {}
     for overlay, size in (("base", "5Gi"), ("overlays/dev", "1Gi"), ("overlays/gpu", "5Gi")):
         assert template(kustomize(overlay))["checkpoints"]["resources"]["requests"]["storage"] == size, overlay
+
+
+def test_buffer_shards_from_the_chart():
+    """buffer.shards: 3 runs 3 buffer pods, tells every actor and learner all three by their stable pod
+    names in shard order, sets the config's topology.buffers (which then loads), and gives each shard a
+    replay claim of its own; one shard renders as before shards existed (the Service's name, no topology)."""
+    import yaml
+
+    from services.config import config_from_dict
+
+    def buffer_args(objects):
+        out = {}
+        for role, w in workloads(objects).items():
+            out[role] = [a.removeprefix("--buffer=") for a in container(w).get("args", []) if a.startswith("--buffer=")]
+        return out
+
+    def config(objects):
+        (cm,) = [o for o in of_kind(objects, "ConfigMap") if "config.yaml" in o.get("data", {})]
+        return yaml.safe_load(cm["data"]["config.yaml"])
+
+    one = helm_template()
+    assert buffer_args(one) == {"actor": ["dns:///kuberl-buffer:50051"], "learner": ["dns:///kuberl-buffer:50051"],
+                                "buffer": [], "planner": []}
+    assert "buffers" not in config(one).get("topology", {})
+    three = helm_template("--set", "buffer.shards=3", "--set", "buffer.checkpoint.enabled=true")
+    assert validate(three) == []
+    shards = ",".join(f"dns:///kuberl-buffer-{i}.kuberl-buffer:50051" for i in range(3))
+    assert buffer_args(three) == {"actor": [shards], "learner": [shards], "buffer": [], "planner": []}
+    buffer = workloads(three)["buffer"]
+    assert buffer["spec"]["replicas"] == 3 and buffer["spec"]["serviceName"] == "kuberl-buffer"
+    (claim,) = buffer["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "replay" and claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    volumes = {v["name"] for v in buffer["spec"]["template"]["spec"].get("volumes", [])}
+    assert "replay" not in volumes                                         # the claim template's, per pod
+    assert not [o for o in of_kind(three, "PersistentVolumeClaim") if "buffer" in o["metadata"]["name"]]
+    assert config_from_dict(config(three)).topology.buffers == 3
+    for values, message in ((["--set", "buffer.shards=2", "--set", "buffer.checkpoint.enabled=true",
+                               "--set", "buffer.checkpoint.existingClaim=mine"], "buffer.checkpoint.existingClaim"),
+                            (["--set", "buffer.shards=2", "--set", "config.topology.buffers=3"],
+                             "config.topology.buffers: the chart sets it from buffer.shards (2)"),
+                            (["--set", "buffer.shards=65"], "buffer.shards")):
+        with pytest.raises(RenderError) as err:
+            helm_template(*values)
+        assert message in str(err.value)

@@ -37,6 +37,22 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{ printf "%s/%s:%s" .ctx.Values.image.repository .role $tag }}
 {{- end -}}
 
+{{/* The --buffer address list every actor and learner is given: the buffer Service alone for one shard
+(as before shards existed), else each shard's pod by its stable name, in shard order. */}}
+{{- define "kuberl.bufferAddresses" -}}
+{{- $name := include "kuberl.name" . -}}
+{{- $n := int .Values.buffer.shards -}}
+{{- if eq $n 1 -}}
+{{- printf "dns:///%s-buffer:50051" $name -}}
+{{- else -}}
+{{- $out := list -}}
+{{- range $i := until $n -}}
+{{- $out = append $out (printf "dns:///%s-buffer-%d.%s-buffer:50051" $name $i $name) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The experiment config with the planner's Kubernetes names filled in from this release's objects. */}}
 {{- define "kuberl.config" -}}
 {{- $name := include "kuberl.name" . -}}
@@ -59,6 +75,15 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- if hasKey $buffer $key -}}
 {{- fail (printf "config.buffer.%s: the chart sets it; use %s" $key $value) -}}
 {{- end -}}
+{{- end -}}
+{{- /* The number of buffer shards comes from buffer.shards (it also sets the buffer StatefulSet's replicas). */ -}}
+{{- $topology := get $cfg "topology" | default dict -}}
+{{- if and (hasKey $topology "buffers") (ne (int (get $topology "buffers")) (int .Values.buffer.shards)) -}}
+{{- fail (printf "config.topology.buffers: the chart sets it from buffer.shards (%d); set that instead" (int .Values.buffer.shards)) -}}
+{{- end -}}
+{{- if gt (int .Values.buffer.shards) 1 -}}
+{{- $_ = set $topology "buffers" (int .Values.buffer.shards) -}}
+{{- $_ = set $cfg "topology" $topology -}}
 {{- end -}}
 {{- $ckpt := .Values.buffer.checkpoint -}}
 {{- if $ckpt.enabled -}}
