@@ -87,8 +87,8 @@ async def train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int
     trainer.metrics.inc("learner/starved_seconds_total", 0)
     while True:
         item = await starved_get(inbox, trainer.metrics)
+        item.consumed()   # before: a cancel while the thread trains must not leave it uncounted
         await asyncio.to_thread(trainer.train, item.batch)
-        item.consumed()
         if trainer.version - published >= every:
             await publish(hub, trainer)
             published = trainer.version
@@ -125,8 +125,8 @@ async def group_train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, ever
                 continue
             trainer.metrics.inc("learner/starved_seconds_total", time.perf_counter() - started)
             item, held = held, None
-            await asyncio.to_thread(trainer.train, item.batch)
             item.consumed()
+            await asyncio.to_thread(trainer.train, item.batch)
             if trainer.version - published >= every:
                 await publish(hub, trainer)
                 published = trainer.version

@@ -1,7 +1,7 @@
-"""Buffer shards (services/common/shards.py): two buffers, one learner streaming from both, two actors
-at different speeds each pinned to one shard. Each shard holds the target replay ratio within its band
+"""Buffer shards (services/common/shards.py): three buffers, one learner streaming from all three,
+three actors at different speeds each pinned to one shard. Each shard holds the target replay ratio within its band
 on its own (the learner draws more from the shard whose actor inserts more), the learner's ratio over
-both shards holds too, and nothing is dropped, refused or stored twice."""
+all shards holds too, and nothing is dropped, refused or stored twice."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
 from services.common.shards import combined_samples_per_insert
 from tests.helpers import TINY_DQN, Service, stats, wait_for, write_config
 
-TARGET, TOLERANCE, LEARNING_STARTS = 4.0, 0.1, 64
+TARGET, TOLERANCE, LEARNING_STARTS, SHARDS = 4.0, 0.1, 64, 3
 # Read each shard's ratio as its inserts pass marks (not at times), from SETTLED samples past the warm-up.
 READ_EVERY, READINGS, SETTLED = 100, 6, 400
 
@@ -19,7 +19,7 @@ READ_EVERY, READINGS, SETTLED = 100, 6, 400
 def _config(tmp, name, steps_per_s):
     data = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "batch_size": 32, "learning_starts": LEARNING_STARTS,
                                 "buffer_size": 4096, "replay_ratio": TARGET, "replay_ratio_tolerance": TOLERANCE},
-            "topology": {"buffers": 2},
+            "topology": {"buffers": SHARDS},
             "actor": {"push_ack_interval_s": 0.2, "max_env_steps_per_s": steps_per_s}}
     return write_config(tmp / f"{name}.yaml", data)
 
@@ -36,10 +36,11 @@ def _ratios_at_marks(address: str) -> list[float]:
 
 
 def test_each_shard_holds_the_replay_ratio_and_nothing_is_lost(tmp_path):
-    # Shard 0's actor steps 100 env steps/s, shard 1's 300: the tiny learner could train far more than
-    # the 1,600 samples/s ratio 4 asks for, so both shards must pace it, each by its own inserts.
-    slow, fast = _config(tmp_path, "slow", 100), _config(tmp_path, "fast", 300)
-    buffers = [Service("buffer", tmp_path, slow), Service("buffer", tmp_path, slow)]
+    # Shards 0 and 1 take an actor stepping 80 env steps/s each, shard 2 one stepping 240: the tiny
+    # learner could train far more than the 1,600 samples/s ratio 4 asks for, so every shard must pace
+    # it, each by its own inserts.
+    slow, fast = _config(tmp_path, "slow", 80), _config(tmp_path, "fast", 240)
+    buffers = [Service("buffer", tmp_path, slow) for _ in range(SHARDS)]
     procs = list(buffers)
     try:
         shards = [b.wait_ready() for b in buffers]
@@ -48,7 +49,7 @@ def test_each_shard_holds_the_replay_ratio_and_nothing_is_lost(tmp_path):
         learner = procs[-1].wait_ready()
         # Actor i pushes to shard i (its index modulo the shards), whatever the order of the list.
         actors = [Service("actor", tmp_path, cfg, "--buffer", addresses, "--learner", learner, "--actor-index", str(i))
-                  for i, cfg in enumerate((slow, fast))]
+                  for i, cfg in enumerate((slow, slow, fast))]
         procs += actors
         for i, a in enumerate(actors):
             a.wait_ready()
@@ -58,22 +59,22 @@ def test_each_shard_holds_the_replay_ratio_and_nothing_is_lost(tmp_path):
             assert all(TARGET * (1 - TOLERANCE) <= x <= TARGET * (1 + TOLERANCE) for x in r), ratios
         per_shard = [stats(address, buffer_pb2_grpc.BufferStub) for address in shards]
         assert all(s["buffer/replay_ratio_in_band"] == 1.0 and s["buffer/paced_seconds_total"] > 0 for s in per_shard)
-        # The learner trained on both shards, more on the one its actor fills faster.
+        # The learner trained on every shard, more on the one its actor fills faster.
         served = [s["buffer/samples_served_total"] for s in per_shard]
-        assert served[1] > 1.5 * served[0] > 0, served
-        both = combined_samples_per_insert(per_shard)
-        assert TARGET * (1 - TOLERANCE) <= both <= TARGET * (1 + TOLERANCE), both
+        assert served[2] > 1.5 * max(served[:2]) and min(served) > 0, served
+        total = combined_samples_per_insert(per_shard)
+        assert TARGET * (1 - TOLERANCE) <= total <= TARGET * (1 + TOLERANCE), total
         learned = wait_for(lambda: (s := stats(learner, learner_pb2_grpc.LearnerStub)).get("learner/samples_per_insert")
-                           and s, timeout=30, what="the learner's ratio over both shards")
+                           and s, timeout=30, what="the learner's ratio over all shards")
         assert TARGET * (1 - 2 * TOLERANCE) <= learned["learner/samples_per_insert"] <= TARGET * (1 + 2 * TOLERANCE)
     finally:
-        for a in procs[3:]:  # actors first: they flush what they hold, then log their tally
+        for a in procs[SHARDS + 1:]:  # actors first: they flush what they hold, then log their tally
             assert a.terminate() == 0, a.output()
         final = [stats(b.address, buffer_pb2_grpc.BufferStub) if b.address else {} for b in buffers]
-        for p in procs[:3][::-1]:
+        for p in procs[:SHARDS + 1][::-1]:
             p.terminate()
     # Each shard stored exactly what its own actor cut: nothing dropped, refused, duplicated or misrouted.
-    for actor, shard in zip(procs[3:], final):
+    for actor, shard in zip(procs[SHARDS + 1:], final):
         tally = re.search(r"actor \S+ stopped: (\d+) fragments cut, (\d+) acknowledged, (\d+) dropped, "
                           r"(\d+) rejected", actor.output())
         assert tally, actor.output()[-2000:]
