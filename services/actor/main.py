@@ -14,6 +14,7 @@ import zlib
 from contextlib import asynccontextmanager
 
 from kuberl.v1 import actor_pb2, buffer_pb2_grpc, learner_pb2_grpc
+from services.actor.encoder import FragmentEncoder
 from services.actor.inference import BatchedInference
 from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
@@ -74,16 +75,16 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py).
     gate = InsertGate(metrics)
 
-    def enqueue(frag: EncodedFragment) -> None:  # event loop: the sessions' fragments
-        frag = frag if isinstance(frag, EncodedFragment) else EncodedFragment.of(frag)
-        gate.cut(frag.seq, frag.samples)
-        pusher.enqueue(frag)
+    def enqueue(frag: EncodedFragment) -> None:  # the sessions' encoder thread (counted by the gate when cut)
+        loop.call_soon_threadsafe(pusher.enqueue, frag)
 
     rollout = hub = inference = worker = None
     if external:  # simulators connect over EnvSession and step themselves
         spec = spec_of(cfg.env)
         policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
-        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=enqueue, incarnation=incarnation)
+        # Fragments are cut on the event loop and encoded off it, in seq order, on the encoder's thread.
+        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=enqueue, incarnation=incarnation,
+                         on_cut=gate.cut, encoder=FragmentEncoder())
         inference = BatchedInference(policy, hub, metrics, gate=gate)
         episodes = hub.episodes
     else:
@@ -142,7 +143,11 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             await asyncio.sleep(0)   # (let the enqueue callbacks run)
 
         async def drain() -> None:
-            """Push what is queued and get it acked; what the buffer cannot take in time is counted dropped."""
+            """Push what is queued and get it acked; what the buffer cannot take in time is counted dropped.
+            The sessions' fragments still being encoded are waited for first: the encoder hands each to the
+            loop before the flush returns, so all of them are queued by the time this goes on."""
+            if hub is not None:
+                await asyncio.to_thread(hub.flush)
             stopping.set()
             try:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):

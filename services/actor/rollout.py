@@ -150,7 +150,8 @@ class Rollout:
             final_obs=(np.stack(final_obs) if final_obs
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(final_index, dtype=np.int64),
-            action_mask=None if masks is None else masks[:t], extras={name: arr[:t] for name, arr in extras.items()})
+            action_mask=None if masks is None else masks[:t], extras={name: arr[:t] for name, arr in extras.items()},
+            release_gil=True)   # this thread copies the payload beside the event loop: without the GIL
         if self.gate is not None:
             self.gate.cut(self.seq, msg.samples)
         self.seq += 1

@@ -8,6 +8,13 @@ so the learner bootstraps there instead of seeing a false terminal state. A step
 infinity (or, with actor.check_obs_bounds, an observation outside its declared bounds: finite.py) ends
 its session with INVALID_ARGUMENT before anything of it is recorded or acted on.
 
+A fragment is cut on the calling thread (the event loop): its seq, `on_cut` (the buffer's rate limiter)
+and the metrics count it at once, and the session goes on in fresh arrays. Its arrays are encoded into
+the wire payload (`encode_fragment`, one copy) by the hub's `encoder` (encoder.py: one thread of its
+own, in the order cut, so the loop never copies a payload) and handed to `on_fragment` in seq order,
+on the encoder's thread; without an encoder, inline, before the step returns. `flush` waits for the
+encoder's pending fragments (the actor's shutdown, after `close_all`).
+
 A hub without `on_fragment` (`kuberl serve`: inference only) checks everything exactly as a training
 actor's does and keeps the sessions' episode statistics, but records no transitions: no fragment
 buffers are allocated, no fragment is cut, nothing is pushed.
@@ -16,16 +23,18 @@ buffers are allocated, no fragment is cut, nothing is pushed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kuberl.v1 import actor_pb2
+from services.actor.encoder import FragmentEncoder
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import FINITE, Check
 from services.config import ExperimentConfig
 from services import algorithms
-from services.common.fragments import MAX_ID_LEN, build_fragment
+from services.common.fragments import MAX_ID_LEN, EncodedFragment, encode_fragment
 from services.common.nets import EnvSpec
 from services.common.stats import Metrics
 from services.common import spaces
@@ -91,10 +100,13 @@ def ended_error(s: Session) -> SessionError:
 
 
 class SessionHub:
-    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics, on_fragment,
-                 incarnation: int = 0):
+    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics,
+                 on_fragment: Callable[[EncodedFragment], None] | None, incarnation: int = 0, *,
+                 on_cut: Callable[[int, int], None] | None = None, encoder: FragmentEncoder | None = None):
+        """`on_fragment` receives every fragment's payload, in seq order: on `encoder`'s thread if given
+        (then it must be thread-safe), else inline. `on_cut(seq, samples)` is called as each is cut."""
         self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
-        self.on_fragment = on_fragment
+        self.on_fragment, self.on_cut, self.encoder = on_fragment, on_cut, encoder
         self.records = on_fragment is not None  # False: serving only, no transitions kept
         self.algorithm = algorithms.get(cfg.algorithm)
         # Fragments carry the simulators' masks when the space has them and the algorithm takes them.
@@ -302,8 +314,8 @@ class SessionHub:
         """Store the actions chosen for the session's current observations, with what the algorithm
         recorded while choosing them (`Algorithm.fragment_extras`). Serving only: just the step count."""
         s.next_step += 1
-        if not self.records:
-            return
+        if not self.records or s.ended is not None:
+            return  # (closed while its actions were chosen: its arrays went to the encoder with its last fragment)
         s.buffers["actions"][s.t] = actions
         if self.masks:
             s.buffers["action_mask"][s.t] = True if s.mask is None else s.mask
@@ -325,12 +337,12 @@ class SessionHub:
                              int(self.metrics.gauges.get("actor/policy_version", 0)))
         ep.returns[i], ep.lengths[i] = 0.0, 0
 
-    def _emit(self, s: Session, t: int) -> None:
-        """Push the session's first t transitions as a fragment and start a new one."""
+    def _emit(self, s: Session, t: int, last: bool = False) -> None:
+        """Cut the session's first t transitions as a fragment and start a new one (none if `last`)."""
         b, N = s.buffers, s.num_envs
-        msg = build_fragment(
+        fields = dict(
             actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=min(s.versions[:t]),
-            algorithm=self.algorithm.code,
+            algorithm=self.algorithm.code, created_unix_s=time.time(),
             env_ids=range(s.env_id_base, s.env_id_base + N), obs=b["obs"][:t + 1], actions=b["actions"][:t],
             rewards=b["rewards"][:t], terminated=b["terminated"][:t], truncated=b["truncated"][:t],
             final_obs=(np.stack(s.final_obs) if s.final_obs
@@ -338,13 +350,27 @@ class SessionHub:
             final_index=np.asarray(s.final_index, np.int64),
             action_mask=b["action_mask"][:t] if s.masked else None,
             extras={name: b[name][:t] for name in self.algorithm.fragment_extras})
+        if self.on_cut is not None:
+            self.on_cut(self.seq, t * N)
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
-        self.on_fragment(msg)
-        s.versions = s.versions[t:]
-        s.t, s.final_obs, s.final_index, s.masked = 0, [], [], False
-        b["terminated"][:] = False
-        b["truncated"][:] = False
+        # The filled arrays now belong to the encoder: the session goes on in fresh ones (a closed one in none).
+        rest = s.versions[t:]
+        if last:
+            s.buffers, s.t, s.final_obs, s.final_index, s.versions, s.masked = {}, 0, [], [], [], False
+        else:
+            self._new_buffers(s)
+            s.versions = rest
+        assert self.on_fragment is not None  # (records: a hub without a sink never cuts)
+        if self.encoder is not None:
+            self.encoder.submit(fields, self.on_fragment)
+        else:
+            self.on_fragment(encode_fragment(**fields))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every fragment cut so far has been handed to `on_fragment` (and end the encoder's
+        thread: a later fragment starts it again); False if `timeout` passed first."""
+        return self.encoder is None or self.encoder.close(timeout)
 
     def held(self, sessions: list[Session], seconds: float) -> None:
         """The replies of `sessions` were held `seconds` (by the rate limiter or on-policy pacing)."""
@@ -366,7 +392,7 @@ class SessionHub:
                 b["truncated"][t - 1, i] = True
                 s.final_obs.append(b["obs"][t, i].copy())
                 s.final_index.append((t - 1) * N + i)
-            self._emit(s, t)
+            self._emit(s, t, last=True)
         s.episodes.closed_at = time.monotonic()
         self._parked[s.session_id] = s.episodes
         self.metrics.inc("actor/sessions_timed_out_total", int(reason == "timeout"))

@@ -498,6 +498,35 @@ def test_silent_session_is_closed_with_deadline_exceeded_and_its_data_reaches_th
         s.close()
 
 
+def test_an_actor_stopped_mid_fragment_pushes_its_open_sessions_fragments_before_it_exits(tmp_path):
+    """SIGTERM while two sessions are open: a whole fragment and both unfinished ones are cut at
+    shutdown, encoded off the event loop, and the last drain waits for them: all reach the buffer."""
+    s = Stack(tmp_path, external_config())
+    raws = [RawSession(s.actor) for _ in range(2)]
+    try:
+        rng = np.random.default_rng(3)
+        f = np.zeros(2, bool)
+        for i, (raw, steps) in enumerate(zip(raws, (8 + 3, 5))):   # rollout_steps is 8
+            raw.send(hello_msg(f"open-{i}", num_envs=2))
+            assert raw.recv().accepted.session_id == f"open-{i}"
+            for t in range(steps + 1):
+                raw.send(step_msg(t, obs(rng, 2)) if t == 0 else step_msg(t, obs(rng, 2), np.ones(2, np.float32), f, f))
+                assert raw.recv().actions.step_id == t
+        actor = s.procs[-1]
+        assert actor.terminate() == 0
+    finally:
+        for raw in raws:
+            raw.close()
+    try:
+        wait_for(lambda: s.buffer_stats().get("buffer/samples_received_total", 0) >= (11 + 5) * 2, timeout=WAIT_S,
+                 what="the sessions' fragments reaching the buffer")
+        b = s.buffer_stats()
+        assert b["buffer/samples_received_total"] == (11 + 5) * 2 and b["buffer/fragments_received_total"] == 3
+        assert "3 fragments cut, 3 acknowledged, 0 dropped" in actor.output()
+    finally:
+        s.close()
+
+
 def test_client_times_out_on_its_own_when_the_actor_does_not_answer():
     """A listening socket that never speaks gRPC: every wait of the client is bounded."""
     import socket

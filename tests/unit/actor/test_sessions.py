@@ -9,7 +9,7 @@ from kuberl.v1 import actor_pb2
 from kuberl.v1 import common_pb2 as pb
 from services.actor.sessions import SessionError, SessionHub
 from services.config import config_from_dict
-from services.common.fragments import decode_fragment
+from services.common.fragments import RawFragment, decode_fragment
 from services.common.nets import EnvSpec
 from services.common import spaces
 from services.common.spaces import Box, Discrete, MultiDiscrete
@@ -20,11 +20,16 @@ SPEC = EnvSpec((3,), np.dtype(np.float32), Discrete(2))
 T, N = 4, 2
 
 
+def sink(out: list):
+    """An on_fragment that keeps each payload as the buffer reads it (RawFragment: decode_fragment takes it)."""
+    return lambda frag: out.append(RawFragment(frag.payload))
+
+
 def hub(**actor):
     cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": T},
                             "actor": actor})
     out = []
-    return SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), out.append), out
+    return SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), sink(out)), out
 
 
 def hello(sid="s", n=N, shape=(3,), dtype=pb.DTYPE_FLOAT32, actions=2):
@@ -211,7 +216,7 @@ def spaced_hub(action, obs_keys=None, algorithm="ppo"):
     cfg = config_from_dict({"algorithm": algorithm, "env": {"mode": "external"},
                             algorithm: {"rollout_steps": T}})
     out = []
-    return SessionHub(cfg, spec, "actor-x", Metrics("actor"), out.append), out
+    return SessionHub(cfg, spec, "actor-x", Metrics("actor"), sink(out)), out
 
 
 def hello_with(action=None, obs=None, sid="s"):
