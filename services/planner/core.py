@@ -25,9 +25,9 @@ from services.common.shards import combined_samples_per_insert
 from services.common.stats import Metrics
 from services.common.tls import TlsError, open_channel
 from services.planner.backend import ROLES, Backend, Conflict, Refused, RoleState
-from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide,
+from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, Transport, decide,
                                      judge_scale_up)
-from services.planner.rates import ReplicaRate
+from services.planner.rates import CounterRate, ReplicaRate
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 3.0
@@ -38,6 +38,7 @@ ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
 COUNTERS = {"actor": ("actor/env_steps_total", "actor/pace_wait_seconds_total"),
             "learner": ("learner/samples_total", "learner/starved_seconds_total")}
 LAG_KEY = "learner/policy_lag_mean"
+BOTTLENECKS = ("communication", "training", "sampling", "balanced", "unknown")
 # What the planner records from each buffer's GetStats: key -> (Decision field, how buffers combine).
 # The replay ratio combines as served over produced, summed over the shards (services/common/shards.py).
 BUFFER_KEYS = {"buffer/samples_per_insert": ("buffer_samples_per_insert", "ratio"),
@@ -83,6 +84,11 @@ class Planner:
         self.rates: dict[str, dict[str, ReplicaRate]] = {r: {} for r in ROLES}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.buffer_stats: dict[str, tuple[float, dict[str, float]]] = {}  # buffer name -> (when read, metrics)
+        # Transport (the communication bottleneck): per actor its dropped samples/s and send-queue fill,
+        # per buffer shard its CPU cores.
+        self.dropped: dict[str, CounterRate] = {}
+        self.queue_fill: dict[str, tuple[float, float]] = {}   # actor -> (when read, share of its bound)
+        self.buffer_cpu: dict[str, CounterRate] = {}
         self.states: dict[str, RoleState] = {}
         self.paused, self.pause_reason = False, ""
         self.overrides: dict[str, OverrideState] = {}
@@ -132,7 +138,10 @@ class Planner:
         resp = await self._get_stats("buffer", name, address, pb.GetStatsRequest())
         if resp is None:
             return
-        self.buffer_stats[name] = (self.clock(), {k: resp.metrics[k] for k in BUFFER_READ if k in resp.metrics})
+        now = self.clock()
+        self.buffer_stats[name] = (now, {k: resp.metrics[k] for k in BUFFER_READ if k in resp.metrics})
+        if (cpu := resp.metrics.get("buffer/cpu_seconds_total")) is not None:
+            self.buffer_cpu.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, cpu)
 
     def buffer_view(self) -> dict[str, float]:
         """Decision fields from the buffers whose stats are fresh (empty when none are)."""
@@ -159,6 +168,12 @@ class Planner:
                        m.get(f"{role}/cpu_seconds_total"))
         if LAG_KEY in m:
             tracker.policy_lag = m[LAG_KEY]
+        if role == "actor":
+            now = self.clock()
+            if (dropped := m.get("actor/samples_dropped_total")) is not None:
+                self.dropped.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, dropped)
+            if (queued := m.get("actor/push_queue_fragments")) is not None:
+                self.queue_fill[name] = (now, queued / self.cfg.actor.queue_fragments)
 
     async def measure(self) -> dict[str, RoleState]:
         """Observe the backend and read every serving replica's stats once."""
@@ -170,6 +185,8 @@ class Planner:
             names = {r.name for r in self.states[role].replicas}
             for gone in set(known) - names:
                 del known[gone]
+                self.dropped.pop(gone, None)
+                self.queue_fill.pop(gone, None)
             for rep in self.states[role].replicas:
                 tracker = known.setdefault(rep.name, ReplicaRate(self.cfg.planner.rate_halflife_s,
                                                                  self.cfg.planner.warmup_s, now))
@@ -182,6 +199,7 @@ class Planner:
             buffers = []
         for gone in set(self.buffer_stats) - {b.name for b in buffers}:
             del self.buffer_stats[gone]
+            self.buffer_cpu.pop(gone, None)
         reads += [self._read_buffer(b.name, b.address) for b in buffers if b.ready and b.address]
         await asyncio.gather(*reads)
         live = {rep.address for s in self.states.values() for rep in s.replicas} | {b.address for b in buffers}
@@ -220,7 +238,18 @@ class Planner:
                       paused=self.paused, last_change_at=self.last_change_at,
                       observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
                       policy_lag=self.policy_lag(now), ceilings=self._ceilings(),
-                      learner_scale_up=self.learner_scale_up)
+                      learner_scale_up=self.learner_scale_up, transport=self.transport(now))
+
+    def transport(self, now: float) -> Transport:
+        """Actors' send queues and the buffers' CPU, from fresh metrics only (planner.stale_after_s)."""
+        stale = self.cfg.planner.stale_after_s
+        # Drops over the last interval alone: any at all is evidence, and an EWMA would never reach 0 again.
+        drops = [r for r in (c.fresh(now, stale, recent=True) for c in self.dropped.values()) if r is not None]
+        fills = {name: fill for name, (seen, fill) in self.queue_fill.items() if now - seen <= stale}
+        busiest = max(fills, key=lambda n: fills[n], default="")
+        cores = {name: r for name, c in self.buffer_cpu.items() if (r := c.fresh(now, stale)) is not None}
+        return Transport(dropped_per_s=sum(drops), queue_fill=fills.get(busiest, 0.0), busiest_queue=busiest,
+                         buffer_cores=cores)
 
     def _ceilings(self) -> dict[str, int]:
         return {r: n for r, (n, _) in self.ceilings.items()}
@@ -343,6 +372,8 @@ class Planner:
             self.metrics.set("planner/production_consumption_ratio", msg.ratio)
         if msg.HasField("buffer_samples_per_insert"):
             self.metrics.set("planner/buffer_samples_per_insert", msg.buffer_samples_per_insert)
+        for kind in BOTTLENECKS:   # 1 for the bottleneck of the last decision, 0 for the others
+            self.metrics.set(f"planner/bottleneck_{kind}", float(msg.bottleneck == kind))
         level = logging.INFO if msg.action == ppb.DECISION_ACTION_SCALE or msg.error else logging.DEBUG
         log.log(level, "decision %d (%s, %s%s): %s", msg.id, action, "applied" if msg.applied else "not applied",
                 f", error {msg.error}" if msg.error else "", msg.reason)
@@ -371,7 +402,8 @@ class Planner:
                             planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.policy.replay_ratio,
                             policy_lag=inp.policy_lag, max_policy_lag=self.policy.max_policy_lag,
                             tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
-                            error=error, backend=self.backend.name, **self.buffer_view())
+                            error=error, backend=self.backend.name, bottleneck=d.bottleneck.kind,
+                            bottleneck_evidence=d.bottleneck.evidence, **self.buffer_view())
 
     def validate_replicas(self, role: str, replicas: int) -> None:
         if role not in ROLES:

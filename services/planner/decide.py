@@ -97,6 +97,54 @@ class RoleInputs:
             object.__setattr__(self, "reporting", self.desired)
 
 
+# Communication-intensive (TianJi's third bottleneck): data made by actors does not reach the buffers.
+BUFFER_BUSY_CORES = 0.9   # a shard's process this busy has no room left on its one event loop
+QUEUE_BACKLOG = 0.5       # an actor's send queue this full (of its bound) is not being drained
+
+
+@dataclass(frozen=True)
+class Transport:
+    """What says whether data is stuck between actors and buffers, from fresh metrics only."""
+    dropped_per_s: float = 0.0     # samples/s dropped from actors' send queues, all actors together
+    queue_fill: float = 0.0        # the fullest actor send queue, as a share of its bound
+    busiest_queue: str = ""        # the actor with that queue
+    buffer_cores: dict[str, float] = field(default_factory=dict)   # buffer shard -> CPU cores its process uses
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    """What limits the run now, and the measurement that shows it (named in every decision):
+    "communication" (actors' data does not reach the buffers), "training" (learners saturated: actors
+    produce more than they consume), "sampling" (learners would consume more than actors produce),
+    "balanced", or "unknown" (no usable rates)."""
+    kind: str
+    evidence: str
+
+
+def bottleneck(policy: Policy, ratio: float | None, transport: Transport | None) -> Bottleneck:
+    """Classify the run (TianJi: sample-, train- or communication-intensive). Transport comes first: when
+    data is stuck on its way to the buffers, production/consumption measures the actors' capacity, not
+    what learners can be given, and more actors only add to the backlog."""
+    t = transport or Transport()
+    if t.dropped_per_s > 0:
+        return Bottleneck("communication", f"actors dropped {t.dropped_per_s:,.0f} samples/s from full send queues")
+    busy = {name: cores for name, cores in t.buffer_cores.items() if cores >= BUFFER_BUSY_CORES}
+    if busy:
+        name = max(busy, key=lambda n: busy[n])
+        return Bottleneck("communication", f"{name} uses {busy[name]:.2f} CPU cores (its event loop has no room: "
+                                           f"{BUFFER_BUSY_CORES:g} and above)")
+    if t.queue_fill >= QUEUE_BACKLOG:
+        return Bottleneck("communication", f"{t.busiest_queue or 'an actor'}'s send queue is {t.queue_fill:.0%} "
+                                           f"full ({QUEUE_BACKLOG:.0%} and above: the buffer is not taking it)")
+    if ratio is None:
+        return Bottleneck("unknown", "no usable actor or learner rates")
+    if ratio > 1 + policy.tolerance:
+        return Bottleneck("training", f"production/consumption {ratio:.2f}: the learners are saturated")
+    if ratio < 1 - policy.tolerance:
+        return Bottleneck("sampling", f"production/consumption {ratio:.2f}: the learners could consume more")
+    return Bottleneck("balanced", f"production/consumption {ratio:.2f}")
+
+
 @dataclass(frozen=True)
 class Inputs:
     now: float
@@ -111,6 +159,7 @@ class Inputs:
     ceilings: dict[str, int] = field(default_factory=dict)  # saturation ceilings in force: role -> max count
     # The planner's last learner scale-up while it has not converged: (applied at, count before, count after).
     learner_scale_up: tuple[float, int, int] | None = None
+    transport: Transport | None = None          # actor send queues and buffer CPU (None = unknown)
 
     def role(self, role: str) -> RoleInputs:
         return self.actor if role == "actor" else self.learner
@@ -127,6 +176,7 @@ class Decision:
     consumption: float | None = None   # fresh samples/s the current counts can consume (learner rate / R)
     ratio: float | None = None         # production / consumption
     planned_throughput: float | None = None  # min(production, consumption) at `proposed`
+    bottleneck: Bottleneck = field(default_factory=lambda: Bottleneck("unknown", ""))
 
     @property
     def changes(self) -> dict[str, int]:
@@ -160,7 +210,10 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     current = {r: inp.role(r).desired for r in ROLES}
 
     def out(action: str, reason: str, targets=None, proposed=None, **rates) -> Decision:
-        return Decision(action, reason, current, dict(targets or current), dict(proposed or current), **rates)
+        neck = bottleneck(policy, rates.get("ratio"), inp.transport)
+        reason = f"{reason}; bottleneck: {neck.kind} ({neck.evidence})" if neck.evidence else reason
+        return Decision(action, reason, current, dict(targets or current), dict(proposed or current), **rates,
+                        bottleneck=neck)
 
     # Manual overrides are applied as they are, before anything else (bounds were checked when set).
     overrides = {r: inp.role(r).override for r in ROLES if inp.role(r).override is not None}
@@ -211,6 +264,8 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
                    proposed=proposed, **rates)
 
     in_band = abs(ratio - 1.0) <= policy.tolerance
+    # Data stuck between actors and buffers: more actors only add to it (more buffer shards would help).
+    stuck = bottleneck(policy, ratio, inp.transport)
     # More actors mean older samples when the learners cannot keep their lag down: the staleness target
     # (docs/architecture.md section 4) holds actor scale-ups while the measured lag is above it.
     lag_over = (policy.max_policy_lag > 0 and inp.policy_lag is not None and inp.policy_lag > policy.max_policy_lag)
@@ -231,6 +286,10 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
         if in_band or want == cur:
             continue
         if want > cur:
+            if r == "actor" and stuck.kind == "communication":
+                notes.append(f"actor not scaled up to {want}: the actors' data does not reach the buffers "
+                             "(more buffer shards, topology.buffers, would take it)")
+                continue
             if r == "actor" and lag_over:
                 notes.append(f"actor not scaled up to {want}: policy lag {inp.policy_lag:.1f} is above the "
                              f"staleness target {policy.max_policy_lag:g}")

@@ -77,3 +77,37 @@ class ReplicaRate:
     def stale(self, now: float, stale_after_s: float) -> bool:
         seen = self.last_ok if self.last_ok is not None else self.created
         return now - seen > stale_after_s
+
+
+class CounterRate:
+    """EWMA per-second rate of one monotonic counter (an actor's dropped samples, a buffer's CPU
+    seconds); a counter that goes down (a restart) starts over."""
+
+    def __init__(self, halflife_s: float):
+        self.halflife_s = halflife_s
+        self.rate: float | None = None
+        self.recent: float | None = None   # the rate over the last interval alone (0 means none at all)
+        self.seen: float | None = None
+        self._last: tuple[float, float] | None = None
+
+    def update(self, now: float, count: float) -> None:
+        last, self._last, self.seen = self._last, (now, count), now
+        if last is None:
+            return
+        t0, c0 = last
+        if count < c0:
+            self.rate = self.recent = None
+            return
+        dt = now - t0
+        if dt <= 0:
+            return
+        inst = self.recent = (count - c0) / dt
+        alpha = 1.0 - math.exp(-dt * math.log(2) / self.halflife_s)
+        self.rate = inst if self.rate is None else self.rate + alpha * (inst - self.rate)
+
+    def fresh(self, now: float, stale_after_s: float, recent: bool = False) -> float | None:
+        """The EWMA rate (`recent`: the last interval's), or None when unknown or not updated within
+        `stale_after_s`."""
+        if self.seen is None or now - self.seen > stale_after_s:
+            return None
+        return self.recent if recent else self.rate

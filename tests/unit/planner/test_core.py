@@ -195,3 +195,75 @@ def test_external_simulators_fix_the_actors_and_leave_the_learners_to_the_planne
                                                     "env": {"id": "CartPole-v1", "mode": "external"}}))
     assert (external.actor.min, external.actor.max) == (2, 2)
     assert (external.learner.min, external.learner.max) == (1, 3)
+
+
+class WireBackend(MemoryBackend):
+    """Replicas and one buffer shard, all answering GetStats from a model (StatsPlanner)."""
+
+    async def observe(self) -> dict[str, RoleState]:
+        return {role: RoleState(desired=n, replicas=[Replica(f"{role}-{i}", f"fake:{role}-{i}") for i in range(n)])
+                for role, n in self.desired.items()}
+
+    async def buffers(self) -> list[Replica]:
+        return [Replica("buffer-0", "fake:buffer-0")]
+
+
+class StatsPlanner(Planner):
+    """GetStats answered from counters that grow at set rates: each actor 100 env steps/s, the learner
+    400 samples/s, the buffer's process `buffer_cores` CPU seconds per second, and each actor drops
+    `drop_rate` samples/s."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.buffer_cores, self.drop_rate = 0.3, 0.0
+        self.totals: dict[str, dict[str, float]] = {}
+        self.read_at: dict[str, float] = {}
+
+    async def _get_stats(self, role, name, address, request):
+        from kuberl.v1 import common_pb2 as pb
+
+        now = self.clock()
+        dt = now - self.read_at.get(name, now)
+        self.read_at[name] = now
+        per_s = {"actor": {"actor/env_steps_total": 100.0, "actor/pace_wait_seconds_total": 0.0,
+                           "actor/samples_dropped_total": self.drop_rate, "actor/push_queue_fragments": 0.0},
+                 "learner": {"learner/samples_total": 400.0, "learner/starved_seconds_total": 0.0},
+                 "buffer": {"buffer/cpu_seconds_total": self.buffer_cores}}[role]
+        totals = self.totals.setdefault(name, {k: 1.0 if k.endswith("steps_total") or k.endswith("samples_total")
+                                               else 0.0 for k in per_s})
+        for k, rate in per_s.items():
+            if k != "actor/push_queue_fragments":
+                totals[k] += rate * dt
+        return pb.GetStatsResponse(metrics=totals)
+
+
+async def test_the_planner_reads_transport_from_stats_and_adds_no_actors_while_the_buffer_is_the_bottleneck():
+    cfg = config_from_dict({**TINY_PPO, "planner": {
+        "interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1, "tolerance": 0.15,
+        "actor": {"max": 8}}})
+    backend, clock = WireBackend(actors=1), [0.0]
+    planner = StatsPlanner(cfg, backend, clock=lambda: clock[0])
+    planner.buffer_cores = 0.98          # the one shard's process is at a full core
+    for _ in range(8):
+        clock[0] += 1.0
+        d = await planner.step()
+    assert backend.desired["actor"] == 1, "the buffer cannot take more: no actor was added"
+    assert d.bottleneck == "communication" and "buffer-0 uses 0.98 CPU cores" in d.bottleneck_evidence
+    assert "actor not scaled up" in d.reason
+    assert planner.metrics.gauges["planner/bottleneck_communication"] == 1.0
+    planner.drop_rate = 50.0              # and the actors start dropping from their send queues
+    clock[0] += 1.0
+    await planner.step()
+    clock[0] += 1.0
+    d = await planner.step()
+    assert d.bottleneck == "communication" and "actors dropped" in d.bottleneck_evidence
+    planner.buffer_cores, planner.drop_rate = 0.3, 0.0   # the transport clears: sample-bound, actors are added
+    for _ in range(12):
+        clock[0] += 1.0
+        d = await planner.step()
+        if d.applied:
+            break
+    assert d.applied and backend.desired["actor"] > 1 and d.bottleneck == "sampling", d.reason
+    assert planner.metrics.gauges["planner/bottleneck_sampling"] == 1.0
+    assert planner.metrics.gauges["planner/bottleneck_communication"] == 0.0
+    await planner.close()

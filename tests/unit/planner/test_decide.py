@@ -274,3 +274,39 @@ def test_a_scale_up_whose_replicas_never_served_holds_the_role_where_it_was():
                  learner=RoleInputs(desired=2, ready=1, reporting=1, rate=None))
     v = judge_scale_up(GROUPS, probe, inp)
     assert (v.done, v.ceiling) == (True, 1) and "only 1 ready after 120 s" in v.reason
+
+
+# -- the three bottlenecks (TianJi: sample-, train-, communication-intensive) --------------------------
+
+from services.planner.decide import BUFFER_BUSY_CORES, QUEUE_BACKLOG, Transport, bottleneck  # noqa: E402
+
+
+@pytest.mark.parametrize("ratio,transport,kind,says", [
+    # Recorded rate tables: production/consumption alone, with clean transport.
+    (1.0, Transport(buffer_cores={"buffer-0": 0.4}), "balanced", "production/consumption 1.00"),
+    (2.5, Transport(buffer_cores={"buffer-0": 0.4}), "training", "learners are saturated"),
+    (0.3, Transport(), "sampling", "learners could consume more"),
+    (None, None, "unknown", "no usable"),
+    # Data stuck between actors and buffers wins over any ratio: the ratio then measures capacity only.
+    (0.3, Transport(dropped_per_s=1200.0), "communication", "dropped 1,200 samples/s"),
+    (2.5, Transport(buffer_cores={"buffer-0": 0.5, "buffer-1": 0.97}), "communication", "buffer-1 uses 0.97"),
+    (None, Transport(queue_fill=0.8, busiest_queue="actor-3"), "communication", "actor-3's send queue is 80% full"),
+    # Just below each threshold is not communication-bound.
+    (1.0, Transport(buffer_cores={"b": BUFFER_BUSY_CORES - 0.01}, queue_fill=QUEUE_BACKLOG - 0.01), "balanced", ""),
+])
+def test_the_bottleneck_is_named_with_the_measurement_that_shows_it(ratio, transport, kind, says):
+    neck = bottleneck(POLICY, ratio, transport)
+    assert neck.kind == kind and says in neck.evidence
+
+
+def test_a_communication_bound_run_adds_no_actors_and_says_why():
+    # Actors could feed 4x what one learner consumes... but their data does not reach the buffer.
+    stuck = inputs(1, 1, 100, 400, transport=Transport(buffer_cores={"buffer-0": 0.99}))
+    d = decide(POLICY, stuck)
+    assert d.action == "suppressed" and d.targets == {"actor": 1, "learner": 1}
+    assert d.bottleneck.kind == "communication"
+    assert "actor not scaled up to 4: the actors' data does not reach the buffers" in d.reason
+    assert "bottleneck: communication (buffer-0 uses 0.99 CPU cores" in d.reason
+    free = decide(POLICY, inputs(1, 1, 100, 400, transport=Transport(buffer_cores={"buffer-0": 0.3})))
+    assert free.action == "scale" and free.targets["actor"] == 3 and free.bottleneck.kind == "sampling"
+    assert "bottleneck: sampling" in free.reason

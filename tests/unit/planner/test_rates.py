@@ -93,3 +93,19 @@ def test_a_paced_actor_is_measured_by_what_it_produces_when_not_held_for_weights
     for t in range(1, 10):  # 400 steps a second, held 0.8 s of each: 2,000 steps/s when not held
         r.update(float(t), 400.0 * t, 0.8 * t)
     assert r.rate == pytest.approx(2000.0)
+
+
+def test_a_counter_rate_follows_its_counter_and_starts_over_when_it_goes_down():
+    from services.planner.rates import CounterRate
+
+    c = CounterRate(halflife_s=1.0)
+    c.update(0.0, 10.0)
+    assert c.rate is None and c.fresh(0.0, 5.0) is None
+    c.update(1.0, 20.0)
+    assert c.rate == 10.0 and c.recent == 10.0
+    c.update(2.0, 20.0)                         # nothing in the last interval: recent is exactly 0
+    assert c.recent == 0.0 and 0.0 < c.rate < 10.0
+    assert c.fresh(2.0, 5.0) == c.rate and c.fresh(2.0, 5.0, recent=True) == 0.0
+    assert c.fresh(8.0, 5.0) is None            # not updated within stale_after_s
+    c.update(3.0, 5.0)                          # the process restarted: its counter went down
+    assert c.rate is None and c.recent is None
