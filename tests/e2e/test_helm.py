@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from tests.e2e.adapt import adapt_chart
-from tests.e2e.kube import NODE_LEARNERS, ROOT, assert_trains, fresh_namespace
+from tests.e2e.kube import NODE_LEARNERS, ROOT, assert_trains, fresh_namespace, pod_metrics, pods
+from tests.helpers import wait_for
 from tests.k8s.cluster import Unavailable, binaries
 
 NAMESPACE = "kuberl-helm"
@@ -27,7 +28,10 @@ SMALL = {
 }
 
 
-def test_helm_install_pods_ready_and_learner_trains(e2e_node, e2e_images, e2e_report, tmp_path):
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-buffer", "buffer-shards"])
+def test_helm_install_pods_ready_and_learner_trains(e2e_node, e2e_images, e2e_report, tmp_path, shards):
+    """With buffer.shards 2: both buffer pods Ready, every shard that an actor pushes to is streamed
+    from by the learner (each by its pod's name through the headless Service), and the learner trains."""
     try:
         helm = binaries("HELM")["HELM"]
     except Unavailable as e:
@@ -35,7 +39,8 @@ def test_helm_install_pods_ready_and_learner_trains(e2e_node, e2e_images, e2e_re
     chart = tmp_path / "chart"
     adapt_chart(ROOT / "k8s" / "helm" / "kuberl", chart)
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(SMALL))
+    small = {**SMALL, "buffer": {**SMALL["buffer"], "shards": shards}}
+    values.write_text(yaml.safe_dump(small))
     kubeconfig = e2e_node.cluster.write_kubeconfig(tmp_path / "kubeconfig")
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KUBERL_E2E_PYTHON": sys.executable,
            "HELM_CACHE_HOME": str(tmp_path / "helm-cache"), "HELM_CONFIG_HOME": str(tmp_path / "helm-config"),
@@ -48,7 +53,19 @@ def test_helm_install_pods_ready_and_learner_trains(e2e_node, e2e_images, e2e_re
                  "--values", str(values), "--post-renderer", str(ROOT / "tests" / "e2e" / "helm-post-render")],
                 env=env, capture_output=True, text=True, timeout=300)
             assert proc.returncode == 0, f"helm install failed:\n{proc.stderr}\n{proc.stdout}"
-            assert_trains(e2e_node, NAMESPACE, e2e_report, "helm_chart", start)
+            assert_trains(e2e_node, NAMESPACE, e2e_report, "helm_chart" if shards == 1 else "helm_buffer_shards", start)
+            if shards > 1:
+                buffers = {p.metadata.name: p for p in pods(e2e_node, NAMESPACE, "buffer")}
+                assert sorted(buffers) == [f"kuberl-buffer-{i}" for i in range(shards)]
+                shard_stats = {name: pod_metrics(e2e_node, NAMESPACE, name) for name in buffers}
+                received = {n: m.get("kuberl_buffer_fragments_received_total", 0.0) for n, m in shard_stats.items()}
+                served = {n: m.get("kuberl_buffer_batches_served_total", 0.0) for n, m in shard_stats.items()}
+                assert sum(received.values()) > 0, received
+                fed = [n for n, r in received.items() if r > 0]
+                # The learner streams from every shard that holds data (a shard with no actor stays empty).
+                wait_for(lambda: all(pod_metrics(e2e_node, NAMESPACE, n).get("kuberl_buffer_batches_served_total", 0)
+                                     > 0 for n in fed), timeout=120, what=f"batches served by {fed} ({served})")
+                e2e_report["helm_buffer_shards"]["fragments_received"] = received
         finally:
             subprocess.run([helm, "uninstall", "kuberl", "--namespace", NAMESPACE], env=env, capture_output=True,
                            timeout=120)
