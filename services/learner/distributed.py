@@ -1,4 +1,5 @@
-"""Synchronous data-parallel training across learners: gradients averaged with torch.distributed (gloo).
+"""Synchronous data-parallel training across learners: gradients averaged with torch.distributed (gloo
+between CPU learners; NCCL between GPU learners, for the gradients only: `gradient_backend`).
 
 Every learner pulls its own batches from the buffer and computes gradients on them; before each
 optimizer step the learners all-reduce their gradients, weighted by the samples each trained on, so
@@ -31,6 +32,12 @@ default group by a process-wide counter that a failed attempt advances) and neve
 the store for as long as its process lives and alone opens generations; the group is built with a
 `ProcessGroupGloo` of its own, not torch's process-wide default group, so nothing but the store carries
 from one generation to the next.
+
+**Backends.** The round's agreement and rank 0's state travel over gloo whatever the device (small,
+CPU-side, and gloo's timeouts are what notice a departed peer). The gradients, the only large and
+frequent traffic, go over NCCL when the learners train on CUDA and torch has NCCL: straight from the
+GPU, as DistributedDataParallel does, without the two copies through the CPU that gloo needs. Each
+generation builds its NCCL group in its own namespace of the store (`g/<g>/nccl/`), beside gloo's.
 """
 
 from __future__ import annotations
@@ -128,7 +135,9 @@ class Rendezvous:
     counted in, so it waits for `go` or `gone`."""
 
     def __init__(self, address: str, rank: int, timeout_s: float = 120.0, *, keepalive_s: float = KEEPALIVE_S,
-                 gloo_connect_s: float = GLOO_CONNECT_S, store_attempt_s: float = STORE_ATTEMPT_S):
+                 gloo_connect_s: float = GLOO_CONNECT_S, store_attempt_s: float = STORE_ATTEMPT_S,
+                 device: torch.device | None = None):
+        self.device = device or torch.device("cpu")   # where the learner trains: picks the gradients' backend
         self.host, self.port = host_port(address)
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
         self.keepalive_s, self.gloo_connect_s, self.store_attempt_s = keepalive_s, gloo_connect_s, store_attempt_s
@@ -146,12 +155,14 @@ class Rendezvous:
             g = self._open(store, world_size, deadline, abandon) if self.rank == 0 else \
                 self._join(store, world_size, deadline, abandon)
             pg = self._connect(store, g, world_size)
+            backend = gradient_backend(self.device)
+            grads = self._connect_nccl(store, g, world_size) if backend == "nccl" else None
         except GroupBroken:
             raise
         except Exception as err:  # noqa: BLE001 - torch raises several kinds; all mean the same here
             raise GroupBroken(f"could not form the group of {world_size} learners at {self.address}: {err}") from err
-        log.info("group of %d learners formed (generation %d)", world_size, g)
-        return GradientSync(spec, pg, g)
+        log.info("group of %d learners formed (generation %d; gradients over %s)", world_size, g, backend)
+        return GradientSync(spec, pg, g, grads=grads, device=self.device)
 
     def _store(self, deadline: float, abandon: threading.Event) -> dist.Store:
         if self.rank == 0:
@@ -222,6 +233,13 @@ class Rendezvous:
         pg.set_timeout(timedelta(seconds=self.timeout_s))
         return pg
 
+    def _connect_nccl(self, store: dist.Store, g: int, n: int):
+        """NCCL among the n members of generation g, on this learner's GPU, for the gradients."""
+        torch.cuda.set_device(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=self.timeout_s)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(f"g/{g}/nccl/", store), self.rank, n, options)
+
     def _wait(self, ready, deadline: float, abandon: threading.Event | None, what: str):
         """ready()'s first truthy value, read every POLL_S; GroupBroken past `deadline`, FormationAbandoned
         once `abandon` is set."""
@@ -286,18 +304,29 @@ def _outcome(store: dist.Store, g: int, rank: int) -> str | None:
     return None
 
 
+def gradient_backend(device: torch.device) -> str:
+    """The backend the group averages gradients over: "nccl" between CUDA learners where torch has
+    NCCL, else "gloo" (CPU tensors; a CUDA learner without NCCL copies its gradients through the CPU)."""
+    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+
+
 class GradientSync:
     """One learner's membership of one generation of the group (`Rendezvous.form` builds it). Blocking;
-    the trainer calls it from its worker thread."""
+    the trainer calls it from its worker thread. `grads`: the process group gradients are averaged
+    over when it is not gloo's `pg` (NCCL, on `device`)."""
 
-    def __init__(self, spec: GroupSpec, pg: dist.ProcessGroupGloo, generation: int):
+    def __init__(self, spec: GroupSpec, pg: dist.ProcessGroupGloo, generation: int, *, grads=None,
+                 device: torch.device | None = None):
         self.spec, self.generation = spec, generation
         self.rank, self.world_size = spec.rank, spec.world_size
         self._pg: dist.ProcessGroupGloo | None = pg
+        self._grads = grads
+        self.device = device or torch.device("cpu")
+        self.backend = "gloo" if grads is None else "nccl"
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, pg=None) -> torch.Tensor:
         try:
-            self._pg.allreduce([t]).wait()
+            (pg or self._pg).allreduce([t]).wait()
         except Exception as err:  # noqa: BLE001
             raise GroupBroken(f"all-reduce across {self.world_size} learners failed (a peer is gone?): {err}") from err
         return t
@@ -315,10 +344,12 @@ class GradientSync:
         """Replace each parameter's gradient with the weighted mean over the group (weight: the samples
         this learner's gradient is the mean over; 0 contributes nothing). Returns the total weight; where
         it is 0 nobody had data and the step must be skipped (on every rank alike)."""
-        # One flat CPU buffer (gloo reduces CPU tensors), whatever device the learner trains on.
-        grads = [p.grad.detach().reshape(-1).cpu() if p.grad is not None else torch.zeros(p.numel()) for p in params]
-        flat = torch.cat([*grads, torch.ones(1)]) * weight
-        self._all_reduce(flat)
+        # One flat buffer: on the learner's device for NCCL, else on the CPU (gloo reduces CPU tensors).
+        on = self.device if self._grads is not None else torch.device("cpu")
+        grads = [p.grad.detach().reshape(-1).to(on) if p.grad is not None else torch.zeros(p.numel(), device=on)
+                 for p in params]
+        flat = torch.cat([*grads, torch.ones(1, device=on)]) * weight
+        self._all_reduce(flat, self._grads)
         total = float(flat[-1])
         if total > 0:
             for p, avg in zip(params, torch.split(flat[:-1] / total, [p.numel() for p in params])):
@@ -351,8 +382,10 @@ class GradientSync:
 
     def close(self) -> None:
         """Leave the group: its connections close, so peers still in it see it broken at once."""
-        pg, self._pg = self._pg, None
-        if pg is not None:
+        groups, self._pg, self._grads = (self._pg, self._grads), None, None
+        for pg in groups:
+            if pg is None:
+                continue
             try:
                 pg.shutdown()
             except Exception as err:  # noqa: BLE001 - leaving a broken group must not mask why it broke

@@ -16,6 +16,7 @@ from kuberl.v1 import buffer_pb2_grpc, learner_pb2
 from services.config import ExperimentConfig, load_role_config
 from services.common.grpcutil import MiB, add_servicer, make_channel
 from services.common.lifecycle import Lifecycle
+from services.common.nets import resolve_device
 from services.common.notify import Notifier
 from services.common.shards import buffer_addresses
 from services.common.runtime import base_parser, run_service, write_ready_file
@@ -46,6 +47,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
     membership = group if isinstance(group, StatefulSetGroup) else FixedGroup(group or GroupSpec(0, 1, ""))
+    if membership.rendezvous is not None:   # GPU learners average gradients over NCCL (distributed.py)
+        membership.rendezvous.device = resolve_device(cfg.learner.device)
 
     def build(sync: GradientSync | None) -> Trainer:
         return Trainer(cfg, metrics, checkpoint_dir, sync)
