@@ -85,11 +85,7 @@ def _stat(lrn: Service, key: str) -> float:
 
 
 def test_the_group_follows_the_statefulsets_replicas_and_a_killed_pod_coming_back(tmp_path, api):
-    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "learner": {**TINY_PPO["learner"],
-                                                                        "publish_interval_updates": 1}})
-    buffer = Service("buffer", tmp_path, config)
-    buffer.wait_ready()
-    rendezvous = f"127.0.0.1:{free_port()}"
+    config, buffer, rendezvous = _group_setup(tmp_path)
     first = _learner(tmp_path, config, buffer, api, rendezvous, 0)
     first.wait_ready(timeout=120)
     actor = Service("actor", tmp_path, config, "--buffer", buffer.address, "--learner", first.address)
@@ -182,6 +178,15 @@ def test_statefulset_membership_flags_are_checked(tmp_path, monkeypatch):
         assert lrn.popen.wait(60) == 2 and said in lrn.output(), lrn.output()
 
 
+def _group_setup(tmp_path):
+    """A config that publishes every update, its buffer serving, and an address for rank 0's rendezvous."""
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "learner": {**TINY_PPO["learner"],
+                                                                        "publish_interval_updates": 1}})
+    buffer = Service("buffer", tmp_path, config)
+    buffer.wait_ready()
+    return config, buffer, f"127.0.0.1:{free_port()}"
+
+
 def _trains_on(learners: list[Service], size: int, what: str, updates: int = 3) -> None:
     """Every learner of `learners` is in a group of `size` and its policy version rises by `updates`."""
     wait_for(lambda: all(_stat(lrn, "learner/group_size") == size for lrn in learners), timeout=240, interval=0.5,
@@ -195,11 +200,7 @@ def _trains_on(learners: list[Service], size: int, what: str, updates: int = 3) 
 def test_a_group_resized_with_members_staying_in_it_forms_again_at_once(tmp_path, api):
     """2 -> 3 -> 2 in the same processes: ranks 0 and 1 stay in every group, rank 2 joins and leaves. Then
     a scale-up to 3 whose pod never comes is taken back to 2 while the group of 3 forms."""
-    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "learner": {**TINY_PPO["learner"],
-                                                                        "publish_interval_updates": 1}})
-    buffer = Service("buffer", tmp_path, config)
-    buffer.wait_ready()
-    rendezvous = f"127.0.0.1:{free_port()}"
+    config, buffer, rendezvous = _group_setup(tmp_path)
     api.replicas = 2
     learners = [_learner(tmp_path, config, buffer, api, rendezvous, i) for i in range(2)]
     for lrn in learners:
@@ -248,5 +249,59 @@ def test_a_group_resized_with_members_staying_in_it_forms_again_at_once(tmp_path
         codes.update({f"learner-{i}": lrn.terminate() for i, lrn in enumerate(learners)})
         if third is not None:
             third.kill()
+        codes["buffer"] = buffer.terminate()
+    assert set(codes.values()) == {0}, (codes, learners[0].output()[-3000:])
+
+
+def _actor_version(actor: Service) -> float:
+    from kuberl.v1 import actor_pb2_grpc
+    return stats(actor.address, actor_pb2_grpc.ActorStub).get("actor/policy_version", 0.0)
+
+
+@pytest.mark.timeout(1500)
+def test_a_walk_1_2_3_4_3_2_1_with_a_member_killed_at_each_size_and_the_actor_fed_throughout(tmp_path, api):
+    """One running group through every size from 1 to 4 and back, in the same processes for the ranks
+    that stay. At each size of 2 or more its highest rank is killed (SIGKILL, a node failure) and comes
+    back under the same name, as a StatefulSet brings it back: the survivors form the group again with
+    it. The actor takes weights from rank 0 throughout, so its policy version rises at every size."""
+    config, buffer, rendezvous = _group_setup(tmp_path)
+    api.replicas = 1
+    learners = [_learner(tmp_path, config, buffer, api, rendezvous, 0)]
+    learners[0].wait_ready(timeout=120)
+    actor = Service("actor", tmp_path, config, "--buffer", buffer.address, "--learner", learners[0].address)
+    actor.wait_ready()
+    gone: list[Service] = []
+    walked = []
+    try:
+        for size in (1, 2, 3, 4, 3, 2, 1):
+            api.replicas = size
+            while len(learners) < size:   # the StatefulSet controller starts the new pod
+                learners.append(_learner(tmp_path, config, buffer, api, rendezvous, len(learners)))
+                learners[-1].wait_ready(timeout=240)
+            while len(learners) > size:   # and removes the highest ordinal: it leaves the group first
+                leaving = learners.pop()
+                wait_for(lambda: not _serving(leaving.address), timeout=120, interval=0.5,
+                         what=f"pod {len(learners)} not ready")
+                assert leaving.terminate() == 0, leaving.output()[-2000:]
+            fed = _actor_version(actor)
+            _trains_on(learners, size, f"the group of {size} training")
+            if size > 1:
+                victim = learners.pop()
+                victim.kill()
+                gone.append(victim)
+                learners.append(_learner(tmp_path, config, buffer, api, rendezvous, size - 1))
+                learners[-1].wait_ready(timeout=240)
+                _trains_on(learners, size, f"the group of {size} training again after pod {size - 1} was killed")
+            wait_for(lambda: _actor_version(actor) > fed, timeout=120, interval=0.5,
+                     what=f"the actor fed new weights at size {size}")
+            walked.append(size)
+        assert walked == [1, 2, 3, 4, 3, 2, 1]
+        assert learners[0].popen.poll() is None, "rank 0 formed every group in its one process"
+        assert _stat(learners[0], "learner/group_formation_failures_total") == 0
+    finally:
+        codes = {"actor": actor.terminate()}
+        codes.update({f"learner-{i}": lrn.terminate() for i, lrn in enumerate(learners)})
+        for g in gone:
+            g.kill()
         codes["buffer"] = buffer.terminate()
     assert set(codes.values()) == {0}, (codes, learners[0].output()[-3000:])
