@@ -161,7 +161,7 @@ class Rendezvous:
             raise
         except Exception as err:  # noqa: BLE001 - torch raises several kinds; all mean the same here
             raise GroupBroken(f"could not form the group of {world_size} learners at {self.address}: {err}") from err
-        log.info("group of %d learners formed (generation %d; gradients over %s)", world_size, g, backend)
+        log.info("group of %d learners formed (generation %d), gradients over %s", world_size, g, backend)
         return GradientSync(spec, pg, g, grads=grads, device=self.device)
 
     def _store(self, deadline: float, abandon: threading.Event) -> dist.Store:
