@@ -16,10 +16,10 @@ TARGET, TOLERANCE, LEARNING_STARTS, SHARDS = 4.0, 0.1, 64, 3
 READ_EVERY, READINGS, SETTLED = 100, 6, 400
 
 
-def _config(tmp, name, steps_per_s):
+def _config(tmp, name, steps_per_s, shards=SHARDS):
     data = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "batch_size": 32, "learning_starts": LEARNING_STARTS,
                                 "buffer_size": 4096, "replay_ratio": TARGET, "replay_ratio_tolerance": TOLERANCE},
-            "topology": {"buffers": SHARDS},
+            "topology": {"buffers": shards},
             "actor": {"push_ack_interval_s": 0.2, "max_env_steps_per_s": steps_per_s}}
     return write_config(tmp / f"{name}.yaml", data)
 
@@ -83,3 +83,63 @@ def test_each_shard_holds_the_replay_ratio_and_nothing_is_lost(tmp_path):
         assert cut == acked == shard["buffer/fragments_received_total"] > 0
         assert shard["buffer/fragments_duplicate_total"] == 0 and shard["buffer/fragments_invalid_total"] == 0
         assert shard["buffer/actors_known"] == 1
+
+
+def _tally(actor: Service) -> tuple[int, int, int, int]:
+    """(cut, acknowledged, dropped, rejected) from an actor's last log line."""
+    tally = re.search(r"actor \S+ stopped: (\d+) fragments cut, (\d+) acknowledged, (\d+) dropped, "
+                      r"(\d+) rejected", actor.output())
+    assert tally, actor.output()[-2000:]
+    return tuple(int(tally.group(i)) for i in range(1, 5))
+
+
+def test_a_shard_killed_with_sigkill_comes_back_and_each_shard_stored_what_it_acknowledged(tmp_path):
+    """Chaos on one shard: shard 1 is frozen (nothing acknowledges), its actor's acknowledged count read,
+    then it is SIGKILLed and started again on the same address, empty (no checkpoints here). Its actor
+    re-sends what was not acknowledged. Shard 0 never notices; the learner trains from both throughout.
+    Per shard, stored == acknowledged: shard 0 everything its actor was acknowledged, the new shard 1
+    exactly what its actor was acknowledged after the kill (less what it counted as too old)."""
+    import os
+    import signal
+
+    cfg2 = _config(tmp_path, "two", 150, shards=2)
+    buffers = [Service("buffer", tmp_path, cfg2) for _ in range(2)]
+    procs = list(buffers)
+    new_shard = None
+    try:
+        shards = [b.wait_ready() for b in buffers]
+        addresses = ",".join(shards)
+        procs.append(Service("learner", tmp_path, cfg2, "--buffer", addresses, "--checkpoint-dir", str(tmp_path / "ck")))
+        learner = procs[-1].wait_ready()
+        actors = [Service("actor", tmp_path, cfg2, "--buffer", addresses, "--learner", learner, "--actor-index", str(i))
+                  for i in range(2)]
+        procs += actors
+        for a in actors:
+            a.wait_ready()
+        acked = lambda i: stats(actors[i].address, actor_pb2_grpc.ActorStub)["actor/fragments_acked_total"]  # noqa: E731
+        served = lambda address: stats(address, buffer_pb2_grpc.BufferStub)["buffer/samples_served_total"]  # noqa: E731
+        wait_for(lambda: acked(1) >= 20 and served(shards[1]) > 0, timeout=90, what="shard 1 storing and serving")
+        os.kill(buffers[1].popen.pid, signal.SIGSTOP)   # nothing more is acknowledged by shard 1
+        before = acked(1)
+        wait_for(lambda: acked(0) >= before + 10, timeout=60, what="shard 0 going on while shard 1 is frozen")
+        assert acked(1) == before
+        buffers[1].kill()
+        new_shard = Service("buffer", tmp_path, cfg2, listen=shards[1])
+        assert new_shard.wait_ready() == shards[1]
+        wait_for(lambda: acked(1) >= before + 20, timeout=90, what="actor 1 acknowledged by the new shard 1")
+        trained = served(shards[1])
+        wait_for(lambda: served(shards[1]) > trained, timeout=60, what="the learner streaming from the new shard 1")
+    finally:
+        for a in procs[3:]:
+            a.terminate()
+        final = [stats(address, buffer_pb2_grpc.BufferStub) for address in shards]
+        for p in [new_shard, procs[2], buffers[0]]:
+            if p is not None:
+                p.terminate()
+        buffers[1].kill()
+    (_, acked0, _, rejected0), (_, acked1, _, rejected1) = _tally(procs[3]), _tally(procs[4])
+    assert rejected0 == rejected1 == 0
+    assert final[0]["buffer/fragments_received_total"] == acked0 > 0
+    assert final[0]["buffer/fragments_duplicate_total"] == 0
+    assert final[1]["buffer/fragments_received_total"] == acked1 - before - final[1]["buffer/fragments_too_old_total"]
+    assert final[1]["buffer/fragments_received_total"] > 0
