@@ -196,8 +196,10 @@ def _actor(address: str, actor_id: str, shape: tuple[int, int, int], count: int,
         channel = make_channel(address, 64 * MiB)
         await channel.channel_ready()
         pusher = Pusher(channel, cfg.queue_fragments, cfg.push_ack_interval_s, metrics)
-        # The bench never lets the pusher drop a fragment: the producer waits while its queue is full.
-        room = threading.Semaphore(pusher.capacity)
+        # The bench never lets the pusher drop a fragment: the producer waits while its queue is full
+        # (in fragments or in bytes, whichever bound comes first).
+        size = len(make_fragment(actor_id, 0, obs).payload)
+        room = threading.Semaphore(max(1, min(pusher.capacity, pusher.max_bytes // size - 1)))
         stopping = asyncio.Event()
 
         def produce() -> None:
