@@ -56,13 +56,13 @@ class ExperimentConfig(CommonConfig):
         if (declared := self.env.declared_spec) is not None:
             check_algorithm_takes(self, declared, *self.env.declared_sources)
         super().__post_init__()
-        shards = self.topology.buffers
-        table = algorithms.get(self.algorithm).table(self)
-        if shards > 1 and isinstance(table, algorithms.ReplayTable):
-            batch = algorithms.get(self.algorithm).batch_size(self)
-            require(table.capacity // shards >= batch, "topology.buffers", shards,
-                    f"{self.algorithm}.buffer_size {table.capacity} split over {shards} buffer shards holds fewer "
-                    f"than one batch ({batch}) per shard")
+        if (shards := self.topology.buffers) > 1:
+            table = algorithms.get(self.algorithm).table(self)
+            if isinstance(table, algorithms.ReplayTable):
+                batch = algorithms.get(self.algorithm).batch_size(self)
+                require(table.capacity // shards >= batch, "topology.buffers", shards,
+                        f"{self.algorithm}.buffer_size {table.capacity} split over {shards} buffer shards holds "
+                        f"fewer than one batch ({batch}) per shard")
         pace = self.actor.fragments_per_version
         if pace:
             algorithm = algorithms.get(self.algorithm)
