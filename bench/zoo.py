@@ -117,10 +117,12 @@ def _normalize(value) -> dict:
 
 
 def translate(task: Task, hp: dict) -> dict:
-    """The zoo's hyper-parameters as a kuberl config section. What kuberl has no key for is left out
-    and listed in `untranslated`. PPO's linear schedules become ppo.anneal_updates (and anneal_clip);
-    any other linear schedule runs at its initial value and is listed."""
+    """The zoo's hyper-parameters as kuberl config sections (env, the algorithm's; for PPO also actor
+    and planner, SB3's synchronous loop). What kuberl has no key for is left out and listed in
+    `untranslated`. PPO's linear schedules become ppo.anneal_updates (and anneal_clip); any other
+    linear schedule runs at its initial value and is listed."""
     n_envs = int(hp.get("n_envs", 1))
+    extra: dict[str, dict] = {}
     if task.algo == "dqn":
         train_freq, grad_steps = int(hp.get("train_freq", 4)), int(hp.get("gradient_steps", 1))
         updates_per_step = (1.0 if grad_steps == -1 else grad_steps / train_freq)
@@ -146,6 +148,9 @@ def translate(task: Task, hp: dict) -> dict:
                    "num_epochs": int(hp.get("n_epochs", 10)), "learning_rate": _initial(hp.get("learning_rate", 3e-4)),
                    "gamma": float(hp.get("gamma", 0.99)), "gae_lambda": float(hp.get("gae_lambda", 0.95)),
                    "clip_coef": _initial(hp.get("clip_range", 0.2)), "clip_vloss": False,
+                   # SB3's value loss is vf_coef x the mean squared error, kuberl's (CleanRL's) vf_coef x half of
+                   # it; kept as written: SB3's weight (2 x vf_coef here) took kuberl longer on Acrobot (6 seeds,
+                   # docs/benchmarks.md) and CartPole (seeds 0 and 1, paced: 92,672 and not reached in 100k)
                    "ent_coef": float(hp.get("ent_coef", 0.0)), "vf_coef": float(hp.get("vf_coef", 0.5)),
                    "max_grad_norm": float(hp.get("max_grad_norm", 0.5)),
                    **_normalize(hp.get("normalize", False)),
@@ -153,6 +158,11 @@ def translate(task: Task, hp: dict) -> dict:
         if _linear(hp.get("learning_rate")):  # SB3 anneals over n_timesteps env steps: that many batches
             section["anneal_updates"] = math.ceil(float(hp["n_timesteps"]) / batch_steps)
             section["anneal_clip"] = _linear(hp.get("clip_range"))
+        # SB3 steps its n_envs envs n_steps with one policy, then trains on them: synchronous, policy lag 0.
+        # kuberl's actor otherwise steps its next fragment while the learner trains (lag 1), and the
+        # planner may add actors (more envs than n_envs, more lag): one actor of n_envs envs, held after
+        # each fragment (a whole batch) until the learner's next weights (on-policy pacing).
+        extra = {"actor": {"fragments_per_version": 1}, "planner": {"enabled": False}}
     else:
         train_freq, grad_steps = int(hp.get("train_freq", 1)), int(hp.get("gradient_steps", 1))
         batch = int(hp.get("batch_size", 256))
@@ -166,7 +176,7 @@ def translate(task: Task, hp: dict) -> dict:
     untranslated = sorted(k for k in hp if k in ("use_sde", "sde_sample_freq", "env_wrapper", "frame_stack")
                           or (k == "normalize" and task.algo != "ppo")
                           or (_linear(hp[k]) and k not in annealed))
-    return {"env": {"num_envs": n_envs}, task.algo: section, "untranslated": untranslated}
+    return {"env": {"num_envs": n_envs}, task.algo: section, **extra, "untranslated": untranslated}
 
 
 # -- reading a run -----------------------------------------------------------------------------------
@@ -274,7 +284,7 @@ def table(rows: list[dict]) -> str:
                 continue
             reached = [r for r in runs if r["reached"]]
             steps = statistics.median(r["steps_to_target"] for r in reached) if len(reached) == len(runs) else None
-            ref = [r["sb3"]["steps_to_target"] for r in group if r["sb3"]["reached"]]
+            ref = [r["sb3"]["steps_to_target"] for r in group if "sb3" in r and r["sb3"]["reached"]]
             vs = (f"{steps / statistics.median(ref):.2f}x" if steps and ref and len(ref) == len(group) else "-")
             cells = "; ".join(_cell(r) for r in runs)
             finals = [r["final_mean"] for r in runs if r["final_mean"] is not None]

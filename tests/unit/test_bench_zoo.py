@@ -60,6 +60,20 @@ def test_ppo_translation_keeps_the_batch_and_names_what_it_cannot_translate():
     assert "anneal_updates" not in clip_only["ppo"] and clip_only["untranslated"][0] == "clip_range"
 
 
+def test_ppo_translation_keeps_sb3s_synchronous_loop():
+    task = Task("t", "Acrobot-v1", "ppo", -100, 100)
+    zoo = {"n_envs": 16, "n_timesteps": 1e6, "n_steps": 256, "gae_lambda": 0.94, "n_epochs": 4, "normalize": True}
+    out = translate(task, zoo)
+    # SB3: vf_coef x mean((R - V)^2); kuberl: vf_coef x 0.5 mean((R - V)^2), kept as written (measured)
+    assert out["ppo"]["vf_coef"] == 0.5 and translate(task, {**zoo, "vf_coef": 0.25})["ppo"]["vf_coef"] == 0.25
+    assert (out["ppo"]["num_minibatches"], out["ppo"]["clip_vloss"]) == (16 * 256 // 64, False)
+    # SB3 collects n_steps x n_envs with one policy, then trains: one actor of n_envs envs (the planner
+    # adds none), held after each fragment (one whole batch) until the learner's next weights
+    assert out["actor"] == {"fragments_per_version": 1} and out["planner"] == {"enabled": False}
+    assert out["ppo"]["rollout_steps"] * out["env"]["num_envs"] == out["ppo"]["batch_steps"]
+    assert "actor" not in translate(TASK, {"n_timesteps": 5e4})   # replay algorithms are paced by their ratio
+
+
 def test_sac_translation_replay_ratio_is_batch_times_updates_per_step():
     sac = translate(Task("t", "Pendulum-v1", "sac", -200, 10),
                     {"n_timesteps": 2e4, "learning_rate": 1e-3, "train_freq": 8, "gradient_steps": 4})["sac"]
@@ -72,6 +86,17 @@ def test_every_task_translates_to_a_config_kuberl_loads():
 
     for task in TASKS.values():
         tuned = translate(task, zoo_hyperparams(task))
-        cfg = config_from_dict({"algorithm": task.algo, "env": {"id": task.env_id, **tuned["env"]},
-                                task.algo: tuned[task.algo]})
+        sections = {k: v for k, v in tuned.items() if k not in ("env", "untranslated")}
+        cfg = config_from_dict({"algorithm": task.algo, "env": {"id": task.env_id, **tuned["env"]}, **sections})
         assert cfg.env.num_envs == tuned["env"]["num_envs"], task.name
+        if task.algo == "ppo":
+            assert (cfg.actor.fragments_per_version, cfg.planner.enabled) == (1, False), task.name
+
+
+def test_the_table_reads_rows_without_an_sb3_run():
+    """`--runs tuned` alone: no ratio against SB3, but a table (it raised KeyError: 'sb3')."""
+    from bench.zoo import table
+
+    run = {"reached": True, "steps_to_target": 1000, "seconds_to_target": 2.0, "env_steps": 1200, "final_mean": 480.0}
+    out = table([{"task": "cartpole-ppo", "seed": 0, "budget": 100_000, "tuned": run}])
+    assert "| cartpole-ppo | 475 (100) | 100,000 | tuned | 1,000 / 2 s | 480.0 | - |" in out

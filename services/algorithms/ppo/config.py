@@ -34,6 +34,17 @@ class PPOConfig:
     stale_fragments: str = "correct"
     vtrace_rho_bar: float = 1.0       # truncation of the importance weight rho in V-trace
     vtrace_c_bar: float = 1.0         # truncation of the trace-cutting weight c in V-trace
+    # The decoupled objective (Hilton et al. 2021, "Batch size-invariance for policy optimization"):
+    # the clip is centred on the policy at the start of the update (pi_prox), not on the behaviour
+    # policy mu that acted, and each sample's term is weighted by pi_prox/mu, truncated at
+    # decoupled_rho_bar. On-policy data (mu = pi_prox) trains as plain PPO; data a version or more
+    # behind (asynchronous actors: the rate limiter keeps them about one batch ahead, a lag of 1)
+    # does not start its update already outside the clip. bench/zoo.py, 2026-11-26, env steps to
+    # the target, seeds 0/1, plain -> decoupled: defaults Acrobot 20,960/18,224 -> 19,832/14,672,
+    # CartPole 63,464/64,904 -> 62,192/62,976; the zoo's Acrobot settings unpaced (lag 1)
+    # 107,168 and 121,744/110,592 -> 114,560/71,920 (a synchronous loop at lag 1, 6 seeds: mean 126k -> 97k).
+    decoupled: bool = True
+    decoupled_rho_bar: float = 1.0
     # Rewards are multiplied by this before returns and advantages are computed (the episode returns
     # kuberl reports stay unscaled). Continuous-control rewards such as Pendulum's -16..0 give value
     # targets in the hundreds; a scale of 0.1 keeps them near 1, as SB3's VecNormalize does adaptively.
@@ -66,6 +77,7 @@ class PPOConfig:
                 "must be >= 0 (0 = train only on fragments from the current policy), or null for no bound")
         require(self.stale_fragments in ("drop", "correct"), "stale_fragments", self.stale_fragments,
                 "must be 'drop' or 'correct'")
+        require(self.decoupled_rho_bar > 0, "decoupled_rho_bar", self.decoupled_rho_bar, "must be > 0")
         require(self.vtrace_rho_bar > 0 and self.vtrace_c_bar > 0, "vtrace_rho_bar",
                 (self.vtrace_rho_bar, self.vtrace_c_bar), "V-trace truncation levels must be > 0")
         require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")

@@ -4,7 +4,10 @@ A batch is a list of whole fragments. Values (and so advantages) are recomputed 
 network at the start of each batch, which also gives the bootstrap values V(obs[T]) and V(final_obs)
 at truncations. Fragments marked stale get V-trace targets instead of GAE (Espeholt et al. 2018):
 truncated importance weights between the current policy and the behaviour log-probs the actor
-recorded. The learner's version counts updates as CleanRL does: one per batch (num_epochs x
+recorded. With ppo.decoupled the clip is centred on the policy at the start of the update rather than
+on the behaviour policy, each sample weighted by the truncated pi/mu (Hilton et al. 2021), so data an
+asynchronous actor stepped a version or two behind does not start its update outside the clip. The
+learner's version counts updates as CleanRL does: one per batch (num_epochs x
 num_minibatches gradient steps), so a policy lag of k means k batches behind. `Learner` is the seam's
 entry point (services/algorithms).
 """
@@ -110,8 +113,10 @@ class RewardNormalizer:
         return (rewards / std).clamp(-self.clip, self.clip)
 
 
-# A batch's rows: (obs, values, advantages, returns, actions, behaviour log-probs, masks or None).
-Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+# A batch's rows: (obs, values, advantages, returns, actions, the log-probs the clip is centred on (the
+# behaviour policy's, or the current one's with ppo.decoupled), importance weights or None, masks or None).
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+             torch.Tensor | None]
 
 
 class PPO:
@@ -188,7 +193,11 @@ class PPO:
 
     @torch.no_grad()
     def _advantages(self, frag: Fragment, correct: bool, mask: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(obs, values, advantages, returns) of the fragment's T*N samples, then the log-probs its
+        clip is centred on and its importance weights (None: all 1): the behaviour log-probs, or with
+        ppo.decoupled the current policy's and the truncated weight pi/mu (1 where V-trace has put it
+        into the advantages already)."""
         c = self.cfg
         T, N = frag.num_steps, frag.num_envs
         obs = self._tensor(frag.obs)
@@ -200,14 +209,21 @@ class PPO:
         rewards = self._tensor(frag.rewards) * c.reward_scale
         if self.rewards is not None:
             rewards = self.rewards.scale(rewards)
-        if correct:
-            logprob = self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
-            log_rhos = logprob - self._tensor(frag.extras["behaviour_logprob"])
-            adv, ret = vtrace(rewards, values[:-1], next_values, term, term | trunc, log_rhos, c.gamma,
+        behaviour = self._tensor(frag.extras["behaviour_logprob"])
+        # log pi(a|s) of the current policy (pi_prox), what V-trace and the decoupled objective need
+        current = (self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
+                   if correct or c.decoupled else None)
+        if current is not None and correct:
+            adv, ret = vtrace(rewards, values[:-1], next_values, term, term | trunc, current - behaviour, c.gamma,
                               c.gae_lambda, c.vtrace_rho_bar, c.vtrace_c_bar)
         else:
             adv, ret = gae(rewards, values[:-1], next_values, term, term | trunc, c.gamma, c.gae_lambda)
-        return obs[:-1].flatten(0, 1), values[:-1].reshape(-1), adv.reshape(-1), ret.reshape(-1)
+        rows = obs[:-1].flatten(0, 1), values[:-1].reshape(-1), adv.reshape(-1), ret.reshape(-1)
+        if current is None or not c.decoupled:
+            return *rows, behaviour.reshape(-1), None
+        # (V-trace's advantages carry rho = min(rho_bar, pi/mu) already: weight 1 there)
+        weights = torch.ones_like(current) if correct else (current - behaviour).exp().clamp(max=c.decoupled_rho_bar)
+        return *rows, current.reshape(-1), weights.reshape(-1)
 
     def update(self, fragments: list[Fragment], correct: list[bool] | None = None) -> dict[str, float]:
         """One update: num_epochs x num_minibatches gradient steps on the fragments. `correct[i]`
@@ -224,16 +240,16 @@ class PPO:
         self._update_obs_stats(fragments)
         self._update_reward_stats(fragments)
         correct = correct or [False] * len(fragments)
-        # (obs, values, advantages, returns, actions, behaviour log-probs, masks or None), a row per sample
+        # (obs, values, advantages, returns, actions, anchor log-probs, weights, masks), a row per sample
         data: Rows | None = None
         if fragments:
             masked = any(f.action_mask is not None for f in fragments)
             masks = [self._mask(f, masked) for f in fragments]
             parts = [self._advantages(f, fix, m) for f, fix, m in zip(fragments, correct, masks)]
-            obs, values, adv, ret = (torch.cat(x) for x in zip(*parts))
-            data = (obs, values, adv, ret,
-                    torch.cat([self._actions(f) for f in fragments]),
-                    torch.cat([self._tensor(f.extras["behaviour_logprob"]).reshape(-1) for f in fragments]),
+            obs, values, adv, ret, anchor = (torch.cat(x) for x in list(zip(*parts))[:5])
+            weights = [p[5] for p in parts]
+            data = (obs, values, adv, ret, torch.cat([self._actions(f) for f in fragments]), anchor,
+                    torch.cat([w for w in weights if w is not None]) if c.decoupled else None,
                     torch.cat([m for m in masks if m is not None]) if masked else None)  # (masked: none is None)
         n = sum(f.num_samples for f in fragments)
         remaining = self.remaining()
@@ -306,9 +322,9 @@ class PPO:
         """The clipped PPO loss on minibatch `mb` (indices into `data`) at clip range `clip`, and its
         diagnostics (detached)."""
         c = self.cfg
-        obs, values, adv, ret, actions, old_logprob, masks = data
+        obs, values, adv, ret, actions, anchor, weights, masks = data
         dist, new_value = self.net.dist_and_value(obs[mb], None if masks is None else masks[mb])
-        logratio = dist.log_prob(actions[mb]) - old_logprob[mb]
+        logratio = dist.log_prob(actions[mb]) - anchor[mb]
         ratio = logratio.exp()
         with torch.no_grad():
             approx_kl = ((ratio - 1) - logratio).mean()
@@ -316,7 +332,8 @@ class PPO:
         mb_adv = adv[mb]
         if c.norm_adv and len(mb) > 1:
             mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-        pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip, 1 + clip)).mean()
+        pg = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+        pg_loss = (pg if weights is None else weights[mb] * pg).mean()
         if c.clip_vloss:
             v_clipped = values[mb] + torch.clamp(new_value - values[mb], -clip, clip)
             v_loss = 0.5 * torch.max((new_value - ret[mb]) ** 2, (v_clipped - ret[mb]) ** 2).mean()

@@ -238,9 +238,11 @@ MINIBATCH = [4, 0, 3, 1]
 CLIP = 0.2
 
 
-def hand_ppo_loss(norm_adv: bool, clip_vloss: bool, ent_coef: float, vf_coef: float) -> dict[str, float]:
+def hand_ppo_loss(norm_adv: bool, clip_vloss: bool, ent_coef: float, vf_coef: float,
+                  weights: list[float] | None = None) -> dict[str, float]:
     """The clipped PPO objective (Schulman et al. 2017, eq. 7 and 9; CleanRL's ppo.py), one sample at a
-    time in Python floats."""
+    time in Python floats; with `weights`, each sample's policy term times its weight (the decoupled
+    objective of Hilton et al. 2021, OLD_LOGPROB then being the proximal policy's)."""
     mb = MINIBATCH
     n = len(mb)
     # log pi(a|s) of a softmax over the logits: logit[a] - log(sum_b exp(logit[b]))
@@ -261,7 +263,7 @@ def hand_ppo_loss(norm_adv: bool, clip_vloss: bool, ent_coef: float, vf_coef: fl
     policy_loss = 0.0
     for i in mb:
         clipped_ratio = min(max(ratio[i], 1 - CLIP), 1 + CLIP)
-        policy_loss += max(-adv[i] * ratio[i], -adv[i] * clipped_ratio) / n
+        policy_loss += (1.0 if weights is None else weights[i]) * max(-adv[i] * ratio[i], -adv[i] * clipped_ratio) / n
     value_loss = 0.0
     for i in mb:
         plain = (NEW_VALUES[i] - RETURNS[i]) ** 2
@@ -288,9 +290,13 @@ def test_the_hand_computed_minibatch_covers_each_branch_of_the_clipped_loss():
     assert abs(NEW_VALUES[3] - OLD_VALUES[3]) > CLIP and abs(NEW_VALUES[4] - OLD_VALUES[4]) > CLIP
 
 
-@pytest.mark.parametrize("norm_adv, clip_vloss, ent_coef", [(True, True, 0.01), (False, False, 0.0),
-                                                            (True, False, 0.05), (False, True, 0.01)])
-def test_ppo_loss_against_a_hand_computation(monkeypatch, norm_adv, clip_vloss, ent_coef):
+WEIGHTS = [0.9, 1.0, 0.3, 0.6, 1.0, 0.75]   # truncated pi_prox / mu (ppo.decoupled)
+
+
+@pytest.mark.parametrize("norm_adv, clip_vloss, ent_coef, weights", [
+    (True, True, 0.01, None), (False, False, 0.0, None), (True, False, 0.05, None), (False, True, 0.01, None),
+    (True, False, 0.0, WEIGHTS), (False, True, 0.01, WEIGHTS)])
+def test_ppo_loss_against_a_hand_computation(monkeypatch, norm_adv, clip_vloss, ent_coef, weights):
     cfg = PPOConfig(hidden_sizes=(8,), norm_adv=norm_adv, clip_vloss=clip_vloss, ent_coef=ent_coef, vf_coef=0.5)
     ppo = PPO(cfg, EnvSpec(obs_shape=(1,), obs_dtype=np.float32, action=Discrete(3)))
     logits, new_values = torch.tensor(LOGITS), torch.tensor(NEW_VALUES)
@@ -301,9 +307,10 @@ def test_ppo_loss_against_a_hand_computation(monkeypatch, norm_adv, clip_vloss, 
 
     monkeypatch.setattr(ppo.net, "dist_and_value", dist_and_value)
     data = (torch.arange(6, dtype=torch.float32).unsqueeze(1), torch.tensor(OLD_VALUES), torch.tensor(ADVANTAGES),
-            torch.tensor(RETURNS), torch.tensor(ACTIONS), torch.tensor(OLD_LOGPROB), None)
+            torch.tensor(RETURNS), torch.tensor(ACTIONS), torch.tensor(OLD_LOGPROB),
+            None if weights is None else torch.tensor(weights), None)
     loss, diagnostics = ppo._loss(data, torch.tensor(MINIBATCH), CLIP)
-    want = hand_ppo_loss(norm_adv, clip_vloss, ent_coef, vf_coef=0.5)
+    want = hand_ppo_loss(norm_adv, clip_vloss, ent_coef, vf_coef=0.5, weights=weights)
     got = {"loss": loss.item(), **{k: v.item() for k, v in diagnostics.items()}}
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
@@ -343,10 +350,12 @@ def test_ppo_advantages_bootstrap_a_truncated_step_from_its_final_observation(mo
     truncated inside it, then terminates at its last step; env 2 is truncated at its last step (bootstrap:
     V(final_obs), not V(obs[T]), the next episode's first observation)."""
     gamma, lam = 0.9, 0.8
-    ppo = PPO(PPOConfig(hidden_sizes=(8,), gamma=gamma, gae_lambda=lam, normalize_rewards=False), SPEC)
+    ppo = PPO(PPOConfig(hidden_sizes=(8,), gamma=gamma, gae_lambda=lam, normalize_rewards=False, decoupled=False), SPEC)
     monkeypatch.setattr(ppo.net, "value", lambda x: x[:, 0] / 100)
     frag = make_fragment(4, 3, obs_shape=(4,), terminated=[(1, 0), (3, 1)], truncated=[(2, 1), (3, 2)])
-    obs, values, adv, ret = ppo._advantages(frag, correct=False)
+    obs, values, adv, ret, anchor, weights = ppo._advantages(frag, correct=False)
+    torch.testing.assert_close(anchor, torch.tensor(frag.extras["behaviour_logprob"]).reshape(-1))
+    assert weights is None   # plain PPO: the clip is centred on the behaviour policy, no weights
     want_adv, want_ret = naive_fragment_gae(frag, gamma, lam)
     torch.testing.assert_close(adv, torch.tensor(want_adv), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ret, torch.tensor(want_ret), rtol=1e-5, atol=1e-5)
