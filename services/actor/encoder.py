@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.fragments import EncodedFragment, encode_fragment
+from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,13 @@ class FragmentEncoder:
     """A single in-order worker: `submit(fields, then)` runs `then(encode(**fields))` on its thread.
 
     The thread starts with the first submit and ends at `close`, after the jobs submitted before it;
-    a submit after `close` starts a new one. A job that raises is logged and skipped (a bug: its
-    fragment is lost, the ones after it still go)."""
+    a submit after `close` starts a new one. A job that raises is logged, counted as dropped (in
+    `metrics`) and skipped (a bug: its fragment is lost, the ones after it still go)."""
 
     def __init__(self, encode: Callable[..., EncodedFragment] = ENCODE, name: str = "fragment-encoder",
-                 max_pending: int = 16):
+                 max_pending: int = 16, metrics: Metrics | None = None):
         self._encode, self._name, self.max_pending = encode, name, max_pending
+        self.metrics = metrics   # a fragment that fails to encode is counted there as dropped
         self._cond = threading.Condition()
         self._submitted = self._finished = 0
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()   # the running thread's
@@ -94,8 +96,12 @@ class FragmentEncoder:
             fields, then = job
             try:
                 then(self._encode(**fields))
-            except Exception:
-                log.exception("encoding fragment seq %s failed: it is lost", fields.get("seq"))
+            except Exception as err:  # noqa: BLE001 - a bug; the fragments after it still go
+                log.exception("encoding fragment seq %s failed (counted as dropped): %s", fields.get("seq"), err)
+                if self.metrics is not None:
+                    rewards = fields.get("rewards")
+                    self.metrics.inc("actor/fragments_dropped_total")
+                    self.metrics.inc("actor/samples_dropped_total", int(rewards.size) if rewards is not None else 0)
             finally:
                 with self._cond:
                     self._finished += 1

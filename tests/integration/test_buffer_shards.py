@@ -24,6 +24,22 @@ def _config(tmp, name, steps_per_s, shards=SHARDS):
     return write_config(tmp / f"{name}.yaml", data)
 
 
+def _start(tmp_path, procs: list[Service], cfg, actor_cfgs) -> tuple[list[str], str, list[Service]]:
+    """With the buffers in `procs` starting: a learner streaming from all of them and one actor per
+    config, actor i with index i (so on shard i modulo the shards). Every process joins `procs`.
+    Returns (shard addresses, learner address, actors)."""
+    shards = [b.wait_ready() for b in procs]
+    addresses = ",".join(shards)
+    procs.append(Service("learner", tmp_path, cfg, "--buffer", addresses, "--checkpoint-dir", str(tmp_path / "ck")))
+    learner = procs[-1].wait_ready()
+    actors = [Service("actor", tmp_path, c, "--buffer", addresses, "--learner", learner, "--actor-index", str(i))
+              for i, c in enumerate(actor_cfgs)]
+    procs += actors
+    for a in actors:
+        a.wait_ready()
+    return shards, learner, actors
+
+
 def _ratios_at_marks(address: str) -> list[float]:
     ratios = []
     for k in range(READINGS):
@@ -43,16 +59,8 @@ def test_each_shard_holds_the_replay_ratio_and_nothing_is_lost(tmp_path):
     buffers = [Service("buffer", tmp_path, slow) for _ in range(SHARDS)]
     procs = list(buffers)
     try:
-        shards = [b.wait_ready() for b in buffers]
-        addresses = ",".join(shards)
-        procs.append(Service("learner", tmp_path, slow, "--buffer", addresses, "--checkpoint-dir", str(tmp_path / "ck")))
-        learner = procs[-1].wait_ready()
-        # Actor i pushes to shard i (its index modulo the shards), whatever the order of the list.
-        actors = [Service("actor", tmp_path, cfg, "--buffer", addresses, "--learner", learner, "--actor-index", str(i))
-                  for i, cfg in enumerate((slow, slow, fast))]
-        procs += actors
-        for i, a in enumerate(actors):
-            a.wait_ready()
+        shards, learner, actors = _start(tmp_path, procs, slow, (slow, slow, fast))
+        for i, a in enumerate(actors):   # actor i pushes to shard i (its index modulo the shards)
             assert stats(a.address, actor_pb2_grpc.ActorStub)["actor/buffer_shard"] == i
         ratios = [_ratios_at_marks(address) for address in shards]
         for r in ratios:
@@ -107,15 +115,7 @@ def test_a_shard_killed_with_sigkill_comes_back_and_each_shard_stored_what_it_ac
     procs = list(buffers)
     new_shard = None
     try:
-        shards = [b.wait_ready() for b in buffers]
-        addresses = ",".join(shards)
-        procs.append(Service("learner", tmp_path, cfg2, "--buffer", addresses, "--checkpoint-dir", str(tmp_path / "ck")))
-        learner = procs[-1].wait_ready()
-        actors = [Service("actor", tmp_path, cfg2, "--buffer", addresses, "--learner", learner, "--actor-index", str(i))
-                  for i in range(2)]
-        procs += actors
-        for a in actors:
-            a.wait_ready()
+        shards, _, actors = _start(tmp_path, procs, cfg2, (cfg2, cfg2))
         acked = lambda i: stats(actors[i].address, actor_pb2_grpc.ActorStub)["actor/fragments_acked_total"]  # noqa: E731
         served = lambda address: stats(address, buffer_pb2_grpc.BufferStub)["buffer/samples_served_total"]  # noqa: E731
         wait_for(lambda: acked(1) >= 20 and served(shards[1]) > 0, timeout=90, what="shard 1 storing and serving")

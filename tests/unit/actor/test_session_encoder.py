@@ -330,19 +330,21 @@ async def test_the_loop_runs_other_work_while_a_fragment_is_being_encoded():
 
 
 # -- the encoder and its copy ---------------------------------------------------------------------------
-def test_an_encode_that_fails_is_logged_and_the_next_ones_still_go(caplog):
-    out = []
+def test_an_encode_that_fails_is_logged_counted_as_dropped_and_the_next_ones_still_go(caplog):
+    out, metrics = [], Metrics("actor")
 
     def flaky(**fields) -> EncodedFragment:
         if fields["seq"] == 1:
             raise RuntimeError("boom")
         return EncodedFragment(fields["seq"], 0, b"")
 
-    encoder = FragmentEncoder(flaky)
+    encoder = FragmentEncoder(flaky, metrics=metrics)
     for seq in range(3):
-        encoder.submit({"seq": seq}, out.append)
+        encoder.submit({"seq": seq, "rewards": np.zeros((4, 2), np.float32)}, out.append)
     assert encoder.close(WAIT_S)
     assert [f.seq for f in out] == [0, 2] and "encoding fragment seq 1 failed" in caplog.text
+    assert metrics.counters["actor/fragments_dropped_total"] == 1
+    assert metrics.counters["actor/samples_dropped_total"] == 8
 
 
 @pytest.mark.parametrize("parts", [
