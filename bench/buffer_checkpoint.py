@@ -39,7 +39,7 @@ from services.buffer import checkpoint
 from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.store import Outcome, Store
 from services.config import config_from_dict
-from services.common.fragments import build_fragment
+from services.common.protocol.fragments import build_fragment
 from services.common.stats import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -88,7 +88,7 @@ class Fragments:
 
     def next(self) -> bytes:
         from kuberl.v1 import common_pb2 as pb
-        from services.common.fragments import encode_fragment
+        from services.common.protocol.fragments import encode_fragment
 
         seq, self.seq = self.seq, self.seq + 1
         if self.case == "ppo-cartpole":

@@ -94,7 +94,7 @@ def in_process(n: int, seconds: float, warmup: float) -> dict:
     import torch
 
     from services.algorithms.ppo.networks import ActorCritic
-    from services.common.nets import env_spec
+    from services.common.models.nets import env_spec
 
     torch.set_num_threads(1)
     net = ActorCritic(env_spec("CartPole-v1"), HIDDEN)

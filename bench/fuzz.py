@@ -68,9 +68,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kuberl.v1 import actor_pb2, buffer_pb2
 from kuberl.v1 import common_pb2 as pb
-from services.common.tls import TlsConfig
+from services.common.net.tls import TlsConfig
 from services.config import config_from_dict
-from services.common.tls import open_channel
+from services.common.net.tls import open_channel
 from tests.fragments import make_fragment
 from tests.helpers import ROOT, TINY_PPO
 
@@ -202,7 +202,7 @@ class Process:
 
 def _serve_main(args: argparse.Namespace) -> int:
     """`--serve ROLE`: run one service until SIGTERM, as services/<role>/__main__ does."""
-    from services.common.runtime import run_service
+    from services.common.service.runtime import run_service
 
     cfg = json.loads(Path(args.config).read_text())
 

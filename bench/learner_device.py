@@ -45,7 +45,7 @@ from services import algorithms
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
 from services.config import ExperimentConfig, config_from_dict
-from services.common.fragments import RawFragment
+from services.common.protocol.fragments import RawFragment
 from services.common.stats import Metrics
 from services.learner.trainer import Trainer
 

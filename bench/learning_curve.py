@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         run = root / "run"
         summary = json.loads((run / "summary.json").read_text())
         episodes = read_episodes(run, cfg.run.return_window)
-    from services.common.nets import resolve_device
+    from services.common.models.nets import resolve_device
 
     device = resolve_device(cfg.learner.device).type  # what the run's learner, on this machine, resolved
     frameskip = cfg.env.atari.frameskip if is_atari(cfg.env.id) else 1

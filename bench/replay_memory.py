@@ -34,7 +34,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.buffer.compact import CompactReplay, frame_ring_size
 from services.buffer.store import Outcome, Store
 from services.config import config_from_dict
-from services.common.fragments import build_fragment
+from services.common.protocol.fragments import build_fragment
 from services.common.stats import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -125,7 +125,7 @@ def nodes_of(nodes: list[Node], kind: str, group: int | None = None) -> list[Nod
 
 def actor_placement(actors: int, groups: int) -> list[tuple[int, int]]:
     """(group, actor node index within the group) of actor i = 0..actors-1: actor i pushes to shard
-    i % groups (the index rule of services/common/shards.py) and sits on that group's actor nodes in
+    i % groups (the index rule of services/common/net/shards.py) and sits on that group's actor nodes in
     turn, so each group's actors spread over its actor nodes."""
     return [(i % groups, i // groups) for i in range(actors)]
 
@@ -350,7 +350,7 @@ def fragment_parts(actor_id: str, incarnation: int, shape: tuple[int, int, int])
     import numpy as np
 
     from kuberl.v1 import common_pb2 as pb
-    from services.common.fragments import encode_fragment
+    from services.common.protocol.fragments import encode_fragment
 
     T, N, D = shape
     obs = np.random.default_rng(abs(hash(actor_id)) % 2**32).integers(0, 256, (T + 1, N, D), dtype=np.uint8)
@@ -386,8 +386,8 @@ def _actor_main(ns: str, address: str, actor_id: str, shape, counters, ctl) -> N
     from services.actor.push import Pusher
     from services.actor.subscribe import watch_insert_limit
     from services.common.config import ActorConfig
-    from services.common.fragments import EncodedFragment
-    from services.common.grpcutil import MiB, make_channel
+    from services.common.protocol.fragments import EncodedFragment
+    from services.common.net.grpcutil import MiB, make_channel
     from services.common.stats import Metrics
 
     sys.setswitchinterval(0.0001)
@@ -461,7 +461,7 @@ def _learner_main(ns: str, addresses: list[str], learner_id: str, batch: int, co
 
     from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
     from kuberl.v1 import common_pb2 as pb
-    from services.common.grpcutil import MiB, make_channel
+    from services.common.net.grpcutil import MiB, make_channel
 
     async def main() -> None:
         stubs = []

@@ -161,7 +161,7 @@ def local_learner(cfg_dict: dict, frags: list, warmup: float, seconds: float, tm
 
     from services.buffer.store import Store
     from services.config import config_from_dict
-    from services.common.fragments import RawFragment
+    from services.common.protocol.fragments import RawFragment
     from services.common.stats import Metrics
     from services.learner.trainer import Trainer
 
@@ -196,7 +196,7 @@ def served_learner(cfg_dict: dict, frags: list, warmup: float, seconds: float, t
 
     from kuberl.v1 import buffer_pb2_grpc
     from services.actor.push import Pusher
-    from services.common.grpcutil import MiB, make_channel
+    from services.common.net.grpcutil import MiB, make_channel
     from services.common.stats import Metrics
     from tests.helpers import Service, stats, write_config
 

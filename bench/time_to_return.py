@@ -45,8 +45,8 @@ def single_process_sac(cfg, target: float, window: int, max_steps: int) -> dict:
     from kuberl.v1 import common_pb2 as pb
     from services.algorithms.sac.learner import SAC
     from services.buffer.replay import ReplayRing
-    from services.common.fragments import Fragment
-    from services.common.nets import env_spec
+    from services.common.protocol.fragments import Fragment
+    from services.common.models.nets import env_spec
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -93,9 +93,9 @@ def single_process_ppo(cfg, target: float, window: int, max_steps: int) -> dict:
     import torch
 
     from kuberl.v1 import common_pb2 as pb
-    from services.common.fragments import Fragment
-    from services.common.nets import env_spec
-    from services.common.spaces import Box
+    from services.common.protocol.fragments import Fragment
+    from services.common.models.nets import env_spec
+    from services.common.protocol.spaces import Box
     from services.algorithms.ppo.learner import PPO
 
     torch.set_num_threads(1)

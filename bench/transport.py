@@ -167,7 +167,7 @@ def fragment_kwargs(actor_id: str, seq: int, obs: np.ndarray) -> dict:
 
 def make_fragment(actor_id: str, seq: int, obs: np.ndarray):
     """A serialized PPO fragment around `obs`, encoded as the rollout thread does."""
-    from services.common.fragments import encode_fragment
+    from services.common.protocol.fragments import encode_fragment
 
     return encode_fragment(**fragment_kwargs(actor_id, seq, obs))
 
@@ -182,7 +182,7 @@ def _actor(address: str, actor_id: str, shape: tuple[int, int, int], count: int,
 
     from services.actor.push import Pusher
     from services.common.config import ActorConfig
-    from services.common.grpcutil import MiB, make_channel
+    from services.common.net.grpcutil import MiB, make_channel
     from services.common.stats import Metrics
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the actor process does (services/actor/main.py)
@@ -278,10 +278,10 @@ def _floor_server(port_q, naive: bool = False) -> None:
     import uvloop
 
     from kuberl.v1 import buffer_pb2
-    from services.common.grpcutil import MiB, server_options
+    from services.common.net.grpcutil import MiB, server_options
 
     from kuberl.v1 import common_pb2 as pb
-    from services.common.fragments import decode_fragment
+    from services.common.protocol.fragments import decode_fragment
 
     async def push(requests, context):
         n = 0
@@ -317,8 +317,8 @@ def grpc_floor(size: int, total_bytes: int, naive: bool = False) -> dict:
 
     from kuberl.v1 import buffer_pb2
     from kuberl.v1 import common_pb2 as pb
-    from services.common.fragments import build_fragment
-    from services.common.grpcutil import MiB, make_channel
+    from services.common.protocol.fragments import build_fragment
+    from services.common.net.grpcutil import MiB, make_channel
 
     count = max(4, total_bytes // size)
     ctx = mp.get_context("spawn")

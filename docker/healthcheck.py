@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.client import client_channel
-from services.common.runtime import add_client_arguments
+from services.common.service.runtime import add_client_arguments
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 from kuberl_client.session import Discrete, EnvSessionClient, SessionError
-from services.common.spaces import from_gymnasium
+from services.common.protocol.spaces import from_gymnasium
 
 __all__ = ["as_vector_env", "serve_gym_env"]
 

@@ -35,8 +35,8 @@ Tokens (an actor with auth.token_files; docs/security.md): `token` (or `token_fi
 is read) is sent as `authorization: Bearer <token>` metadata; the actor answers a missing or unknown
 one with UNAUTHENTICATED. Without TLS the token is sent anyway, with one warning per process.
 
-Imports only numpy, grpc, the kuberl.v1 stubs, services.common.tensors, services.common.spaces,
-services.common.tls (TlsConfig, the credentials) and services.common.tokens; never the experiment
+Imports only numpy, grpc, the kuberl.v1 stubs, services.common.protocol.tensors, services.common.protocol.spaces,
+services.common.net.tls (TlsConfig, the credentials) and services.common.net.tokens; never the experiment
 config nor the servers' side.
 """
 
@@ -50,12 +50,12 @@ import grpc
 import numpy as np
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc
-from services.common import spaces
-from services.common.tokens import AuthError, bearer_metadata, read_client_token
-from services.common.tls import TlsConfig
-from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
-from services.common.tensors import TensorError, decode, dtype_code, encode
-from services.common.tls import Names, channel_credentials, open_channel
+from services.common.protocol import spaces
+from services.common.net.tokens import AuthError, bearer_metadata, read_client_token
+from services.common.net.tls import TlsConfig
+from services.common.protocol.spaces import ActionSpace, Box, Discrete, MultiDiscrete
+from services.common.protocol.tensors import TensorError, decode, dtype_code, encode
+from services.common.net.tls import Names, channel_credentials, open_channel
 
 __all__ = ["Box", "Discrete", "EnvSessionClient", "MultiDiscrete", "SessionError", "SessionTimeout"]
 

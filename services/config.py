@@ -21,12 +21,12 @@ from types import MappingProxyType
 import yaml
 
 from services import algorithms
-from services.common import spaces
-from services.common.tokens import read_client_token
+from services.common.protocol import spaces
+from services.common.net.tokens import read_client_token
 from services.common.config import CommonConfig
-from services.common.runtime import with_auth_flags, with_tls_flags
+from services.common.service.runtime import with_auth_flags, with_tls_flags
 from services.common.settings import ConfigError, build, plain, require
-from services.common.tls import check_role
+from services.common.net.tls import check_role
 
 __all__ = ["ConfigError", "ExperimentConfig", "check_algorithm_takes", "config_from_dict", "dump_config",
            "load_config", "load_role_config"]

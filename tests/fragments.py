@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import build_fragment
+from services.common.protocol.fragments import build_fragment
 
 
 def make_fragment(actor_id: str = "actor-t", seq: int = 0, *, T: int = 4, N: int = 2,

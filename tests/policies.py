@@ -16,8 +16,8 @@ from services import algorithms
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
 from services.config import config_from_dict, dump_config
-from services.common.fragments import RawFragment
-from services.common.nets import to_numpy
+from services.common.protocol.fragments import RawFragment
+from services.common.models.nets import to_numpy
 from services.common.stats import Metrics
 from services.learner.trainer import Trainer
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.common.fragments import EncodedFragment, encode_fragment
+from services.common.protocol.fragments import EncodedFragment, encode_fragment
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.spaces import DictLayout, dict_layout_from_proto
+from services.common.protocol.spaces import DictLayout, dict_layout_from_proto
 from services.common.stats import Metrics
-from services.common.tensors import TensorError
+from services.common.protocol.tensors import TensorError
 
 NONFINITE_TOTAL = "actor/steps_refused_nonfinite_total"
 OUT_OF_BOUNDS_TOTAL = "actor/steps_refused_out_of_bounds_total"

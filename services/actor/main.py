@@ -23,12 +23,12 @@ from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights, watch_insert_limit
-from services.common.fragments import EncodedFragment, new_incarnation
-from services.common.grpcutil import MiB, add_servicer, make_channel
-from services.common.lifecycle import Lifecycle
-from services.common.nets import spec_of
-from services.common.shards import buffer_addresses, shard_of
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.protocol.fragments import EncodedFragment, new_incarnation
+from services.common.net.grpcutil import MiB, add_servicer, make_channel
+from services.common.service.lifecycle import Lifecycle
+from services.common.models.nets import spec_of
+from services.common.net.shards import buffer_addresses, shard_of
+from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.config import ExperimentConfig, load_role_config
 

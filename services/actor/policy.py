@@ -16,7 +16,7 @@ import torch
 
 from services import algorithms
 from services.config import ExperimentConfig
-from services.common.nets import EnvSpec, load_numpy
+from services.common.models.nets import EnvSpec, load_numpy
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class Pace:
     def held(self, seconds: float) -> None:
         """Count `seconds` more of a wait while it goes on. The planner reads the counter at any time and
         measures an actor over the time it was not held: a wait counted only once it ended would read
-        as production at rate 0 until then (services/planner/core.py)."""
+        as production at rate 0 until then (services/planner/observe.py)."""
         self.metrics.inc("actor/pace_wait_seconds_total", seconds)
 
     def waited(self, cut: int, stopped: bool = False) -> None:

@@ -20,8 +20,8 @@ import grpc
 
 from kuberl.v1 import buffer_pb2
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import DEDUPE_WINDOW, EncodedFragment
-from services.common.grpcutil import Backoff, describe, raise_if_cancelling
+from services.common.protocol.fragments import DEDUPE_WINDOW, EncodedFragment
+from services.common.net.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Pusher:
         metrics.inc("actor/push_stream_errors_total", 0)
         for name in ("dropped", "rejected"):
             metrics.inc(f"actor/samples_{name}_total", 0)
+        self._gauge_queue()
 
     def drop_pending(self) -> int:
         """Give up on everything not acknowledged (the buffer stayed unreachable at shutdown): count
@@ -97,7 +98,7 @@ class Pusher:
             self.metrics.inc("actor/samples_dropped_total", old.samples)
         self.queue.append(msg)
         self.queued_bytes += len(msg.payload)
-        self.metrics.set("actor/push_queue_fragments", len(self.queue))
+        self._gauge_queue()
         self._wake.set()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -174,7 +175,14 @@ class Pusher:
             log.error("buffer refused %d fragments as too old to deduplicate", ack.rejected)
         if ack.HasField("high_water_seq"):
             self._forget_through(ack.high_water_seq, refused=ack.rejected)
+        self._gauge_queue()
+
+    def _gauge_queue(self) -> None:
         self.metrics.set("actor/push_queue_fragments", len(self.queue))
+        # The share of this queue's own bound in use (fragments or bytes, whichever is nearer): the
+        # planner's evidence of a communication bottleneck, right whatever config this actor runs.
+        self.metrics.set("actor/push_queue_fill", max(len(self.queue) / self.capacity,
+                                                      self.queued_bytes / self.max_bytes))
 
     def _forget_through(self, seq: int, refused: int = 0) -> None:
         """Forget the unacknowledged fragments up to `seq`: acknowledged, but for `refused` of them."""

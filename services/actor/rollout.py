@@ -18,13 +18,13 @@ import torch
 from services import algorithms
 from services.common.config import is_atari
 from services.config import ExperimentConfig
-from services.common.fragments import EncodedFragment, encode_fragment
+from services.common.protocol.fragments import EncodedFragment, encode_fragment
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import Check, check_env_step
 from services.actor.limiter import InsertGate
 from services.actor.policy import Pace, Policy
 from services.common.envs import make_vector_env, spec_of
-from services.common.spaces import Box, check_mask
+from services.common.protocol.spaces import Box, check_mask
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ actor that only answers.
 A simulator that trained against kuberl actors (examples/, kuberl_client) connects to it unchanged and
 gets the policy's actions: the same servicer (servicer.py), the same session hub and its space, step
 and mask checks (sessions.py) and the same batched inference across sessions (inference.py) as an
-actor with `env.mode: external`, on the same lifecycle (services/common/lifecycle.py). What an actor
+actor with `env.mode: external`, on the same lifecycle (services/common/service/lifecycle.py). What an actor
 does for training it does not do: its hub has no fragment sink, so no transitions are kept, no
 fragment is cut and nothing is pushed; it needs no buffer and no learner. With a learner to follow,
 it subscribes to its weights stream as actors do (`FittingWeights` guards what is swapped in).
@@ -26,9 +26,9 @@ from services.actor.policy import Policy
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights
-from services.common.grpcutil import MiB, add_servicer, make_channel
-from services.common.lifecycle import Lifecycle
-from services.common.runtime import Endpoints
+from services.common.net.grpcutil import MiB, add_servicer, make_channel
+from services.common.service.lifecycle import Lifecycle
+from services.common.service.runtime import Endpoints
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 

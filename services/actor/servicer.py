@@ -13,7 +13,7 @@ from services.actor.episodes import EpisodeLog
 from services.actor.inference import BatchedInference
 from services.actor.sessions import SessionError, SessionHub
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 
 log = logging.getLogger(__name__)
 

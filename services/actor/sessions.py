@@ -34,11 +34,11 @@ from services.actor.episodes import EpisodeLog
 from services.actor.finite import FINITE, Check
 from services.config import ExperimentConfig
 from services import algorithms
-from services.common.fragments import MAX_ID_LEN, EncodedFragment, encode_fragment
-from services.common.nets import EnvSpec
+from services.common.protocol.fragments import MAX_ID_LEN, EncodedFragment, encode_fragment
+from services.common.models.nets import EnvSpec
 from services.common.stats import Metrics
-from services.common import spaces
-from services.common.tensors import TensorError, decode, numpy_dtype
+from services.common.protocol import spaces
+from services.common.protocol.tensors import TensorError, decode, numpy_dtype
 
 MAX_ENVS = 1024
 

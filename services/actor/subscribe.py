@@ -16,10 +16,10 @@ import grpc
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc, learner_pb2, learner_pb2_grpc
 from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
-from services.common.grpcutil import Backoff, describe, raise_if_cancelling
+from services.common.net.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.stats import Metrics
-from services.common.tensors import TensorError
-from services.common.weights import WeightsAssembler
+from services.common.protocol.tensors import TensorError
+from services.common.protocol.weights import WeightsAssembler
 
 log = logging.getLogger(__name__)
 

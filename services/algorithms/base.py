@@ -17,7 +17,7 @@ from services.common.settings import require
 if TYPE_CHECKING:
     import numpy as np
 
-    from services.common.spaces import ActionSpace, EnvSpec
+    from services.common.protocol.spaces import ActionSpace, EnvSpec
     from services.common.stats import Metrics
 
 
@@ -88,7 +88,7 @@ class Algorithm(Generic[SettingsT]):
     # Per-step float32 [T, N] tensors a fragment carries beyond the common ones (TrajectoryFragment
     # field names): what the actor records while acting and the learner needs.
     fragment_extras: ClassVar[tuple[str, ...]] = ()
-    # The action spaces (services/common/spaces.py classes) it can act in and learn.
+    # The action spaces (services/common/protocol/spaces.py classes) it can act in and learn.
     action_spaces: ClassVar[tuple[type, ...]]
     takes_action_masks: ClassVar[bool] = False
 
@@ -104,7 +104,7 @@ class Algorithm(Generic[SettingsT]):
 
     def check_spec(self, spec: EnvSpec, action: str = "this env's action space", obs: str = "this env's observations") -> None:
         """ValueError naming the algorithm unless it can train on an env of this spec (a
-        services.common.spaces.EnvSpec); `action` and `obs` say where the spec's spaces come from (a
+        services.common.protocol.spaces.EnvSpec); `action` and `obs` say where the spec's spaces come from (a
         config key, an env id), e.g. "algorithm: dqn takes Discrete actions; env.action_space is
         Box([1], [-2, 2])". Checked at config load for declared spaces, by `kuberl up` before it starts
         anything, and by each part as it is built."""

@@ -15,10 +15,10 @@ import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
 from services.common.envs import EnvSpec
-from services.common.fragments import TRANSITION_FIELDS
-from services.common.spaces import check_actions, check_mask
+from services.common.protocol.fragments import TRANSITION_FIELDS
+from services.common.protocol.spaces import check_actions, check_mask
 from services.common.stats import Histogram, Metrics
-from services.common.tensors import TensorError, check_finite, decode
+from services.common.protocol.tensors import TensorError, check_finite, decode
 
 log = logging.getLogger(__name__)
 STEPS_SKIPPED = "learner/gradient_steps_skipped_nonfinite_total"

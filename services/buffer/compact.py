@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.buffer.replay import Replay, Spans, grown, ring_spans, step_fields, taken
-from services.common.fragments import Fragment
+from services.common.protocol.fragments import Fragment
 
 MAX_CHAINS = 65536  # chain ends remembered, (actor_id, incarnation, env_id), least recently used forgotten
 ROW_FIELDS = ("obs_frames", "next_obs_frames", "actions", "rewards", "terminated", "policy_version")

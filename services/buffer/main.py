@@ -1,5 +1,5 @@
 """Buffer wiring: config -> Store (restored from a checkpoint) -> gRPC server -> the checkpoint loop ->
-shutdown (with a last checkpoint), on the common lifecycle (services/common/lifecycle.py)."""
+shutdown (with a last checkpoint), on the common lifecycle (services/common/service/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
 from services.config import ExperimentConfig, load_role_config
-from services.common.grpcutil import MiB
-from services.common.lifecycle import Lifecycle
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.net.grpcutil import MiB
+from services.common.service.lifecycle import Lifecycle
+from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)

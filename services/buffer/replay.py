@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.common.fragments import Fragment
-from services.common.tensors import TensorError
+from services.common.protocol.fragments import Fragment
+from services.common.protocol.tensors import TensorError
 
 Spans = dict[str, list[tuple[int, int]]]  # storage array -> [start, stop) row ranges
 

@@ -13,16 +13,16 @@ from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.buffer.store import Outcome, Store
-from services.common.fragments import MAX_ID_LEN, RawFragment, batch_samples
-from services.common.grpcutil import add_handlers, generated_handlers
+from services.common.protocol.fragments import MAX_ID_LEN, RawFragment, batch_samples
+from services.common.net.grpcutil import add_handlers, generated_handlers
 from services.common.notify import Notifier
 from services.common.stats import Metrics
-from services.common.tensors import TensorError
+from services.common.protocol.tensors import TensorError
 
 log = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 1 << 20
 # A StreamBatches stream ends itself (OK, after every batch written) once it has served this long,
-# and the learner opens the next at once. The server's max connection age (services/common/grpcutil.py:
+# and the learner opens the next at once. The server's max connection age (services/common/net/grpcutil.py:
 # 300 s, then 30 s of grace) would otherwise cancel a long-lived stream mid-write every few minutes,
 # losing the batch on the wire (counted in buffer/samples_lost_in_transit_total) and any it had
 # written that the learner had not read yet. Well inside the grace, so a stream never outlives it.

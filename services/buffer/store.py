@@ -35,9 +35,9 @@ from services.buffer.replay import Replay, ReplayRing
 from services.config import ExperimentConfig
 from services import algorithms
 from services.algorithms import FifoTable, ReplayTable
-from services.common.fragments import DEDUPE_WINDOW, RawFragment, batch_samples, decode_fragment
+from services.common.protocol.fragments import DEDUPE_WINDOW, RawFragment, batch_samples, decode_fragment
 from services.common.stats import Metrics
-from services.common.tensors import TensorError, encode
+from services.common.protocol.tensors import TensorError, encode
 
 SEQ_WINDOW = DEDUPE_WINDOW
 LEARNER_EXPIRY_S = 30.0
@@ -115,7 +115,7 @@ class SeqWindow:
 
 
 def shard_table(table: ReplayTable | FifoTable, shards: int, batch_size: int) -> ReplayTable | FifoTable:
-    """What one of `shards` buffer shards keeps (services/common/shards.py). A replay's capacity and
+    """What one of `shards` buffer shards keeps (services/common/net/shards.py). A replay's capacity and
     warm-up are the experiment's: each shard holds its share of them (rounded up, and a warm-up of at
     least one batch), so the run replays as much history, and starts learning as soon, with any number
     of shards. A FIFO's capacity bounds what one shard holds unserved, so each keeps all of it."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from services.common.tokens import AuthError, read_client_token, with_token
-from services.common.runtime import with_tls_flags
-from services.common.tls import TlsError, open_channel
+from services.common.net.tokens import AuthError, read_client_token, with_token
+from services.common.service.runtime import with_tls_flags
+from services.common.net.tls import TlsError, open_channel
 from services.config import ConfigError, ExperimentConfig, load_config
 
 

@@ -95,7 +95,7 @@ def _masks(trained, info: dict, n: int) -> np.ndarray | None:
     """The envs' `info["action_mask"]` where the env reports one and the algorithm takes masks (as the
     actor's rollout applies them); None otherwise."""
     from services import algorithms
-    from services.common.spaces import check_mask
+    from services.common.protocol.spaces import check_mask
 
     space = trained.spec.action
     if not ("action_mask" in info and algorithms.get(trained.cfg.algorithm).uses_masks(space)):
@@ -120,7 +120,7 @@ def _make_envs(env_cfg, n: int, render_mode: str | None = None):
 
 def describe_spec(spec) -> str:
     """An env spec's spaces for messages, e.g. `observations Box[3] float32, actions Box([1], [-2, 2])`."""
-    from services.common.spaces import describe
+    from services.common.protocol.spaces import describe
 
     obs = describe(spec.obs_keys) if spec.obs_keys is not None else f"Box{list(spec.obs_shape)} {spec.obs_dtype.name}"
     return f"observations {obs}, actions {spec.action}"
@@ -130,7 +130,7 @@ def _fits(env, policy) -> bool:
     """Whether an env of spec `env` gives the observations the policy of spec `policy` takes and takes
     its actions: the same observation shape and dtype (and Dict layout, where both have one) and the
     same action space, Box bounds compared as the float32 values actions are clipped to."""
-    from services.common.spaces import Box
+    from services.common.protocol.spaces import Box
 
     if env.obs_shape != policy.obs_shape or env.obs_dtype != policy.obs_dtype:
         return False
@@ -180,7 +180,7 @@ def external_refusal(trained, path: str) -> str:
 
 
 def _step(envs, space, actions: np.ndarray):
-    from services.common.spaces import Box
+    from services.common.protocol.spaces import Box
 
     return envs.step(space.clip(actions) if isinstance(space, Box) else actions)
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd in ROLES:  # a service process: it ends here, as `python -m services.<role>` does
-        from services.common.runtime import exit_process
+        from services.common.service.runtime import exit_process
         exit_process(importlib.import_module(f"services.{cmd}.main").main(rest))
     if cmd == "up":
         from services.cli.up import main as up
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.evaluate import main as evaluate
         return evaluate(rest)
     if cmd == "serve":  # a service process, as the roles are
-        from services.common.runtime import exit_process, stop_cleanly_until_serving
+        from services.common.service.runtime import exit_process, stop_cleanly_until_serving
         stop_cleanly_until_serving()
         from services.cli.serve import main as serve
         exit_process(serve(rest))

@@ -18,7 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from kuberl.v1 import planner_pb2 as ppb
 from kuberl.v1 import planner_pb2_grpc
 from services.cli.client import client_channel
-from services.common.runtime import add_client_arguments
+from services.common.service.runtime import add_client_arguments
 
 ACTION = {ppb.DECISION_ACTION_HOLD: "hold", ppb.DECISION_ACTION_SCALE: "scale",
           ppb.DECISION_ACTION_SUPPRESSED: "suppressed"}

@@ -36,7 +36,7 @@ import sys
 
 from services.actor.policy import Policy
 from services.actor.serve import serving, serving_config
-from services.common.runtime import base_parser, configure_logging, run_service, write_ready_file
+from services.common.service.runtime import base_parser, configure_logging, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.config import load_role_config
 

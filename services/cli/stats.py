@@ -11,7 +11,7 @@ from google.protobuf.json_format import MessageToDict
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.cli.client import client_channel
-from services.common.runtime import add_client_arguments
+from services.common.service.runtime import add_client_arguments
 
 NO_EPISODES = 1 << 62  # an episode cursor past any actor's count: metrics only
 STUBS = (buffer_pb2_grpc.BufferStub, learner_pb2_grpc.LearnerStub, actor_pb2_grpc.ActorStub,

@@ -23,7 +23,7 @@ import torch
 from services import algorithms
 from services.actor.policy import Policy
 from services.config import ConfigError, ExperimentConfig, config_from_dict, load_config
-from services.common.nets import EnvSpec, spec_of, to_numpy
+from services.common.models.nets import EnvSpec, spec_of, to_numpy
 from services.common.stats import Metrics
 from services.learner import checkpoint
 

@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from services.common import spaces
-from services.common.fragments import DEDUPE_WINDOW
+from services.common.protocol import spaces
+from services.common.protocol.fragments import DEDUPE_WINDOW
 from services.common.settings import ConfigError, require
-from services.common.shards import MAX_SHARDS
-from services.common.auth import AuthConfig
-from services.common.tls import TlsConfig
+from services.common.net.shards import MAX_SHARDS
+from services.common.net.auth import AuthConfig
+from services.common.net.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class ActionSpaceConfig:
             raise ConfigError("nvec" if self.type == "multi_discrete" else "shape", str(err)) from None
 
     def space(self) -> spaces.ActionSpace:
-        """The space as services.common.spaces has it (ValueError if it cannot be one)."""
+        """The space as services.common.protocol.spaces has it (ValueError if it cannot be one)."""
         # (__post_init__ has required the type's own settings before it calls this)
         if self.type == "discrete":
             assert self.n is not None
@@ -261,7 +261,7 @@ class ActorConfig:
         require(self.pace_timeout_s > 0, "pace_timeout_s", self.pace_timeout_s, "must be > 0")
         require(1 <= self.queue_fragments <= DEDUPE_WINDOW, "queue_fragments", self.queue_fragments,
                 f"must be 1..{DEDUPE_WINDOW}: a buffer dedupes a re-sent fragment exactly only within the last "
-                f"{DEDUPE_WINDOW} seqs of its sender (services/common/fragments.py)")
+                f"{DEDUPE_WINDOW} seqs of its sender (services/common/protocol/fragments.py)")
         require(self.queue_mb > 0, "queue_mb", self.queue_mb, "must be > 0")
         require(self.push_ack_interval_s > 0, "push_ack_interval_s", self.push_ack_interval_s, "must be > 0")
         require(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")

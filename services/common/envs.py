@@ -22,8 +22,8 @@ import numpy as np
 
 from services.common.config import EnvConfig, is_atari
 from services.common.settings import ConfigError
-from services.common.spaces import EnvSpec as EnvSpec  # also re-exported
-from services.common.spaces import Discrete, dict_layout, from_gymnasium
+from services.common.protocol.spaces import EnvSpec as EnvSpec  # also re-exported
+from services.common.protocol.spaces import Discrete, dict_layout, from_gymnasium
 
 if TYPE_CHECKING:
     import gymnasium

@@ -1,4 +1,4 @@
-from services.common.runtime import exit_process, stop_cleanly_until_serving
+from services.common.service.runtime import exit_process, stop_cleanly_until_serving
 
 stop_cleanly_until_serving()   # before the imports below (torch: seconds)
 

@@ -13,7 +13,7 @@ every learner holds a batch, and all stop at the same round boundary when any wa
 with a batch it cannot use (malformed, or all fragments too stale) still joins the round's gradient
 all-reduces with weight 0, so nobody waits forever. A peer that dies breaks the group: the others'
 collectives raise `GroupBroken`. In a fixed group the learner then exits (its supervisor,
-services/common/supervise.py, stops the rest and re-forms the whole group from the newest checkpoint,
+services/common/local/supervise.py, stops the rest and re-forms the whole group from the newest checkpoint,
 under `kuberl up` with or without the planner; membership changes restart it the same way); a
 StatefulSet's learners form the next group in their running processes (services/learner/membership.py).
 

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.fragments import batch_samples
+from services.common.protocol.fragments import batch_samples
 from services.common.stats import Metrics
 
 STARVED_TICK_S = 0.25
@@ -26,7 +26,7 @@ STARVED_TICK_S = 0.25
 
 @dataclass(eq=False)
 class Shard:
-    """One buffer shard as this learner sees it (services/common/shards.py): its stub, and what this
+    """One buffer shard as this learner sees it (services/common/net/shards.py): its stub, and what this
     learner consumed from it, which it reports to that shard alone: each shard paces the learner by
     its own served and consumed counts. `produced`: the shard's samples inserted after its warm-up, as
     its last ProgressAck said."""

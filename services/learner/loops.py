@@ -15,7 +15,7 @@ import grpc
 from kuberl.v1 import buffer_pb2
 from services import algorithms
 from services.config import ExperimentConfig
-from services.common.grpcutil import Backoff, describe, raise_if_cancelling
+from services.common.net.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.learner.distributed import GroupBroken

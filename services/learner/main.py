@@ -14,12 +14,12 @@ import torch
 
 from kuberl.v1 import buffer_pb2_grpc, learner_pb2
 from services.config import ExperimentConfig, load_role_config
-from services.common.grpcutil import MiB, add_servicer, make_channel
-from services.common.lifecycle import Lifecycle
-from services.common.nets import resolve_device
+from services.common.net.grpcutil import MiB, add_servicer, make_channel
+from services.common.service.lifecycle import Lifecycle
+from services.common.models.nets import resolve_device
 from services.common.notify import Notifier
-from services.common.shards import buffer_addresses
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.net.shards import buffer_addresses
+from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.learner.distributed import GradientSync, GroupSpec
 from services.learner.group import StoppedBeforeGroupFormed, join, learn
@@ -67,7 +67,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     except BaseException:
         current.close()
         raise
-    shards = []   # every buffer shard: this learner streams batches from each (services/common/shards.py)
+    shards = []   # every buffer shard: this learner streams batches from each (services/common/net/shards.py)
     for i, address in enumerate(buffer_addresses(buffer)):
         channel = make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
         lc.on_close(channel.close)

@@ -2,7 +2,7 @@
 
 A **fixed group** (`--rank/--world-size/--group`, as `kuberl up`'s supervisor starts it) never changes
 while its learners live: a member that leaves breaks the group, every learner exits, and the supervisor
-forms the group again (services/common/supervise.py).
+forms the group again (services/common/local/supervise.py).
 
 On Kubernetes the learners are the pods of a **StatefulSet** (`--membership=statefulset`): pod
 `<name>-<i>` is rank i, rank 0 hosts the rendezvous at a stable DNS name of the StatefulSet's governing

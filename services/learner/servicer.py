@@ -8,7 +8,7 @@ import grpc
 
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import learner_pb2, learner_pb2_grpc
-from services.common.fragments import MAX_ID_LEN
+from services.common.protocol.fragments import MAX_ID_LEN
 from services.common.stats import Metrics
 from services.learner.publish import WeightsHub
 

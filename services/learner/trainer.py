@@ -19,11 +19,11 @@ import torch
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.config import ExperimentConfig
-from services.common.fragments import batch_samples
-from services.common.nets import is_image, spec_of, to_numpy
+from services.common.protocol.fragments import batch_samples
+from services.common.models.nets import is_image, spec_of, to_numpy
 from services.common.stats import Metrics
-from services.common.tensors import NonFiniteError
-from services.common.weights import encode_weights
+from services.common.protocol.tensors import NonFiniteError
+from services.common.protocol.weights import encode_weights
 from services.learner import checkpoint
 from services.learner.distributed import GradientSync, GroupBroken
 

@@ -2,7 +2,7 @@
 
 Backends: `local` (a process supervisor), `kubernetes` (the scale subresources of the actor Deployment
 and the learner StatefulSet) and `dry-run` (decides, never applies). The planner core
-(services/planner/core.py) only talks to this interface.
+(services/planner/core.py, through observe.py) only talks to this interface.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The planner core: measure each replica's rates (rates.py), decide (decide.py), apply through a
-backend, record every decision."""
+"""The planner core: observe the run (observe.py), decide (decide.py), apply through a backend,
+record every decision; manual overrides and the saturation ceilings are kept here."""
 
 from __future__ import annotations
 
@@ -11,40 +11,24 @@ from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 
-from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
-from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services import algorithms
-from services.common.tokens import AuthError, bearer_metadata, read_client_token
-from services.config import ExperimentConfig
 from services.common.notify import Notifier
-from services.common.shards import combined_samples_per_insert
 from services.common.stats import Metrics
-from services.common.tls import TlsError, open_channel
-from services.planner.backend import ROLES, Backend, Conflict, Refused, RoleState
-from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, Transport, decide,
+from services.config import ExperimentConfig
+from services.planner.backend import ROLES, Backend, Conflict, Refused
+from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide,
                                      judge_scale_up)
-from services.planner.rates import CounterRate, ReplicaRate
+from services.planner.observe import Observer, StatsSource
 
 log = logging.getLogger(__name__)
-STATS_TIMEOUT_S = 3.0
 MAX_RECORDED = 1000
 CONFLICT_RETRIES = 3
 ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
            "suppressed": ppb.DECISION_ACTION_SUPPRESSED}
-COUNTERS = {"actor": ("actor/env_steps_total", "actor/pace_wait_seconds_total"),
-            "learner": ("learner/samples_total", "learner/starved_seconds_total")}
-LAG_KEY = "learner/policy_lag_mean"
 BOTTLENECKS = ("communication", "training", "sampling", "balanced", "unknown")
-# What the planner records from each buffer's GetStats: key -> (Decision field, how buffers combine).
-# The replay ratio combines as served over produced, summed over the shards (services/common/shards.py).
-BUFFER_KEYS = {"buffer/samples_per_insert": ("buffer_samples_per_insert", "ratio"),
-               "buffer/samples_received_per_s": ("buffer_samples_received_per_s", "sum"),
-               "buffer/size_samples": ("buffer_size_samples", "sum")}
-BUFFER_READ = (*BUFFER_KEYS, "buffer/samples_produced")
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
@@ -76,20 +60,12 @@ class OverrideState:
 
 class Planner:
     def __init__(self, cfg: ExperimentConfig, backend: Backend, metrics: Metrics | None = None,
-                 clock=time.monotonic, wall=time.time, journal: Path | None = None):
+                 clock=time.monotonic, wall=time.time, journal: Path | None = None, stats: StatsSource | None = None):
         self.cfg, self.backend, self.clock, self.wall = cfg, backend, clock, wall
         self.journal = journal  # every recorded decision is appended here as one JSON line
         self.policy = policy_from_config(cfg)
         self.metrics = metrics or Metrics("planner")
-        self.rates: dict[str, dict[str, ReplicaRate]] = {r: {} for r in ROLES}
-        self.channels: dict[str, grpc.aio.Channel] = {}
-        self.buffer_stats: dict[str, tuple[float, dict[str, float]]] = {}  # buffer name -> (when read, metrics)
-        # Transport (the communication bottleneck): per actor its dropped samples/s and send-queue fill,
-        # per buffer shard its CPU cores.
-        self.dropped: dict[str, CounterRate] = {}
-        self.queue_fill: dict[str, tuple[float, float]] = {}   # actor -> (when read, share of its bound)
-        self.buffer_cpu: dict[str, CounterRate] = {}
-        self.states: dict[str, RoleState] = {}
+        self.observer = Observer(cfg, backend, self.metrics, stats, clock)
         self.paused, self.pause_reason = False, ""
         self.overrides: dict[str, OverrideState] = {}
         self.probes: dict[str, ScaleUpProbe] = {}        # applied scale-ups not judged yet
@@ -110,117 +86,6 @@ class Planner:
         self.metrics.inc("planner/stats_errors_total", 0)
         self.metrics.inc("planner/saturations_total", 0)
 
-    # -- measuring -------------------------------------------------------------------------------
-    def _stub(self, role: str, address: str):
-        ch = self.channels.get(address)
-        if ch is None:
-            ch = self.channels[address] = open_channel(address, self.cfg.tls, aio=True)
-        return {"actor": actor_pb2_grpc.ActorStub, "learner": learner_pb2_grpc.LearnerStub,
-                "buffer": buffer_pb2_grpc.BufferStub}[role](ch)
-
-    async def _get_stats(self, role: str, name: str, address: str, request: pb.GetStatsRequest):
-        """The GetStats of `role` replica `name`, or None (counted) when it cannot be read."""
-        try:
-            # The role's own token (auth.client_token_file), read at every call so that a rotated one is
-            # sent; needed by roles with auth.protect_reads.
-            token_file = self.cfg.auth.client_token_file
-            token = read_client_token(token_file, "auth.client_token_file") if token_file else None
-            return await self._stub(role, address).GetStats(
-                request, timeout=STATS_TIMEOUT_S, metadata=bearer_metadata(token, self.cfg.tls.enabled) or None)
-        except grpc.RpcError as err:
-            log.debug("stats from %s %s (%s) failed: %s", role, name, address, err.code().name)
-        except (AuthError, TlsError) as err:  # this planner's own certificate or token files: tried next time
-            log.warning("stats from %s %s (%s) not read: %s", role, name, address, err)
-        self.metrics.inc("planner/stats_errors_total")
-        return None
-
-    async def _read_buffer(self, name: str, address: str) -> None:
-        resp = await self._get_stats("buffer", name, address, pb.GetStatsRequest())
-        if resp is None:
-            return
-        now = self.clock()
-        self.buffer_stats[name] = (now, {k: resp.metrics[k] for k in BUFFER_READ if k in resp.metrics})
-        if (cpu := resp.metrics.get("buffer/cpu_seconds_total")) is not None:
-            self.buffer_cpu.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, cpu)
-
-    def buffer_view(self) -> dict[str, float]:
-        """Decision fields from the buffers whose stats are fresh (empty when none are)."""
-        now, stale = self.clock(), self.cfg.planner.stale_after_s
-        fresh = [m for t, m in self.buffer_stats.values() if now - t <= stale]
-        out = {}
-        for key, (field, how) in BUFFER_KEYS.items():
-            if how == "ratio":
-                if (ratio := combined_samples_per_insert(fresh)) is not None:
-                    out[field] = ratio
-            elif values := [m[key] for m in fresh if key in m]:
-                out[field] = sum(values)
-        return out
-
-    async def _read(self, role: str, name: str, address: str, tracker: ReplicaRate) -> None:
-        resp = await self._get_stats(role, name, address, pb.GetStatsRequest(episodes_after=2**63))
-        if resp is None:
-            return
-        count_key, busy_key = COUNTERS[role]
-        m = resp.metrics
-        if count_key not in m or (busy_key is not None and busy_key not in m):
-            return
-        tracker.update(self.clock(), m[count_key], m[busy_key] if busy_key else None,
-                       m.get(f"{role}/cpu_seconds_total"))
-        if LAG_KEY in m:
-            tracker.policy_lag = m[LAG_KEY]
-        if role == "actor":
-            now = self.clock()
-            if (dropped := m.get("actor/samples_dropped_total")) is not None:
-                self.dropped.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, dropped)
-            if (queued := m.get("actor/push_queue_fragments")) is not None:
-                self.queue_fill[name] = (now, queued / self.cfg.actor.queue_fragments)
-
-    async def measure(self) -> dict[str, RoleState]:
-        """Observe the backend and read every serving replica's stats once."""
-        self.states = await self.backend.observe()
-        now = self.clock()
-        reads = []
-        for role in ROLES:
-            known = self.rates[role]
-            names = {r.name for r in self.states[role].replicas}
-            for gone in set(known) - names:
-                del known[gone]
-                self.dropped.pop(gone, None)
-                self.queue_fill.pop(gone, None)
-            for rep in self.states[role].replicas:
-                tracker = known.setdefault(rep.name, ReplicaRate(self.cfg.planner.rate_halflife_s,
-                                                                 self.cfg.planner.warmup_s, now))
-                if rep.ready and rep.address:
-                    reads.append(self._read(role, rep.name, rep.address, tracker))
-        try:
-            buffers = await self.backend.buffers()
-        except Exception as err:  # noqa: BLE001 - a backend error must not stop the actor/learner reads
-            log.debug("listing buffers failed: %s", err)
-            buffers = []
-        for gone in set(self.buffer_stats) - {b.name for b in buffers}:
-            del self.buffer_stats[gone]
-            self.buffer_cpu.pop(gone, None)
-        reads += [self._read_buffer(b.name, b.address) for b in buffers if b.ready and b.address]
-        await asyncio.gather(*reads)
-        live = {rep.address for s in self.states.values() for rep in s.replicas} | {b.address for b in buffers}
-        for addr in set(self.channels) - live:
-            await self.channels.pop(addr).close()
-        return self.states
-
-    def role_inputs(self, role: str, now: float) -> RoleInputs:
-        state = self.states[role]
-        p = self.cfg.planner
-        trackers = [self.rates[role][r.name] for r in state.replicas if r.name in self.rates[role]]
-        usable = [t for t in trackers if t.usable(now, p.stale_after_s)]
-        stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
-        override = self.overrides.get(role)
-        cores = [t.cores for t in usable if t.cores is not None]
-        return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable),
-                          rate=(sum(t.rate for t in usable) / len(usable)) if usable else None,
-                          cores=(sum(cores) / len(cores)) if cores else None,
-                          stale=stale, blocked=state.blocked,
-                          override=override.replicas if override else None)
-
     def inputs(self) -> Inputs:
         now = self.clock()
         wall = self.wall()
@@ -234,22 +99,17 @@ class Planner:
             if until <= now:
                 log.info("saturation ceiling of %s (%d replicas) expired", role, n)
                 del self.ceilings[role]
-        return Inputs(now=now, actor=self.role_inputs("actor", now), learner=self.role_inputs("learner", now),
+        obs = self.observer
+
+        def role(r: str) -> RoleInputs:
+            override = self.overrides.get(r)
+            return obs.role_inputs(r, now, override.replicas if override else None)
+
+        return Inputs(now=now, actor=role("actor"), learner=role("learner"),
                       paused=self.paused, last_change_at=self.last_change_at,
                       observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
-                      policy_lag=self.policy_lag(now), ceilings=self._ceilings(),
-                      learner_scale_up=self.learner_scale_up, transport=self.transport(now))
-
-    def transport(self, now: float) -> Transport:
-        """Actors' send queues and the buffers' CPU, from fresh metrics only (planner.stale_after_s)."""
-        stale = self.cfg.planner.stale_after_s
-        # Drops over the last interval alone: any at all is evidence, and an EWMA would never reach 0 again.
-        drops = [r for r in (c.fresh(now, stale, recent=True) for c in self.dropped.values()) if r is not None]
-        fills = {name: fill for name, (seen, fill) in self.queue_fill.items() if now - seen <= stale}
-        busiest = max(fills, key=lambda n: fills[n], default="")
-        cores = {name: r for name, c in self.buffer_cpu.items() if (r := c.fresh(now, stale)) is not None}
-        return Transport(dropped_per_s=sum(drops), queue_fill=fills.get(busiest, 0.0), busiest_queue=busiest,
-                         buffer_cores=cores)
+                      policy_lag=obs.policy_lag(now), ceilings=self._ceilings(),
+                      learner_scale_up=self.learner_scale_up, transport=obs.transport(now))
 
     def _ceilings(self) -> dict[str, int]:
         return {r: n for r, (n, _) in self.ceilings.items()}
@@ -303,19 +163,13 @@ class Planner:
             else:
                 self.probes.pop(role, None)
 
-    def policy_lag(self, now: float) -> float | None:
-        """The mean of the learners' recent mean policy lags, from fresh metrics only (None = unknown)."""
-        lags = [t.policy_lag for t in self.rates["learner"].values()
-                if t.policy_lag is not None and not t.stale(now, self.cfg.planner.stale_after_s)]
-        return sum(lags) / len(lags) if lags else None
-
     # -- deciding and applying -------------------------------------------------------------------
     async def step(self, trigger: str = "interval", apply: bool = True) -> ppb.Decision:
         """Measure, decide and (unless `apply` is false) apply; records the decision unless previewing."""
         async with self.lock:
             error, applied, dry = "", False, not apply or self.backend.name == "dry-run"
             for attempt in range(CONFLICT_RETRIES + 1):
-                await self.measure()
+                await self.observer.measure()
                 inp = self.inputs()
                 if apply:  # a scale-up that did not pay, or whose learners never came up, caps its role
                     self._judge(inp)
@@ -403,7 +257,7 @@ class Planner:
                             policy_lag=inp.policy_lag, max_policy_lag=self.policy.max_policy_lag,
                             tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
                             error=error, backend=self.backend.name, bottleneck=d.bottleneck.kind,
-                            bottleneck_evidence=d.bottleneck.evidence, **self.buffer_view())
+                            bottleneck_evidence=d.bottleneck.evidence, **self.observer.buffer_view())
 
     def validate_replicas(self, role: str, replicas: int) -> None:
         if role not in ROLES:
@@ -417,7 +271,7 @@ class Planner:
         self.validate_replicas(role, replicas)
         self.overrides[role] = OverrideState(replicas, self.wall() + ttl_s)
         async with self.lock:
-            await self.measure()
+            await self.observer.measure()
             inp = self.inputs()
             current = {r: inp.role(r).desired for r in ROLES}
             targets = {**current, role: replicas}
@@ -452,7 +306,7 @@ class Planner:
             st.overrides.add(role=role, replicas=o.replicas, expires_unix_s=o.expires_unix_s)
         if self.decisions:
             st.last_decision.CopyFrom(self.decisions[-1])
-        for role, state in self.states.items():
+        for role, state in self.observer.states.items():
             for rep in state.replicas:
                 st.replicas.add(role=role, name=rep.name, address=rep.address, ready=rep.ready)
         return st
@@ -469,11 +323,9 @@ class Planner:
                 await self.step("interval")
             else:
                 async with self.lock:
-                    await self.measure()
+                    await self.observer.measure()
 
     async def close(self) -> None:
         self.closing = True
         self.recorded.notify()
-        for ch in self.channels.values():
-            await ch.close()
-        self.channels.clear()
+        await self.observer.close()

@@ -209,8 +209,15 @@ def solve(policy: Policy, actor_rate: float, learner_rate: float,
 def decide(policy: Policy, inp: Inputs) -> Decision:
     current = {r: inp.role(r).desired for r in ROLES}
 
+    necks: dict[float | None, Bottleneck] = {}   # worked out once per decision: gates actor scale-ups, is recorded
+
+    def neck_at(ratio: float | None) -> Bottleneck:
+        if ratio not in necks:
+            necks[ratio] = bottleneck(policy, ratio, inp.transport)
+        return necks[ratio]
+
     def out(action: str, reason: str, targets=None, proposed=None, **rates) -> Decision:
-        neck = bottleneck(policy, rates.get("ratio"), inp.transport)
+        neck = neck_at(rates.get("ratio"))
         reason = f"{reason}; bottleneck: {neck.kind} ({neck.evidence})" if neck.evidence else reason
         return Decision(action, reason, current, dict(targets or current), dict(proposed or current), **rates,
                         bottleneck=neck)
@@ -265,7 +272,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
 
     in_band = abs(ratio - 1.0) <= policy.tolerance
     # Data stuck between actors and buffers: more actors only add to it (more buffer shards would help).
-    stuck = bottleneck(policy, ratio, inp.transport)
+    stuck = neck_at(ratio)
     # More actors mean older samples when the learners cannot keep their lag down: the staleness target
     # (docs/architecture.md section 4) holds actor scale-ups while the measured lag is above it.
     lag_over = (policy.max_policy_lag > 0 and inp.policy_lag is not None and inp.policy_lag > policy.max_policy_lag)

@@ -5,7 +5,7 @@ external simulators). Scale-down stops the newest actors with SIGTERM: an actor'
 stepping, flushes its partial fragment and waits until the buffer has acknowledged everything queued
 (see services/actor/main.py), so its in-flight fragments reach the buffer before it exits. A process
 that dies on its own is restarted with backoff on the same command line, like a Deployment's pod, and
-counted: services/common/supervise.py does it, for `kuberl up`'s own processes too.
+counted: services/common/local/supervise.py does it, for `kuberl up`'s own processes too.
 
 Learners run as one group (services/learner/distributed.py): n processes, ranks 0..n-1, averaging
 gradients. A group cannot change size in place, so a new learner count stops the whole group (rank 0
@@ -23,11 +23,11 @@ import logging
 from pathlib import Path
 
 from services.config import ExperimentConfig
-from services.common.procs import ServiceProcess, free_port
+from services.common.local.procs import ServiceProcess, free_port
 from services.common.stats import Metrics
-from services.common.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, learner_specs,
+from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, learner_specs,
                                        stop_procs, wait_or_kill)
-from services.common.shards import buffer_addresses
+from services.common.net.shards import buffer_addresses
 from services.planner.backend import ROLES, ApplyResult, Replica, RoleState
 
 log = logging.getLogger(__name__)

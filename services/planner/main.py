@@ -11,9 +11,9 @@ from pathlib import Path
 
 from kuberl.v1 import planner_pb2
 from services.config import ExperimentConfig, dump_config, load_config, load_role_config
-from services.common.grpcutil import MiB, add_servicer
-from services.common.lifecycle import Lifecycle
-from services.common.runtime import base_parser, run_service, write_ready_file
+from services.common.net.grpcutil import MiB, add_servicer
+from services.common.service.lifecycle import Lifecycle
+from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.planner.backend import DryRunBackend
 from services.planner.core import Planner

@@ -1,6 +1,6 @@
 """Clients balance per pod behind a headless Service, as the manifests assume.
 
-A headless Service's DNS name resolves to every ready pod; services/common/grpcutil.make_channel must
+A headless Service's DNS name resolves to every ready pod; services/common/net/grpcutil.make_channel must
 then spread calls over all of those addresses (round_robin), not stick to the first (gRPC's default
 pick_first). Two real servers stand in for two pods; the target lists both addresses, as DNS would.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.grpcutil import MiB, make_channel, start_server
+from services.common.net.grpcutil import MiB, make_channel, start_server
 
 
 async def _count_answers(channel: grpc.aio.Channel, calls: int) -> dict[str, int]:

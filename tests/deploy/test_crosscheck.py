@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.config import load_config
-from services.common.prometheus import PROBE_TIMEOUT_S, PROBES
+from services.common.service.prometheus import PROBE_TIMEOUT_S, PROBES
 from services.planner.kube import WORKLOADS
 from services.planner.rbac import RESOURCE_NAMES, RULES
 from tests.deploy.render import (HELM_SECURE, ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
@@ -161,7 +161,7 @@ def test_container_matches_what_the_service_serves_and_accepts(render, role):
     default_port = port_of(parser_of(role)([]).listen)
     # gRPC: the service's default port everywhere (the images EXPOSE it too; see test_dockerfiles).
     assert port_of(args.listen) == named_port(c, "grpc") == default_port
-    # HTTP probes of the metrics port, which serves them (services/common/prometheus.PROBES): readiness
+    # HTTP probes of the metrics port, which serves them (services/common/service/prometheus.PROBES): readiness
     # (and startup) the role's services SERVING, liveness its event loop answering; each with a timeout
     # longer than the endpoint's own wait, so that a slow loop is a 503 with its reason.
     wants_ready = {"startupProbe": True, "readinessProbe": True, "livenessProbe": False}
@@ -202,7 +202,7 @@ def test_peers_are_headless_services_that_select_the_right_pods(render):
              "learner": {"buffer": parsed_args(ws["learner"]).buffer}}
     for role, targets in peers.items():
         for peer, target in targets.items():
-            # dns:/// + round_robin (services/common/grpcutil.make_channel) balances over every pod.
+            # dns:/// + round_robin (services/common/net/grpcutil.make_channel) balances over every pod.
             assert target.startswith("dns:///"), f"{role} --{peer}={target}: use dns:/// for per-pod balancing"
             host, port = urlparse(target).path.lstrip("/").rsplit(":", 1)
             svc = services[host]

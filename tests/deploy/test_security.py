@@ -20,11 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import ROLE_RPCS, TokenStore
-from services.common.tokens import read_client_token
-from services.common.grpcutil import start_server
+from services.common.net.auth import ROLE_RPCS, TokenStore
+from services.common.net.tokens import read_client_token
+from services.common.net.grpcutil import start_server
 from services.config import load_role_config
-from services.common.tls import open_channel
+from services.common.net.tls import open_channel
 from tests.certs import Pki
 from tests.deploy.render import (HELM_SECURE, RenderError, container, expand_vars, helm_template, kustomize, of_kind,
                                  pod_env, workloads)
@@ -137,7 +137,7 @@ def test_every_flow_completes_a_mutual_tls_handshake_with_the_rendered_settings(
 
 def test_each_internal_rpc_is_served_to_the_role_that_calls_it_only(secure):
     """tls.role_names as the buffer and the learner resolve it, against the certificates every role
-    mounts: each internal RPC (services/common/auth.ROLE_RPCS) admits its calling role and refuses the
+    mounts: each internal RPC (services/common/net/auth.ROLE_RPCS) admits its calling role and refuses the
     others' certificates with PERMISSION_DENIED. (The servers here stand in for the RPCs' handlers: one
     that is reached answers FAILED_PRECONDITION.)"""
     _, configs = secure

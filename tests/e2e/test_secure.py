@@ -19,9 +19,9 @@ import grpc
 import yaml
 
 from kuberl.v1 import actor_pb2_grpc, common_pb2
-from services.common.tokens import bearer_metadata
-from services.common.tls import TlsConfig
-from services.common.tls import open_channel
+from services.common.net.tokens import bearer_metadata
+from services.common.net.tls import TlsConfig
+from services.common.net.tls import open_channel
 from tests.certs import Pki
 from tests.e2e.kube import (VERSION_METRIC, Simulator, fit_node, fresh_namespace, kubectl, metrics, pod_metrics,
                             render_overlay, wait_metric, wait_ready, with_config)

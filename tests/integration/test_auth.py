@@ -1,4 +1,4 @@
-"""Bearer tokens and session caps (services/common/auth.py, docs/security.md), end to end: a real
+"""Bearer tokens and session caps (services/common/net/auth.py, docs/security.md), end to end: a real
 actor in env.mode external with buffer and learner (processes) and kuberl_client sessions; the planner
 in process with the CLI against it; once combined with mutual TLS."""
 
@@ -18,9 +18,10 @@ from kuberl.v1 import common_pb2 as pb
 from kuberl_client import EnvSessionClient, SessionError
 from services.cli.main import main as kuberl
 from services.config import config_from_dict
-from services.common.tls import open_channel
+from services.common.net.tls import open_channel
 from services.planner import main as planner_main
-from services.planner.core import Planner
+from services.common.stats import Metrics
+from services.planner.observe import GrpcStats
 from tests.certs import Pki
 from tests.helpers import TINY_PPO, Service, write_config
 from tests.integration.test_env_session_client import OBS_SHAPE, WAIT_S, Stack, external_config
@@ -199,12 +200,12 @@ async def test_tokens_with_mutual_tls_and_the_planner_reads_protected_stats(tmp_
     buffer = Service("buffer", tmp_path, write_config(tmp_path / "c.yaml", data))
     try:
         address = buffer.wait_ready(timeout=3 * WAIT_S)
-        reader = Planner(cfg, StaticBackend(actor=address, learner=address, buffer=address))
+        reader = GrpcStats(cfg, Metrics("planner"))
         try:
-            resp = await reader._get_stats("buffer", "buffer-0", address, pb.GetStatsRequest())
+            resp = await reader.get_stats("buffer", "buffer-0", address, pb.GetStatsRequest())
             assert resp is not None and resp.role == "buffer"
             (tmp_path / "role.token").write_text("f" * 64 + "\n")   # a token the buffer does not know
-            assert await reader._get_stats("buffer", "buffer-0", address, pb.GetStatsRequest()) is None
+            assert await reader.get_stats("buffer", "buffer-0", address, pb.GetStatsRequest()) is None
         finally:
             await reader.close()
     finally:

@@ -13,7 +13,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.buffer import main as buffer_main
 from services.buffer import servicer as buffer_servicer
 from services.config import config_from_dict
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 from tests.fragments import make_fragment
 from tests.helpers import TINY_DQN, TINY_PPO
 
@@ -234,7 +234,7 @@ async def test_ppo_fragment_with_another_layout_is_invalid_argument(ppo_buffer):
 
 
 async def test_bytes_that_are_not_a_fragment_are_refused_without_naming_a_seq():
-    # The buffer reads pushed fragments straight from their bytes (services/common/wire.py).
+    # The buffer reads pushed fragments straight from their bytes (services/common/protocol/wire.py).
     async with buffer_main.serving(config_from_dict(TINY_PPO), listen="127.0.0.1:0") as endpoints:
         async with grpc.aio.insecure_channel(endpoints.grpc) as channel:
             raw_push = channel.stream_unary("/kuberl.v1.Buffer/PushTrajectories", request_serializer=None,

@@ -1,4 +1,4 @@
-"""Buffer shards (services/common/shards.py): three buffers, one learner streaming from all three,
+"""Buffer shards (services/common/net/shards.py): three buffers, one learner streaming from all three,
 three actors at different speeds each pinned to one shard. Each shard holds the target replay ratio within its band
 on its own (the learner draws more from the shard whose actor inserts more), the learner's ratio over
 all shards holds too, and nothing is dropped, refused or stored twice."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
-from services.common.shards import combined_samples_per_insert
+from services.common.net.shards import combined_samples_per_insert
 from tests.helpers import TINY_DQN, Service, stats, wait_for, write_config
 
 TARGET, TOLERANCE, LEARNING_STARTS, SHARDS = 4.0, 0.1, 64, 3

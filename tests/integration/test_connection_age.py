@@ -8,7 +8,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpcutil import MiB, make_channel, start_server
+from services.common.net.grpcutil import MiB, make_channel, start_server
 
 
 async def _left_ready(max_connection_age_s: float | None, wait_s: float) -> bool:

@@ -21,7 +21,7 @@ from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_gr
 from kuberl.v1 import common_pb2 as pb
 from kuberl_client import EnvSessionClient, SessionError, SessionTimeout
 from kuberl_client.gym import serve_gym_env
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 from tests.helpers import TINY_PPO, Service, stats, wait_for, write_config
 
 OBS_SHAPE = (4,)  # CartPole-v1: Box[4] float32, Discrete(2)

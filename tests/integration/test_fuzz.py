@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fuzz import SERVICES, fuzz_config, fuzz_server, max_message_bytes, serve_in_process
 from services.config import config_from_dict
-from services.common.tls import open_channel
+from services.common.net.tls import open_channel
 from tests.certs import Pki
 
 CALLS_PER_RPC = 22  # each kind of malformed frame twice per RPC

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kuberl.v1 import learner_pb2, learner_pb2_grpc
-from services.common.procs import free_port
+from services.common.local.procs import free_port
 from tests.helpers import TINY_DQN, TINY_PPO, TINY_SAC, Service, stats, wait_for, write_config
 
 

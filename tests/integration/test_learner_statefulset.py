@@ -16,7 +16,7 @@ import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kuberl.v1 import learner_pb2_grpc
-from services.common.procs import free_port
+from services.common.local.procs import free_port
 from services.learner.distributed import STORE_PREFIX, host_port
 from services.learner.membership import MembershipError, ScaleReader, split_ordinal
 from tests.helpers import TINY_PPO, Service, stats, wait_for, write_config

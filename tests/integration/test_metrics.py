@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc
-from services.common.prometheus import prometheus_name
+from services.common.service.prometheus import prometheus_name
 from tests.helpers import TINY_PPO, Service, http_get, stats, wait_for, write_config
 
 STUBS = {"buffer": buffer_pb2_grpc.BufferStub, "learner": learner_pb2_grpc.LearnerStub,

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from services.cli.main import main as kuberl
-from services.common.procs import free_port
+from services.common.local.procs import free_port
 from kuberl.v1.actor_pb2_grpc import ActorStub
 from kuberl.v1.learner_pb2_grpc import LearnerStub
 from tests.helpers import ROOT, TINY_PPO, run_logs, stats, wait_for, write_config

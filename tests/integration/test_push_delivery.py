@@ -16,8 +16,8 @@ from kuberl.v1 import common_pb2 as pb
 from services.actor.push import Pusher
 from services.buffer import main as buffer_main
 from services.config import config_from_dict
-from services.common.fragments import EncodedFragment, new_incarnation
-from services.common.procs import free_port
+from services.common.protocol.fragments import EncodedFragment, new_incarnation
+from services.common.local.procs import free_port
 from services.common.stats import Metrics
 from tests.helpers import TINY_DQN, TINY_PPO, Service, write_config
 from tests.unit.fragment_factory import make_msg
@@ -150,7 +150,7 @@ async def test_fragments_a_killed_buffer_never_acknowledged_are_resent_to_its_su
 async def test_a_fragment_too_old_to_dedupe_is_counted_as_rejected_not_acknowledged(buffer_channel):
     """A sender that broke the queue bound (more than DEDUPE_WINDOW seqs apart in flight) gets its
     oldest fragment refused; the actor counts it, fragments and samples, and never as acknowledged."""
-    from services.common.fragments import DEDUPE_WINDOW
+    from services.common.protocol.fragments import DEDUPE_WINDOW
 
     inc = new_incarnation()
     new, old = frag(DEDUPE_WINDOW + 5, inc), frag(0, inc)

@@ -28,10 +28,10 @@ from kuberl.v1 import actor_pb2_grpc, learner_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from kuberl_client import Box, EnvSessionClient, MultiDiscrete, SessionError
 from services.cli.trained import load_trained
-from services.common.grpcutil import start_server
-from services.common.nets import to_numpy
+from services.common.net.grpcutil import start_server
+from services.common.models.nets import to_numpy
 from services.common.stats import Metrics
-from services.common.weights import encode_weights
+from services.common.protocol.weights import encode_weights
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
 from tests.helpers import ROOT, Service, http_get, stats, wait_for, write_config

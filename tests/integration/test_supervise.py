@@ -1,4 +1,4 @@
-"""services/common/supervise.py with real service processes: a SIGKILLed process is started again
+"""services/common/local/supervise.py with real service processes: a SIGKILLed process is started again
 on the same address after its backoff, and one that cannot start is reported with its log and given up
 on. Times are passed explicitly (`check(now)`), never slept on. Learner groups:
 tests/unit/common/test_supervise_group.py and tests/integration/test_learner_group_restart.py."""
@@ -14,8 +14,8 @@ import grpc
 
 from kuberl.v1 import buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
-from services.common.procs import free_port
-from services.common.supervise import MAX_FAILURES, RESTART_BACKOFF_S, Spec, Supervisor, format_event
+from services.common.local.procs import free_port
+from services.common.local.supervise import MAX_FAILURES, RESTART_BACKOFF_S, Spec, Supervisor, format_event
 from tests.helpers import TINY_PPO, write_config
 
 WAIT_S = 120.0

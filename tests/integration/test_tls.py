@@ -1,4 +1,4 @@
-"""TLS on every gRPC endpoint, mutual between roles (services/common/tls.py, docs/security.md), with real
+"""TLS on every gRPC endpoint, mutual between roles (services/common/net/tls.py, docs/security.md), with real
 certificates made here (tests/certs.py): a CA, role certificates for 127.0.0.1/localhost, an expired
 one, one from a CA nobody trusts.
 
@@ -34,10 +34,10 @@ from kuberl_client import EnvSessionClient, SessionError
 from services.actor import main as actor_main
 from services.buffer import main as buffer_main
 from services.cli.main import main as kuberl
-from services.common.tls import TlsConfig
+from services.common.net.tls import TlsConfig
 from services.config import config_from_dict
-from services.common.grpcutil import MiB, start_server
-from services.common.tls import open_channel
+from services.common.net.grpcutil import MiB, start_server
+from services.common.net.tls import open_channel
 from services.learner import main as learner_main
 from services.planner import main as planner_main
 from services.planner.backend import ApplyResult, Replica, RoleState
@@ -156,7 +156,7 @@ async def test_rotated_certificate_files_are_served_to_new_connections_without_a
             # A half-done rotation (the new certificate with another key) is not served: the old one stays.
             mismatched.key.replace(pki.dir / "mismatched-swapped-key.pem")
             _replace(Issued(new.cert, pki.dir / "mismatched-swapped-key.pem", pki.ca), served)
-            with caplog.at_level(logging.WARNING, logger="services.common.tls"):
+            with caplog.at_level(logging.WARNING, logger="services.common.net.tls"):
                 assert await check(address, old_name) == SERVING
             assert "do not load, still serving the previous certificate" in caplog.text
             assert "is not the private key" in caplog.text
@@ -173,10 +173,10 @@ async def test_rotated_certificate_files_are_served_to_new_connections_without_a
                                                ("0.0.0.0:0", True, False)],
                          ids=["any-address-plaintext", "loopback-plaintext", "any-address-tls"])
 async def test_plaintext_on_an_address_others_reach_is_warned_about_once(role, caplog, listen, tls, warned):
-    with caplog.at_level(logging.WARNING, logger="services.common.grpcutil"):
+    with caplog.at_level(logging.WARNING, logger="services.common.net.grpcutil"):
         async with server(settings(role) if tls else None, listen):
             pass
-    records = [r for r in caplog.records if r.name == "services.common.grpcutil" and "without TLS" in r.message]
+    records = [r for r in caplog.records if r.name == "services.common.net.grpcutil" and "without TLS" in r.message]
     assert len(records) == (1 if warned else 0), caplog.text
     if warned:
         assert records[0].levelno == logging.WARNING and "0.0.0.0:0" in records[0].message
@@ -239,10 +239,10 @@ async def test_every_role_trains_over_mutual_tls_and_the_planner_and_cli_read_th
 
         backend = StaticBackend(actor=actor, learner=learner, buffer=buffer)
         async with planner_main.serving(cfg, backend, listen="127.0.0.1:0") as (endpoints, planner):
-            await planner.measure()   # GetStats of every role, over mutual TLS
+            await planner.observer.measure()   # GetStats of every role, over mutual TLS
             assert planner.metrics.counters["planner/stats_errors_total"] == 0
-            assert all(planner.rates[r][f"{r}-0"].last_ok is not None for r in ("actor", "learner"))
-            assert "buffer-0" in planner.buffer_stats
+            assert all(planner.observer.rates[r][f"{r}-0"].last_ok is not None for r in ("actor", "learner"))
+            assert "buffer-0" in planner.observer.buffer_stats
             await refused(endpoints.grpc, None)
             capsys.readouterr()
             assert await asyncio.to_thread(kuberl, ["status", "--planner", endpoints.grpc, "--config", str(config)]) == 0
@@ -373,7 +373,7 @@ async def test_role_names_serve_each_internal_rpc_only_to_the_role_that_calls_it
 
 async def test_role_names_need_verified_client_certificates(role):
     """A buffer cannot authorise by certificate what it does not ask for: refused before it binds."""
-    from services.common.tls import TlsError
+    from services.common.net.tls import TlsError
 
     cfg = config_from_dict({**TINY_PPO, "tls": role.tls(role_names=ROLE_NAMES, client_auth="none")})
     with pytest.raises(TlsError, match="tls.role_names is set, so kuberl.v1.Buffer authorises its callers by their "
@@ -389,8 +389,8 @@ async def test_a_planner_whose_certificate_files_break_counts_stats_errors_and_g
     other = pki.issue("other")
     cfg = config_from_dict({**TINY_PPO, "tls": role.tls(key_file=str(other.key)), "planner": {"enabled": False}})
     planner = Planner(cfg, StaticBackend(actor="127.0.0.1:1", learner="127.0.0.1:1", buffer="127.0.0.1:1"))
-    await planner.measure()
-    assert planner.metrics.counters["planner/stats_errors_total"] == 3 and not planner.channels
+    await planner.observer.measure()
+    assert planner.metrics.counters["planner/stats_errors_total"] == 3 and not planner.observer.stats.channels
     await planner.close()
 
 

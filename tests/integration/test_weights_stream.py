@@ -8,9 +8,9 @@ import grpc
 import numpy as np
 
 from kuberl.v1 import learner_pb2, learner_pb2_grpc
-from services.common.grpcutil import start_server
+from services.common.net.grpcutil import start_server
 from services.common.stats import Metrics
-from services.common.weights import WeightsAssembler, encode_weights
+from services.common.protocol.weights import WeightsAssembler, encode_weights
 from services.learner.publish import WeightsHub
 from services.learner.servicer import LearnerServicer
 

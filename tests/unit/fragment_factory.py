@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import Fragment, build_fragment, decode_fragment
+from services.common.protocol.fragments import Fragment, build_fragment, decode_fragment
 
 PPO = pb.ALGORITHM_PPO
 DQN = pb.ALGORITHM_DQN
@@ -103,7 +103,7 @@ class FrameEnvs:
 def transition_batch(actions, obs_dim: int, B: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
     """B random transitions of a TransitionBatch as read-only arrays, as a learner decodes them off the
     wire; `actions(rng, B)` draws the actions (after obs, before rewards)."""
-    from services.common.tensors import decode, encode
+    from services.common.protocol.tensors import decode, encode
 
     rng = np.random.default_rng(seed)
     arrays = {"obs": rng.standard_normal((B, obs_dim)).astype(np.float32),

@@ -13,11 +13,11 @@ import pytest
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.algorithms.base import FifoTable, ReplayTable
-from services.common.fragments import MAX_EXTRA_NAME
-from services.common.nets import env_spec
+from services.common.protocol.fragments import MAX_EXTRA_NAME
+from services.common.models.nets import env_spec
 from services.common.settings import require
 from services.config import ConfigError, config_from_dict
-from services.common.spaces import Discrete
+from services.common.protocol.spaces import Discrete
 from services.common.stats import Metrics
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"

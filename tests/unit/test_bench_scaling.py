@@ -155,7 +155,7 @@ def test_synthetic_fragment_is_encode_fragments_payload():
     """header(seq) + body + trailer(t) equals `encode_fragment` for any seq: the synthetic actor pushes
     what a real one would."""
     from kuberl.v1 import common_pb2 as pb
-    from services.common.fragments import decode_fragment, encode_fragment
+    from services.common.protocol.fragments import decode_fragment, encode_fragment
 
     T, N, D = 4, 2, 8
     head, body, tail, samples = scaling.fragment_parts("a-1", 77, (T, N, D))

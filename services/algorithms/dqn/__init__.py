@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.base import Algorithm, ReplayTable
 from services.algorithms.dqn.config import DQNConfig
-from services.common.spaces import Discrete
+from services.common.protocol.spaces import Discrete
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig

@@ -18,7 +18,7 @@ from services.algorithms.group import GroupSync, average_over_group, finite_grad
 from services.algorithms.checks import TransitionLearner, skipped_step
 from services.algorithms.dqn.config import DQNConfig
 from services.algorithms.dqn.networks import QNetwork
-from services.common.nets import EnvSpec, resolve_device
+from services.common.models.nets import EnvSpec, resolve_device
 from services.common.stats import Metrics
 
 

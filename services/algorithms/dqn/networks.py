@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.common.nets import EnvSpec, NatureCNN, is_image, layer, mlp
+from services.common.models.nets import EnvSpec, NatureCNN, is_image, layer, mlp
 
 
 class QNetwork(nn.Module):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.base import Algorithm, FifoTable
 from services.algorithms.ppo.config import PPOConfig
-from services.common.spaces import Box, Discrete, MultiDiscrete
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig

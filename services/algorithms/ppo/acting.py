@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from services.algorithms.ppo.networks import ActorCritic
-from services.common.nets import GreedyPolicy
+from services.common.models.nets import GreedyPolicy
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig
-    from services.common.spaces import EnvSpec
+    from services.common.protocol.spaces import EnvSpec
     from services.common.stats import Metrics
 
 

@@ -26,9 +26,9 @@ from services.algorithms.group import GroupSync, average_over_group, finite_grad
 from services.algorithms.checks import check_fits, skipped_step
 from services.algorithms.ppo import PPO as PPOAlgorithm
 from services.algorithms.ppo.config import PPOConfig
-from services.common.fragments import Fragment, decode_fragment
+from services.common.protocol.fragments import Fragment, decode_fragment
 from services.algorithms.ppo.networks import ActorCritic
-from services.common.nets import EnvSpec, ObsNormalizer, resolve_device
+from services.common.models.nets import EnvSpec, ObsNormalizer, resolve_device
 from services.common.stats import Metrics
 
 

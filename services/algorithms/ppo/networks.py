@@ -6,15 +6,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.common.heads import ActionDist, Head, out_features
-from services.common.nets import EnvSpec, NatureCNN, ObsNormalizer, is_image, layer, mlp
+from services.common.models.heads import ActionDist, Head, out_features
+from services.common.models.nets import EnvSpec, NatureCNN, ObsNormalizer, is_image, layer, mlp
 
 
 class ActorCritic(nn.Module):
     """Policy and value heads. Flat observations: separate tanh MLPs (CleanRL's ppo.py). Frames: one
     shared Nature CNN torso with a policy head (std 0.01) and a value head (std 1), as in CleanRL's
     ppo_atari.py. The policy's output layer parameterises the action space's distribution
-    (services/common/heads.py: categorical, a product of categoricals, or a diagonal Gaussian)."""
+    (services/common/models/heads.py: categorical, a product of categoricals, or a diagonal Gaussian)."""
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...], normalize_obs: bool = False, obs_clip: float = 10.0):
         super().__init__()

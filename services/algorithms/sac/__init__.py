@@ -10,11 +10,11 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.base import Algorithm, ReplayTable
 from services.algorithms.sac.config import SACConfig
-from services.common.spaces import Box
+from services.common.protocol.spaces import Box
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig
-    from services.common.spaces import EnvSpec
+    from services.common.protocol.spaces import EnvSpec
 
 
 class SAC(Algorithm[SACConfig]):

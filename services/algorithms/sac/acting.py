@@ -9,12 +9,12 @@ import numpy as np
 import torch
 
 from services.algorithms.sac.networks import SquashedGaussianActor
-from services.common.nets import GreedyPolicy
-from services.common.spaces import Box
+from services.common.models.nets import GreedyPolicy
+from services.common.protocol.spaces import Box
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig
-    from services.common.spaces import EnvSpec
+    from services.common.protocol.spaces import EnvSpec
     from services.common.stats import Metrics
 
 

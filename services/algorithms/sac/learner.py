@@ -22,7 +22,7 @@ from services.algorithms.group import GroupSync, average_over_group, finite_grad
 from services.algorithms.checks import TransitionLearner, skipped_step
 from services.algorithms.sac.networks import SquashedGaussianActor, TwinQ
 from services.algorithms.sac.config import SACConfig
-from services.common.nets import EnvSpec, resolve_device
+from services.common.models.nets import EnvSpec, resolve_device
 from services.common.stats import Metrics
 
 

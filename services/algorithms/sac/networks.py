@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.envs import EnvSpec
-from services.common.nets import mlp
-from services.common.spaces import Box
+from services.common.models.nets import mlp
+from services.common.protocol.spaces import Box
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
@@ -34,7 +34,7 @@ def squashed_log_prob(normal: torch.distributions.Normal, u: torch.Tensor, scale
 class SquashedGaussianActor(nn.Module):
     """pi(.|s) over flat observations; `scale`/`bias` map tanh's (-1, 1) onto the Box's bounds (buffers,
     so an actor's copy agrees with the learner's). `validate`: whether the Gaussian checks its
-    parameters; the learner's does not (as services/common/heads.py's `Head.validate`): a non-finite
+    parameters; the learner's does not (as services/common/models/heads.py's `Head.validate`): a non-finite
     output becomes a non-finite loss, whose step is skipped, instead of an exception."""
     validate: bool = True
     scale: torch.Tensor   # buffers (register_buffer)

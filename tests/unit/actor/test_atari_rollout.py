@@ -10,9 +10,9 @@ from kuberl.v1 import common_pb2 as pb
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
 from services.config import config_from_dict
-from services.common.fragments import RawFragment, decode_fragment
+from services.common.protocol.fragments import RawFragment, decode_fragment
 from services.common.stats import Metrics
-from services.common.tensors import decode
+from services.common.protocol.tensors import decode
 from services.learner.trainer import Trainer
 
 pytest.importorskip("ale_py", reason="ale-py is in the actor extra")

@@ -7,7 +7,7 @@ import pytest
 from services.actor.policy import Policy
 from services.algorithms.dqn.acting import epsilon_at, run_env_steps
 from services.config import config_from_dict
-from services.common.nets import env_spec
+from services.common.models.nets import env_spec
 from services.common.stats import Metrics
 
 CFG = config_from_dict({"algorithm": "dqn", "dqn": {"batch_size": 32, "learning_starts": 1000, "replay_ratio": 8.0,

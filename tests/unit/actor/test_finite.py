@@ -10,8 +10,8 @@ import pytest
 from services.actor.finite import BadEnvStep, Check
 from services.actor.rollout import Rollout
 from services.config import config_from_dict
-from services.common.fragments import RawFragment, decode_fragment
-from services.common.nets import to_numpy
+from services.common.protocol.fragments import RawFragment, decode_fragment
+from services.common.models.nets import to_numpy
 from services.common.stats import Metrics
 
 T, N = 4, 2

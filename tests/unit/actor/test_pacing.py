@@ -11,7 +11,7 @@ import pytest
 
 from services.actor.rollout import Rollout
 from services.config import ConfigError, config_from_dict
-from services.common.nets import to_numpy
+from services.common.models.nets import to_numpy
 from services.common.stats import Metrics
 
 CFG = {"env": {"id": "CartPole-v1", "num_envs": 2}, "ppo": {"rollout_steps": 4, "batch_steps": 16,
@@ -141,7 +141,7 @@ async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut(monke
     from services.actor.policy import Policy
     from services.actor.sessions import SessionHub
     from services.common.envs import spec_of
-    from services.common.tensors import encode
+    from services.common.protocol.tensors import encode
 
     cfg = config_from_dict({**CFG, "env": {"id": "CartPole-v1", "mode": "external"},
                             "actor": {"fragments_per_version": 1, "pace_timeout_s": 600}})

@@ -4,7 +4,7 @@ oldest unsent fragment at either bound and counts every drop; nothing else leave
 from __future__ import annotations
 
 from services.actor.push import Pusher
-from services.common.fragments import EncodedFragment
+from services.common.protocol.fragments import EncodedFragment
 from services.common.stats import Metrics
 
 
@@ -41,3 +41,18 @@ def test_a_fragment_larger_than_the_byte_bound_is_still_queued_alone():
     p.enqueue(frag(0, 50))
     p.enqueue(frag(1, 500))                # bigger than the bound: it replaces what is queued, never itself
     assert [m.seq for m in p.queue] == [1] and metrics.counters["actor/fragments_dropped_total"] == 1
+
+
+def test_the_fill_gauge_is_the_nearer_of_the_two_bounds():
+    """The planner reads `actor/push_queue_fill` as the share of this actor's own bounds in use."""
+    metrics = Metrics("actor")
+    p = Pusher(NoChannel(), capacity=10, ack_interval_s=1.0, metrics=metrics, max_bytes=1000)
+    assert metrics.gauges["actor/push_queue_fill"] == 0.0
+    p.enqueue(frag(0, 100))
+    p.enqueue(frag(1, 100))
+    assert metrics.gauges["actor/push_queue_fill"] == 0.2          # 2 of 10 fragments, 200 of 1,000 bytes
+    p.enqueue(frag(2, 500))
+    assert metrics.gauges["actor/push_queue_fill"] == 0.7          # bytes are nearer: 700 of 1,000
+    for seq in range(3, 10):
+        p.enqueue(frag(seq, 1))
+    assert len(p.queue) == 10 and metrics.gauges["actor/push_queue_fill"] == 1.0   # fragments now: 10 of 10

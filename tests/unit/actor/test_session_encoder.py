@@ -18,13 +18,13 @@ from kuberl.v1 import actor_pb2
 from kuberl.v1 import common_pb2 as pb
 from services.actor.encoder import FragmentEncoder
 from services.actor.sessions import SessionHub
-from services.common import spaces
-from services.common.fragments import (EncodedFragment, RawFragment, build_fragment, decode_fragment,
+from services.common.protocol import spaces
+from services.common.protocol.fragments import (EncodedFragment, RawFragment, build_fragment, decode_fragment,
                                        encode_fragment, join_releasing_gil)
-from services.common.nets import EnvSpec
-from services.common.spaces import Discrete, MultiDiscrete
+from services.common.models.nets import EnvSpec
+from services.common.protocol.spaces import Discrete, MultiDiscrete
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 from services.config import config_from_dict
 
 T, N = 4, 3

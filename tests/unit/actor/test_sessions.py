@@ -9,12 +9,12 @@ from kuberl.v1 import actor_pb2
 from kuberl.v1 import common_pb2 as pb
 from services.actor.sessions import SessionError, SessionHub
 from services.config import config_from_dict
-from services.common.fragments import RawFragment, decode_fragment
-from services.common.nets import EnvSpec
-from services.common import spaces
-from services.common.spaces import Box, Discrete, MultiDiscrete
+from services.common.protocol.fragments import RawFragment, decode_fragment
+from services.common.models.nets import EnvSpec
+from services.common.protocol import spaces
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), Discrete(2))
 T, N = 4, 2

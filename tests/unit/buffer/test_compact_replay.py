@@ -14,9 +14,9 @@ from services.buffer.compact import CompactReplay, frame_ring_size
 from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
 from services.config import ConfigError, config_from_dict
-from services.common.fragments import TRANSITION_FIELDS, Fragment, build_fragment, decode_fragment
+from services.common.protocol.fragments import TRANSITION_FIELDS, Fragment, build_fragment, decode_fragment
 from services.common.stats import Metrics
-from services.common.tensors import TensorError
+from services.common.protocol.tensors import TensorError
 from tests.unit.fragment_factory import DQN, FrameEnvs, make_msg
 
 DQN_FIELDS = list(TRANSITION_FIELDS)

@@ -14,9 +14,9 @@ from services.buffer.compact import CompactReplay
 from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
 from services.config import ConfigError, config_from_dict
-from services.common.fragments import build_fragment, decode_fragment
-from services.common.nets import EnvSpec
-from services.common.spaces import Discrete
+from services.common.protocol.fragments import build_fragment, decode_fragment
+from services.common.models.nets import EnvSpec
+from services.common.protocol.spaces import Discrete
 from services.common.stats import Metrics
 from tests.unit.fragment_factory import DQN as DQN_CODE
 from tests.unit.fragment_factory import FrameEnvs, fragment_arrays

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from services.buffer.replay import ReplayRing
-from services.common.fragments import build_fragment, decode_fragment
-from services.common.tensors import TensorError
+from services.common.protocol.fragments import build_fragment, decode_fragment
+from services.common.protocol.tensors import TensorError
 from tests.unit.fragment_factory import DQN, fragment_arrays, make_fragment
 
 # A fragment of T=2 steps of N=2 envs holds 4 transitions with rewards base..base+3.

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import batch_samples
+from services.common.protocol.fragments import batch_samples
 from services.buffer.store import Store
 from services.config import config_from_dict
 from services.common.stats import Metrics
-from services.common.tensors import decode
+from services.common.protocol.tensors import decode
 from tests.unit.fragment_factory import DQN, PPO, make_msg
 
 T, N = 4, 2

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import batch_samples
+from services.common.protocol.fragments import batch_samples
 from services.buffer.store import MAX_INCARNATIONS_PER_ACTOR, SEQ_WINDOW, Outcome, SeqWindow, Store
 from services.config import config_from_dict
 from services.common.stats import Metrics
-from services.common.tensors import TensorError, decode
+from services.common.protocol.tensors import TensorError, decode
 from tests.unit.fragment_factory import DQN, PPO, make_msg
 
 T, N = 4, 2  # fragments of 8 samples
@@ -374,7 +374,7 @@ def test_the_bit_ring_window_agrees_with_a_naive_set_on_random_sequences():
 
 def test_the_window_covers_every_send_queue_config_allows():
     from services.config import ConfigError, config_from_dict
-    from services.common.fragments import DEDUPE_WINDOW
+    from services.common.protocol.fragments import DEDUPE_WINDOW
 
     assert SEQ_WINDOW == DEDUPE_WINDOW
     config_from_dict({"actor": {"queue_fragments": DEDUPE_WINDOW}})

@@ -12,8 +12,8 @@ import torch
 from services.cli import evaluate
 from services.cli.trained import load_trained
 from services.config import config_from_dict
-from services.common.heads import Head
-from services.common.spaces import Box, Discrete, MultiDiscrete
+from services.common.models.heads import Head
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 from tests.helpers import eval_cli, video_frames
 from tests.policies import untrained
 

@@ -69,7 +69,7 @@ def test_onnx_gives_the_torch_policys_actions(tmp_path, cfg, edit):
 
 
 def test_sample_masks_allow_a_value_of_every_choice():
-    from services.common.spaces import Discrete, MultiDiscrete, check_mask
+    from services.common.protocol.spaces import Discrete, MultiDiscrete, check_mask
 
     for space in (Discrete(5), MultiDiscrete((4, 3, 1))):
         mask = export.sample_masks(space, 200, seed=2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections import Counter
 
 import pytest
 
@@ -179,7 +178,7 @@ def test_returns_print_with_four_significant_digits(value, text):
     assert fmt_return(value) == text
 
 
-# --- LocalRun.poll/row/show on top of the tally (no processes: members answer from FakeActor) -------
+# --- LocalRun.poll/row on top of the tally (no processes: the fleet's members answer from FakeActor) -------
 
 class FakeStub:
     def __init__(self, actor: FakeActor | None = None, metrics: dict | None = None, start: float = 1.0):
@@ -196,31 +195,30 @@ class FakeBoard:
         pass
 
 
-def local_run(members):
-    from types import SimpleNamespace
-
-    from services.cli.progress import HeldShare
-    from services.cli.tally import Tally
+def local_run(members, run_dir):
+    """A LocalRun over a Fleet whose members answer from fakes: no processes are started."""
+    from services.cli.fleet import Fleet
     from services.cli.up import LocalRun
-    run = object.__new__(LocalRun)  # no directories, no processes
-    run.cfg = SimpleNamespace(run=SimpleNamespace(return_window=100))
-    run.tally = Tally(100)
-    run.returns = run.tally.returns
-    run.planned, run.members, run.retired, run.tb, run.started = False, members, [], FakeBoard(), 0.0
-    run.held = HeldShare()
-    run.restarts = Counter()
+    from services.config import config_from_dict
+
+    cfg = config_from_dict({"planner": {"enabled": False}})
+    fleet = Fleet(cfg, run_dir)
+    fleet.members.extend(members)
+    run = LocalRun(cfg, fleet, progress=False)
+    run.tb = FakeBoard()
+    run.started = 0.0
     run.episodes_out = io.StringIO()  # what would be episodes.csv
     run.episode_rows = csv.writer(run.episodes_out)
     return run
 
 
-def test_progress_line_counts_every_episode_and_loss_across_a_restart():
+def test_progress_line_counts_every_episode_and_loss_across_a_restart(tmp_path):
     from services.cli.progress import CSV_COLUMNS, progress_line
-    from services.cli.up import Member
+    from services.cli.fleet import Member
     actor = FakeActor(start=1000.0)
     buffer = FakeStub(metrics={"buffer/samples_evicted_total": 12_000.0, "buffer/size_samples": 64.0})
     members = [Member("actor", "actor-0", stub=FakeStub(actor)), Member("buffer", "buffer-0", stub=buffer)]
-    run = local_run(members)
+    run = local_run(members, tmp_path)
     for _ in range(9000):
         actor.log.finish(0.8512, 10, 0, 0, now=1.0)
     actor.metrics.inc("actor/env_steps_total", 90_000)
@@ -256,30 +254,29 @@ def test_held_share_is_the_actors_held_seconds_over_their_time_between_rows():
     assert held.update(40.0, 45.0, actors=0) is None           # no actors: no share
 
 
-def test_progress_line_says_lost_0_only_when_nothing_was_lost():
+def test_progress_line_says_lost_0_only_when_nothing_was_lost(tmp_path):
     from services.cli.progress import progress_line
-    from services.cli.up import Member
-    run = local_run([Member("buffer", "buffer-0", stub=FakeStub(metrics={"buffer/samples_evicted_total": 0.0}))])
+    from services.cli.fleet import Member
+    run = local_run([Member("buffer", "buffer-0", stub=FakeStub(metrics={"buffer/samples_evicted_total": 0.0}))],
+                    tmp_path)
     run.poll()
     assert progress_line(run.row(), len(run.returns)).endswith("| lost 0")
 
 
 def test_process_restarts_are_the_restarts_and_group_re_forms_events_jsonl_records(tmp_path, capsys):
-    from types import SimpleNamespace
-
-    from services.cli.up import Member
-    run = local_run([Member("buffer", "buffer-0", stub=FakeStub(metrics={"buffer/size_samples": 0.0}))])
-    run.sup, run.events_read = SimpleNamespace(events_path=tmp_path / "events.jsonl"), 0
+    from services.cli.fleet import Member
+    run = local_run([Member("buffer", "buffer-0", stub=FakeStub(metrics={"buffer/size_samples": 0.0}))], tmp_path)
+    fleet = run.fleet
     records = [{"name": "buffer-0", "event": "exited", "code": -9, "restart_in_s": 1.0},
                {"name": "buffer-0", "event": "restarted", "restarts": 1},
                {"name": "learner-1", "event": "exited", "code": -9, "group": "learners", "group_size": 2,
                 "reform_in_s": 1.0},
                {"name": "learners", "event": "re-formed", "size": 2, "restarts": 1, "rendezvous": "127.0.0.1:9"}]
     partial = json.dumps({"name": "actor-0", "event": "restarted", "restarts": 1})[:20]  # still being written
-    run.sup.events_path.write_text("".join(json.dumps(r) + "\n" for r in records) + partial)
-    run.print_events()
+    fleet.sup.events_path.write_text("".join(json.dumps(r) + "\n" for r in records) + partial)
+    fleet.print_events()
     run.poll()
-    assert run.restarts == {"buffer-0": 1, "learners": 1} and run.row()["process_restarts"] == 2
+    assert fleet.restarts == {"buffer-0": 1, "learners": 1} and run.row()["process_restarts"] == 2
     assert capsys.readouterr().out.splitlines() == [
         "buffer-0 exited with code -9 (SIGKILL); restarting it in 1 s", "buffer-0 restarted (restart 1)",
         "learner-1 exited with code -9 (SIGKILL); re-forming the group of 2 learners in 1 s",

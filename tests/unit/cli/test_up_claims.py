@@ -1,12 +1,13 @@
 """Two `kuberl up` runs started at the same moment never share a run directory or the planner's
-default port (services/cli/up.py: `_new_dir`, `_claim`)."""
+default port (services/cli/up.py `_new_dir`, services/cli/fleet.py `_claim`)."""
 
 from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
 
-from services.cli.up import _claim, _new_dir
+from services.cli.fleet import _claim
+from services.cli.up import _new_dir
 
 
 def test_runs_named_in_the_same_second_get_directories_of_their_own(tmp_path):

@@ -1,4 +1,4 @@
-"""Token files, scopes and session caps (services/common/auth.py) and the auth config section."""
+"""Token files, scopes and session caps (services/common/net/auth.py) and the auth config section."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 import grpc
 import pytest
 
-from services.common import auth
-from services.common.auth import TokenStore, parse_tokens, scope_of
-from services.common.tokens import AuthError, read_client_token
+from services.common.net import auth
+from services.common.net.auth import TokenStore, parse_tokens, scope_of
+from services.common.net.tokens import AuthError, read_client_token
 from services.config import ConfigError, config_from_dict, load_role_config
 
 
@@ -118,7 +118,7 @@ def test_full_buckets_are_forgotten_when_there_are_many(monkeypatch):
 def test_role_flags_and_environment_over_the_auth_section(tmp_path, monkeypatch):
     """How a pod that mounts the token Secret gets its files with the shared ConfigMap's config
     (k8s/components/tokens): $KUBERL_AUTH_TOKEN_FILES and $KUBERL_TOKEN_FILE, or the flags over them."""
-    from services.common.runtime import base_parser
+    from services.common.service.runtime import base_parser
 
     config = tmp_path / "c.yaml"
     config.write_text("auth: {token_files: [/from/config], protect_reads: true}\n")

@@ -264,7 +264,7 @@ def external(**env):
 
 
 def test_declared_action_spaces_of_every_kind():
-    from services.common.spaces import Box, Discrete, MultiDiscrete
+    from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 
     assert external(observation_shape=[3], num_actions=4).env.declared_action_space == Discrete(4)
     cfg = external(observation_shape=[3], action_space={"type": "multi_discrete", "nvec": [3, 2]})

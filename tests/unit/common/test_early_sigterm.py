@@ -13,7 +13,7 @@ ROLES = ("actor", "buffer", "learner", "planner")
 
 def test_sigterm_before_serving_exits_zero():
     code = ("import os, signal, time\n"
-            "from services.common.runtime import stop_cleanly_until_serving\n"
+            "from services.common.service.runtime import stop_cleanly_until_serving\n"
             "stop_cleanly_until_serving()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(30)\n"          # a long import, as torch's; the signal ends it at once

@@ -12,7 +12,7 @@ from services.config import config_from_dict
 from services.common.envs import atari_game, make_vector_env, spec_of
 from services.algorithms.ppo.networks import ActorCritic
 from services.algorithms.dqn.networks import QNetwork
-from services.common.nets import NatureCNN
+from services.common.models.nets import NatureCNN
 
 pytest.importorskip("ale_py", reason="ale-py is in the actor extra")
 
@@ -117,7 +117,7 @@ class _DictObs:
 
 
 def test_dict_observations_are_flattened_to_float32_in_sorted_key_order():
-    from services.common.spaces import Box
+    from services.common.protocol.spaces import Box
 
     cfg = config_from_dict({"env": {"id": _DictObs.register(), "num_envs": 2}})
     spec = spec_of(cfg.env)

@@ -1,4 +1,4 @@
-"""services/common/fragments.py: building, validating and decoding TrajectoryFragment messages."""
+"""services/common/protocol/fragments.py: building, validating and decoding TrajectoryFragment messages."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.fragments import MAX_ID_LEN, build_fragment, decode_fragment
-from services.common.tensors import TensorError, decode, encode
+from services.common.protocol.fragments import MAX_ID_LEN, build_fragment, decode_fragment
+from services.common.protocol.tensors import TensorError, decode, encode
 from tests.unit.fragment_factory import DQN, PPO, fragment_arrays, make_msg
 
 T, N = 3, 2

@@ -1,11 +1,11 @@
-"""services.common.procs.free_port: a port picked for a process to bind later is never one the kernel
+"""services.common.local.procs.free_port: a port picked for a process to bind later is never one the kernel
 hands to `bind(port 0)` in the meantime."""
 
 from __future__ import annotations
 
 import socket
 
-from services.common.procs import _ephemeral_range, free_port
+from services.common.local.procs import _ephemeral_range, free_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_bind():

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from kuberl.v1 import actor_pb2, actor_pb2_grpc, buffer_pb2, buffer_pb2_grpc
-from services.common.grpcutil import _Health, generated_handlers
+from services.common.net.grpcutil import _Health, generated_handlers
 
 SERVICES = [  # (descriptor, generated add function, servicer); between them, every kind of RPC
     (buffer_pb2.DESCRIPTOR.services_by_name["Buffer"], buffer_pb2_grpc.add_BufferServicer_to_server,

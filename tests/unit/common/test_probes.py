@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from services.common import prometheus
-from services.common.grpcutil import start_server
-from services.common.prometheus import serve_metrics
+from services.common.service import prometheus
+from services.common.net.grpcutil import start_server
+from services.common.service.prometheus import serve_metrics
 from services.common.stats import Metrics
 from tests.helpers import http_get
 

@@ -1,4 +1,4 @@
-"""Buffer shards (services/common/shards.py): the address list, which shard an actor pushes to, and
+"""Buffer shards (services/common/net/shards.py): the address list, which shard an actor pushes to, and
 the replay ratio combined over shards."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from services.common.config import TopologyConfig
 from services.common.settings import ConfigError
-from services.common.shards import MAX_SHARDS, buffer_addresses, combined_samples_per_insert, shard_of
+from services.common.net.shards import MAX_SHARDS, buffer_addresses, combined_samples_per_insert, shard_of
 
 
 def test_addresses_are_read_in_shard_order():

@@ -1,4 +1,4 @@
-"""services/common/spaces.py: action spaces from gymnasium and the wire, and every refusal naming its field."""
+"""services/common/protocol/spaces.py: action spaces from gymnasium and the wire, and every refusal naming its field."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from kuberl.v1 import actor_pb2
 from kuberl.v1 import common_pb2 as pb
-from services.common import spaces
-from services.common.spaces import Box, Discrete, MultiDiscrete, check_actions, check_mask, from_gymnasium, from_proto, to_proto
-from services.common.tensors import TensorError
+from services.common.protocol import spaces
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete, check_actions, check_mask, from_gymnasium, from_proto, to_proto
+from services.common.protocol.tensors import TensorError
 
 SPACES = [Discrete(3), MultiDiscrete((4, 3)), Box.of((2,), -2.0, [1.0, 3.0]), Box.of((2, 2), -math.inf, math.inf)]
 

@@ -1,4 +1,4 @@
-"""services/common/supervise.py's learner groups with trivial processes in place of learners: a member's
+"""services/common/local/supervise.py's learner groups with trivial processes in place of learners: a member's
 death stops the others and forms the group again after the backoff, with a fresh rendezvous and rank 0 on
 its address; a member that ignores SIGTERM is killed first; a group that keeps breaking is given up on.
 Times are passed explicitly (`check(now)`), never slept on."""
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from services.common import supervise
-from services.common.procs import ServiceProcess
-from services.common.supervise import (LEARNERS, MAX_FAILURES, RESTART_BACKOFF_S, STOP_TIMEOUT_S, Supervisor,
+from services.common.local import supervise
+from services.common.local.procs import ServiceProcess
+from services.common.local.supervise import (LEARNERS, MAX_FAILURES, RESTART_BACKOFF_S, STOP_TIMEOUT_S, Supervisor,
                                        format_event, learner_specs)
 
 # Writes its ready file (after ignoring SIGTERM, if asked), then sleeps: a learner that never trains.

@@ -1,4 +1,4 @@
-"""services/common/tensors.py: the Tensor wire encoding and its validation."""
+"""services/common/protocol/tensors.py: the Tensor wire encoding and its validation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.tensors import MAX_RANK, TensorError, decode, dtype_code, encode, numpy_dtype
+from services.common.protocol.tensors import MAX_RANK, TensorError, decode, dtype_code, encode, numpy_dtype
 
 DTYPES = [
     (np.uint8, pb.DTYPE_UINT8),

@@ -1,4 +1,4 @@
-"""The `tls` config section, the --tls-* flags over it, and the checks of the TLS files (services/common/tls.py):
+"""The `tls` config section, the --tls-* flags over it, and the checks of the TLS files (services/common/net/tls.py):
 every error names the setting (and the flag that overrides it) and the file."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-from services.common.tls import ConfigError, TlsConfig
+from services.common.net.tls import ConfigError, TlsConfig
 from services.config import config_from_dict
-from services.common.runtime import base_parser, with_tls_flags
-from services.common.tls import TlsError, _Reloading, channel_credentials, check_role
+from services.common.service.runtime import base_parser, with_tls_flags
+from services.common.net.tls import TlsError, _Reloading, channel_credentials, check_role
 from tests.certs import Pki
 
 
@@ -153,7 +153,7 @@ def test_the_server_reads_its_files_again_only_when_they_change_and_load(pki, ca
     assert reloading.initial is not None
     assert reloading.fetch() is None                       # unchanged: keep what is served
     os.replace(new.cert, served.cert)                      # a new certificate, the old key: refused
-    with caplog.at_level(logging.WARNING, logger="services.common.tls"):
+    with caplog.at_level(logging.WARNING, logger="services.common.net.tls"):
         assert reloading.fetch() is None
         assert reloading.fetch() is None                   # reported once, not at every handshake
     assert caplog.text.count("do not load") == 1

@@ -1,4 +1,4 @@
-"""services/common/weights.py: chunked, checksummed weights encoding and reassembly."""
+"""services/common/protocol/weights.py: chunked, checksummed weights encoding and reassembly."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.tensors import TensorError
-from services.common.weights import WeightsAssembler, encode_weights
+from services.common.protocol.tensors import TensorError
+from services.common.protocol.weights import WeightsAssembler, encode_weights
 
 
 def named_tensors() -> dict[str, np.ndarray]:

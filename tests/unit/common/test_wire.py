@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kuberl.v1 import common_pb2 as pb
-from services.common import wire
-from services.common.fragments import RawFragment, build_fragment, decode_fragment, encode_fragment
-from services.common.tensors import TensorError, encode_parts, encode
+from services.common.protocol import wire
+from services.common.protocol.fragments import RawFragment, build_fragment, decode_fragment, encode_fragment
+from services.common.protocol.tensors import TensorError, encode_parts, encode
 from tests.unit.fragment_factory import DQN, PPO, fragment_arrays
 
 T, N = 4, 3

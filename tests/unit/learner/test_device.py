@@ -8,8 +8,8 @@ import torch
 from services.actor.rollout import Rollout
 from services.buffer.store import Store
 from services.config import ConfigError, config_from_dict
-from services.common.fragments import RawFragment
-from services.common.nets import resolve_device
+from services.common.protocol.fragments import RawFragment
+from services.common.models.nets import resolve_device
 from services.common.stats import Metrics
 from services.learner.trainer import Trainer
 from tests.unit.actor.test_atari_rollout import config as atari_config

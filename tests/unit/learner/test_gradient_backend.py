@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.common.procs import free_port
+from services.common.local.procs import free_port
 from services.learner import distributed
 from services.learner.distributed import GradientSync, GroupSpec, Rendezvous, gradient_backend
 

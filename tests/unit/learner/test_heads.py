@@ -1,4 +1,4 @@
-"""services/common/heads.py: each head's log-prob and entropy against torch.distributions on known
+"""services/common/models/heads.py: each head's log-prob and entropy against torch.distributions on known
 numbers, masking, and the Gaussian's log-std travelling with the weights."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from torch.distributions import Categorical, Independent, Normal
 
 from services.common.envs import EnvSpec
-from services.common.heads import MASKED_LOGIT, Head
+from services.common.models.heads import MASKED_LOGIT, Head
 from services.algorithms.ppo.networks import ActorCritic
-from services.common.spaces import Box, Discrete, MultiDiscrete
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 
 LOGITS = torch.tensor([[0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25]])
 

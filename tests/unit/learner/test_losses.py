@@ -13,8 +13,8 @@ import torch
 
 from services.algorithms.dqn.config import DQNConfig
 from services.algorithms.ppo.config import PPOConfig
-from services.common.nets import EnvSpec
-from services.common.spaces import Discrete
+from services.common.models.nets import EnvSpec
+from services.common.protocol.spaces import Discrete
 from services.algorithms.dqn.learner import DQN, td_target
 from services.algorithms.ppo.learner import PPO, gae
 from tests.unit.fragment_factory import make_fragment

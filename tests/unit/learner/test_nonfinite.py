@@ -13,9 +13,9 @@ import torch
 
 from kuberl.v1 import common_pb2 as pb
 from services.config import config_from_dict
-from services.common.fragments import build_fragment
+from services.common.protocol.fragments import build_fragment
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 from services.learner.loops import publish
 from services.learner.publish import WeightsHub
 from services.learner.trainer import Trainer

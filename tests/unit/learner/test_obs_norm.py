@@ -11,10 +11,10 @@ from services.actor.policy import Policy
 from services.algorithms.ppo.learner import PPO
 from services.config import config_from_dict
 from services.algorithms.ppo.networks import ActorCritic
-from services.common.nets import EnvSpec, ObsNormalizer, to_numpy
-from services.common.spaces import Box, Discrete
+from services.common.models.nets import EnvSpec, ObsNormalizer, to_numpy
+from services.common.protocol.spaces import Box, Discrete
 from services.common.stats import Metrics
-from services.common.weights import WeightsAssembler, encode_weights
+from services.common.protocol.weights import WeightsAssembler, encode_weights
 from tests.unit.fragment_factory import make_fragment
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), Discrete(2))

@@ -10,8 +10,8 @@ import torch
 
 from services.algorithms.ppo.learner import PPO
 from services.config import ConfigError, config_from_dict
-from services.common.nets import EnvSpec
-from services.common.spaces import Discrete
+from services.common.models.nets import EnvSpec
+from services.common.protocol.spaces import Discrete
 from tests.unit.fragment_factory import make_fragment
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), Discrete(2))

@@ -14,8 +14,8 @@ import torch
 
 from services.algorithms.ppo.config import PPOConfig
 from services.algorithms.ppo.learner import PPO
-from services.common.nets import EnvSpec
-from services.common.spaces import Discrete
+from services.common.models.nets import EnvSpec
+from services.common.protocol.spaces import Discrete
 from services.config import ConfigError, config_from_dict
 from tests.unit.fragment_factory import make_fragment
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.common.procs import free_port
+from services.common.local.procs import free_port
 from services.learner.distributed import STORE_PREFIX, FormationAbandoned, GroupBroken, Rendezvous
 from tests.helpers import wait_for
 

@@ -11,9 +11,9 @@ import torch
 from services.algorithms.ppo.learner import PPO
 from services.algorithms.ppo.config import PPOConfig
 from services.config import ConfigError, config_from_dict
-from services.common.fragments import build_fragment, decode_fragment
-from services.common.nets import EnvSpec
-from services.common.spaces import Discrete
+from services.common.protocol.fragments import build_fragment, decode_fragment
+from services.common.models.nets import EnvSpec
+from services.common.protocol.spaces import Discrete
 from tests.unit.fragment_factory import PPO as PPO_CODE
 from tests.unit.fragment_factory import fragment_arrays
 

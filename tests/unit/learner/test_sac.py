@@ -17,9 +17,9 @@ from services.algorithms.sac.networks import SquashedGaussianActor, squashed_log
 from services.algorithms.sac.config import SACConfig
 from services.config import config_from_dict
 from services.common.envs import EnvSpec
-from services.common.spaces import Box
+from services.common.protocol.spaces import Box
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 from tests.unit.fragment_factory import transition_batch as wire_transitions
 from tests.unit.learner.test_losses import params
 
@@ -174,7 +174,7 @@ def test_batches_that_do_not_fit_the_env_are_refused_naming_the_field():
 
 def test_sac_refuses_spaces_it_cannot_act_in():
     from services import algorithms
-    from services.common.spaces import Discrete
+    from services.common.protocol.spaces import Discrete
     sac = algorithms.get("sac")
     with pytest.raises(ValueError, match="sac takes Box actions"):
         sac.check_spec(EnvSpec((3,), np.dtype(np.float32), Discrete(2)))

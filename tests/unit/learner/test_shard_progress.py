@@ -12,7 +12,7 @@ from kuberl.v1 import buffer_pb2
 from kuberl.v1 import common_pb2 as pb
 from services.common.notify import Notifier
 from services.common.stats import Metrics
-from services.common.tensors import encode
+from services.common.protocol.tensors import encode
 from services.learner.inbox import Fetched, Inbox, Shard, discard
 from services.learner.loops import send_progress, train_loop
 from services.learner.publish import WeightsHub

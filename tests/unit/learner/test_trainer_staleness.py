@@ -9,7 +9,7 @@ import pytest
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.store import Store
 from services.config import config_from_dict
-from services.common.fragments import decode_fragment
+from services.common.protocol.fragments import decode_fragment
 from services.common.stats import Metrics
 from services.learner.trainer import Trainer
 from tests.unit.fragment_factory import PPO, make_msg

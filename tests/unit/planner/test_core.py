@@ -6,10 +6,12 @@ backends, a real 409 included, are exercised in tests/integration)."""
 
 from __future__ import annotations
 
+from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.config import config_from_dict
 from services.planner.backend import ApplyResult, Conflict, Replica, RoleState
 from services.planner.core import Planner
+from services.planner.observe import COUNTERS
 from tests.helpers import TINY_PPO
 
 
@@ -91,20 +93,29 @@ class SaturatedBackend(MemoryBackend):
                 for role, n in self.desired.items()}
 
 
-class FedPlanner(Planner):
-    """Reads counters from the model in SaturatedBackend instead of over gRPC."""
+class FedStats:
+    """GetStats answered from the model in SaturatedBackend instead of over gRPC."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, backend: SaturatedBackend, clock):
+        self.backend, self.clock = backend, clock
         self.counts: dict[str, tuple[float, float]] = {}   # replica name -> (time, count)
 
-    async def _read(self, role, name, address, tracker):
+    async def get_stats(self, role, name, address, request):
         b, now = self.backend, self.clock()
+        if role == "buffer":
+            return None
         rate = b.learner_rate if role == "learner" else b.actor_total / b.desired["actor"]
         t0, c0 = self.counts.get(name, (now, 0.0))
         count = c0 + rate * (now - t0) + (1.0 if name not in self.counts else 0.0)
         self.counts[name] = (now, count)
-        tracker.update(now, count, 0.0 if role == "learner" else None)
+        count_key, held_key = COUNTERS[role]
+        return pb.GetStatsResponse(metrics={count_key: count, held_key: 0.0})
+
+    async def forget(self, live):
+        pass
+
+    async def close(self):
+        pass
 
 
 async def test_a_scale_up_that_adds_nothing_sets_a_ceiling_and_the_planner_returns_to_the_count_that_paid():
@@ -112,12 +123,12 @@ async def test_a_scale_up_that_adds_nothing_sets_a_ceiling_and_the_planner_retur
         "interval_s": 2, "warmup_s": 2, "cooldown_s": 6, "rate_halflife_s": 1, "scale_down_window_s": 10,
         "tolerance": 0.15, "saturation_hold_s": 120, "actor": {"max": 8}}})
     backend, clock = SaturatedBackend(actors=1, actor_total=100.0, learner_rate=600.0), [0.0]
-    planner = FedPlanner(cfg, backend, clock=lambda: clock[0])
+    planner = Planner(cfg, backend, clock=lambda: clock[0], stats=FedStats(backend, lambda: clock[0]))
     seen = []
     for _ in range(80):
         clock[0] += 1.0
         if int(clock[0]) % 2:
-            await planner.measure()
+            await planner.observer.measure()
             continue
         d = await planner.step()
         seen.append((clock[0], backend.desired["actor"], d))
@@ -198,7 +209,7 @@ def test_external_simulators_fix_the_actors_and_leave_the_learners_to_the_planne
 
 
 class WireBackend(MemoryBackend):
-    """Replicas and one buffer shard, all answering GetStats from a model (StatsPlanner)."""
+    """Replicas and one buffer shard, all answering GetStats from a model (ModelStats)."""
 
     async def observe(self) -> dict[str, RoleState]:
         return {role: RoleState(desired=n, replicas=[Replica(f"{role}-{i}", f"fake:{role}-{i}") for i in range(n)])
@@ -208,33 +219,37 @@ class WireBackend(MemoryBackend):
         return [Replica("buffer-0", "fake:buffer-0")]
 
 
-class StatsPlanner(Planner):
+class ModelStats:
     """GetStats answered from counters that grow at set rates: each actor 100 env steps/s, the learner
     400 samples/s, the buffer's process `buffer_cores` CPU seconds per second, and each actor drops
     `drop_rate` samples/s."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, clock):
+        self.clock = clock
         self.buffer_cores, self.drop_rate = 0.3, 0.0
         self.totals: dict[str, dict[str, float]] = {}
         self.read_at: dict[str, float] = {}
 
-    async def _get_stats(self, role, name, address, request):
-        from kuberl.v1 import common_pb2 as pb
-
+    async def get_stats(self, role, name, address, request):
         now = self.clock()
         dt = now - self.read_at.get(name, now)
         self.read_at[name] = now
         per_s = {"actor": {"actor/env_steps_total": 100.0, "actor/pace_wait_seconds_total": 0.0,
-                           "actor/samples_dropped_total": self.drop_rate, "actor/push_queue_fragments": 0.0},
+                           "actor/samples_dropped_total": self.drop_rate, "actor/push_queue_fill": 0.0},
                  "learner": {"learner/samples_total": 400.0, "learner/starved_seconds_total": 0.0},
                  "buffer": {"buffer/cpu_seconds_total": self.buffer_cores}}[role]
         totals = self.totals.setdefault(name, {k: 1.0 if k.endswith("steps_total") or k.endswith("samples_total")
                                                else 0.0 for k in per_s})
         for k, rate in per_s.items():
-            if k != "actor/push_queue_fragments":
+            if k != "actor/push_queue_fill":
                 totals[k] += rate * dt
         return pb.GetStatsResponse(metrics=totals)
+
+    async def forget(self, live):
+        pass
+
+    async def close(self):
+        pass
 
 
 async def test_the_planner_reads_transport_from_stats_and_adds_no_actors_while_the_buffer_is_the_bottleneck():
@@ -242,8 +257,9 @@ async def test_the_planner_reads_transport_from_stats_and_adds_no_actors_while_t
         "interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1, "tolerance": 0.15,
         "actor": {"max": 8}}})
     backend, clock = WireBackend(actors=1), [0.0]
-    planner = StatsPlanner(cfg, backend, clock=lambda: clock[0])
-    planner.buffer_cores = 0.98          # the one shard's process is at a full core
+    stats = ModelStats(lambda: clock[0])
+    planner = Planner(cfg, backend, clock=lambda: clock[0], stats=stats)
+    stats.buffer_cores = 0.98          # the one shard's process is at a full core
     for _ in range(8):
         clock[0] += 1.0
         d = await planner.step()
@@ -251,13 +267,13 @@ async def test_the_planner_reads_transport_from_stats_and_adds_no_actors_while_t
     assert d.bottleneck == "communication" and "buffer-0 uses 0.98 CPU cores" in d.bottleneck_evidence
     assert "actor not scaled up" in d.reason
     assert planner.metrics.gauges["planner/bottleneck_communication"] == 1.0
-    planner.drop_rate = 50.0              # and the actors start dropping from their send queues
+    stats.drop_rate = 50.0              # and the actors start dropping from their send queues
     clock[0] += 1.0
     await planner.step()
     clock[0] += 1.0
     d = await planner.step()
     assert d.bottleneck == "communication" and "actors dropped" in d.bottleneck_evidence
-    planner.buffer_cores, planner.drop_rate = 0.3, 0.0   # the transport clears: sample-bound, actors are added
+    stats.buffer_cores, stats.drop_rate = 0.3, 0.0   # the transport clears: sample-bound, actors are added
     for _ in range(12):
         clock[0] += 1.0
         d = await planner.step()

@@ -81,7 +81,7 @@ def test_a_paced_actor_is_measured_by_what_it_produces_when_not_held_for_weights
     from services.actor.policy import Pace
     from services.config import config_from_dict
     from services.common.stats import Metrics
-    from services.planner.core import COUNTERS
+    from services.planner.observe import COUNTERS
 
     metrics = Metrics("actor")
     Pace(config_from_dict({}), policy=None, metrics=metrics)  # every actor exports the wait counter

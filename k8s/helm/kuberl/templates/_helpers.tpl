@@ -196,7 +196,7 @@ spec:
         {{- range .ports }}
         - {{ toJson . }}
         {{- end }}
-      # HTTP probes of the metrics port (services/common/prometheus.py): /readyz is the gRPC health of
+      # HTTP probes of the metrics port (services/common/service/prometheus.py): /readyz is the gRPC health of
       # the role's service (NOT_SERVING from the start of shutdown), /livez that its event loop
       # answers. A native gRPC probe could not present the client certificate mutual TLS asks for.
       startupProbe:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services.common.tensors import TensorError, check_shape, dtype_code, numpy_dtype
+from services.common.protocol.tensors import TensorError, check_shape, dtype_code, numpy_dtype
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 

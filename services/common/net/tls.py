@@ -1,7 +1,7 @@
 """TLS for every kuberl gRPC endpoint: the credentials servers serve and clients dial with (docs/security.md).
 
 The settings are the config's `tls` section (`TlsConfig`, below), with each process's
---tls-* flags over it (services/common/runtime.with_tls_flags). Everything is read from PEM files, so
+--tls-* flags over it (services/common/service/runtime.with_tls_flags). Everything is read from PEM files, so
 that a Kubernetes Secret (cert-manager's) mounted at the configured paths is all a pod needs:
 
 - `server_credentials`: what a role's server serves. The certificate, key and CA are read again when
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class TlsConfig:
     """TLS on every gRPC endpoint, from PEM files (a mounted Secret; see docs/security.md). Each process's
     --tls-cert/--tls-key/--tls-ca/--tls-client-auth/--tls-server-name flags override these
-    (services/common/runtime.with_tls_flags); the files are checked when a role starts."""
+    (services/common/service/runtime.with_tls_flags); the files are checked when a role starts."""
     enabled: bool = False
     cert_file: str = ""        # this process's certificate chain: served, and presented when dialling other roles
     key_file: str = ""         # cert_file's private key (unencrypted)
@@ -51,7 +51,7 @@ class TlsConfig:
     # Authorisation per role of the roles' internal RPCs: the certificate names (DNS names of its
     # subjectAltName, or its CN) that prove a client is an actor or a learner. Set, the buffer serves
     # PushTrajectories/WatchInsertLimit only to actors and StreamBatches/ReportProgress only to learners, and a learner
-    # SubscribeWeights only to actors (services/common/auth.ROLE_RPCS); empty: any certificate from ca_file.
+    # SubscribeWeights only to actors (services/common/net/auth.ROLE_RPCS); empty: any certificate from ca_file.
     role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:

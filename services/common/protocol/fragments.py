@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services.common import wire
-from services.common.tensors import (DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, TensorLike, check_finite,
+from services.common.protocol import wire
+from services.common.protocol.tensors import (DEFAULT_MAX_ELEMENTS, NonFiniteError, TensorError, TensorLike, check_finite,
                                      decode, encode, encode_parts)
 
 MAX_STEPS = 65536

@@ -1,6 +1,6 @@
 """Bearer tokens as clients send them (docs/security.md): the first token of a token file
 (`read_client_token`), the metadata that carries it (`bearer_metadata`), and a blocking channel that
-sends it on every call (`with_token`). What servers check is services/common/auth.py. Imports only
+sends it on every call (`with_token`). What servers check is services/common/net/auth.py. Imports only
 grpc: the Python simulator client (kuberl_client) uses this and nothing of the servers' side.
 """
 

@@ -34,15 +34,15 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
 
-from services.common.auth import ROLE_RPCS, AuthInterceptor
-from services.common.streams import read_to_half_close
-from services.common.tls import TlsError, open_channel, server_credentials
+from services.common.net.auth import ROLE_RPCS, AuthInterceptor
+from services.common.net.streams import read_to_half_close
+from services.common.net.tls import TlsError, open_channel, server_credentials
 
 if TYPE_CHECKING:
     from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-    from services.common.auth import AuthConfig
-    from services.common.tls import TlsConfig
+    from services.common.net.auth import AuthConfig
+    from services.common.net.tls import TlsConfig
     from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Serving:
     def probe(self, ready: bool, timeout_s: float) -> str | None:
         """From any thread but the server's: None when the server's event loop runs a callback within
         `timeout_s` and (with `ready`) every service of the server is SERVING, else why not. What the
-        HTTP probes of the metrics port answer (services/common/prometheus.py): a gRPC health check
+        HTTP probes of the metrics port answer (services/common/service/prometheus.py): a gRPC health check
         answered from the same loop, for kubelets and load balancers that cannot present the client
         certificate a gRPC probe would need under mutual TLS."""
         answered = threading.Event()
@@ -184,7 +184,7 @@ class _RequestContext:
     """The servicer context that a stream-request RPC's behaviour sees. `read()` parses each frame
     (with the generated parser; a handler registered without one gets the bytes), and on a client
     stream (stream-unary) `abort(INVALID_ARGUMENT, ...)` first reads and drops what the client still
-    sends, up to its half-close (services/common/streams.py says why: otherwise the client would not
+    sends, up to its half-close (services/common/net/streams.py says why: otherwise the client would not
     see the refusal or its trailing metadata, which fragment to drop, and would re-send the same bad
     data). Everything else is the real context's.
     """
@@ -352,14 +352,14 @@ async def start_server(listen: str, register: Callable[[grpc.aio.Server], None],
     connection, so services whose clients hold long sessions (actors) pass None.
 
     `tls` on: every RPC, health and reflection included, is served over TLS on this one port, with
-    client certificates required under `client_auth: require` (services/common/tls.py); the
+    client certificates required under `client_auth: require` (services/common/net/tls.py); the
     certificate files are read again when they change. Off on an address other hosts can reach: one
     warning says so.
 
     With `tls.role_names`, the internal RPCs among `service_names` are served only to clients whose
-    certificate names the role that calls them (services/common/auth.ROLE_RPCS).
+    certificate names the role that calls them (services/common/net/auth.ROLE_RPCS).
 
-    `auth` (the config's auth section): bearer tokens and EnvSession caps (services/common/auth.py);
+    `auth` (the config's auth section): bearer tokens and EnvSession caps (services/common/net/auth.py);
     `metrics` counts refusals. No token files on an address other hosts can reach, for a service with
     RPCs that would need one: one warning says so.
     """
@@ -411,7 +411,7 @@ def make_channel(target: str, max_message_bytes: int, receive_window_bytes: int 
     `receive_window_bytes` pins the HTTP/2 receive window (BDP probing off) so that at most about
     that much unread data waits in transit per stream: a learner uses it to keep batches from
     going stale in socket buffers, where no one can count or drop them. `tls` on: the peer's
-    certificate is verified and this process's presented (services/common/tls.open_channel).
+    certificate is verified and this process's presented (services/common/net/tls.open_channel).
     """
     window = [] if receive_window_bytes is None else [
         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]

@@ -17,7 +17,7 @@ from torch import nn
 
 from services.common import envs
 from services.common.config import EnvConfig
-from services.common.spaces import ActionSpace, Box
+from services.common.protocol.spaces import ActionSpace, Box
 from services.common.envs import EnvSpec as EnvSpec  # re-exported: the networks' view of an env
 from services.common.envs import spec_of as spec_of
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from services.common.tensors import NonFiniteError, TensorError, dtype_code, numpy_dtype
+from services.common.protocol.tensors import NonFiniteError, TensorError, dtype_code, numpy_dtype
 
 if TYPE_CHECKING:
     from kuberl.v1 import actor_pb2

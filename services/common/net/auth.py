@@ -15,7 +15,7 @@ The settings are the config's `auth` section (services/common/config.AuthConfig)
   that calls it (`ROLE_RPCS`), PERMISSION_DENIED otherwise. It also caps EnvSession sessions per token
   (per peer host without tokens): `auth.max_sessions_per_token` open at once and
   `auth.new_sessions_per_minute` (a token bucket).
-What clients send (`read_client_token`, `bearer_metadata`, `with_token`) is services/common/tokens.py.
+What clients send (`read_client_token`, `bearer_metadata`, `with_token`) is services/common/net/tokens.py.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import grpc
 
 from services.common.atomic import stamps
 from services.common.settings import require
-from services.common.streams import read_to_half_close
-from services.common.tokens import AuthError
+from services.common.net.streams import read_to_half_close
+from services.common.net.tokens import AuthError
 
 if TYPE_CHECKING:
     from services.common.stats import Metrics
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AuthConfig:
     """Bearer tokens on the RPCs people and simulators call, and caps on EnvSession sessions
-    (services/common/auth.py, docs/security.md). No token files: those RPCs stay open, as before."""
+    (services/common/net/auth.py, docs/security.md). No token files: those RPCs stay open, as before."""
     token_files: tuple[str, ...] = ()  # files of accepted tokens, one per line
     #                               ("TOKEN" or "TOKEN scope1,scope2"; scopes envsession, planner:write, read;
     #                               none = all); re-read when they change, so tokens rotate without a restart
@@ -363,7 +363,7 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], method: str, admit: Calla
         try:
             return admit(context)
         except _Refused as err:
-            if client_stream:   # (services/common/streams.py: else the client would see INTERNAL)
+            if client_stream:   # (services/common/net/streams.py: else the client would see INTERNAL)
                 await read_to_half_close(context)
             await context.abort(err.code, err.details)
 

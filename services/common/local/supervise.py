@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import CommonConfig
-from services.common.procs import ServiceProcess, free_port, learner_group_args, spawn
+from services.common.local.procs import ServiceProcess, free_port, learner_group_args, spawn
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -47,7 +47,7 @@ LEARNERS = "learners"  # the learner group's name in events and restart counts
 
 def actor_args(name: str, run_name: str, *, buffer: str, learner: str, index: int) -> list[str]:
     """`kuberl actor` flags for actor `name` of a local run (its id is stable across restarts; each
-    process still gets its own incarnation, see services/common/fragments.py)."""
+    process still gets its own incarnation, see services/common/protocol/fragments.py)."""
     return ["--buffer", buffer, "--learner", learner, "--actor-id", f"{name}-{run_name}", "--actor-index", str(index)]
 
 

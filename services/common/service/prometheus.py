@@ -44,7 +44,7 @@ PROBES = {"/livez": False, "/readyz": True}  # path -> whether the role's servic
 
 
 class Probed(Protocol):
-    """What the probes ask (services.common.grpcutil.Serving): None when healthy, else why not."""
+    """What the probes ask (services.common.net.grpcutil.Serving): None when healthy, else why not."""
 
     def probe(self, ready: bool, timeout_s: float) -> str | None: ...
 

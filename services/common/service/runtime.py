@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from pathlib import Path
 
-from services.common.procs import die_with_parent
+from services.common.local.procs import die_with_parent
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig
@@ -88,7 +88,7 @@ def with_tls_flags(cfg: C, args: argparse.Namespace) -> C:
     """`cfg` (a services.common.config.CommonConfig) with the --tls-* flags of `args` over its `tls` section. A certificate,
     key or CA given by flag or environment turns TLS on. ConfigError naming the flag when one is malformed."""
     from services.common.settings import ConfigError
-    from services.common.tls import parse_role_names
+    from services.common.net.tls import parse_role_names
 
     given: dict[str, Any] = {key: getattr(args, flag) for flag, key in TLS_FLAGS.items()
                              if getattr(args, flag, None) is not None}
@@ -179,9 +179,9 @@ def run_service(role: str, args: argparse.Namespace,
 
     import uvloop
 
-    from services.common.tokens import AuthError
+    from services.common.net.tokens import AuthError
     from services.common.settings import ConfigError
-    from services.common.tls import TlsError
+    from services.common.net.tls import TlsError
 
     try:
         uvloop.run(main())

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Distribution, Normal
 
-from services.common.spaces import ActionSpace, Box, Discrete, MultiDiscrete
+from services.common.protocol.spaces import ActionSpace, Box, Discrete, MultiDiscrete
 
 MASKED_LOGIT = -1e8
 

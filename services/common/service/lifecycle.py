@@ -38,9 +38,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
-from services.common.grpcutil import Serving, start_server
-from services.common.prometheus import MetricsServer, serve_metrics
-from services.common.runtime import Endpoints
+from services.common.net.grpcutil import Serving, start_server
+from services.common.service.prometheus import MetricsServer, serve_metrics
+from services.common.service.runtime import Endpoints
 from services.common.stats import Metrics, tick_forever
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Protocol, cast
 import numpy as np
 
 from kuberl.v1 import common_pb2 as pb
-from services.common import wire
+from services.common.protocol import wire
 
 MAX_RANK = 8
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -38,7 +38,7 @@ _FROM_NUMPY: dict[tuple[str, int], pb.DType] = {(dt.kind, dt.itemsize): cast(pb.
 
 
 class TensorLike(Protocol):
-    """What `decode` reads: a Tensor message, or a RawTensor read off the wire (services/common/fragments.py)."""
+    """What `decode` reads: a Tensor message, or a RawTensor read off the wire (services/common/protocol/fragments.py)."""
 
     @property
     def dtype(self) -> int: ...

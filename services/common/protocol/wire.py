@@ -3,7 +3,7 @@
 The protobuf runtime copies every bytes field when it parses a message, and reading `tensor.data`
 copies it again; for a 512 KB trajectory fragment that is most of what a buffer spends per push.
 `fields` walks the wire format instead and hands out `memoryview` slices of the received buffer, so
-tensors decode to numpy views of the very bytes gRPC delivered (services/common/fragments.py builds a
+tensors decode to numpy views of the very bytes gRPC delivered (services/common/protocol/fragments.py builds a
 `RawFragment` from them). Only the buffer's push path uses this; everything else uses the generated
 classes. Malformed input raises WireError with the byte offset; nothing here allocates per byte.
 """

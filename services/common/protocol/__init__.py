@@ -1,0 +1,1 @@
+"""What travels between roles: the Tensor codec, trajectory fragments, versioned weights, action spaces."""

@@ -1,0 +1,1 @@
+"""What every role process runs on: the lifecycle, arguments, logging and signals, stats, Prometheus."""
