@@ -1,0 +1,151 @@
+"""Buffer shards and a learner group together on a real node, installed with Helm (`buffer.shards: 2`).
+
+Two actors push, each to the shard `shard_of` its pod name picks (`kuberl_actor_buffer_shard`). The
+planner is asked through its API (`SetReplicas`, what `kuberl scale learner N` sends) to take the
+learner StatefulSet 1 -> 3 -> 2: at each size every learner pod reports the group's size and the
+group trains, and every shard an actor feeds keeps serving batches. Then the pod of a fed shard is
+deleted, and the accounting of tests/e2e/test_pod_deletion.py is made per shard: once the old pod is
+gone and before its replacement serves, the acknowledged counts of the actors pinned to it cannot
+move; their sum must equal what the old shard stored (its last log line), so nothing it
+acknowledged was lost unaccounted (a PPO FIFO is not checkpointed; what it held unserved is in the
+same line). The replacement serves under the same name, the actors and learners reconnect without
+restarting, and the group trains on.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import grpc
+
+from kuberl.v1 import planner_pb2, planner_pb2_grpc
+from tests.e2e.helm import SMALL, release
+from tests.e2e.kube import VERSION_METRIC, fresh_namespace, kubectl, pod_metrics, pods, wait_ready
+from tests.e2e.test_pod_deletion import _follow, _output
+
+NAMESPACE = "kuberl-shards"
+SHARDS = 2
+GROUP_SIZE = "kuberl_learner_group_size"
+ACKED = "kuberl_actor_fragments_acked_total"
+RECEIVED = "kuberl_buffer_fragments_received_total"
+SERVED = "kuberl_buffer_batches_served_total"
+# Three learner pods, two buffers, two actors and the planner on the 2-core node: smaller requests than
+# test_helm's (the pods use what they use; requests only decide what the scheduler places).
+VALUES = {
+    **SMALL,
+    "actor": {"resources": {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}},
+    "buffer": {"shards": SHARDS,
+               "resources": {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}},
+    "learner": {"resources": {"requests": {"cpu": "250m", "memory": "768Mi"}, "limits": {"memory": "2Gi"}},
+                "persistence": {"size": "1Gi"}},
+    "config": {"topology": {"actors": 2},
+               "learner": {"checkpoint_interval_s": 10},
+               # The planner moves nothing by itself here: the actors stay at 2, the learners where asked.
+               "planner": {"actor": {"min": 2, "max": 2}, "learner": {"min": 1, "max": 3}}},
+}
+
+
+def _metrics(node, pod: str) -> dict[str, float]:
+    try:
+        return pod_metrics(node, NAMESPACE, pod)
+    except Exception:   # the pod is not there or not serving yet
+        return {}
+
+
+def _wait(what: str, predicate, node, timeout_s: float = 300) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(1)
+    logs = kubectl(node, "-n", NAMESPACE, "logs", "kuberl-learner-0", "--tail=30")
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s; kuberl-learner-0's log:\n{logs}")
+
+
+def _scale_learners(node, replicas: int) -> None:
+    (planner,) = pods(node, NAMESPACE, "planner")
+    with grpc.insecure_channel(f"{planner.status.pod_ip}:50054") as ch:
+        decision = planner_pb2_grpc.PlannerStub(ch).SetReplicas(
+            planner_pb2.SetReplicasRequest(role="learner", replicas=replicas, ttl_s=1800), timeout=60)
+    assert decision.applied and not decision.error, decision
+
+
+def _learners(node, n: int) -> list[dict[str, float]]:
+    return [_metrics(node, f"kuberl-learner-{i}") for i in range(n)]
+
+
+def _group_trains(node, n: int, timeout_s: float = 400) -> dict[str, float]:
+    """Every one of the first n learner pods reports a group of n, and the group's version rises by 2."""
+    formed = _wait(f"a group of {n} learners",
+                   lambda: all(m.get(GROUP_SIZE) == n for m in _learners(node, n)), node, timeout_s)
+    version = _metrics(node, "kuberl-learner-0").get(VERSION_METRIC, 0.0)
+    trained = _wait(f"the group of {n} training",
+                    lambda: _metrics(node, f"kuberl-learner-{n - 1}").get(VERSION_METRIC, 0.0) >= version + 2,
+                    node, timeout_s)
+    return {"formed_s": round(formed, 1), "then_trained_s": round(trained, 1)}
+
+
+def _restarts(node, component: str) -> int:
+    return sum(cs.restart_count for p in pods(node, NAMESPACE, component) for cs in p.status.container_statuses or [])
+
+
+def _served(node) -> dict[str, float]:
+    return {f"kuberl-buffer-{i}": _metrics(node, f"kuberl-buffer-{i}").get(SERVED, 0.0) for i in range(SHARDS)}
+
+
+def test_two_shards_a_learner_group_taken_1_3_2_and_a_shard_pod_deleted(e2e_node, e2e_images, e2e_report, tmp_path):
+    report: dict = {}
+    start = time.monotonic()
+    with fresh_namespace(e2e_node, NAMESPACE), release(e2e_node, tmp_path, NAMESPACE, VALUES):
+        wait_ready(e2e_node, NAMESPACE, timeout_s=400)
+        _wait("two actors pushing", lambda: len(actors := pods(e2e_node, NAMESPACE, "actor")) == 2 and all(
+            _metrics(e2e_node, a.metadata.name).get(ACKED, 0) > 0 for a in actors), e2e_node)
+        report["install_to_two_actors_pushing_s"] = round(time.monotonic() - start, 1)
+        shard_of = {a.metadata.name: int(_metrics(e2e_node, a.metadata.name)["kuberl_actor_buffer_shard"])
+                    for a in pods(e2e_node, NAMESPACE, "actor")}
+        fed = sorted({f"kuberl-buffer-{s}" for s in shard_of.values()})
+        report["actor_shards"] = shard_of
+
+        def fed_shards_serve() -> bool:   # every fed shard serves more batches than at `before`
+            now = _served(e2e_node)
+            return all(now[b] > before[b] for b in fed)
+
+        walk = {}
+        for n in (3, 2):
+            asked = time.monotonic()
+            _scale_learners(e2e_node, n)
+            walk[f"to_{n}"] = _group_trains(e2e_node, n)
+            before = _served(e2e_node)
+            _wait(f"each fed shard {fed} serving the group of {n}", fed_shards_serve, e2e_node, 120)
+            walk[f"to_{n}"]["ask_to_training_s"] = round(time.monotonic() - asked, 1)
+        _wait("learner 2 gone", lambda: len(pods(e2e_node, NAMESPACE, "learner")) == 2, e2e_node)
+        assert _restarts(e2e_node, "actor") == 0 and _restarts(e2e_node, "buffer") == 0
+        report["learner_walk"] = walk
+
+        # --- a fed shard's pod deleted ------------------------------------------------------------
+        shard = fed[-1]
+        pinned = [a for a, s in shard_of.items() if f"kuberl-buffer-{s}" == shard]
+        version = _metrics(e2e_node, "kuberl-learner-0")[VERSION_METRIC]
+        follow = _follow(e2e_node, shard)
+        deleted = time.monotonic()
+        kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", shard, "--wait=true", timeout_s=200)
+        acked_at_gone = sum(pod_metrics(e2e_node, NAMESPACE, a)[ACKED] for a in pinned)  # nothing serves them
+        out = _output(follow)
+        last = re.search(r"buffer stopped: (\d+) fragments received \((\d+) samples\), (\d+) samples served, "
+                         r"(\d+) held", out)
+        assert last, f"no final counts in the deleted shard's log:\n{out[-2000:]}"
+        stored, _, _, held = map(int, last.groups())
+        assert acked_at_gone == stored > 0, (
+            f"{shard} stored {stored} fragments; its actors {pinned} were acknowledged {acked_at_gone}")
+        _wait(f"{shard} replaced and serving", lambda: _metrics(e2e_node, shard).get(RECEIVED, 0) > 0, e2e_node)
+        _wait("the group training on", lambda: _metrics(e2e_node, "kuberl-learner-0").get(VERSION_METRIC, 0)
+              >= version + 2, e2e_node)
+        before = {b: 0.0 for b in fed}
+        _wait(f"each fed shard {fed} serving again", fed_shards_serve, e2e_node, 120)
+        assert _restarts(e2e_node, "actor") == 0 and _restarts(e2e_node, "learner") == 0, \
+            "an actor or a learner restarted when a shard went: they must reconnect instead"
+        report["shard_deletion"] = {"shard": shard, "actors": pinned, "fragments_stored_and_acknowledged": stored,
+                                    "samples_held_at_sigterm_lost_with_it": held,
+                                    "delete_to_training_s": round(time.monotonic() - deleted, 1)}
+        e2e_report["shards_and_learner_group"] = report
