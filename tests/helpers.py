@@ -91,15 +91,16 @@ class Service:
         self.popen.wait()
 
 
-def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):
-    """Poll `predicate` until it returns a truthy value (returned); AssertionError on timeout."""
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1, what="condition"):
+    """Poll `predicate` until it returns a truthy value (returned); AssertionError on timeout, saying
+    `what` (a string, or a callable that says it as of the timeout)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
 
 

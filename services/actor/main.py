@@ -21,7 +21,7 @@ from services.actor.policy import Policy
 from services.actor.push import Pusher
 from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
-from services.actor.sessions import SessionHub
+from services.actor.sessions import SessionHub, register_session_metrics
 from services.actor.subscribe import subscribe_weights, watch_insert_limit
 from services.common.protocol.fragments import EncodedFragment, new_incarnation
 from services.common.net.grpcutil import MiB, add_servicer, make_channel
@@ -68,6 +68,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     shard = shard_of(actor_id, len(shards), given_index)
     buffer = shards[shard]
     metrics.set("actor/buffer_shard", shard)
+    register_session_metrics(metrics)   # 0 sessions where no simulator connects
     buffer_ch, learner_ch = make_channel(buffer, max_bytes, tls=cfg.tls), make_channel(learner, max_bytes, tls=cfg.tls)
     pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics,
                     max_bytes=int(cfg.actor.queue_mb * MiB))

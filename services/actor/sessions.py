@@ -99,6 +99,15 @@ def ended_error(s: Session) -> SessionError:
     return SessionError("UNAVAILABLE", "the actor is shutting down: reconnect (with the same session_id to resume)")
 
 
+def register_session_metrics(metrics: Metrics) -> None:
+    """The session counters and gauge at 0: every actor reports them, one without simulators (a local
+    env's actor) as 0 sessions, so that a dashboard reads 0 rather than no data."""
+    for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced",
+                 "steps_refused_nonfinite", "steps_refused_out_of_bounds"):
+        metrics.inc(f"actor/{name}_total", 0)
+    metrics.set("actor/sessions_active", metrics.gauges.get("actor/sessions_active", 0))
+
+
 class SessionHub:
     def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics,
                  on_fragment: Callable[[EncodedFragment], None] | None, incarnation: int = 0, *,
@@ -118,9 +127,7 @@ class SessionHub:
         self.seq = 0
         self.env_steps = 0
         self.episodes = EpisodeLog(metrics)
-        for name in ("sessions", "sessions_refused", "sessions_timed_out", "sessions_resumed", "sessions_replaced",
-                     "steps_refused_nonfinite", "steps_refused_out_of_bounds"):
-            metrics.inc(f"actor/{name}_total", 0)
+        register_session_metrics(metrics)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
         if self.records:
             metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")

@@ -165,6 +165,7 @@ class Store:
         metrics.inc("buffer/paced_seconds_total", 0)
         metrics.inc("buffer/samples_lost_in_transit_total", 0)
         metrics.inc("buffer/samples_evicted_early_total", 0)
+        metrics.inc("buffer/samples_evicted_total", 0)   # (a replay overwrites its oldest: not an eviction)
 
     def report_progress(self, learner_id: str, version: int, consumed_batches: int, now: float | None = None) -> None:
         """Record a learner's current policy version and how many batches it has consumed (ReportProgress)."""

@@ -25,6 +25,7 @@ import grpc
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import planner_pb2 as ppb
+from services.common.atomic import write_atomically
 from services.common.local.procs import ServiceProcess, free_port
 from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                              format_event, learner_specs)
@@ -34,6 +35,9 @@ from services.config import ConfigError, ExperimentConfig
 
 log = logging.getLogger("kuberl.up")
 READY_TIMEOUT_S = 120.0
+# Prometheus file-based service discovery (file_sd_configs) of the run's metrics endpoints: point a
+# local Prometheus at it (docs/metrics.md); rewritten as processes come, go and restart.
+TARGETS_FILE = "prometheus-targets.json"
 
 
 def _port_free(port: int) -> bool:
@@ -124,6 +128,8 @@ class Fleet:
         self.members: list[Member] = []   # live
         self.retired: list[Member] = []   # actors the planner stopped: their counters still count
         self.last_decision_id = 0
+        self.targets_path = self.dir / TARGETS_FILE
+        self._targets: list[dict] | None = None   # as last written
 
     def role(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role]
@@ -246,6 +252,31 @@ class Fleet:
         if self._planner_claim is not None:   # the planner has stopped: another run may take its port
             self._planner_claim.close()
             self._planner_claim = None
+
+    # -- metrics endpoints ----------------------------------------------------------------------
+    def scrape_targets(self) -> list[dict]:
+        """Every live process's metrics endpoint as Prometheus file_sd target groups, labelled with its
+        role, its name and the run. Members the planner runs are found through the ready file each
+        writes into the run directory."""
+        groups = []
+        for m in sorted(self.members, key=lambda m: m.name):
+            address = m.proc.metrics if m.proc is not None and m.proc.poll_ready() else None
+            if m.proc is None:
+                try:
+                    address = json.loads((self.dir / "ready" / f"{m.name}.json").read_text()).get("metrics")
+                except (OSError, ValueError):
+                    address = None
+            if address:
+                groups.append({"targets": [address], "labels": {"role": m.role, "name": m.name, "run": self.dir.name}})
+        return groups
+
+    def write_targets(self) -> None:
+        """(Re)write TARGETS_FILE when the endpoints changed, atomically (Prometheus may read it any time)."""
+        targets = self.scrape_targets()
+        if targets != self._targets:
+            data = json.dumps(targets, indent=1).encode()
+            write_atomically(self.targets_path, lambda f: f.write(data))
+            self._targets = targets
 
     # -- supervision ----------------------------------------------------------------------------
     def supervise(self) -> None:

@@ -7,7 +7,8 @@ processes. It polls every process's stats, shows progress and
 the planner's decisions, and stops at the target return, the step budget or Ctrl-C. The run directory
 holds the resolved config, metrics.csv (one row per poll), episodes.csv (one row per finished episode:
 the learning curve), TensorBoard scalars (tb/), checkpoints/, one log per process (logs/), the
-planner's decisions.jsonl and summary.json. When training ends (target return, step or time budget), the
+planner's decisions.jsonl, summary.json, and prometheus-targets.json (every process's metrics endpoint,
+for a Prometheus's file_sd_configs). When training ends (target return, step or time budget), the
 final checkpoint is evaluated deterministically (config `evaluation`, `kuberl eval`) and the result goes
 into summary.json as `evaluation`.
 """
@@ -214,6 +215,7 @@ class LocalRun:
 
             self.tb = SummaryWriter(str(self.dir / "tb"))
             self.fleet.wait_all_ready()
+            self.fleet.write_targets()
             self.started = time.monotonic()
             if self.fleet.planned:
                 planner = self.fleet.role("planner")[0].address
@@ -230,6 +232,7 @@ class LocalRun:
                 time.sleep(self.cfg.run.poll_interval_s)
                 self.fleet.supervise()
                 self.poll()
+                self.fleet.write_targets()
                 row = self.row()
                 writer.writerow(row)
                 csv_file.flush()

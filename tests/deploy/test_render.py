@@ -6,6 +6,7 @@ Validation is strict (unknown fields are errors) against the schemas of SCHEMA_V
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -15,7 +16,7 @@ from tests.deploy.render import (CHART, OVERLAYS, RenderError, container, helm, 
 HELM_VARIANTS = {
     "defaults": [],
     "gpu+servicemonitor": ["--set", "learner.gpu.enabled=true", "--set", "serviceMonitor.enabled=true",
-                           "--set", "serviceMonitor.labels.release=prometheus"],
+                           "--set", "serviceMonitor.labels.release=prometheus", "--set", "grafanaDashboard.enabled=true"],
     "renamed+no-persistence+no-netpol": ["--set", "nameOverride=rl", "--set", "learner.persistence.enabled=false",
                                          "--set", "networkPolicy.enabled=false"],
 }
@@ -81,6 +82,7 @@ def test_helm_lint_strict():
     (["--set", "nameOverride=Not_A_Name"], "nameOverride"),
     (["--set", "learner.persistence.existingClaim=mine"], "existingClaim"),    # one claim per learner pod now
     (["--set", "learner.persistence.size=5GB"], "learner.persistence.size"),
+    (["--set", "grafanaDashboard.label=not a label"], "grafanaDashboard.label"),
 ])
 def test_values_schema_rejects_bad_values(values, message):
     with pytest.raises(RenderError) as err:
@@ -106,6 +108,27 @@ def test_learner_claims_come_from_the_statefulset_template():
     assert template(helm_template("--set", "learner.persistence.enabled=false")) == {}
     for overlay, size in (("base", "5Gi"), ("overlays/dev", "1Gi"), ("overlays/gpu", "5Gi")):
         assert template(kustomize(overlay))["checkpoints"]["resources"]["requests"]["storage"] == size, overlay
+
+
+def test_grafana_dashboard_configmap_from_the_chart():
+    """grafanaDashboard.enabled: one ConfigMap labelled for Grafana's dashboard sidecar, holding the chart's
+    dashboards/kuberl.json unchanged, every query filtered by the dashboard's $namespace; none by default.
+    (tests/integration/test_dashboard.py runs every query against a real Prometheus.)"""
+    def dashboards(objects):
+        return [c for c in of_kind(objects, "ConfigMap") if c["metadata"]["name"].endswith("-grafana-dashboard")]
+
+    assert dashboards(helm_template()) == []
+    (cm,) = dashboards(helm_template("--set", "grafanaDashboard.enabled=true",
+                                     "--set", "grafanaDashboard.annotations.grafana_folder=RL"))
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "RL"}
+    dash = json.loads(cm["data"]["kuberl.json"])
+    assert dash == json.loads((CHART / "dashboards" / "kuberl.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 40 and all('{namespace=~"$namespace"}' in e for e in exprs)
+    (other,) = dashboards(helm_template("--set", "grafanaDashboard.enabled=true", "--set", "grafanaDashboard.label=dash",
+                                        "--set", "grafanaDashboard.labelValue=kuberl"))
+    assert other["metadata"]["labels"]["dash"] == "kuberl" and "annotations" not in other["metadata"]
 
 
 def test_buffer_shards_from_the_chart():

