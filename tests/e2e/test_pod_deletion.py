@@ -107,11 +107,11 @@ class _ActorWatch:
                 "samples": self.samples}
 
 
-def _follow(node, pod: str) -> subprocess.Popen:
+def _follow(node, pod: str, namespace: str = NAMESPACE) -> subprocess.Popen:
     """`kubectl logs -f POD`: what a pod writes up to its end (its final counts)."""
     return subprocess.Popen([binaries("KUBECTL")["KUBECTL"],
                              f"--kubeconfig={node.cluster.write_kubeconfig(node.workdir / 'logs.kubeconfig')}",
-                             "-n", NAMESPACE, "logs", "-f", pod], stdout=subprocess.PIPE, text=True)
+                             "-n", namespace, "logs", "-f", pod], stdout=subprocess.PIPE, text=True)
 
 
 def _output(follow: subprocess.Popen) -> str:

@@ -127,7 +127,7 @@ def test_two_shards_a_learner_group_taken_1_3_2_and_a_shard_pod_deleted(e2e_node
         shard = fed[-1]
         pinned = [a for a, s in shard_of.items() if f"kuberl-buffer-{s}" == shard]
         version = _metrics(e2e_node, "kuberl-learner-0")[VERSION_METRIC]
-        follow = _follow(e2e_node, shard)
+        follow = _follow(e2e_node, shard, NAMESPACE)
         deleted = time.monotonic()
         kubectl(e2e_node, "-n", NAMESPACE, "delete", "pod", shard, "--wait=true", timeout_s=200)
         acked_at_gone = sum(pod_metrics(e2e_node, NAMESPACE, a)[ACKED] for a in pinned)  # nothing serves them
