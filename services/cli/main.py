@@ -10,6 +10,7 @@ USAGE = """usage: kuberl <command> [args]
 
 commands:
   up [CONFIG]   train locally: start a buffer, a learner and actors as processes (default: CartPole-v1 PPO)
+  tune CONFIG   search hyper-parameters with Optuna: trials are `kuberl up` runs of CONFIG (docs/tuning.md)
   buffer        run a buffer service
   learner       run a learner service
   actor         run an actor service
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "up":
         from services.cli.up import main as up
         return up(rest)
+    if cmd == "tune":
+        from services.cli.tune import main as tune
+        return tune(rest)
     if cmd in PLANNER_COMMANDS:
         from services.cli.plan import main as plan
         return plan(cmd, rest)

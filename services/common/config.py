@@ -340,6 +340,70 @@ class RunConfig:
         require(self.poll_interval_s > 0, "poll_interval_s", self.poll_interval_s, "must be > 0")
 
 
+TUNE_TYPES = ("float", "int", "categorical")
+
+
+@dataclass(frozen=True)
+class TuneParam:
+    """One hyper-parameter's range for `kuberl tune` (Optuna's suggest_float, suggest_int,
+    suggest_categorical): `float` or `int` between `low` and `high` (log-uniform with `log`), or one of
+    `choices`."""
+    type: str = "float"
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: tuple[int | float | str | bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(self.type in TUNE_TYPES, "type", self.type, f"must be one of {', '.join(TUNE_TYPES)}")
+        if self.type == "categorical":
+            require(len(self.choices) >= 2, "choices", list(self.choices), "a categorical needs two choices or more")
+            require(self.low is None and self.high is None, "low", self.low, "a categorical takes choices, not a range")
+            return
+        require(not self.choices, "choices", list(self.choices), f"a {self.type} takes low and high, not choices")
+        require(self.low is not None and self.high is not None and self.low < self.high, "low", self.low,
+                f"needs low < high (high: {self.high})")
+        require(not self.log or (self.low is not None and self.low > 0), "low", self.low, "log needs low > 0")
+        if self.type == "int":
+            require(float(self.low or 0).is_integer() and float(self.high or 0).is_integer(), "low", self.low,
+                    f"an int range needs whole bounds (high: {self.high})")
+
+
+TUNE_METRICS = ("return", "evaluation")
+TUNE_PRUNERS = ("median", "none")
+TUNE_SAMPLERS = ("tpe", "random")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """`kuberl tune` (docs/tuning.md): an Optuna study over `space`, each trial a `kuberl up` run of
+    this config with the trial's values; `kuberl up` itself ignores this section."""
+    space: Mapping[str, TuneParam] = field(default_factory=dict, hash=False)  # dotted config key -> its range
+    trials: int = 20                  # trials this invocation runs (a resumed study adds as many)
+    parallel: int = 1                 # trials running at once (each a whole kuberl up run: mind the cores)
+    metric: str = "return"            # "return": the training episodes' mean over run.return_window at the
+    #                                   end; "evaluation": the final checkpoint's deterministic mean return
+    pruner: str = "median"            # median: stop a trial whose return is below the median of earlier
+    #                                   trials' at the same env steps; none: never
+    prune_after_steps: int = 0        # no pruning before this many env steps
+    prune_after_trials: int = 5       # nor before this many trials have completed (Optuna's n_startup_trials)
+    report_every_steps: int = 0       # a trial's running return goes to the pruner this often (0: max_env_steps / 20)
+    sampler: str = "tpe"
+    seed: int = 0                     # the sampler's seed
+    study: str | None = None          # default: <algorithm>-<env id>
+    storage: str | None = None        # an Optuna storage URL; default sqlite:///<run.run_dir>/tune/<study>.db
+
+    def __post_init__(self) -> None:
+        require(self.trials >= 1, "trials", self.trials, "must be >= 1")
+        require(self.parallel >= 1, "parallel", self.parallel, "must be >= 1")
+        require(self.metric in TUNE_METRICS, "metric", self.metric, f"must be one of {', '.join(TUNE_METRICS)}")
+        require(self.pruner in TUNE_PRUNERS, "pruner", self.pruner, f"must be one of {', '.join(TUNE_PRUNERS)}")
+        require(self.sampler in TUNE_SAMPLERS, "sampler", self.sampler, f"must be one of {', '.join(TUNE_SAMPLERS)}")
+        require(self.prune_after_steps >= 0, "prune_after_steps", self.prune_after_steps, "must be >= 0")
+        require(self.prune_after_trials >= 0, "prune_after_trials", self.prune_after_trials, "must be >= 0")
+        require(self.report_every_steps >= 0, "report_every_steps", self.report_every_steps, "must be >= 0")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """How a trained policy is evaluated (docs/after-training.md): its deterministic actions (argmax,
@@ -480,6 +544,7 @@ class CommonConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     # Each algorithm's settings by its name (YAML: a top-level section `<name>:`), opaque here: the
     # algorithm reads its own (`Algorithm.section`); services.config.ExperimentConfig fills and checks them.
     sections: Mapping[str, Any] = field(default_factory=dict, hash=False)

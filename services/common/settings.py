@@ -47,15 +47,23 @@ def convert(tp: Any, value: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return convert(inner, value, key)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return convert(inner[0], value, key)
+        for tp_ in inner:   # several types (e.g. int | float | str): the first that takes the value
+            try:
+                return convert(tp_, value, key)
+            except ConfigError:
+                continue
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in inner)
+        raise ConfigError(key, f"must be {names}, got {type(value).__name__} {value!r}")
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if value is None:  # `section:` with nothing under it means "all defaults"
             value = {}
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a mapping of settings, got {type(value).__name__}")
         return build(tp, value, key + ".")
-    if origin is dict:
+    if origin in (dict, Mapping):
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a mapping, got {type(value).__name__} {value!r}")
         key_type, value_type = typing.get_args(tp)
