@@ -271,19 +271,26 @@ class Planner:
         self.validate_replicas(role, replicas)
         self.overrides[role] = OverrideState(replicas, self.wall() + ttl_s)
         async with self.lock:
-            await self.observer.measure()
-            inp = self.inputs()
-            current = {r: inp.role(r).desired for r in ROLES}
-            targets = {**current, role: replicas}
-            error, applied = "", False
-            if not self.backend.leader:
-                error = "not the leader: another planner holds the lease"
-            else:
+            for attempt in range(CONFLICT_RETRIES + 1):
+                await self.observer.measure()
+                inp = self.inputs()
+                current = {r: inp.role(r).desired for r in ROLES}
+                targets = {**current, role: replicas}
+                error, applied = "", False
+                if not self.backend.leader:
+                    error = "not the leader: another planner holds the lease"
+                    break
                 try:
                     await self.backend.apply({role: replicas}, dry_run=self.backend.name == "dry-run")
                     applied = self.backend.name != "dry-run"
-                except (Conflict, Refused, Exception) as err:  # recorded; the decision loop retries the override
+                    break
+                except Conflict as err:   # the count changed under us (another writer): read it again
+                    self.metrics.inc("planner/conflicts_total")
                     error = f"{type(err).__name__}: {err}"
+                    log.info("replica count changed under the override (%s); re-reading (attempt %d)", err, attempt + 1)
+                except Exception as err:  # noqa: BLE001 - recorded; the decision loop retries the override
+                    error = f"{type(err).__name__}: {err}"
+                    break
             if applied:
                 self.last_change_at = self.clock()
                 self.probes.pop(role, None)

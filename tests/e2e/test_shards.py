@@ -2,7 +2,7 @@
 
 Two actors push, each to the shard `shard_of` its pod name picks (`kuberl_actor_buffer_shard`). The
 planner is asked through its API (`SetReplicas`, what `kuberl scale learner N` sends) to take the
-learner StatefulSet 1 -> 3 -> 2: at each size every learner pod reports the group's size and the
+learner StatefulSet 1 -> 3 -> 2, its own decisions paused so that the walk is the test's: at each size every learner pod reports the group's size and the
 group trains, and every shard an actor feeds keeps serving batches. Then the pod of a fed shard is
 deleted, and the accounting of tests/e2e/test_pod_deletion.py is made per shard: once the old pod is
 gone and before its replacement serves, the acknowledged counts of the actors pinned to it cannot
@@ -63,12 +63,25 @@ def _wait(what: str, predicate, node, timeout_s: float = 300) -> float:
     raise AssertionError(f"{what}: not within {timeout_s:.0f} s; kuberl-learner-0's log:\n{logs}")
 
 
-def _scale_learners(node, replicas: int) -> None:
+def _planner(node):
     (planner,) = pods(node, NAMESPACE, "planner")
-    with grpc.insecure_channel(f"{planner.status.pod_ip}:50054") as ch:
+    return grpc.insecure_channel(f"{planner.status.pod_ip}:50054")
+
+
+def _pause_planner(node) -> None:
+    """The walk is the test's: the planner's own decisions are held (a paused planner still applies overrides)."""
+    with _planner(node) as ch:
+        status = planner_pb2_grpc.PlannerStub(ch).Pause(planner_pb2.PauseRequest(reason="e2e walk"), timeout=60)
+    assert status.paused
+
+
+def _scale_learners(node, replicas: int) -> None:
+    with _planner(node) as ch:
         decision = planner_pb2_grpc.PlannerStub(ch).SetReplicas(
             planner_pb2.SetReplicasRequest(role="learner", replicas=replicas, ttl_s=1800), timeout=60)
-    assert decision.applied and not decision.error, decision
+    (learner,) = [r for r in decision.roles if r.role == "learner"]
+    assert not decision.error and learner.target == replicas and (decision.applied or learner.current == replicas), \
+        decision
 
 
 def _learners(node, n: int) -> list[dict[str, float]]:
@@ -99,6 +112,8 @@ def test_two_shards_a_learner_group_taken_1_3_2_and_a_shard_pod_deleted(e2e_node
     start = time.monotonic()
     with fresh_namespace(e2e_node, NAMESPACE), release(e2e_node, tmp_path, NAMESPACE, VALUES):
         wait_ready(e2e_node, NAMESPACE, timeout_s=400)
+        _wait("two actors", lambda: len(pods(e2e_node, NAMESPACE, "actor")) == 2, e2e_node)  # the planner's minimum
+        _pause_planner(e2e_node)
         _wait("two actors pushing", lambda: len(actors := pods(e2e_node, NAMESPACE, "actor")) == 2 and all(
             _metrics(e2e_node, a.metadata.name).get(ACKED, 0) > 0 for a in actors), e2e_node)
         report["install_to_two_actors_pushing_s"] = round(time.monotonic() - start, 1)
@@ -112,7 +127,7 @@ def test_two_shards_a_learner_group_taken_1_3_2_and_a_shard_pod_deleted(e2e_node
             return all(now[b] > before[b] for b in fed)
 
         walk = {}
-        for n in (3, 2):
+        for n in (1, 3, 2):   # from 1 (the planner may have added learners before it was paused)
             asked = time.monotonic()
             _scale_learners(e2e_node, n)
             walk[f"to_{n}"] = _group_trains(e2e_node, n)

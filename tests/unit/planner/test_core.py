@@ -68,15 +68,21 @@ async def test_an_override_applies_at_once_even_paused_then_expires_and_the_plan
 
 
 async def test_a_conflict_is_re_read_and_decided_again_and_an_override_that_failed_is_retried():
+    from services.planner.core import CONFLICT_RETRIES
+
     cfg = config_from_dict({**TINY_PPO, "planner": {"actor": {"max": 4}}})
     backend = MemoryBackend(actors=1)
     planner = Planner(cfg, backend)
-    backend.conflicts = 2
-    d = await planner.set_override("actor", 3, ttl_s=60)  # the first write conflicts: recorded, not applied
-    assert not d.applied and "Conflict" in d.error and backend.desired["actor"] == 1
-    d = await planner.step()                              # conflicts once more, re-reads, then applies
+    backend.conflicts = 2   # another writer moved the count twice: the override reads it again and applies
+    d = await planner.set_override("actor", 3, ttl_s=60)
     assert d.applied and not d.error and backend.desired["actor"] == 3 and backend.applied == [{"actor": 3}]
-    assert planner.metrics.counters["planner/conflicts_total"] == 1
+    assert planner.metrics.counters["planner/conflicts_total"] == 2
+    backend.conflicts = CONFLICT_RETRIES + 2   # more than it retries: recorded, not applied
+    d = await planner.set_override("actor", 2, ttl_s=60)
+    assert not d.applied and "Conflict" in d.error and backend.desired["actor"] == 3
+    d = await planner.step()      # the decision loop: conflicts once more, re-reads, then applies the override
+    assert d.applied and not d.error and backend.desired["actor"] == 2 and backend.applied == [{"actor": 3}, {"actor": 2}]
+    assert planner.metrics.counters["planner/conflicts_total"] == 2 + (CONFLICT_RETRIES + 1) + 1
     await planner.close()
 
 
