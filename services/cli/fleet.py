@@ -130,6 +130,7 @@ class Fleet:
         self.last_decision_id = 0
         self.targets_path = self.dir / TARGETS_FILE
         self._targets: list[dict] | None = None   # as last written
+        self._decisions_read = 0   # bytes of decisions.jsonl read by new_decisions
 
     def role(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role]
@@ -324,6 +325,26 @@ class Fleet:
         if self.planned and path.exists():
             codes.update(json.loads(path.read_text()))
         return codes
+
+    def new_decisions(self) -> list[dict]:
+        """The planner's decisions recorded since the last call (every one: held, suppressed, applied),
+        from its journal."""
+        path = self.dir / "decisions.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._decisions_read)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1   # a line still being written waits for the next call
+        self._decisions_read += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def decisions(self) -> list[dict]:
         """The planner's applied decisions (and failed applies), from its journal."""

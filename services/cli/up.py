@@ -31,6 +31,7 @@ from kuberl.v1 import common_pb2 as pb
 from services.cli.fleet import PLANNER_PORT, Fleet, Member, check_ports
 from services.cli.progress import CSV_COLUMNS, EPISODE_COLUMNS, HeldShare, progress_line
 from services.cli.tally import Tally, fmt_losses, fmt_return
+from services.cli.tracking import Tracker
 from services.config import ConfigError, ExperimentConfig, check_algorithm_takes, dump_config, load_config
 from services.common.net.tokens import AuthError
 from services.common.service.runtime import add_tls_arguments, with_tls_flags
@@ -67,6 +68,7 @@ class LocalRun:
         self.started = time.monotonic()
         self.held = HeldShare()
         self.tb = None
+        self.tracker: Tracker | None = None   # W&B / MLflow (config `tracking`), while `run` runs
         self.episode_rows: csv.writer | None = None  # episodes.csv, while `run` has it open
 
     @classmethod
@@ -107,11 +109,14 @@ class LocalRun:
         self.env_steps = int(self.tally.total("actor/env_steps_total"))
         self.episodes = int(self.tally.total("actor/episodes_total"))  # exact, whether or not every return was read
         wall = round(time.monotonic() - self.started, 3)
-        for ep in self.tally.record(new_eps):
+        finished = self.tally.record(new_eps)
+        for ep in finished:
             self.tb.add_scalar("charts/episodic_return", ep.episode_return, self.env_steps)
             self.tb.add_scalar("charts/episodic_length", ep.length, self.env_steps)
             if self.episode_rows is not None:  # env_steps and wall_s: the run's when the episode was read
                 self.episode_rows.writerow([wall, self.env_steps, ep.episode_return, ep.length, ep.policy_version])
+        if self.tracker is not None and finished:
+            self.tracker.episodes([(ep.episode_return, ep.length) for ep in finished], self.env_steps)
 
     def _sum(self, role: str, name: str) -> float:
         return float(sum(p.stats.get(name, 0.0) for p in self.fleet.role(role)))
@@ -216,6 +221,8 @@ class LocalRun:
             self.tb = SummaryWriter(str(self.dir / "tb"))
             self.fleet.wait_all_ready()
             self.fleet.write_targets()
+            if self.cfg.tracking.wandb.enabled or self.cfg.tracking.mlflow.enabled:
+                self.tracker = Tracker(self.cfg, self.dir)
             self.started = time.monotonic()
             if self.fleet.planned:
                 planner = self.fleet.role("planner")[0].address
@@ -240,6 +247,10 @@ class LocalRun:
                 for k, v in row.items():
                     if k not in ("wall_s", "env_steps") and v is not None:
                         self.tb.add_scalar(k.replace("_", "/", 1), v, self.env_steps)
+                if self.tracker is not None:
+                    self.tracker.row(row, self.env_steps)
+                    for d in self.fleet.new_decisions():
+                        self.tracker.decision(decision_event(d), self.env_steps)
                 if self.progress:
                     print(progress_line(row, len(self.returns)), flush=True)
                 if (reason := self.stop_reason()) is not None:
@@ -271,6 +282,12 @@ class LocalRun:
                    "last_stats": {p.name: p.stats for p in self.fleet.members + self.fleet.retired
                                   if p.role != "planner"},
                    "decisions": self.fleet.decisions(), "evaluation": evaluation}
+        if self.tracker is not None:
+            for d in self.fleet.new_decisions():
+                self.tracker.decision(decision_event(d), self.env_steps)
+            self.tracker.finish(summary)
+            summary["tracking"] = self.tracker.report()
+            self.tracker = None
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         skipped = f" ({tally.episodes_skipped:,} skipped)" if tally.episodes_skipped else ""
         print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes{skipped}, mean return "
@@ -278,6 +295,14 @@ class LocalRun:
               f"{wall:.1f} s. Run directory: {self.dir}", flush=True)
         return summary
 
+
+
+def decision_event(d: dict) -> dict:
+    """A planner decision (its journal's JSON) as a tracking event: what it set, why, the bottleneck."""
+    counts = {r.get("role"): (r.get("target", 0) if d.get("applied") else r.get("current", 0)) for r in d.get("roles", [])}
+    return {"action": str(d.get("action", "")).removeprefix("DECISION_ACTION_").lower(),
+            "actors": int(counts.get("actor", 0)), "learners": int(counts.get("learner", 0)),
+            "bottleneck": d.get("bottleneck", ""), "reason": d.get("reason", "") + (f" (error: {d['error']})" if d.get("error") else "")}
 
 
 def checked_spec(cfg: ExperimentConfig):

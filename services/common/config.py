@@ -340,6 +340,45 @@ class RunConfig:
         require(self.poll_interval_s > 0, "poll_interval_s", self.poll_interval_s, "must be > 0")
 
 
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass(frozen=True)
+class WandbTracking:
+    """Weights & Biases (docs/tracking.md): `kuberl up` logs the run there as it trains."""
+    enabled: bool = False
+    project: str = "kuberl"
+    entity: str | None = None         # your team or user; default: W&B's default entity
+    mode: str = "online"              # offline: written under the run directory, `wandb sync` later
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(self.mode in WANDB_MODES, "mode", self.mode, f"must be one of {', '.join(WANDB_MODES)}")
+        require(bool(self.project), "project", self.project, "must not be empty")
+
+
+@dataclass(frozen=True)
+class MlflowTracking:
+    """MLflow (docs/tracking.md): `kuberl up` logs the run to a tracking server or a local database."""
+    enabled: bool = False
+    tracking_uri: str | None = None   # default: $MLFLOW_TRACKING_URI, else sqlite:///<run.run_dir>/mlflow.db
+    experiment: str = "kuberl"
+
+    def __post_init__(self) -> None:
+        require(bool(self.experiment), "experiment", self.experiment, "must not be empty")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Experiment tracking sinks `kuberl up` feeds: the config, every progress scalar, episodes, the
+    planner's decisions, the evaluation and, with `artifacts`, the final checkpoint and the policy
+    exported to ONNX. A sink that fails is counted and logged once; it never stops training."""
+    wandb: WandbTracking = field(default_factory=WandbTracking)
+    mlflow: MlflowTracking = field(default_factory=MlflowTracking)
+    artifacts: bool = True
+
+
 TUNE_TYPES = ("float", "int", "categorical")
 
 
@@ -545,6 +584,7 @@ class CommonConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Each algorithm's settings by its name (YAML: a top-level section `<name>:`), opaque here: the
     # algorithm reads its own (`Algorithm.section`); services.config.ExperimentConfig fills and checks them.
     sections: Mapping[str, Any] = field(default_factory=dict, hash=False)
