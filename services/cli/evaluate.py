@@ -76,7 +76,7 @@ class Progress:
             sys.stderr.flush()
 
 
-def _act_fn(trained, deterministic: bool) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
+def act_fn(trained, deterministic: bool) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
     """obs [N, ...], mask [N, M] or None -> actions [N, ...] in the space's layout."""
     import torch
 
@@ -273,7 +273,7 @@ def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: 
 def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bool = True,
              progress: bool = False, deadline: float | None = None) -> dict:
     """Evaluate a loaded policy (services/cli/trained.py); the JSON-ready result. Blocking."""
-    act = _act_fn(trained, deterministic)
+    act = act_fn(trained, deterministic)
     bar = Progress(episodes, "eval", progress)
     try:
         returns, lengths = run_episodes(trained, act, episodes, num_envs, seed, bar.step, deadline)
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
                           progress=True)
         result["video"] = None
         if args.video is not None:
-            result["video"] = record_video(trained, _act_fn(trained, not args.stochastic), args.video,
+            result["video"] = record_video(trained, act_fn(trained, not args.stochastic), args.video,
                                            args.video_episodes, seed + 10_000, args.fps)
     except (TrainedPolicyError, EvalError) as err:
         print(f"kuberl eval: {err}", file=sys.stderr)

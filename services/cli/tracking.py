@@ -4,8 +4,8 @@ Biases and MLflow.
 Each sink receives the resolved config when training starts, every progress row's scalars (what
 metrics.csv holds) and every finished episode's return and length at the run's env steps, each
 planner decision applied (as scalars when it is made, and the whole list at the end), and at the end
-the run's summary, the final evaluation and, with `tracking.artifacts`, the final checkpoint and the
-policy exported to ONNX. A sink that raises is counted (`errors` in summary.json's `tracking`) and
+the run's summary, the final evaluation, with `tracking.artifacts` the final checkpoint and the
+policy exported to ONNX, and with `tracking.video` one episode of the final policy (MP4). A sink that raises is counted (`errors` in summary.json's `tracking`) and
 logged once, then skipped for the rest of the run: it never stops training. The libraries are
 imported only when a sink is on (the `tracking` extra).
 """
@@ -22,6 +22,7 @@ from typing import Any
 from services.config import ExperimentConfig
 
 log = logging.getLogger("kuberl.tracking")
+VIDEO_FPS = 30.0
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
@@ -72,7 +73,9 @@ class WandbSink:
                 columns=["env_steps", "action", "actors", "learners", "bottleneck", "reason"], data=self.decisions)})
         run.summary.update(_finite(flatten(summary_fields(summary))))
         run.summary["reason"] = summary["reason"]
-        for path in artifacts:
+        for path in [p for p in artifacts if p.suffix == ".mp4"]:
+            run.log({"eval/video": wandb.Video(str(path), format="mp4"), "env_steps": summary.get("env_steps") or 0})
+        for path in [p for p in artifacts if p.suffix != ".mp4"]:
             art = wandb.Artifact(f"{run.name}-{path.stem}".replace("/", "-")[:120],
                                  type="model" if path.suffix in (".pt", ".onnx") else "result")
             art.add_file(str(path))
@@ -198,7 +201,7 @@ class Tracker:
 
     def finish(self, summary: dict) -> None:
         artifacts: list[Path] = []
-        if self.sinks and self.cfg.tracking.artifacts:
+        if self.sinks and (self.cfg.tracking.artifacts or self.cfg.tracking.video):
             artifacts = self._artifacts()
         self._call("finish", summary, artifacts)
 
@@ -218,14 +221,30 @@ class Tracker:
         except (TrainedPolicyError, OSError) as err:
             log.warning("tracking: no checkpoint to log: %s", err)
             return []
-        out = [ckpt]
+        out = [ckpt] if self.cfg.tracking.artifacts else []
         try:
-            from services.cli.export import export, mask_input
             from services.cli.trained import load_trained
 
             trained = load_trained(ckpt)
-            masked, _ = mask_input(trained, "auto")
-            out.append(export(trained, "onnx", self.run_dir / f"policy-v{trained.version}.onnx", masked))
-        except Exception as err:  # noqa: BLE001 - an export that fails leaves the checkpoint logged
-            log.warning("tracking: the policy was not exported to ONNX (the checkpoint is logged): %s", err)
+        except Exception as err:  # noqa: BLE001 - what cannot be loaded is not logged; training is over anyway
+            log.warning("tracking: the final checkpoint could not be loaded (no ONNX, no video): %s", err)
+            return out
+        if self.cfg.tracking.artifacts:
+            try:
+                from services.cli.export import export, mask_input
+
+                masked, _ = mask_input(trained, "auto")
+                out.append(export(trained, "onnx", self.run_dir / f"policy-v{trained.version}.onnx", masked))
+            except Exception as err:  # noqa: BLE001 - an export that fails leaves the checkpoint logged
+                log.warning("tracking: the policy was not exported to ONNX (the checkpoint is logged): %s", err)
+        if self.cfg.tracking.video and self.cfg.env.mode != "external":   # a simulator's env cannot be made here
+            try:
+                from services.cli.evaluate import act_fn, record_video
+
+                path = self.run_dir / f"policy-v{trained.version}.mp4"
+                record_video(trained, act_fn(trained, True), path, episodes=1, seed=self.cfg.evaluation.seed,
+                             fps=VIDEO_FPS)
+                out.append(path)
+            except Exception as err:  # noqa: BLE001 - an env that does not render has no video
+                log.warning("tracking: no video of the final policy: %s", err)
         return out

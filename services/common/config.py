@@ -373,10 +373,12 @@ class MlflowTracking:
 class TrackingConfig:
     """Experiment tracking sinks `kuberl up` feeds: the config, every progress scalar, episodes, the
     planner's decisions, the evaluation and, with `artifacts`, the final checkpoint and the policy
-    exported to ONNX. A sink that fails is counted and logged once; it never stops training."""
+    exported to ONNX, and with `video` one episode of the final policy. A sink that fails is counted and
+    logged once; it never stops training."""
     wandb: WandbTracking = field(default_factory=WandbTracking)
     mlflow: MlflowTracking = field(default_factory=MlflowTracking)
     artifacts: bool = True
+    video: bool = True                # one episode of the final policy (deterministic), where the env renders
 
 
 TUNE_TYPES = ("float", "int", "categorical")

@@ -2,7 +2,7 @@
 & Biases in offline mode (its run file under the run directory) and MLflow on a local SQLite store.
 What the run produced is read back through each library's own structures and compared with the run
 directory: the config, every episode, the progress rows, the planner's decisions, the evaluation, the
-final checkpoint and the exported policy.
+final checkpoint, the exported policy and a video of it.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def test_a_run_is_recorded_in_wandb_offline_and_mlflow(tmp_path):
     decisions = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
     assert decisions
     onnx = sorted(run.glob("policy-v*.onnx"))
+    video = sorted(run.glob("policy-v*.mp4"))
     ckpt = sorted((run / "checkpoints").glob("ckpt-*.pt"))
-    assert len(onnx) == 1 and ckpt
+    assert len(onnx) == 1 and len(video) == 1 and ckpt
 
     # --- MLflow -----------------------------------------------------------------------------------------
     from mlflow.tracking import MlflowClient
@@ -92,7 +93,8 @@ def test_a_run_is_recorded_in_wandb_offline_and_mlflow(tmp_path):
     assert len(client.get_metric_history(mrun.info.run_id, "planner/actors")) == len(decisions)
     assert mrun.data.metrics["eval.mean_return"] == summary["evaluation"]["return"]["mean"]
     artifacts = {a.path for a in client.list_artifacts(mrun.info.run_id)}
-    assert {"config.json", "summary.json", "planner_decisions.json", onnx[0].name, ckpt[-1].name} <= artifacts
+    assert {"config.json", "summary.json", "planner_decisions.json", onnx[0].name, ckpt[-1].name,
+            video[0].name} <= artifacts
 
     # --- Weights & Biases (offline) ----------------------------------------------------------------------
     (wfile,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
@@ -107,6 +109,8 @@ def test_a_run_is_recorded_in_wandb_offline_and_mlflow(tmp_path):
     assert sorted(h["charts/episodic_return"] for h in history if "charts/episodic_return" in h) == sorted(episodes)
     assert sum("planner/actors" in h for h in history) == len(decisions)
     assert any("actor/env_steps_per_s" in h for h in history) and all("env_steps" in h for h in history)
+    (clip,) = [h for h in history if h.get("eval/video/_type") == "video-file"]   # the final policy, one episode
+    assert (wfile.parent / "files" / clip["eval/video/path"]).stat().st_size == video[0].stat().st_size
     summaries = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
