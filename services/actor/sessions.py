@@ -23,6 +23,7 @@ buffers are allocated, no fragment is cut, nothing is pushed.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from services.common.protocol import spaces
 from services.common.protocol.tensors import TensorError, decode, numpy_dtype
 
 MAX_ENVS = 1024
+RECENT_RETURNS = 20   # episodes in a session's actor/session_return_mean
 
 
 class SessionError(Exception):
@@ -53,10 +55,13 @@ class SessionError(Exception):
 
 @dataclass
 class _Episodes:
-    """Running returns and lengths of a session's env copies (kept across a resume)."""
+    """Running returns and lengths of a session's env copies, and its totals (kept across a resume)."""
     returns: np.ndarray
     lengths: np.ndarray
     closed_at: float | None = None
+    env_steps: int = 0                # env steps the session's simulator took
+    finished: int = 0                 # episodes it finished
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_RETURNS))
 
 
 def _same_action_space(got: spaces.ActionSpace, want: spaces.ActionSpace) -> bool:
@@ -128,9 +133,25 @@ class SessionHub:
         self.env_steps = 0
         self.episodes = EpisodeLog(metrics)
         register_session_metrics(metrics)
+        metrics.add_labelled(self.session_figures)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
         if self.records:
             metrics.track_rate("actor/fragments_per_s", "actor/fragments_total")
+
+    def session_figures(self) -> list[tuple[str, dict[str, str], float]]:
+        """Per open session, labelled `session` (its session_id), for Prometheus (docs/metrics.md): env
+        steps, episodes finished, seconds its replies were held, env copies, and the mean return of its
+        last RECENT_RETURNS episodes. Called from the exporter's thread: reads a copy of the table."""
+        out: list[tuple[str, dict[str, str], float]] = []
+        for s in list(self.sessions.values()):
+            labels, ep = {"session": s.session_id}, s.episodes
+            out += [("actor/session_env_steps_total", labels, float(ep.env_steps)),
+                    ("actor/session_episodes_total", labels, float(ep.finished)),
+                    ("actor/session_held_seconds_total", labels, s.held_s),
+                    ("actor/session_envs", labels, float(s.num_envs))]
+            if recent := list(ep.recent):
+                out.append(("actor/session_return_mean", labels, sum(recent) / len(recent)))
+        return out
 
     # -- hello -------------------------------------------------------------------------------------
     def open(self, hello: actor_pb2.EnvHello) -> tuple[Session, bool]:
@@ -273,6 +294,7 @@ class SessionHub:
         for i in done:
             self._finish_episode(ep, i)
         self.env_steps += N
+        ep.env_steps += N
         self.metrics.inc("actor/env_steps_total", N)
         if self.records:
             s.t += 1
@@ -342,6 +364,8 @@ class SessionHub:
     def _finish_episode(self, ep: _Episodes, i: int) -> None:
         self.episodes.finish(ep.returns[i], ep.lengths[i], self.env_steps,
                              int(self.metrics.gauges.get("actor/policy_version", 0)))
+        ep.finished += 1
+        ep.recent.append(float(ep.returns[i]))
         ep.returns[i], ep.lengths[i] = 0.0, 0
 
     def _emit(self, s: Session, t: int, last: bool = False) -> None:

@@ -144,6 +144,7 @@ class Metrics:
         self._rates: dict[str, tuple[str, WindowRate]] = {}
         self._rate_window_s = rate_window_s
         self._gauge_providers: list[Callable[[], Mapping[str, float]]] = []
+        self._labelled_providers: list[Callable[[], Iterable[tuple[str, Mapping[str, str], float]]]] = []
 
     def inc(self, name: str, n: float = 1) -> None:
         self.counters[name] += n
@@ -159,6 +160,15 @@ class Metrics:
     def add_gauges(self, provider: Callable[[], Mapping[str, float]]) -> None:
         """Include `provider()` (a dict of gauges, computed on demand) in every snapshot."""
         self._gauge_providers.append(provider)
+
+    def add_labelled(self, provider: Callable[[], Iterable[tuple[str, Mapping[str, str], float]]]) -> None:
+        """Include `provider()`'s (name, labels, value) series in the Prometheus exposition (not in
+        GetStats, whose map has no labels): figures per something a role holds a changing set of,
+        such as an actor's EnvSession sessions. Called from the exporter's thread."""
+        self._labelled_providers.append(provider)
+
+    def labelled(self) -> list[tuple[str, Mapping[str, str], float]]:
+        return [series for provider in self._labelled_providers for series in provider()]
 
     def histogram(self, name: str, buckets: Iterable[float] = LAG_BUCKETS) -> Histogram:
         if name not in self.histograms:

@@ -3,9 +3,10 @@
 prometheus-targets.json (file_sd_configs): every query of every panel returns data.
 
 The run is DQN (a replay, so the replay-ratio panel has a target) with the planner on (its decisions,
-bottleneck and replica panels). Grafana's variables are given the values Grafana would: `$namespace`
-All (`.*`, which also matches series without the label, as a local run's are) and `$__rate_interval`
-a few scrape intervals.
+bottleneck and replica panels), its env an external simulator's: a CartPole simulator connected over
+EnvSession (kuberl_client.gym.serve_gym_env, in a thread) feeds the per-session panels. Grafana's
+variables are given the values Grafana would: `$namespace` All (`.*`, which also matches series
+without the label, as a local run's are) and `$__rate_interval` a few scrape intervals.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import urllib.parse
 import urllib.request
 
@@ -50,21 +52,38 @@ def query(address: str, expr: str) -> list:
     return body["data"]["result"]
 
 
+def simulate(address: str, stop: threading.Event) -> None:
+    """A CartPole simulator stepping over EnvSession until `stop` (it waits for the actor to serve)."""
+    import gymnasium as gym
+
+    from kuberl_client.gym import serve_gym_env
+
+    envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync",
+                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    try:
+        serve_gym_env(envs, address, session_id="dashboard-sim", stop=stop, seed=0, timeout_s=120)
+    finally:
+        envs.close()
+
+
 def test_every_dashboard_query_returns_data_from_a_kuberl_up_run(tmp_path):
     try:
         prometheus = binaries("PROMETHEUS")["PROMETHEUS"]
     except Unavailable as e:
         pytest.skip(f"no Prometheus: {e}")
     config = write_config(tmp_path / "c.yaml", {
-        **TINY_DQN, "topology": {"actors": 1},
+        **TINY_DQN, "env": {"id": "CartPole-v1", "mode": "external"}, "topology": {"actors": 1},
         "planner": {"enabled": True, "interval_s": 1, "warmup_s": 1, "actor": {"min": 1, "max": 2}},
         "run": {"target_return": None, "poll_interval_s": 0.2}})
     run = tmp_path / "run"
+    actor_port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
-                           "--name", "run", "--quiet"], cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    prom = None
+                           "--name", "run", "--quiet", "--actor-port", str(actor_port)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prom, stop = None, threading.Event()
+    simulator = threading.Thread(target=simulate, args=(f"127.0.0.1:{actor_port}", stop), daemon=True)
     try:
+        simulator.start()
         targets = run / "prometheus-targets.json"
 
         def every_role_listed() -> bool:
@@ -104,14 +123,18 @@ def test_every_dashboard_query_returns_data_from_a_kuberl_up_run(tmp_path):
         scraped = {r["metric"]["role"] for r in query(address, 'up{job="kuberl"}')}
         assert scraped == {"actor", "buffer", "learner", "planner"}, scraped
         assert up.poll() is None, "kuberl up ended before the queries were made"
+        sessions = {r["metric"]["session"] for r in query(address, "kuberl_actor_session_envs")}
+        assert sessions == {"dashboard-sim"}, sessions
     finally:
+        stop.set()
+        simulator.join(timeout=60)
         if prom is not None:
             prom.terminate()
             prom.wait(timeout=30)
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
             try:
-                up.communicate(timeout=120)
+                up.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 up.kill()
     assert json.loads((run / "summary.json").read_text())["reason"] == "interrupted"

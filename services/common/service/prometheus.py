@@ -64,6 +64,16 @@ class _Collector:
                 yield CounterMetricFamily(prom[: -len("_total")], f"{name} ({DOCS})", value=value)
             else:
                 yield GaugeMetricFamily(prom, f"{name} ({DOCS})", value=value)
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for name, labels, value in self.metrics.labelled():
+            family = families.get(name)
+            if family is None:
+                prom, keys = prometheus_name(name), sorted(labels)
+                family = families[name] = (
+                    CounterMetricFamily(prom[: -len("_total")], f"{name} ({DOCS})", labels=keys)
+                    if name.endswith("_total") else GaugeMetricFamily(prom, f"{name} ({DOCS})", labels=keys))
+            family.add_metric([labels[k] for k in sorted(labels)], value)
+        yield from (families[name] for name in sorted(families))
         for name, hist in sorted(self.metrics.histograms.items()):
             yield HistogramMetricFamily(prometheus_name(name), f"{name} distribution ({DOCS})",
                                         buckets=hist.cumulative(), sum_value=hist.sum)
