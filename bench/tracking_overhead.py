@@ -1,7 +1,8 @@
-"""What the tracking sinks cost (docs/tracking.md): the same CartPole PPO `kuberl up` run with no sink,
+"""What the tracking sinks cost (docs/tracking.md): the same CartPole PPO `kuberl up` run (two actors,
+the planner off) with no sink,
 with Weights & Biases (offline) and with MLflow (SQLite), alternated over rounds in one invocation;
-env steps per second of training (summary.json: env_steps / wall_s) per arm, and each sink's ratio
-to no sink measured in the same rounds.
+env steps per second in steady state per arm (metrics.csv, from a fifth of the budget to the end:
+a sink's own start-up is not in it), and each sink's ratio to no sink measured in the same rounds.
 
     .venv/bin/python -m bench.tracking_overhead --rounds 3 --steps 100000 --json docs/tracking_overhead.json
 """
@@ -9,6 +10,7 @@ to no sink measured in the same rounds.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -31,6 +33,8 @@ def run(arm: str, steps: int, workdir: Path, i: int) -> dict:
         tracking["mlflow"] = {"enabled": True, "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}
     config = workdir / f"{arm}-{i}.yaml"
     config.write_text(yaml.safe_dump({
+        # A fixed topology: the planner's scale-ups would land at different moments in different runs.
+        "planner": {"enabled": False}, "topology": {"actors": 2},
         "run": {"target_return": None, "max_env_steps": steps, "run_dir": str(workdir)},
         "evaluation": {"after_training": False}, "tracking": tracking}))
     env = {**os.environ, "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
@@ -39,8 +43,13 @@ def run(arm: str, steps: int, workdir: Path, i: int) -> dict:
     summary = json.loads((workdir / f"{arm}-{i}" / "summary.json").read_text())
     if done.returncode != 0 or summary.get("tracking", {}).get("errors"):
         raise SystemExit(f"{arm} run {i} failed: {done.stderr[-2000:]} {summary.get('tracking')}")
+    # Steady state: from the first progress row past a fifth of the budget to the last one, so that
+    # start-up (processes, and a sink's own start while the actors already step) is not in the rate.
+    with open(workdir / f"{arm}-{i}" / "metrics.csv") as f:
+        rows = [(float(r["wall_s"]), float(r["env_steps"])) for r in csv.DictReader(f)]
+    (t0, s0), (t1, s1) = next(r for r in rows if r[1] >= steps / 5), rows[-1]
     return {"arm": arm, "round": i, "env_steps": summary["env_steps"], "wall_s": summary["wall_s"],
-            "env_steps_per_s": summary["env_steps"] / summary["wall_s"], "episodes": summary["episodes_read"]}
+            "env_steps_per_s": (s1 - s0) / (t1 - t0), "episodes": summary["episodes_read"]}
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,10 @@ import uuid
 import zlib
 from contextlib import asynccontextmanager
 
+import grpc
+
 from kuberl.v1 import actor_pb2, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
 from services.actor.encoder import FragmentEncoder
 from services.actor.inference import BatchedInference
 from services.actor.limiter import InsertGate
@@ -27,7 +30,7 @@ from services.common.protocol.fragments import EncodedFragment, new_incarnation
 from services.common.net.grpcutil import MiB, add_servicer, make_channel
 from services.common.service.lifecycle import Lifecycle
 from services.common.models.nets import spec_of
-from services.common.net.shards import buffer_addresses, shard_of
+from services.common.net.shards import buffer_addresses, least_loaded, shard_of
 from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.config import ExperimentConfig, load_role_config
@@ -38,6 +41,7 @@ SWITCH_INTERVAL_S = 0.0001
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE_S = 20.0
+PLACEMENT_TIMEOUT_S = 3.0   # a shard that does not say its load by then is left to the hash
 
 
 async def _watch(worker_done: asyncio.Future) -> None:
@@ -49,6 +53,29 @@ def seed_index(actor_id: str, actor_index: int | None) -> int:
     """The index env seeds derive from: as given, else (replicas of a Deployment get no ordinal) a
     stable hash of the unique actor id, so no two replicas step identically seeded envs."""
     return actor_index if actor_index is not None else zlib.crc32(actor_id.encode()) % 100_000
+
+
+async def least_loaded_shard(shards: list[str], actor_id: str, cfg: ExperimentConfig) -> int:
+    """The shard an actor without an index pushes to: the one with the fewest live actors now (each
+    shard's `buffer/actors_live`, asked at once with a short timeout), ties and silence going by the
+    hash of its id (services/common/net/shards.py, `least_loaded`)."""
+    async def live(i: int, address: str) -> tuple[int, float] | None:
+        ch = make_channel(address, 4 * MiB, tls=cfg.tls)
+        try:
+            resp = await buffer_pb2_grpc.BufferStub(ch).GetStats(pb.GetStatsRequest(), timeout=PLACEMENT_TIMEOUT_S)
+            return (i, resp.metrics["buffer/actors_live"]) if "buffer/actors_live" in resp.metrics else None
+        except grpc.RpcError as err:
+            log.debug("shard %d (%s) did not say its load: %s", i, address, err.code().name)
+            return None
+        finally:
+            await ch.close()
+
+    answers = [a for a in await asyncio.gather(*(live(i, a) for i, a in enumerate(shards))) if a is not None]
+    counts = dict(answers)
+    shard = least_loaded(counts, len(shards), actor_id)
+    log.info("shard %d of %d: live actors per shard %s (the fewest; by hash where none answered)", shard,
+             len(shards), {i: int(counts[i]) for i in sorted(counts)} or "unknown")
+    return shard
 
 
 @asynccontextmanager
@@ -65,7 +92,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     max_bytes = cfg.buffer.max_message_mb * MiB
     # Buffer shards: this actor pushes to one, always the same (dedupe and high-water marks are per shard).
     shards = buffer_addresses(buffer)
-    shard = shard_of(actor_id, len(shards), given_index)
+    shard = (shard_of(actor_id, len(shards), given_index) if given_index is not None or len(shards) == 1
+             else await least_loaded_shard(shards, actor_id, cfg))
     buffer = shards[shard]
     metrics.set("actor/buffer_shard", shard)
     register_session_metrics(metrics)   # 0 sessions where no simulator connects

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 import grpc
 
@@ -39,6 +40,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.inserted = Notifier()
         self.changed = Notifier()  # what the insert limit is computed from moved (WatchInsertLimit)
         self.closing = False
+        # Actors with an insert-limit stream open (each opens one as it starts and keeps it): the
+        # live actors, which an actor without an index counts to pick the least loaded shard.
+        self._watching: Counter[str] = Counter()
+        metrics.add_gauges(lambda: {"buffer/actors_live": float(len(self._watching))})
         self._reading: set[asyncio.Task] = set()   # push streams waiting for their next message
         self._ended: set[asyncio.Task] = set()     # ... that `close` woke to send their ack
 
@@ -172,19 +177,25 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         if not 0 < len(request.actor_id) <= MAX_ID_LEN:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"actor_id: must be 1..{MAX_ID_LEN} characters")
         sent = None
-        while not self.closing:
-            waiter = self.changed.waiter()  # taken before reading: a change in between is not missed
-            msg = self._insert_limit(request.actor_id, request.incarnation)
-            if msg != sent:
-                await context.write(msg)
-                sent = msg
-                await asyncio.sleep(LIMIT_INTERVAL_S)
-                continue
-            try:
-                async with asyncio.timeout(LIMIT_RECHECK_S):
-                    await waiter.wait()
-            except TimeoutError:
-                pass
+        self._watching[request.actor_id] += 1
+        try:
+            while not self.closing:
+                waiter = self.changed.waiter()  # taken before reading: a change in between is not missed
+                msg = self._insert_limit(request.actor_id, request.incarnation)
+                if msg != sent:
+                    await context.write(msg)
+                    sent = msg
+                    await asyncio.sleep(LIMIT_INTERVAL_S)
+                    continue
+                try:
+                    async with asyncio.timeout(LIMIT_RECHECK_S):
+                        await waiter.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            self._watching[request.actor_id] -= 1
+            if self._watching[request.actor_id] <= 0:
+                del self._watching[request.actor_id]
 
     def _insert_limit(self, actor_id: str, incarnation: int) -> buffer_pb2.InsertLimit:
         store = self.store

@@ -143,3 +143,35 @@ def test_a_shard_killed_with_sigkill_comes_back_and_each_shard_stored_what_it_ac
     assert final[0]["buffer/fragments_duplicate_total"] == 0
     assert final[1]["buffer/fragments_received_total"] == acked1 - before - final[1]["buffer/fragments_too_old_total"]
     assert final[1]["buffer/fragments_received_total"] > 0
+
+
+def test_actors_without_an_index_spread_over_the_shards_by_their_live_actors(tmp_path):
+    """A Deployment's actors have no index. Each picks, as it starts, a shard with the fewest live
+    actors (open insert-limit streams, `buffer/actors_live`); actors started one after another spread
+    over the shards whatever their ids hash to. Four actors whose ids all hash to shard 0 end two and
+    two, and each shard reports its two."""
+    from services.common.net.shards import shard_of
+
+    cfg = _config(tmp_path, "cfg", 200, shards=2)
+    ids = [a for a in (f"pod-{k}" for k in range(100)) if shard_of(a, 2) == 0][:4]
+    buffers = [Service("buffer", tmp_path, cfg) for _ in range(2)]
+    procs = list(buffers)
+    try:
+        shards = [b.wait_ready() for b in buffers]
+        addresses = ",".join(shards)
+        procs.append(Service("learner", tmp_path, cfg, "--buffer", addresses, "--checkpoint-dir", str(tmp_path / "ck")))
+        learner = procs[-1].wait_ready()
+        placed = []
+        for k, actor_id in enumerate(ids):
+            procs.append(Service("actor", tmp_path, cfg, "--buffer", addresses, "--learner", learner,
+                                 "--actor-id", actor_id))
+            address = procs[-1].wait_ready()
+            placed.append(int(stats(address, actor_pb2_grpc.ActorStub)["actor/buffer_shard"]))
+            # the next one starts once this one's insert-limit stream is open on its shard
+            wait_for(lambda: sum(stats(s, buffer_pb2_grpc.BufferStub).get("buffer/actors_live", 0)
+                                 for s in shards) == k + 1, timeout=60, what=f"{k + 1} live actors")
+        assert sorted(placed) == [0, 0, 1, 1], placed
+        assert [stats(s, buffer_pb2_grpc.BufferStub)["buffer/actors_live"] for s in shards] == [2.0, 2.0]
+    finally:
+        for p in reversed(procs):
+            p.terminate()

@@ -34,14 +34,26 @@ def buffer_addresses(spec: str) -> list[str]:
 
 
 def shard_of(actor_id: str, shards: int, actor_index: int | None = None) -> int:
-    """The shard an actor pushes to: its index (`--actor-index`: a local run's actor-i) modulo `shards`,
-    which spreads consecutive actors evenly; else (a Deployment's pods, named at random) a stable hash
-    of its id. The same actor always lands on the same shard while the number of shards stays the same."""
+    """The shard an actor with an index pushes to (`--actor-index`: a local run's actor-i): the index
+    modulo `shards`, which spreads consecutive actors evenly. Without an index (a Deployment's pods,
+    named at random) a stable hash of its id: the fallback of `least_loaded`, which an actor without
+    an index uses when it starts."""
     if shards <= 1:
         return 0
     if actor_index is not None:
         return actor_index % shards
     return zlib.crc32(actor_id.encode()) % shards
+
+
+def least_loaded(live: Mapping[int, float], shards: int, actor_id: str) -> int:
+    """The shard an actor without an index pushes to: of the shards that answered with their count of
+    live actors (`live`: shard -> `buffer/actors_live`), one with the fewest, ties going to the first
+    at or after `shard_of(actor_id)` (so actors that start together and see the same counts still
+    spread by their hash); `shard_of` when no shard answered."""
+    home = shard_of(actor_id, shards)
+    if not live:
+        return home
+    return min(live, key=lambda i: (live[i], (i - home) % shards))
 
 
 def combined_samples_per_insert(stats: Iterable[Mapping[str, float]]) -> float | None:

@@ -97,3 +97,17 @@ def test_a_replay_too_small_to_split_is_refused_naming_the_shards():
         config_from_dict({"algorithm": "dqn", "topology": {"buffers": 4},
                           "dqn": {"buffer_size": 100, "batch_size": 32, "learning_starts": 64}})
     assert "dqn.buffer_size 100 split over 4 buffer shards holds fewer than one batch (32)" in str(err.value)
+
+
+def test_an_actor_without_an_index_takes_a_least_loaded_shard_ties_by_its_hash():
+    from services.common.net.shards import least_loaded
+
+    home = shard_of("pod-a", 4)
+    assert least_loaded({}, 4, "pod-a") == home                                   # nobody answered: the hash
+    assert least_loaded({0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}, 4, "pod-a") == home     # all equal: the hash
+    assert least_loaded({0: 3.0, 1: 1.0, 2: 2.0, 3: 1.0}, 4, "pod-a") == min(     # the fewest; a tie goes to the
+        (1, 3), key=lambda i: (i - home) % 4)                                     # first at or after the hash
+    assert least_loaded({2: 5.0}, 4, "pod-a") == 2                                 # only one shard answered
+    # actors with different hashes seeing the same empty shards spread by their hashes
+    ids = [f"pod-{k}" for k in range(40)]
+    assert {least_loaded({0: 0.0, 1: 0.0}, 2, a) for a in ids} == {0, 1}
