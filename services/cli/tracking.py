@@ -62,6 +62,10 @@ class WandbSink:
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.run.log({**values, "env_steps": step})
 
+    def episodes(self, episodes: list[tuple[float, float]], step: int) -> None:
+        for ret, length in episodes:   # a row each: W&B keeps one value per key and row
+            self.run.log({"charts/episodic_return": ret, "charts/episodic_length": length, "env_steps": step})
+
     def decision(self, d: dict, step: int) -> None:
         self.decisions.append([step, d["action"], d["actors"], d["learners"], d["bottleneck"], d["reason"]])
         self.run.log({"planner/actors": d["actors"], "planner/learners": d["learners"], "env_steps": step})
@@ -119,6 +123,18 @@ class MlflowSink:
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         self._metrics(values, step)
+
+    def episodes(self, episodes: list[tuple[float, float]], step: int) -> None:
+        import time
+
+        # One write for the poll's episodes, however many ended. Each gets a timestamp of its own (1 ms
+        # apart): MLflow's SQL store keys a value by (key, timestamp, step, value), so two episodes with
+        # the same return at the same step and instant would be one row.
+        now = int(time.time() * 1000)
+        metrics = [self.Metric(k, v, now + j, step) for j, (ret, length) in enumerate(episodes)
+                   for k, v in (("charts/episodic_return", ret), ("charts/episodic_length", length))]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def decision(self, d: dict, step: int) -> None:
         self.decisions.append({"env_steps": step, **d})
@@ -193,8 +209,8 @@ class Tracker:
         self._call("scalars", values, step)
 
     def episodes(self, episodes: list[tuple[float, int]], step: int) -> None:
-        for ret, length in episodes:
-            self._call("scalars", {"charts/episodic_return": float(ret), "charts/episodic_length": float(length)}, step)
+        """The episodes read in one poll, each with its return and length, at the run's env steps."""
+        self._call("episodes", [(float(r), float(n)) for r, n in episodes], step)
 
     def decision(self, d: dict, step: int) -> None:
         self._call("decision", d, step)

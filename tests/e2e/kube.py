@@ -222,6 +222,27 @@ def pod_metrics(node: Node, namespace: str, pod: str, port: int = 9400) -> dict[
     return _parse_metrics(text)
 
 
+def pod_metrics_or_empty(node: Node, namespace: str, pod: str) -> dict[str, float]:
+    """pod_metrics, or {} while the pod is not there or not serving yet."""
+    try:
+        return pod_metrics(node, namespace, pod)
+    except Exception:
+        return {}
+
+
+def wait_until(node: Node, namespace: str, what: str, predicate, timeout_s: float = 300,
+               log_pod: str = "kuberl-learner-0") -> float:
+    """Seconds until `predicate()` holds, polled once a second; AssertionError naming `what` with the
+    tail of `log_pod`'s log when it does not within `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(1)
+    logs = kubectl(node, "-n", namespace, "logs", log_pod, "--tail=30")
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s; {log_pod}'s log:\n{logs}")
+
+
 def _parse_metrics(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():

@@ -14,8 +14,8 @@ import time
 import grpc
 
 from kuberl.v1 import planner_pb2, planner_pb2_grpc
-from tests.e2e.kube import (VERSION_METRIC, fit_node, fresh_namespace, kubectl, pod_metrics, pods, render_overlay,
-                            wait_ready, with_config)
+from tests.e2e.kube import (VERSION_METRIC, fit_node, fresh_namespace, kubectl, pod_metrics_or_empty, pods,
+                            render_overlay, wait_ready, wait_until, with_config)
 
 NAMESPACE = "kuberl"
 GROUP_SIZE = "kuberl_learner_group_size"
@@ -31,20 +31,11 @@ def _scale_learners(node, replicas: int) -> None:
 
 
 def _learner_metrics(node, ordinal: int) -> dict[str, float]:
-    try:
-        return pod_metrics(node, NAMESPACE, f"kuberl-learner-{ordinal}")
-    except Exception:   # the pod is not there or not serving yet
-        return {}
+    return pod_metrics_or_empty(node, NAMESPACE, f"kuberl-learner-{ordinal}")
 
 
 def _wait(what: str, predicate, node, timeout_s: float = 300) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(1)
-    logs = kubectl(node, "-n", NAMESPACE, "logs", "kuberl-learner-0", "--tail=30")
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s; kuberl-learner-0's log:\n{logs}")
+    return wait_until(node, NAMESPACE, what, predicate, timeout_s)
 
 
 def _restarts(node, ordinal: int) -> int:

@@ -21,7 +21,8 @@ import grpc
 
 from kuberl.v1 import planner_pb2, planner_pb2_grpc
 from tests.e2e.helm import SMALL, release
-from tests.e2e.kube import VERSION_METRIC, fresh_namespace, kubectl, pod_metrics, pods, wait_ready
+from tests.e2e.kube import (VERSION_METRIC, fresh_namespace, kubectl, pod_metrics, pod_metrics_or_empty, pods,
+                            wait_ready, wait_until)
 from tests.e2e.test_pod_deletion import _follow, _output
 
 NAMESPACE = "kuberl-shards"
@@ -47,20 +48,11 @@ VALUES = {
 
 
 def _metrics(node, pod: str) -> dict[str, float]:
-    try:
-        return pod_metrics(node, NAMESPACE, pod)
-    except Exception:   # the pod is not there or not serving yet
-        return {}
+    return pod_metrics_or_empty(node, NAMESPACE, pod)
 
 
 def _wait(what: str, predicate, node, timeout_s: float = 300) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(1)
-    logs = kubectl(node, "-n", NAMESPACE, "logs", "kuberl-learner-0", "--tail=30")
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s; kuberl-learner-0's log:\n{logs}")
+    return wait_until(node, NAMESPACE, what, predicate, timeout_s)
 
 
 def _planner(node):

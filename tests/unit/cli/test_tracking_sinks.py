@@ -18,6 +18,9 @@ class Recording:
     def scalars(self, values, step):
         self.calls.append(("scalars", values, step))
 
+    def episodes(self, episodes, step):
+        self.calls.append(("episodes", episodes, step))
+
     def decision(self, d, step):
         self.calls.append(("decision", d, step))
 
@@ -40,6 +43,7 @@ def test_a_failing_sink_is_counted_logged_once_and_dropped(tmp_path, monkeypatch
     with caplog.at_level(logging.WARNING, logger="kuberl.tracking"):
         for step in (100, 200, 300):
             t.row({"wall_s": 1.0, "env_steps": step, "return_mean": 9.5, "learner_policy_version": None}, step)
+    t.episodes([(9.0, 9), (10.0, 10)], 300)
     t.finish({"reason": "max_env_steps", "env_steps": 300})
     assert t.sinks == [ok] and t.report()["errors"] == {"wandb": 1}
     assert "ConnectionError: the W&B service is gone" in t.report()["first_error"]["wandb"]
@@ -47,6 +51,7 @@ def test_a_failing_sink_is_counted_logged_once_and_dropped(tmp_path, monkeypatch
     # the other sink saw every row (None values left out, names as TensorBoard's) and the end
     assert [c[2] for c in ok.calls if c[0] == "scalars"] == [100, 200, 300]
     assert ok.calls[0][1] == {"return/mean": 9.5} and ok.calls[-1] == ("finish", "max_env_steps", [])
+    assert ("episodes", [(9.0, 9.0), (10.0, 10.0)], 300) in ok.calls
 
 
 def test_a_sink_that_cannot_start_says_what_to_install(tmp_path, monkeypatch):
