@@ -78,7 +78,7 @@ def bare_actor_loop(cfg_dict: dict, warmup: float, seconds: float) -> float:
             counted, t0 = steps, now
         if counted is not None and now >= t0 + seconds:
             break
-        actions, _ = policy.act(obs, steps)
+        actions, _, _ = policy.act(obs, steps)
         obs, *_ = envs.step(actions)
         steps += cfg.env.num_envs
     envs.close()

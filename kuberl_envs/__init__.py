@@ -3,6 +3,8 @@
 Use them by id with the module prefix gymnasium understands, e.g. `env.id: "kuberl_envs:MaskedChoice-v0"`.
 
 - `MaskedChoice-v0`: MultiDiscrete actions with action masks (see MaskedChoice).
+- `CartPoleNoVelocity-v1`: CartPole-v1 with the velocities hidden, a task that needs memory (see
+  NoVelocity).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["MaskedChoice"]
+__all__ = ["MaskedChoice", "NoVelocity"]
 
 
 class MaskedChoice(gym.Env):
@@ -67,3 +69,32 @@ class MaskedChoice(gym.Env):
 
 
 gym.register("MaskedChoice-v0", entry_point=MaskedChoice)
+
+
+class NoVelocity(gym.ObservationWrapper):
+    """CartPole-v1 observed through its positions only: the cart's position and the pole's angle
+    (float32 [2]), with the two velocities hidden (sb3-contrib's CartPoleNoVel, POPGym's stateless
+    CartPole). Rewards, ends and the 500-step limit are CartPole-v1's.
+
+    Why it needs memory: balancing needs the pole's angular velocity, which one observation does not
+    hold; a feed-forward policy can only react to the angle, while a recurrent one can difference
+    successive angles. docs/recurrent.md gives what each reaches here.
+    """
+
+    KEEP = (0, 2)   # x, theta of CartPole's [x, x_dot, theta, theta_dot]
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        box = env.observation_space
+        assert isinstance(box, spaces.Box)
+        self.observation_space = spaces.Box(box.low[list(self.KEEP)], box.high[list(self.KEEP)], dtype=np.float32)
+
+    def observation(self, observation):
+        return np.asarray(observation, np.float32)[list(self.KEEP)]
+
+
+def _cartpole_no_velocity(**kwargs) -> gym.Env:
+    return NoVelocity(gym.make("CartPole-v1", **kwargs).unwrapped)
+
+
+gym.register("CartPoleNoVelocity-v1", entry_point=_cartpole_no_velocity, max_episode_steps=500, reward_threshold=475.0)

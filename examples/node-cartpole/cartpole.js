@@ -1,8 +1,11 @@
 #!/usr/bin/env node
 // CartPole-v1 written in JavaScript, trained by a kuberl actor over the Actor.EnvSession stream.
 //
-//   node cartpole.js --actor HOST:PORT --envs N --steps S [--session ID] [--seed K]
+//   node cartpole.js --actor HOST:PORT --envs N --steps S [--session ID] [--seed K] [--hide-velocity]
 //
+// --hide-velocity observes only the cart's position and the pole's angle ([N, 2]: the task needs
+// memory, kuberl_envs' CartPoleNoVelocity-v1): train it with a recurrent policy,
+// configs/cartpole_novelocity_external.yaml (docs/recurrent.md).
 // The simulator steps N copies of CartPole in lockstep. Every lockstep step it sends the actor one
 // EnvStep (observations, and the rewards / terminated / truncated flags of the previous actions)
 // and gets back one action per copy. It resets copies whose episode ended itself, in the same step
@@ -36,7 +39,12 @@ const TAU = 0.02; // seconds between state updates (euler integration)
 const THETA_THRESHOLD = (12 * 2 * Math.PI) / 360; // 12 degrees
 const X_THRESHOLD = 2.4;
 const MAX_EPISODE_STEPS = 500;
-const OBS_DIM = 4; // x, x_dot, theta, theta_dot
+const STATE_DIM = 4; // x, x_dot, theta, theta_dot
+// What the simulator shows: the whole state, or (--hide-velocity) x and theta only.
+const HIDE_VELOCITY = process.argv.includes('--hide-velocity');
+if (HIDE_VELOCITY) process.argv.splice(process.argv.indexOf('--hide-velocity'), 1);
+const SHOWN = HIDE_VELOCITY ? [0, 2] : [0, 1, 2, 3];
+const OBS_DIM = SHOWN.length;
 const NUM_ACTIONS = 2; // 0 push left, 1 push right
 
 // N copies stepped in lockstep. State in float64 (as gymnasium), observations handed out as float32.
@@ -44,25 +52,25 @@ class CartPoleVec {
   constructor(numEnvs, seed) {
     this.n = numEnvs;
     this.random = rng(seed);
-    this.state = new Float64Array(numEnvs * OBS_DIM);
+    this.state = new Float64Array(numEnvs * STATE_DIM);
     this.elapsed = new Int32Array(numEnvs);
     for (let i = 0; i < numEnvs; i++) this.reset(i);
   }
 
   reset(i) {
-    for (let k = 0; k < OBS_DIM; k++) this.state[i * OBS_DIM + k] = this.random() * 0.1 - 0.05; // U(-0.05, 0.05)
+    for (let k = 0; k < STATE_DIM; k++) this.state[i * STATE_DIM + k] = this.random() * 0.1 - 0.05; // U(-0.05, 0.05)
     this.elapsed[i] = 0;
   }
 
   // Writes env i's observation into out (a Float32Array) at row `row`.
   observe(i, out, row) {
-    for (let k = 0; k < OBS_DIM; k++) out[row * OBS_DIM + k] = this.state[i * OBS_DIM + k];
+    for (let k = 0; k < OBS_DIM; k++) out[row * OBS_DIM + k] = this.state[i * STATE_DIM + SHOWN[k]];
   }
 
   // One step of env i; returns [reward, terminated, truncated].
   stepOne(i, action) {
     const s = this.state;
-    const o = i * OBS_DIM;
+    const o = i * STATE_DIM;
     const x = s[o];
     const xDot = s[o + 1];
     const theta = s[o + 2];
@@ -86,7 +94,7 @@ class CartPoleVec {
     return [1.0, terminated, truncated];
   }
 
-  // The observations of every copy: [N, 4] float32.
+  // The observations of every copy: [N, OBS_DIM] float32.
   observations() {
     const obs = new Float32Array(this.n * OBS_DIM);
     for (let i = 0; i < this.n; i++) this.observe(i, obs, i);

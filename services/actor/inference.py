@@ -24,16 +24,17 @@ from services.common.stats import Metrics
 class BatchedInference:
     def __init__(self, policy: Policy, hub: SessionHub, metrics: Metrics, gate: InsertGate | None = None):
         self.policy, self.hub, self.metrics, self.gate = policy, hub, metrics, gate
-        self._pending: list[tuple[np.ndarray, np.ndarray | None, asyncio.Future]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self.pace = Pace(hub.cfg, policy, metrics)
 
-    async def act(self, obs: np.ndarray, mask: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+    async def act(self, obs: np.ndarray, mask: np.ndarray | None = None, state: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, dict[str, np.ndarray], int, np.ndarray | None]:
         """Actions for one session's observations (within `mask` [N, M] bool where given), the
-        per-step extras the algorithm records with them (`Policy.act`), and the policy version used."""
+        per-step extras the algorithm records with them (`Policy.act`), the policy version used, and
+        for a recurrent policy its envs' state after the step (`state`: theirs before it)."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((obs, mask, future))
+        self._pending.append((obs, mask, state, future))
         self._wake.set()
         return await future
 
@@ -47,21 +48,23 @@ class BatchedInference:
             await self._pace()
             self._wake.clear()
             batch, self._pending = self._pending, []
-            batch = [item for item in batch if not item[2].done()]  # a session that went away
+            batch = [item for item in batch if not item[3].done()]  # a session that went away
             if not batch:
                 continue
-            obs = np.concatenate([o for o, _, _ in batch])
+            obs = np.concatenate([o for o, _, _, _ in batch])
             mask = None
-            if any(m is not None for _, m, _ in batch):  # sessions without masks allow every action
+            if any(m is not None for _, m, _, _ in batch):  # sessions without masks allow every action
                 mask = np.concatenate([np.ones((len(o), self.policy.spec.action.mask_width), bool) if m is None
-                                       else m for o, m, _ in batch])
-            actions, extras, version = await asyncio.to_thread(self._infer, obs, mask)
+                                       else m for o, m, _, _ in batch])
+            state = np.concatenate([s for _, _, s, _ in batch]) if self.policy.state_size else None
+            actions, extras, version, after = await asyncio.to_thread(self._infer, obs, mask, state)
             self.metrics.rolling("actor/inference_batch_envs").add(len(actions))
             start = 0
-            for obs, _, fut in batch:
+            for obs, _, _, fut in batch:
                 end = start + len(obs)
                 if not fut.done():
-                    fut.set_result((actions[start:end], {k: v[start:end] for k, v in extras.items()}, version))
+                    fut.set_result((actions[start:end], {k: v[start:end] for k, v in extras.items()}, version,
+                                    None if after is None else after[start:end].copy()))
                 start = end
 
     async def _hold(self) -> None:
@@ -93,8 +96,8 @@ class BatchedInference:
         self.hub.held(held, last - start)
         self.pace.waited(self.hub.seq)
 
-    def _infer(self, obs: np.ndarray, mask: np.ndarray | None):
+    def _infer(self, obs: np.ndarray, mask: np.ndarray | None, state: np.ndarray | None):
         self.policy.swap()
         self.pace.rebase(self.hub.seq)
-        actions, extras = self.policy.act(obs, self.hub.env_steps, mask)
-        return actions, extras, self.policy.version
+        actions, extras, after = self.policy.act(obs, self.hub.env_steps, mask, state)
+        return actions, extras, self.policy.version, after

@@ -113,7 +113,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
         # Fragments are cut on the event loop and encoded off it, in seq order, on the encoder's thread.
         hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=enqueue, incarnation=incarnation,
-                         on_cut=gate.cut, encoder=FragmentEncoder(metrics=metrics))
+                         on_cut=gate.cut, encoder=FragmentEncoder(metrics=metrics), state_size=policy.state_size)
         inference = BatchedInference(policy, hub, metrics, gate=gate)
         episodes = hub.episodes
     else:

@@ -58,22 +58,40 @@ class Policy:
             self.metrics.set("actor/policy_version", version)
             self.metrics.inc("actor/weights_swapped_total")
 
+    @property
+    def state_size(self) -> int:
+        """Floats of recurrent state per env (ppo.recurrent); 0 for a feed-forward policy."""
+        return int(getattr(self.acting, "state_size", 0))
+
+    def initial_state(self, n: int) -> np.ndarray | None:
+        """The state of `n` envs at an episode's start (zeros [n, state_size]); None when stateless."""
+        return np.zeros((n, self.state_size), np.float32) if self.state_size else None
+
     @torch.inference_mode()
-    def act(self, obs: np.ndarray, env_steps: int = 0, mask: np.ndarray | None = None
-            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Actions for a batch of observations, and the per-step extras the algorithm records with
-        them (`Algorithm.fragment_extras`, e.g. PPO's behaviour log-probs). `env_steps`: this actor's
-        so far (DQN anneals exploration by it). `mask` [N, M] bool: the allowed actions, for an
-        algorithm that `takes_action_masks`. Actions are in the space's layout; a Box action is the
-        unclipped sample (the caller clips what it sends to the env). A `greedy` policy returns the
-        most likely actions (Box: within bounds) and no extras."""
+    def act(self, obs: np.ndarray, env_steps: int = 0, mask: np.ndarray | None = None, state: np.ndarray | None = None
+            ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+        """Actions for a batch of observations, the per-step extras the algorithm records with
+        them (`Algorithm.extras`, e.g. PPO's behaviour log-probs), and for a recurrent policy each
+        env's state after the step. `env_steps`: this actor's so far (DQN anneals exploration by it).
+        `mask` [N, M] bool: the allowed actions, for an algorithm that `takes_action_masks`. `state`
+        [N, state_size]: each env's state before `obs` (a recurrent policy needs it; the caller
+        zeroes an env's row where its episode starts). Actions are in the space's layout; a Box
+        action is the unclipped sample (the caller clips what it sends to the env). A `greedy`
+        policy returns the most likely actions (Box: within bounds) and no extras."""
         x = torch.from_numpy(np.ascontiguousarray(obs))
+        m = None if mask is None else torch.from_numpy(np.ascontiguousarray(mask))
+        if self.state_size and state is None:
+            raise ValueError("a recurrent policy (ppo.recurrent) acts from each env's state: pass state")
         if self.greedy is not None:
-            actions = self.greedy(x) if mask is None else self.greedy(x, torch.from_numpy(np.ascontiguousarray(mask)))
-            return actions.numpy(), {}
-        if mask is None:
-            return self.acting.act(x, self.version, env_steps)
-        return self.acting.act(x, self.version, env_steps, mask=torch.from_numpy(np.ascontiguousarray(mask)))
+            if self.state_size:
+                actions, after = self.greedy(x, torch.from_numpy(np.ascontiguousarray(state)), m)
+                return actions.numpy(), {}, after.numpy()
+            actions = self.greedy(x) if m is None else self.greedy(x, m)
+            return actions.numpy(), {}, None
+        if self.state_size:
+            return self.acting.act(x, self.version, env_steps, mask=m, state=np.ascontiguousarray(state))
+        out = self.acting.act(x, self.version, env_steps) if m is None else self.acting.act(x, self.version, env_steps, mask=m)
+        return out[0], out[1], None
 
 
 class Pace:

@@ -68,6 +68,9 @@ class Rollout:
         self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
+        self.extras = self.algorithm.extras(cfg)
+        # A recurrent policy's state per env (zeroed where an episode starts); None: feed-forward.
+        self.state = self.policy.initial_state(n)
         self.pace = Pace(cfg, self.policy, metrics)
         self.gate = gate  # the buffer's rate limiter (limiter.py); None: never held by it
         # NaN, infinity (and out of bounds, if asked) never reach a fragment or the policy (finite.py).
@@ -105,14 +108,15 @@ class Rollout:
         rewards = np.empty((T, N), dtype=np.float32)
         terminated = np.empty((T, N), dtype=bool)
         truncated = np.empty((T, N), dtype=bool)
-        extras = {name: np.empty((T, N), dtype=np.float32) for name in self.algorithm.fragment_extras}
+        extras = {name: np.empty((T, N), dtype=np.float32) for name in self.extras.steps}
+        start = {} if self.state is None else {name: self.state.copy() for name in self.extras.start}
         final_obs, final_index = [], []
         obs_buf[0] = self.obs
         t = 0
         while t < T and not (stop is not None and stop.is_set()):
             if t == 0 and self.env_steps == 0:  # the first reset's observations
                 check_env_step(self.cfg.env.id, self._check, self.metrics, self.obs)
-            a, recorded = self.policy.act(self.obs, self.env_steps, self.mask)
+            a, recorded, state = self.policy.act(self.obs, self.env_steps, self.mask, self.state)
             obs, r, term, trunc, info = self.envs.step(space.clip(a) if isinstance(space, Box) else a)
             check_env_step(self.cfg.env.id, self._check, self.metrics, obs, r, info, term | trunc)
             if masks is not None:
@@ -127,6 +131,9 @@ class Rollout:
             rewards[t] = np.sign(r) if self.clip_rewards else r
             for name, arr in extras.items():
                 arr[t] = recorded[name]
+            if state is not None:   # the next step starts an episode where this one ended (a lost life too)
+                state[term | trunc] = 0.0
+                self.state = state
             self._ep_return += r
             self._ep_len += 1
             for i in np.flatnonzero(term | trunc):
@@ -150,7 +157,7 @@ class Rollout:
             final_obs=(np.stack(final_obs) if final_obs
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(final_index, dtype=np.int64),
-            action_mask=None if masks is None else masks[:t], extras={name: arr[:t] for name, arr in extras.items()},
+            action_mask=None if masks is None else masks[:t], extras={**{name: arr[:t] for name, arr in extras.items()}, **start},
             release_gil=True)   # this thread copies the payload beside the event loop: without the GIL
         if self.gate is not None:
             self.gate.cut(self.seq, msg.samples)

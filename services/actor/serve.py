@@ -103,7 +103,8 @@ async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, li
                   serve_id: str = "serve") -> AsyncIterator[Endpoints]:
     """Serve `policy` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
     Leaving the context runs the shutdown sequence (nothing to flush: no fragments)."""
-    hub = SessionHub(cfg, policy.spec, serve_id, metrics, on_fragment=None)  # no sink: nothing recorded
+    hub = SessionHub(cfg, policy.spec, serve_id, metrics, on_fragment=None,  # no sink: nothing recorded
+                     state_size=policy.state_size)
     inference = BatchedInference(policy, hub, metrics)
     servicer = ActorServicer(metrics, hub.episodes, hub, inference, cfg.actor.session_timeout_s)
     max_bytes = cfg.buffer.max_message_mb * MiB

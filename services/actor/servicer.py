@@ -53,8 +53,8 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                     raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
                 obs = self.hub.observe(session, msg.step)
                 held = session.held_s
-                actions, extras, version = await self.inference.act(obs, session.mask)
-                self.hub.record_actions(session, actions, extras, version)
+                actions, extras, version, state = await self.inference.act(obs, session.mask, session.episodes.state)
+                self.hub.record_actions(session, actions, extras, version, state)
                 await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
                     step_id=msg.step.step_id, actions=encode(self.hub.to_send(actions)), policy_version=version,
                     held_ms=min(int((session.held_s - held) * 1000), 2**32 - 1))))

@@ -62,6 +62,11 @@ class _Episodes:
     env_steps: int = 0                # env steps the session's simulator took
     finished: int = 0                 # episodes it finished
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_RETURNS))
+    # A recurrent policy's state per env copy [N, state_size] (zeroed where an episode starts); None
+    # for a feed-forward policy. `acted_from`: the state the last actions were chosen from, where a
+    # resumed session goes on (its step 0 re-sends the observations those actions were chosen on).
+    state: np.ndarray | None = None
+    acted_from: np.ndarray | None = None
 
 
 def _same_action_space(got: spaces.ActionSpace, want: spaces.ActionSpace) -> bool:
@@ -116,13 +121,17 @@ def register_session_metrics(metrics: Metrics) -> None:
 class SessionHub:
     def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics,
                  on_fragment: Callable[[EncodedFragment], None] | None, incarnation: int = 0, *,
-                 on_cut: Callable[[int, int], None] | None = None, encoder: FragmentEncoder | None = None):
+                 on_cut: Callable[[int, int], None] | None = None, encoder: FragmentEncoder | None = None,
+                 state_size: int = 0):
         """`on_fragment` receives every fragment's payload, in seq order: on `encoder`'s thread if given
-        (then it must be thread-safe), else inline. `on_cut(seq, samples)` is called as each is cut."""
+        (then it must be thread-safe), else inline. `on_cut(seq, samples)` is called as each is cut.
+        `state_size`: floats of recurrent state per env copy the policy keeps (`Policy.state_size`)."""
         self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
         self.on_fragment, self.on_cut, self.encoder = on_fragment, on_cut, encoder
         self.records = on_fragment is not None  # False: serving only, no transitions kept
         self.algorithm = algorithms.get(cfg.algorithm)
+        self.extras = self.algorithm.extras(cfg)
+        self.state_size = state_size
         # Fragments carry the simulators' masks when the space has them and the algorithm takes them.
         self.masks = self.algorithm.uses_masks(spec.action)
         self.sessions: dict[str, Session] = {}
@@ -176,6 +185,10 @@ class SessionHub:
         resumed = parked is not None and len(parked.returns) == hello.num_envs
         n = hello.num_envs
         episodes = parked if resumed else _Episodes(np.zeros(n), np.zeros(n, np.int64))
+        if not resumed and self.state_size:
+            episodes.state = np.zeros((n, self.state_size), np.float32)
+        elif resumed and episodes.acted_from is not None:   # the state its last actions were chosen from
+            episodes.state = episodes.acted_from
         episodes.closed_at = None
         session = Session(hello.session_id, n, episodes, self._next_env_id, self.cfg.rollout_steps, check=check)
         self._next_env_id += n
@@ -246,7 +259,9 @@ class SessionHub:
                      "actions": np.empty((T, N, *self.spec.action.shape), self.spec.action.dtype),
                      "rewards": np.empty((T, N), np.float32),
                      "terminated": np.zeros((T, N), bool), "truncated": np.zeros((T, N), bool),
-                     **{name: np.empty((T, N), np.float32) for name in self.algorithm.fragment_extras}}
+                     **{name: np.empty((T, N), np.float32) for name in self.extras.steps}}
+        if s.episodes.state is not None:   # the state each env starts the fragment from
+            s.buffers.update({name: s.episodes.state.copy() for name in self.extras.start})
         if self.masks:
             s.buffers["action_mask"] = np.ones((T, N, self.spec.action.mask_width), bool)
 
@@ -281,6 +296,8 @@ class SessionHub:
         except TensorError as err:
             raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
         self._refuse_bad(s, step.step_id, obs, rewards, final, done)
+        if s.episodes.state is not None:
+            s.episodes.state[done] = 0.0   # these envs act on an episode's first observation next
         if self.records:
             b, t = s.buffers, s.t
             b["rewards"][t], b["terminated"][t], b["truncated"][t] = rewards, term, trunc
@@ -339,17 +356,21 @@ class SessionHub:
             raise TensorError(name, f"must be {dtype.name} {list(shape)}, got {arr.dtype.name} {list(arr.shape)}")
         return arr
 
-    def record_actions(self, s: Session, actions: np.ndarray, extras: dict[str, np.ndarray], version: int) -> None:
+    def record_actions(self, s: Session, actions: np.ndarray, extras: dict[str, np.ndarray], version: int,
+                       state: np.ndarray | None = None) -> None:
         """Store the actions chosen for the session's current observations, with what the algorithm
-        recorded while choosing them (`Algorithm.fragment_extras`). Serving only: just the step count."""
+        recorded while choosing them (`Algorithm.extras`), and a recurrent policy's `state` after them.
+        Serving only: just the step count and the state."""
         s.next_step += 1
+        if state is not None and s.ended is None:
+            s.episodes.acted_from, s.episodes.state = s.episodes.state, state
         if not self.records or s.ended is not None:
             return  # (closed while its actions were chosen: its arrays went to the encoder with its last fragment)
         s.buffers["actions"][s.t] = actions
         if self.masks:
             s.buffers["action_mask"][s.t] = True if s.mask is None else s.mask
             s.masked |= s.mask is not None
-        for name in self.algorithm.fragment_extras:
+        for name in self.extras.steps:
             s.buffers[name][s.t] = extras[name]
         s.versions.append(version)
 
@@ -380,7 +401,7 @@ class SessionHub:
                        else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
             final_index=np.asarray(s.final_index, np.int64),
             action_mask=b["action_mask"][:t] if s.masked else None,
-            extras={name: b[name][:t] for name in self.algorithm.fragment_extras})
+            extras={**{name: b[name][:t] for name in self.extras.steps}, **{name: b[name] for name in self.extras.start}})
         if self.on_cut is not None:
             self.on_cut(self.seq, t * N)
         self.seq += 1

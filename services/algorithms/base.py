@@ -74,6 +74,15 @@ class FifoTable:
     stale_fragments: str
 
 
+@dataclass(frozen=True)
+class Extras:
+    """The float32 tensors an algorithm's fragments carry by name beyond the common fields
+    (TrajectoryFragment.extras): `steps` one value per step, [T, N, ...]; `start` one per env at the
+    fragment's first step, [N, ...] (a recurrent core's state, from which the learner replays it)."""
+    steps: tuple[str, ...] = ()
+    start: tuple[str, ...] = ()
+
+
 SettingsT = TypeVar("SettingsT")
 
 
@@ -86,7 +95,8 @@ class Algorithm(Generic[SettingsT]):
     settings: ClassVar[type]
     code: ClassVar[int]        # kuberl.v1.Algorithm, stamped on fragments and batch requests
     # Per-step float32 [T, N] tensors a fragment carries beyond the common ones (TrajectoryFragment
-    # field names): what the actor records while acting and the learner needs.
+    # field names): what the actor records while acting and the learner needs, in every config
+    # (`extras` adds those a config asks for).
     fragment_extras: ClassVar[tuple[str, ...]] = ()
     # The action spaces (services/common/protocol/spaces.py classes) it can act in and learn.
     action_spaces: ClassVar[tuple[type, ...]]
@@ -111,6 +121,11 @@ class Algorithm(Generic[SettingsT]):
         if not isinstance(spec.action, self.action_spaces):
             raise ValueError(f"algorithm: {self.name} takes {self.takes()}; {action} is {spec.action}")
 
+    def extras(self, cfg: CommonConfig) -> Extras:
+        """The extras this algorithm's fragments carry under `cfg`: what actors record and what the
+        buffer and the learner require (and the only ones they take)."""
+        return Extras(self.fragment_extras)
+
     def section(self, cfg: CommonConfig) -> SettingsT:
         """This algorithm's settings in `cfg` (its `settings` class; the YAML section `<name>:`)."""
         return cast(SettingsT, cfg.section(self.name))   # (services/config.py builds each section of its class)
@@ -133,6 +148,9 @@ class Algorithm(Generic[SettingsT]):
     def acting(self, cfg: CommonConfig, spec: EnvSpec, rng: np.random.Generator, metrics: Metrics) -> Any:
         """The actor's part (`<package>.acting.Acting`): `net`, the policy network the learner's weights
         load into, `act(obs, version, env_steps)` -> (actions, {fragment extra: [N] array}), and
+        `state_size` (floats of recurrent state per env; 0: stateless). A stateful part's
+        `act(..., state=[N, state_size])` returns the state after the step as a third value, and its
+        fragments carry the state at their first step (`extras(cfg).start`); and
         `greedy()`, the network's deterministic policy as a module obs -> actions (no exploration; Box
         actions within bounds), which `kuberl eval` runs and `kuberl export` writes."""
         self.check_spec(spec)

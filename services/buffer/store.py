@@ -129,6 +129,7 @@ class Store:
     def __init__(self, cfg: ExperimentConfig, metrics: Metrics):
         self.cfg, self.metrics = cfg, metrics
         self.algorithm = algorithms.get(cfg.algorithm)
+        self.extras = self.algorithm.extras(cfg)   # what this run's fragments carry beyond the common fields
         self.max_elements = cfg.buffer.max_message_mb * (1 << 20)
         # How the algorithm wants its fragments kept and served (services/algorithms/base.py).
         self.table = shard_table(self.algorithm.table(cfg), cfg.topology.buffers, self.algorithm.batch_size(cfg))
@@ -257,8 +258,8 @@ class Store:
         A RawFragment (the push path) is validated on views of its bytes and stored as those bytes:
         nothing of its payload is copied until a batch is cut.
         """
-        frag = decode_fragment(msg, algorithm=self.algorithm.code, extras=self.algorithm.fragment_extras,
-                               max_elements=self.max_elements)
+        frag = decode_fragment(msg, algorithm=self.algorithm.code, extras=self.extras.steps,
+                               start_extras=self.extras.start, max_elements=self.max_elements)
         window = self._actors.get(frag.actor_id, {}).get(frag.incarnation)
         outcome = Outcome.ACCEPTED if window is None else window.outcome(frag.seq)
         if outcome is not Outcome.ACCEPTED:

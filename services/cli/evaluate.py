@@ -31,7 +31,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -76,19 +75,40 @@ class Progress:
             sys.stderr.flush()
 
 
-def act_fn(trained, deterministic: bool) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
-    """obs [N, ...], mask [N, M] or None -> actions [N, ...] in the space's layout."""
-    import torch
+class Acts:
+    """A loaded policy acting on a batch of env copies: `act(obs, mask)` -> actions in the space's
+    layout, and `ended(done)` after each step ([N] bool: the copies whose episode ended), where a
+    recurrent policy (ppo.recurrent) starts those copies' state afresh, as an actor does. Keeps the
+    state of `n` copies; a feed-forward policy keeps none."""
 
-    if not deterministic:  # what an actor does with these weights
-        return lambda obs, mask: trained.policy.act(obs, 0, mask)[0]
-    net = trained.greedy()
+    def __init__(self, trained, deterministic: bool, n: int):
+        self.trained, self.deterministic = trained, deterministic
+        self.net = trained.greedy() if deterministic else None
+        self.state = trained.policy.initial_state(n)
 
-    def act(obs: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    def __call__(self, obs: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        import torch
+
+        if not self.deterministic:  # what an actor does with these weights
+            actions, _, self.state = self.trained.policy.act(obs, 0, mask, self.state)
+            return actions
         with torch.inference_mode():
             x = torch.from_numpy(np.ascontiguousarray(obs))
-            return (net(x) if mask is None else net(x, torch.from_numpy(mask))).numpy()
-    return act
+            m = None if mask is None else torch.from_numpy(mask)
+            if self.state is not None:
+                actions, state = self.net(x, torch.from_numpy(self.state), m)
+                self.state = state.numpy().copy()
+                return actions.numpy()
+            return (self.net(x) if m is None else self.net(x, m)).numpy()
+
+    def ended(self, done: np.ndarray) -> None:
+        if self.state is not None:
+            self.state[done] = 0.0
+
+
+def act_fn(trained, deterministic: bool, n: int = 1) -> Acts:
+    """The policy acting on `n` env copies (`Acts`)."""
+    return Acts(trained, deterministic, n)
 
 
 def _masks(trained, info: dict, n: int) -> np.ndarray | None:
@@ -202,6 +222,7 @@ def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episo
         mask = _masks(trained, info, n)
         while (done < share).any() and (deadline is None or time.monotonic() < deadline):
             obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
+            act.ended(term | trunc)
             mask = _masks(trained, info, n)
             ret += r
             length += 1
@@ -258,6 +279,7 @@ def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: 
                 writer.append_data(np.asarray(envs.envs[0].render()))
                 frames += 1
                 obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
+                act.ended(term | trunc)
                 mask = _masks(trained, info, 1)
                 ret, length = ret + float(r[0]), length + 1
                 if term[0] or trunc[0]:
@@ -273,7 +295,7 @@ def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: 
 def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bool = True,
              progress: bool = False, deadline: float | None = None) -> dict:
     """Evaluate a loaded policy (services/cli/trained.py); the JSON-ready result. Blocking."""
-    act = act_fn(trained, deterministic)
+    act = act_fn(trained, deterministic, min(num_envs, episodes))
     bar = Progress(episodes, "eval", progress)
     try:
         returns, lengths = run_episodes(trained, act, episodes, num_envs, seed, bar.step, deadline)

@@ -14,7 +14,9 @@ env cannot be made here, so auto leaves it out and says so). Its one output, `ac
 actions (int64 indices for Discrete, int64 [batch, choices] for MultiDiscrete, float32 [batch, *shape]
 for Box). Everything the network does to an observation is inside the graph: the Atari torso's /255,
 and PPO's running observation normalisation (`ppo.normalize_observations`), whose mean and variance
-become constants of the graph.
+become constants of the graph. A recurrent policy (`ppo.recurrent`) has the state as an explicit
+input, `state` float32 [batch, state_size] after `obs` (zeros at an episode's start), and a second
+output, `next_state`, to hand back in with the next observation.
 
 ONNX uses torch's torch.export-based exporter (the default since torch 2.9; it needs the onnx and
 onnxscript packages), with a dynamic batch dimension. TorchScript is written by tracing
@@ -41,6 +43,7 @@ FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
 CHECK_BATCH = 64  # random observations the written file is checked on
 MASK_CHOICES = ("auto", "yes", "no")  # --action-mask
 OPSET = 18
+STATE_STEPS = 16  # steps a recurrent policy's export is checked through, its state fed back
 
 
 class ExportError(ValueError):
@@ -86,13 +89,21 @@ def sample_masks(space, n: int, seed: int = 0) -> np.ndarray:
 
 
 def example_inputs(trained, n: int, masked: bool, seed: int = 0) -> tuple[np.ndarray, ...]:
-    """The graph's inputs for `n` random observations: (obs,), or (obs, action_mask) when `masked`."""
+    """The graph's inputs for `n` random observations: obs, then a recurrent policy's state (random,
+    float32 [n, state_size]), then action_mask when `masked`."""
     obs = sample_observations(trained.spec, n, seed)
-    return (obs, sample_masks(trained.spec.action, n, seed)) if masked else (obs,)
+    size = trained.policy.state_size
+    state = (np.random.default_rng(seed).normal(size=(n, size)).astype(np.float32),) if size else ()
+    return (obs, *state, *((sample_masks(trained.spec.action, n, seed),) if masked else ()))
 
 
-def input_names(masked: bool) -> list[str]:
-    return ["obs", "action_mask"] if masked else ["obs"]
+def input_names(trained, masked: bool) -> list[str]:
+    return ["obs", *(["state"] if trained.policy.state_size else []), *(["action_mask"] if masked else [])]
+
+
+def output_names(trained) -> list[str]:
+    """`action`, and for a recurrent policy `next_state`: the state to hand in with the next observation."""
+    return ["action", "next_state"] if trained.policy.state_size else ["action"]
 
 
 def env_reports_masks(trained) -> bool | None:
@@ -139,7 +150,9 @@ def metadata(trained, masked: bool) -> dict[str, str]:
             "kuberl.policy_version": str(trained.version),
             "kuberl.observation": json.dumps({"shape": list(spec.obs_shape), "dtype": spec.obs_dtype.name}),
             "kuberl.action_space": str(spec.action),
-            "kuberl.inputs": json.dumps(input_names(masked))}
+            "kuberl.inputs": json.dumps(input_names(trained, masked)),
+            "kuberl.outputs": json.dumps(output_names(trained)),
+            "kuberl.state_size": str(trained.policy.state_size)}
 
 
 def export_onnx(trained, path: Path, masked: bool) -> None:
@@ -149,8 +162,8 @@ def export_onnx(trained, path: Path, masked: bool) -> None:
     example = tuple(torch.from_numpy(x) for x in example_inputs(trained, 2, masked))
     batch = torch.export.Dim("batch")
     with _quiet_exporter():
-        program = torch.onnx.export(module, example, None, input_names=input_names(masked),
-                                    output_names=["action"], dynamo=True,
+        program = torch.onnx.export(module, example, None, input_names=input_names(trained, masked),
+                                    output_names=output_names(trained), dynamo=True,
                                     dynamic_shapes=tuple({0: batch} for _ in example),
                                     opset_version=OPSET, verbose=False, optimize=True)
         program.model.metadata_props.update(metadata(trained, masked))
@@ -171,10 +184,13 @@ def check(trained, path: Path, fmt: str, masked: bool = False, n: int = CHECK_BA
     """Load the written file back and compare its actions with the torch policy's on `n` random
     observations (with random masks when `masked`), then on one (batch sizes other than the
     export's example, so the batch dimension is dynamic; one is what a program acting for one agent
-    sends). Returns the largest absolute difference; raises ExportError on a mismatch."""
+    sends). A recurrent policy is stepped through STATE_STEPS observations from the zero state, its
+    `next_state` fed back each step, as a program stepping an episode does; actions and states are
+    compared at every step. Returns the largest absolute difference; raises ExportError on a mismatch."""
     import torch
 
-    names = input_names(masked)
+    names = input_names(trained, masked)
+    outputs = output_names(trained)
     if fmt == "onnx":
         import onnxruntime
 
@@ -182,30 +198,51 @@ def check(trained, path: Path, fmt: str, masked: bool = False, n: int = CHECK_BA
         if (graph := [i.name for i in session.get_inputs()]) != names:
             raise ExportError(f"{path}: has inputs {graph}, the policy takes {names}")
 
-        def run(*inputs: np.ndarray) -> np.ndarray:
-            return session.run(["action"], dict(zip(names, inputs)))[0]
+        def run(*inputs: np.ndarray) -> tuple[np.ndarray, ...]:
+            return tuple(session.run(outputs, dict(zip(names, inputs))))
     else:
         with _quiet_exporter():
             loaded = torch.jit.load(str(path))
 
-        def run(*inputs: np.ndarray) -> np.ndarray:
-            return loaded(*map(torch.from_numpy, inputs)).numpy()
+        def run(*inputs: np.ndarray) -> tuple[np.ndarray, ...]:
+            with torch.inference_mode():
+                out = loaded(*map(torch.from_numpy, inputs))
+            return tuple(o.numpy() for o in out) if isinstance(out, tuple) else (out.numpy(),)
+
+    def policy(*inputs: np.ndarray) -> tuple[np.ndarray, ...]:
+        with torch.inference_mode():
+            out = trained.greedy()(*map(torch.from_numpy, inputs))
+        return tuple(o.numpy() for o in out) if isinstance(out, tuple) else (out.numpy(),)
+
     largest = 0.0
     full = example_inputs(trained, n, masked, seed=1)
-    for inputs in (full, tuple(x[:1] for x in full)):
-        with torch.inference_mode():
-            want = trained.greedy()(*map(torch.from_numpy, inputs)).numpy()
-            got = run(*inputs)
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise ExportError(f"{path}: gives actions {got.dtype} {list(got.shape)}, the policy {want.dtype} "
-                              f"{list(want.shape)}")
-        if np.issubdtype(want.dtype, np.integer):
-            if (bad := int((got != want).sum())):
-                raise ExportError(f"{path}: {bad} of {len(got)} actions differ from the torch policy's")
+    cases = [full, tuple(x[:1] for x in full)]
+    if trained.policy.state_size:   # a sequence: each step's state is the last step's next_state
+        state = np.zeros_like(full[1][:4])
+        for step in range(STATE_STEPS):
+            inputs = example_inputs(trained, 4, masked, seed=2 + step)
+            inputs = (inputs[0], state, *inputs[2:])
+            largest = max(largest, _compare(path, run(*inputs), policy(*inputs)))
+            state = run(*inputs)[1]
+    for inputs in cases:
+        largest = max(largest, _compare(path, run(*inputs), policy(*inputs)))
+    return largest
+
+
+def _compare(path: Path, got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...]) -> float:
+    """The largest difference between the file's outputs and the torch policy's; ExportError where
+    they differ (any integer action, or floats beyond rtol 1e-4, atol 1e-5)."""
+    largest = 0.0
+    for name, g, w in zip(("actions", "next states"), got, want):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise ExportError(f"{path}: gives {name} {g.dtype} {list(g.shape)}, the policy {w.dtype} {list(w.shape)}")
+        if np.issubdtype(w.dtype, np.integer):
+            if (bad := int((g != w).sum())):
+                raise ExportError(f"{path}: {bad} of {len(g)} {name} differ from the torch policy's")
             continue
-        diff = float(np.abs(got - want).max())
-        if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
-            raise ExportError(f"{path}: actions differ from the torch policy's by up to {diff:g}")
+        diff = float(np.abs(g - w).max())
+        if not np.allclose(g, w, rtol=1e-4, atol=1e-5):
+            raise ExportError(f"{path}: {name} differ from the torch policy's by up to {diff:g}")
         largest = max(largest, diff)
     return largest
 
@@ -259,13 +296,16 @@ def main(argv=None) -> int:
     except (TrainedPolicyError, ExportError) as err:
         print(f"kuberl export: {err}", file=sys.stderr)
         return 2
-    spec = trained.spec
+    spec, size = trained.spec, trained.policy.state_size
+    state = f"float32 [batch, {size}]"
     print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format}): {trained.description}\n"
           f"  input  obs     {spec.obs_dtype.name} [batch, {', '.join(map(str, spec.obs_shape))}]\n"
+          + (f"  input  state   {state}  (zeros at an episode's start, else the last next_state)\n" if size else "")
           + (f"  input  action_mask  bool [batch, {spec.action.mask_width}]  (True: allowed)\n"
              if masked else "") +
           f"  output action  {spec.action.dtype.name} [batch{''.join(', ' + str(d) for d in spec.action.shape)}]"
-          f"  ({spec.action})")
+          f"  ({spec.action})"
+          + (f"\n  output next_state  {state}" if size else ""))
     if args.no_check:
         return 0
     try:
@@ -275,5 +315,6 @@ def main(argv=None) -> int:
         return 1
     runtime = "onnxruntime" if args.format == "onnx" else "torch.jit.load"
     print(f"checked: {runtime} gives the torch policy's actions on {CHECK_BATCH} random observations and on one"
+          + (f", and its actions and states through {STATE_STEPS} steps with next_state fed back" if size else "")
           + (f" (largest difference {diff:.2g})" if diff else ""))
     return 0

@@ -25,14 +25,19 @@ PONG = {
 CONFIGS = {
     "ppo": {**PONG, "algorithm": "ppo", "ppo": {"rollout_steps": T, "batch_steps": T * N, "num_epochs": 1,
                                                 "num_minibatches": 2}},
+    # The LSTM core on the Nature CNN torso (CleanRL's ppo_atari_lstm.py): fragments carry each env's
+    # state at their first step (extras.core_state) and the learner replays their sequences from it.
+    "ppo-lstm": {**PONG, "algorithm": "ppo", "ppo": {"rollout_steps": T, "batch_steps": T * N, "num_epochs": 1,
+                                                     "num_minibatches": 2, "recurrent": "lstm", "recurrent_size": 128}},
     "dqn": {**PONG, "algorithm": "dqn", "dqn": {"rollout_steps": T, "buffer_size": 1024, "batch_size": 32,
                                                 "learning_starts": 320, "replay_ratio": 0.0}},
 }
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "dqn"])
-async def test_pong_fragments_and_weights_above_4mib_flow_through_every_service(tmp_path, algorithm):
-    cfg = config_from_dict(CONFIGS[algorithm])
+@pytest.mark.parametrize("name", ["ppo", "ppo-lstm", "dqn"])
+async def test_pong_fragments_and_weights_above_4mib_flow_through_every_service(tmp_path, name):
+    cfg = config_from_dict(CONFIGS[name])
+    algorithm = cfg.algorithm
     assert cfg.buffer.max_message_mb * 2**20 > GRPC_DEFAULT_LIMIT
     spec = spec_of(cfg.env)
     fragment_obs_bytes = (T + 1) * N * int(np.prod(spec.obs_shape))
@@ -40,7 +45,7 @@ async def test_pong_fragments_and_weights_above_4mib_flow_through_every_service(
     assert fragment_obs_bytes > GRPC_DEFAULT_LIMIT and weight_bytes > GRPC_DEFAULT_LIMIT
 
     async with stack(cfg, tmp_path / "ckpt", actor_id="pong-actor") as (buffer, learner, actor):
-        a = await _until(lambda: _stat_at_least(actor, actor_pb2_grpc.ActorStub, "actor/policy_version", 2), 120)
+        a = await _until(lambda: _stat_at_least(actor, actor_pb2_grpc.ActorStub, "actor/policy_version", 2), 180)
         b = await _stats(buffer, buffer_pb2_grpc.BufferStub)
         lrn = await _stats(learner, learner_pb2_grpc.LearnerStub)
     # Weights trained on this actor's fragments came back: version 2 needs two updates on served batches.

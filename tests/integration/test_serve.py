@@ -92,22 +92,31 @@ def _session(address: str, session_id: str, n: int, steps: int, seed: int) -> li
     return seen
 
 
-def test_python_clients_get_the_checkpoints_greedy_actions(served, greedy):
-    """Two sessions at once, every action checked."""
-    results: dict[str, list] = {}
+def sessions_at_once(session, prefix: str) -> None:
+    """Run `session(session_id, num_envs, seed)` for two sessions (3 and 5 envs) in threads at once;
+    fail on any error either met."""
     errors: list[BaseException] = []
 
-    def run(sid: str, n: int, seed: int):
+    def run(*args) -> None:
         try:
-            results[sid] = _session(served.address, sid, n, steps=40, seed=seed)
+            session(*args)
         except BaseException as err:  # noqa: BLE001 - reported by the test thread below
             errors.append(err)
-    threads = [threading.Thread(target=run, args=(f"py-{k}", n, k)) for k, n in enumerate((3, 5))]
+    threads = [threading.Thread(target=run, args=(f"{prefix}-{k}", n, k)) for k, n in enumerate((3, 5))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(WAIT_S * 2)
     assert not errors, errors
+
+
+def test_python_clients_get_the_checkpoints_greedy_actions(served, greedy):
+    """Two sessions at once, every action checked."""
+    results: dict[str, list] = {}
+
+    def run(sid: str, n: int, seed: int):
+        results[sid] = _session(served.address, sid, n, steps=40, seed=seed)
+    sessions_at_once(run, "py")
     for sid, seen in results.items():
         for obs, actions, version in seen:
             assert actions.dtype == np.int64 and version == 0, sid
@@ -446,3 +455,56 @@ def test_a_bad_checkpoint_path_is_one_line_and_exit_code_2(tmp_path):
                          text=True, timeout=WAIT_S)
     assert out.returncode == 2, out.stderr
     assert out.stderr == f"kuberl serve: {tmp_path / 'nowhere'}: no such run directory or checkpoint file\n"
+
+
+def test_a_recurrent_policy_is_served_with_each_envs_state_reset_at_its_episodes_end(tmp_path):
+    """ppo.recurrent: `kuberl serve` keeps each session env's state, starts it afresh where the
+    simulator reports an episode's end, and keeps it across a handover (same session_id, step 0
+    re-sending the observations the dropped actions were chosen on). Two sessions at once; every
+    action is the local greedy policy's stepped with the same state, and the actions depend on it."""
+    def louder(algo):
+        with torch.no_grad():
+            algo.net.actor.weight.mul_(300.0)
+    cfg = {**CARTPOLE, "ppo": {"hidden_sizes": [16], "recurrent": "lstm", "recurrent_size": 8}}
+    checkpoint = untrained(tmp_path / "run", cfg, louder)
+    net = load_trained(checkpoint).greedy()
+    proc = start_serve(tmp_path, checkpoint)
+
+    def session(sid: str, n: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        state = np.zeros((n, 16), np.float32)
+
+        def expect(obs, got):
+            nonlocal state
+            with torch.inference_mode():
+                want, after = net(torch.from_numpy(obs), torch.from_numpy(state))
+            np.testing.assert_array_equal(got, want.numpy())
+            return after.numpy().copy()
+        obs = rng.normal(size=(n, 4)).astype(np.float32)
+        with EnvSessionClient(proc.address, session_id=sid, obs_shape=(4,), num_actions=2, num_envs=n,
+                              timeout_s=WAIT_S) as client:
+            acted_from, state = state, expect(obs, client.reset(obs))
+            for _ in range(30):
+                ended = rng.random(n) < 0.15
+                final = rng.normal(size=(int(ended.sum()), 4)).astype(np.float32) if ended.any() else None
+                obs = rng.normal(size=(n, 4)).astype(np.float32)
+                state[ended] = 0.0
+                actions = client.step(obs, np.ones(n, np.float32), ended, np.zeros(n, bool), final)
+                acted_from, state = state.copy(), expect(obs, actions)
+        # A handover: the same session_id resumes from the state the last actions were chosen from.
+        state = acted_from
+        with EnvSessionClient(proc.address, session_id=sid, obs_shape=(4,), num_actions=2, num_envs=n,
+                              timeout_s=WAIT_S) as client:
+            state = expect(obs, client.reset(obs))
+            assert client.resumed
+    try:
+        proc.wait_ready(WAIT_S)
+        sessions_at_once(session, "rec")
+    finally:
+        proc.kill()
+    # The state matters: from the zero state the same observations give other actions somewhere.
+    obs = np.random.default_rng(9).normal(size=(64, 4)).astype(np.float32)
+    with torch.inference_mode():
+        a, s = net(torch.from_numpy(obs), torch.zeros(64, 16))
+        b, _ = net(torch.from_numpy(obs), s)
+    assert not torch.equal(a, b)

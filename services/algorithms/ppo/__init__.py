@@ -6,12 +6,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kuberl.v1 import common_pb2 as pb
-from services.algorithms.base import Algorithm, FifoTable
+from services.algorithms.base import Algorithm, Extras, FifoTable
 from services.algorithms.ppo.config import PPOConfig
 from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig
+
+
+# With a recurrent core (ppo.recurrent): each env's state at a fragment's first step, float32
+# [N, state_size], from which the learner replays the fragment (docs/recurrent.md).
+STATE_EXTRA = "core_state"
 
 
 class PPO(Algorithm[PPOConfig]):
@@ -21,6 +26,11 @@ class PPO(Algorithm[PPOConfig]):
     fragment_extras = ("behaviour_logprob",)
     action_spaces = (Discrete, MultiDiscrete, Box)
     takes_action_masks = True
+
+    def extras(self, cfg: CommonConfig) -> Extras:
+        """The behaviour log-probs; with a recurrent core (ppo.recurrent) also each env's core state
+        at the fragment's first step."""
+        return Extras(self.fragment_extras, (STATE_EXTRA,) if self.section(cfg).recurrent else ())
 
     def table(self, cfg: CommonConfig) -> FifoTable:
         ppo = self.section(cfg)

@@ -68,8 +68,19 @@ class PPOConfig:
     # this many updates (batches; the learner's version), and stay at 0 after. None: constant.
     anneal_updates: int | None = None
     anneal_clip: bool = False
+    # Memory (docs/recurrent.md): "lstm" or "gru" puts a recurrent core of recurrent_size units
+    # between the torso (the MLP of hidden_sizes, or the Nature CNN) and both heads, as CleanRL's
+    # ppo_atari_lstm.py and Sample Factory do. Actors carry its state per env, reset it where an
+    # episode ends and send each fragment's starting state; the learner replays each env's sequence
+    # from it (truncated back-propagation through the fragment), in minibatches of whole sequences.
+    # None: feed-forward.
+    recurrent: str | None = None
+    recurrent_size: int = 64
 
     def __post_init__(self) -> None:
+        require(self.recurrent in (None, "lstm", "gru"), "recurrent", self.recurrent,
+                "must be 'lstm', 'gru' or null (feed-forward)")
+        require(self.recurrent_size >= 1, "recurrent_size", self.recurrent_size, "must be >= 1")
         require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
         require(self.obs_clip > 0, "obs_clip", self.obs_clip, "must be > 0")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")

@@ -15,7 +15,7 @@ entry point (services/algorithms).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,10 +24,12 @@ import torch
 from kuberl.v1 import common_pb2 as pb
 from services.algorithms.group import GroupSync, average_over_group, finite_gradients
 from services.algorithms.checks import check_fits, skipped_step
-from services.algorithms.ppo import PPO as PPOAlgorithm
+from services.algorithms.ppo import PPO as PPOAlgorithm, STATE_EXTRA
 from services.algorithms.ppo.config import PPOConfig
 from services.common.protocol.fragments import Fragment, decode_fragment
-from services.algorithms.ppo.networks import ActorCritic
+from services.common.protocol.tensors import TensorError
+from services.algorithms.ppo.networks import ActorCritic, RecurrentActorCritic, make_net
+from services.common.models.heads import ActionDist
 from services.common.models.nets import EnvSpec, ObsNormalizer, resolve_device
 from services.common.stats import Metrics
 
@@ -119,13 +121,60 @@ Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
              torch.Tensor | None]
 
 
+Replayed = tuple[torch.Tensor, ActionDist, torch.Tensor]   # rows, their distributions and values
+
+
+class Sequences:
+    """A batch's env columns as sequences for a recurrent core: each fragment's column n is one
+    sequence of T steps from the state the actor recorded (extras.core_state[n]). Sequences of one
+    length are stacked so a minibatch replays each length in one `unroll`."""
+
+    def __init__(self, fragments: list[Fragment], resets: Callable[[torch.Tensor, int], torch.Tensor],
+                 device: torch.device):
+        by_length: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        offset = 0
+        for f in fragments:
+            T, N = f.num_steps, f.num_envs
+            rows = offset + torch.arange(T * N, device=device).view(T, N)   # (rows are t * N + n per fragment)
+            done = torch.as_tensor(f.terminated | f.truncated, device=device)
+            by_length.setdefault(T, []).append((rows, torch.tensor(f.extras[STATE_EXTRA], device=device),
+                                                resets(done, T)))
+            offset += T * N
+        # Per length: rows [T, B], first states [B, S], resets [T, B]
+        self.groups = [(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts]),
+                        torch.cat([p[2] for p in parts], 1)) for parts in by_length.values()]
+        self.group_of = torch.cat([torch.full((g[0].shape[1],), i, device=device) for i, g in enumerate(self.groups)]
+                                  ) if self.groups else torch.zeros(0, dtype=torch.long, device=device)
+        self.column_of = torch.cat([torch.arange(g[0].shape[1], device=device) for g in self.groups]
+                                   ) if self.groups else torch.zeros(0, dtype=torch.long, device=device)
+        self.count = len(self.group_of)
+
+    def replay(self, net: torch.nn.Module, data: Rows, mb: torch.Tensor) -> Replayed:
+        """Replay sequences `mb` (indices) through `net` from their recorded states: the rows of
+        `data` they cover, with the current policy's distributions and values there."""
+        assert isinstance(net, RecurrentActorCritic)
+        obs, masks = data[0], data[7]
+        outs, rows = [], []
+        for g, (g_rows, g_state, g_resets) in enumerate(self.groups):
+            cols = self.column_of[mb[self.group_of[mb] == g]]
+            if len(cols):
+                r = g_rows[:, cols]
+                out, _ = net.unroll(obs[r], g_state[cols], g_resets[:, cols])
+                outs.append(out.flatten(0, 1))
+                rows.append(r.flatten())
+        at = torch.cat(rows)
+        dist, value = net.heads(torch.cat(outs), None if masks is None else masks[at])
+        return at, dist, value
+
+
 class PPO:
     def __init__(self, cfg: PPOConfig, spec: EnvSpec, device: str = "cpu", sync: GroupSync | None = None,
                  metrics: Metrics | None = None):
         self.cfg, self.spec, self.device, self.sync = cfg, spec, resolve_device(device), sync
         self.metrics = metrics or Metrics("learner")
         self.lag = self.metrics.histogram("learner/policy_lag")
-        self.net = ActorCritic(spec, cfg.hidden_sizes, cfg.normalize_observations, cfg.obs_clip).to(self.device)
+        self.net = make_net(spec, cfg).to(self.device)
+        self.recurrent = isinstance(self.net, RecurrentActorCritic)
         self.net.head.validate = False  # a non-finite output: a non-finite loss, its step skipped (not a crash)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.rewards = RewardNormalizer(cfg.gamma, cfg.reward_clip, self.device) if cfg.normalize_rewards else None
@@ -140,11 +189,15 @@ class PPO:
     def decode(self, batch: pb.TrainingBatch) -> list[Fragment]:
         """The batch's fragments, validated; raises ValueError (TensorError) naming what does not fit.
         Decoding refuses NaN and infinity in every float field (NonFiniteError, counted apart)."""
-        frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO, extras=PPOAlgorithm.fragment_extras)
+        start = (STATE_EXTRA,) if self.recurrent else ()
+        frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO, extras=PPOAlgorithm.fragment_extras, start_extras=start)
                  for m in batch.rollouts.fragments]
         for f in frags:
             check_fits(self.spec, f.obs.reshape(-1, *f.obs.shape[2:]), f.final_obs, actions=f.actions,
                        lead=(f.num_steps, f.num_envs), mask=f.action_mask)
+            if self.recurrent and (got := f.extras[STATE_EXTRA].shape) != (f.num_envs, self.net.state_size):
+                raise TensorError(f"extras.{STATE_EXTRA}", f"must be [N={f.num_envs}, {self.net.state_size}] "
+                                  f"(ppo.recurrent: {self.cfg.recurrent} of {self.cfg.recurrent_size}), got {list(got)}")
         return frags
 
     def learn(self, frags: list[Fragment]) -> tuple[int, dict[str, float]] | None:
@@ -201,18 +254,32 @@ class PPO:
         c = self.cfg
         T, N = frag.num_steps, frag.num_envs
         obs = self._tensor(frag.obs)
-        values = self.net.value(obs.flatten(0, 1)).view(T + 1, N)
-        next_values = values[1:].clone()
-        if len(frag.final_index):
-            next_values.view(-1)[self._tensor(frag.final_index)] = self.net.value(self._tensor(frag.final_obs))
         term, trunc = self._tensor(frag.terminated), self._tensor(frag.truncated)
+        current: torch.Tensor | None = None
+        if isinstance(self.net, RecurrentActorCritic):
+            # Replay each env's sequence from its recorded state: outputs at obs[0..T], and the state
+            # after each episode's last step (an end at t starts a new piece at t + 1: `unroll`'s ends).
+            out, ends = self.net.unroll(obs, self._tensor(frag.extras[STATE_EXTRA]), self._resets(term | trunc, T + 1))
+            values = self.net.critic(out).view(T + 1, N)
+            next_values = values[1:].clone()
+            if len(frag.final_index):   # V(final obs) from the state after the episode's last step
+                at = self._tensor(frag.final_index)
+                next_values.view(-1)[at] = self.net.value_after(self._tensor(frag.final_obs), ends[:T].flatten(0, 1)[at])
+            if correct or c.decoupled:
+                steps = out[:T].flatten(0, 1)
+                current = self.net.heads(steps, mask)[0].log_prob(self._actions(frag)).view(T, N)
+        else:
+            values = self.net.value(obs.flatten(0, 1)).view(T + 1, N)
+            next_values = values[1:].clone()
+            if len(frag.final_index):
+                next_values.view(-1)[self._tensor(frag.final_index)] = self.net.value(self._tensor(frag.final_obs))
+            if correct or c.decoupled:
+                current = self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
         rewards = self._tensor(frag.rewards) * c.reward_scale
         if self.rewards is not None:
             rewards = self.rewards.scale(rewards)
         behaviour = self._tensor(frag.extras["behaviour_logprob"])
-        # log pi(a|s) of the current policy (pi_prox), what V-trace and the decoupled objective need
-        current = (self.net.dist(obs[:-1].flatten(0, 1), mask).log_prob(self._actions(frag)).view(T, N)
-                   if correct or c.decoupled else None)
+        # (`current`: log pi(a|s) of the current policy (pi_prox), what V-trace and the decoupled objective need)
         if current is not None and correct:
             adv, ret = vtrace(rewards, values[:-1], next_values, term, term | trunc, current - behaviour, c.gamma,
                               c.gae_lambda, c.vtrace_rho_bar, c.vtrace_c_bar)
@@ -252,24 +319,29 @@ class PPO:
                     torch.cat([w for w in weights if w is not None]) if c.decoupled else None,
                     torch.cat([m for m in masks if m is not None]) if masked else None)  # (masked: none is None)
         n = sum(f.num_samples for f in fragments)
+        # What a minibatch draws: rows (samples), or with a recurrent core whole sequences (env columns
+        # of fragments), each replayed from its recorded state.
+        seqs = Sequences(fragments, self._resets, self.device) if self.recurrent else None
+        units = n if seqs is None else seqs.count
         remaining = self.remaining()
         for group in self.optimizer.param_groups:
             group["lr"] = c.learning_rate * remaining
         clip = c.clip_coef * (remaining if c.anneal_clip else 1.0)
-        # Exactly num_minibatches per epoch, sizes differing by at most one (alone: at most n of them).
-        splits = c.num_minibatches if self.sync is not None else min(c.num_minibatches, n)
+        # Exactly num_minibatches per epoch, sizes differing by at most one (alone: at most as many as
+        # there are units to split).
+        splits = c.num_minibatches if self.sync is not None else min(c.num_minibatches, units)
         clipfracs, last, trained = [], None, False
         for _ in range(c.num_epochs):
-            for mb in torch.tensor_split(torch.randperm(n, device=self.device), splits):
+            for mb in torch.tensor_split(torch.randperm(units, device=self.device), splits):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = None
+                loss, rows = None, 0
                 if len(mb):
                     assert data is not None   # (rows to split: there were fragments)
-                    loss, last = self._loss(data, mb, clip)
+                    loss, last, rows = self._loss(data, mb if seqs is None else seqs.replay(self.net, data, mb), clip)
                     loss.backward()
                     clipfracs.append(last["clipfrac"].item())
                 params = list(self.net.parameters())
-                if average_over_group(self.sync, params, float(len(mb)), loss) == 0:
+                if average_over_group(self.sync, params, float(rows), loss) == 0:
                     continue
                 if not finite_gradients(params):
                     skipped_step(self.metrics, "ppo", self.version)
@@ -318,12 +390,18 @@ class PPO:
             moments += ObsNormalizer.moments(torch.as_tensor(self.rewards.returns(f).reshape(-1, 1), device=self.device))
         self.rewards.stats.merge(moments if self.sync is None else self.sync.sum(moments))
 
-    def _loss(self, data: Rows, mb: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped PPO loss on minibatch `mb` (indices into `data`) at clip range `clip`, and its
-        diagnostics (detached)."""
+    def _loss(self, data: Rows, mb: torch.Tensor | Replayed, clip: float
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """The clipped PPO loss on minibatch `mb` at clip range `clip`, its diagnostics (detached) and
+        its rows: `mb` indexes rows of `data` (feed-forward), or is the sequences a recurrent core
+        replayed (`Sequences.replay`: their rows, distributions and values)."""
         c = self.cfg
         obs, values, adv, ret, actions, anchor, weights, masks = data
-        dist, new_value = self.net.dist_and_value(obs[mb], None if masks is None else masks[mb])
+        if isinstance(mb, torch.Tensor):
+            assert isinstance(self.net, ActorCritic)
+            dist, new_value = self.net.dist_and_value(obs[mb], None if masks is None else masks[mb])
+        else:
+            mb, dist, new_value = mb
         logratio = dist.log_prob(actions[mb]) - anchor[mb]
         ratio = logratio.exp()
         with torch.no_grad():
@@ -342,7 +420,14 @@ class PPO:
         entropy = dist.entropy().mean()
         loss = pg_loss - c.ent_coef * entropy + c.vf_coef * v_loss
         return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy.detach(),
-                      "approx_kl": approx_kl, "clipfrac": clipfrac}
+                      "approx_kl": approx_kl, "clipfrac": clipfrac}, len(mb)
+
+    def _resets(self, done: torch.Tensor, length: int) -> torch.Tensor:
+        """[length, N] bool: the steps of a replayed sequence whose state starts afresh (those after
+        an episode's end, `done` [T, N]); never the first, whose recorded state is already reset."""
+        resets = torch.zeros((length, done.shape[1]), dtype=torch.bool, device=self.device)
+        resets[1:] = done[:length - 1].bool()
+        return resets
 
     def state_dict(self) -> dict[str, Any]:
         state = {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,

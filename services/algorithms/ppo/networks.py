@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from services.common.models.heads import ActionDist, Head, out_features
 from services.common.models.nets import EnvSpec, NatureCNN, ObsNormalizer, is_image, layer, mlp
+
+if TYPE_CHECKING:
+    from services.algorithms.ppo.config import PPOConfig
 
 
 class ActorCritic(nn.Module):
@@ -65,3 +71,150 @@ class ActorCritic(nn.Module):
         x = self._features(obs)
         v: torch.Tensor = self.critic(x)
         return self.head(self.actor(x), mask), v.squeeze(-1)
+
+
+class RecurrentActorCritic(nn.Module):
+    """ppo.recurrent: a torso (a tanh MLP of `hidden` widths over flat observations, or the Nature CNN
+    over frames), then an LSTM or GRU of `size` units (one layer), then a policy head (std 0.01) and
+    a value head (std 1) on its output, shared as in CleanRL's ppo_atari_lstm.py.
+
+    The recurrent state of a batch of envs is one float32 tensor [B, state_size]: h, then c for an
+    LSTM. Actors take one step at a time (`step`: the cell's equations written out, which every
+    exporter traces); the learner replays whole sequences (`unroll`): each env column is cut where
+    `resets` marks an episode's first step, and the pieces run through torch's fused nn.LSTM / nn.GRU
+    as one packed batch, the first piece of a column from its recorded state and every later one
+    from zeros. Both compute the same function (tests/unit/learner/test_recurrent.py)."""
+
+    def __init__(self, spec: EnvSpec, hidden: tuple[int, ...], core: str, size: int, normalize_obs: bool = False,
+                 obs_clip: float = 10.0):
+        super().__init__()
+        if normalize_obs and is_image(spec):
+            raise ValueError("ppo.normalize_observations: frames are scaled by 1/255 in the network; "
+                             "normalisation is for flat observations")
+        self.obs_norm = ObsNormalizer(int(np.prod(spec.obs_shape)), obs_clip) if normalize_obs else None
+        self._flat = not is_image(spec)
+        self.torso: nn.Module
+        if self._flat:
+            layers: list[nn.Module] = [nn.Flatten(1)]
+            features = int(np.prod(spec.obs_shape))
+            for width in hidden:
+                layers += [layer(features, width), nn.Tanh()]
+                features = width
+            self.torso = nn.Sequential(*layers)
+        else:
+            cnn = NatureCNN(spec)
+            self.torso, features = cnn, cnn.features
+        self.lstm = core == "lstm"
+        self.size = size
+        self.core: nn.LSTM | nn.GRU = (nn.LSTM if self.lstm else nn.GRU)(features, size)
+        for name, param in self.core.named_parameters():   # (CleanRL's ppo_atari_lstm.py initialisation)
+            if "bias" in name:
+                nn.init.constant_(param, 0.0)
+            else:
+                nn.init.orthogonal_(param, 1.0)
+        self.state_size = 2 * size if self.lstm else size
+        self.actor = layer(size, out_features(spec.action), std=0.01)
+        self.critic = layer(size, 1, std=1.0)
+        self.head = Head(spec.action)
+
+    def initial_state(self, n: int) -> torch.Tensor:
+        """The state of `n` envs at the start of an episode: zeros [n, state_size]."""
+        return torch.zeros(n, self.state_size)
+
+    def _encode(self, obs: torch.Tensor) -> torch.Tensor:
+        if not self._flat:
+            features: torch.Tensor = self.torso(obs)
+            return features
+        x = obs.flatten(1).float()
+        out: torch.Tensor = self.torso(x if self.obs_norm is None else self.obs_norm(x))
+        return out
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The core's one layer: (weight_ih, weight_hh, bias_ih, bias_hh), as nn.LSTM / nn.GRU keep them."""
+        w = [getattr(self.core, f"{name}_l0") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+        assert all(isinstance(t, torch.Tensor) for t in w)
+        return w[0], w[1], w[2], w[3]
+
+    def core_step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the cell on features `x` [B, F] from `state` [B, state_size]: (output [B, size],
+        the state after). nn.LSTM's and nn.GRU's equations, on their weights."""
+        w_ih, w_hh, b_ih, b_hh = self._weights()
+        gates_x = F.linear(x, w_ih, b_ih)
+        h = state[:, :self.size]
+        gates_h = F.linear(h, w_hh, b_hh)
+        if self.lstm:
+            i, f, g, o = (gates_x + gates_h).chunk(4, 1)
+            cell = torch.sigmoid(f) * state[:, self.size:] + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(cell)
+            return h, torch.cat([h, cell], dim=1)
+        x_r, x_z, x_n = gates_x.chunk(3, 1)
+        h_r, h_z, h_n = gates_h.chunk(3, 1)
+        z = torch.sigmoid(x_z + h_z)
+        h = (1 - z) * torch.tanh(x_n + torch.sigmoid(x_r + h_r) * h_n) + z * h
+        return h, h
+
+    def step(self, obs: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cell's output at one observation per env [B, ...] from `state`, and the state after."""
+        return self.core_step(self._encode(obs), state)
+
+    def unroll(self, obs: torch.Tensor, state: torch.Tensor, resets: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay sequences: `obs` [T, B, ...] from `state` [B, state_size]; `resets` [T, B] bool marks
+        the steps whose state is zeroed first (an episode starts there). Returns the cell's outputs
+        [T, B, size] and `ends` [T, B, state_size]: the state after step t wherever step t ends a
+        piece (t + 1 resets, or t = T - 1), zeros elsewhere (what a final observation's value reads)."""
+        T, B = resets.shape
+        x = self._encode(obs.flatten(0, 1)).view(T, B, -1)
+        # Pieces in column-major order: column b's steps t0..t1 between resets.
+        starts = resets.t().clone()
+        starts[:, 0] = True
+        flat_starts = starts.reshape(-1)
+        piece = torch.cumsum(flat_starts.long(), 0) - 1                    # [B*T] the piece of each step
+        first = torch.nonzero(flat_starts).squeeze(1)                       # [P] its first flat position
+        lengths = torch.diff(first, append=torch.tensor([B * T], device=first.device))
+        where = torch.arange(B * T, device=first.device) - first[piece]     # position inside the piece
+        col = first // T
+        P = len(first)
+        keep = ((first % T == 0) & ~resets[0, col]).unsqueeze(-1).to(state.dtype)
+        init = state[col] * keep                                            # [P, S]: recorded, or zeros
+        padded = x.new_zeros(int(lengths.max()), P, x.shape[-1])
+        padded[where, piece] = x.transpose(0, 1).reshape(B * T, -1)
+        packed = nn.utils.rnn.pack_padded_sequence(padded, lengths.cpu(), enforce_sorted=False)
+        h0 = init[:, :self.size].unsqueeze(0).contiguous()
+        if self.lstm:
+            out_p, (h_n, c_n) = self.core(packed, (h0, init[:, self.size:].unsqueeze(0).contiguous()))
+            last = torch.cat([h_n[0], c_n[0]], dim=1)
+        else:
+            out_p, h_n = self.core(packed, h0)
+            last = h_n[0]
+        out, _ = nn.utils.rnn.pad_packed_sequence(out_p)                    # [L, P, size]
+        outputs = out[where, piece].view(B, T, -1).transpose(0, 1)
+        ends = last.new_zeros(B * T, self.state_size)
+        ends[first + lengths - 1] = last
+        return outputs, ends.view(B, T, -1).transpose(0, 1)
+
+    def heads(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[ActionDist, torch.Tensor]:
+        """The action distribution and the value at cell outputs `out` [B, size]."""
+        v: torch.Tensor = self.critic(out)
+        return self.head(self.actor(out), mask), v.squeeze(-1)
+
+    def value_after(self, obs: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """V of observations [B, ...] seen from `state` (the value of a final observation, from the
+        state after its episode's last step)."""
+        out, _ = self.step(obs, state)
+        v: torch.Tensor = self.critic(out)
+        return v.squeeze(-1)
+
+    def mode(self, obs: torch.Tensor, state: torch.Tensor, mask: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The most likely actions at `obs` [B, ...] from `state`, and the state after."""
+        out, state = self.step(obs, state)
+        return self.head.mode(self.actor(out), mask), state
+
+
+def make_net(spec: EnvSpec, cfg: PPOConfig) -> ActorCritic | RecurrentActorCritic:
+    """The network `cfg` asks for: feed-forward, or with a recurrent core (ppo.recurrent)."""
+    if cfg.recurrent is None:
+        return ActorCritic(spec, cfg.hidden_sizes, cfg.normalize_observations, cfg.obs_clip)
+    return RecurrentActorCritic(spec, cfg.hidden_sizes, cfg.recurrent, cfg.recurrent_size,
+                                cfg.normalize_observations, cfg.obs_clip)

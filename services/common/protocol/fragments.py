@@ -47,7 +47,8 @@ class Fragment:
     final_obs: np.ndarray          # [K, *obs_shape]
     final_index: np.ndarray        # [K] int64, flat t * N + n
     action_mask: np.ndarray | None = None  # [T, N, M] bool: the actions allowed at obs[t]; None: all
-    # The algorithm's per-step float32 tensors [T, N, ...] by name (its `fragment_extras`).
+    # The algorithm's float32 tensors by name (services/algorithms/base.py, `Extras`): per step
+    # [T, N, ...], or per env at the fragment's first step [N, ...] (a recurrent core's state).
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -311,13 +312,15 @@ def algorithm_name(code: int) -> str:
 
 
 def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int | None = None,
-                    extras: tuple[str, ...] | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Fragment:
+                    extras: tuple[str, ...] | None = None, start_extras: tuple[str, ...] = (),
+                    max_elements: int = DEFAULT_MAX_ELEMENTS) -> Fragment:
     """Validate a TrajectoryFragment and return it decoded (zero-copy views of its bytes).
 
-    `algorithm`, when given, is the only algorithm accepted, and `extras` the names of the extras its
-    fragments carry (the receiving algorithm's `fragment_extras`): each is required and no other is
-    taken. None requires none and checks whichever are present. Raises TensorError naming the field
-    (`extras.<name>` for an extra).
+    `algorithm`, when given, is the only algorithm accepted, and `extras` the names of the per-step
+    extras its fragments carry ([T, N, ...]), `start_extras` those of the extras given once per env
+    at the first step ([N, ...]): the receiving algorithm's `Extras`. Each is required and no other
+    is taken. `extras` None requires none and checks whichever are present (per step unless named in
+    `start_extras`). Raises TensorError naming the field (`extras.<name>` for an extra).
     `msg` may be a RawFragment (the zero-copy read of the serialized bytes); its arrays are then
     views of those bytes.
     """
@@ -366,17 +369,22 @@ def decode_fragment(msg: pb.TrajectoryFragment | RawFragment, *, algorithm: int 
 
     given: dict[str, TensorLike] = dict(msg.extras)
     _expect(len(given) <= MAX_EXTRAS, "extras", lambda: f"{len(given)} extras, at most {MAX_EXTRAS}")
-    for name in extras or ():
+    takes = None if extras is None else (*extras, *start_extras)
+    for name in takes or start_extras:
         _expect(name in given, f"extras.{name}", "is required but missing")
     decoded: dict[str, np.ndarray] = {}
     for name, tensor in sorted(given.items()):
         _expect(0 < len(name) <= MAX_EXTRA_NAME, "extras", lambda: f"names are 1..{MAX_EXTRA_NAME} characters")
-        _expect(extras is None or name in extras, f"extras.{name}",
+        _expect(takes is None or name in takes, f"extras.{name}",
                 lambda: f"is not a field of {algorithm_name(msg.algorithm)} fragments "
-                        f"(it takes {', '.join(extras or ()) or 'no extras'})")
+                        f"(it takes {', '.join(takes or ()) or 'no extras'})")
         arr = decode(tensor, f"extras.{name}", max_elements)
-        _expect(arr.ndim >= 2 and arr.shape[:2] == (T, N) and arr.dtype == np.float32, f"extras.{name}",
-                lambda: f"must be float32 [T={T}, N={N}, ...], got {arr.dtype.name} {list(arr.shape)}")
+        if name in start_extras:   # one value per env, at the first step
+            _expect(arr.ndim >= 1 and arr.shape[0] == N and arr.dtype == np.float32, f"extras.{name}",
+                    lambda: f"must be float32 [N={N}, ...], got {arr.dtype.name} {list(arr.shape)}")
+        else:
+            _expect(arr.ndim >= 2 and arr.shape[:2] == (T, N) and arr.dtype == np.float32, f"extras.{name}",
+                    lambda: f"must be float32 [T={T}, N={N}, ...], got {arr.dtype.name} {list(arr.shape)}")
         decoded[name] = arr
     mask = decode(msg.action_mask, "action_mask", max_elements) if msg.HasField("action_mask") else None
     if mask is not None:

@@ -28,7 +28,7 @@ def test_a_late_actor_explores_as_little_as_the_run_and_an_early_one_as_its_own_
     net_action = policy.net(__import__("torch").from_numpy(obs[:1])).argmax(1).item()
 
     def explored(env_steps):
-        actions, _ = policy.act(obs, env_steps=env_steps)
+        actions, _, _ = policy.act(obs, env_steps=env_steps)
         return policy.metrics.gauges["actor/epsilon"], float(np.mean(actions != net_action))
 
     eps, _ = explored(0)

@@ -174,7 +174,7 @@ async def test_sessions_replies_wait_for_new_weights_once_the_quota_is_cut(monke
                                 ("truncated", np.zeros(2, bool))):
                 getattr(msg, name).CopyFrom(encode(value))
         obs = hub.observe(session, msg)
-        actions, extras, version = await inference.act(obs)
+        actions, extras, version, _ = await inference.act(obs)
         hub.record_actions(session, actions, extras, version)
         return version
 

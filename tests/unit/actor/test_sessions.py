@@ -468,3 +468,38 @@ def test_a_hub_without_a_fragment_sink_refuses_nan_the_same_way():
         h.observe(s, poisoned(2, "obs", np.nan))
     assert err.value.code == "INVALID_ARGUMENT" and "observations[2] of env 1 is nan" in str(err.value)
     assert h.metrics.counters["actor/steps_refused_nonfinite_total"] == 1
+
+
+def test_a_recurrent_policys_state_is_kept_per_env_reset_at_episode_ends_recorded_per_fragment_and_resumed():
+    """ppo.recurrent: the hub keeps each env copy's state, zeroes it where the simulator reports an
+    episode's end (before the next action is chosen), sends each fragment's starting state as
+    extras.core_state, and a session resumed under its session_id goes on from the state its last
+    actions were chosen from (its step 0 re-sends those observations); a new session_id starts at 0."""
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"},
+                            "ppo": {"rollout_steps": T, "recurrent": "gru", "recurrent_size": 2}})
+    out: list = []
+    h = SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), sink(out), state_size=2)
+    s, _ = h.open(hello())
+    assert s.episodes.state.tolist() == [[0, 0], [0, 0]]
+    starts = []
+    logp = {"behaviour_logprob": np.zeros(N, np.float32)}
+    for k in range(T + 2):
+        if k == 0:
+            h.observe(s, step(0, obs_at(0)))
+        else:
+            h.observe(s, step(k, obs_at(k), rewards=[1.0, 1.0], term=[k == 2, False], trunc=[False, False],
+                              final=[np.zeros(3)] if k == 2 else None))
+        starts.append(s.episodes.state.copy())   # what the next action is chosen from
+        h.record_actions(s, np.array([0, 1]), logp, version=1, state=np.full((N, 2), k + 1, np.float32))
+    # Env 0's episode ended at step 2: its state was zeroed before step 2's action, env 1's carried on.
+    assert starts[2].tolist() == [[0, 0], [2, 2]] and starts[3].tolist() == [[3, 3], [3, 3]]
+    frag = decode_fragment(out[0], algorithm=pb.ALGORITHM_PPO, extras=("behaviour_logprob",),
+                           start_extras=("core_state",))
+    assert frag.extras["core_state"].tolist() == [[0, 0], [0, 0]]
+    h.close(s, "error")
+    second = decode_fragment(out[1], extras=("behaviour_logprob",), start_extras=("core_state",))
+    assert second.extras["core_state"].tolist() == starts[T].tolist() == [[T, T], [T, T]]
+    resumed, was = h.open(hello())
+    assert was and resumed.episodes.state.tolist() == starts[T + 1].tolist() == [[T + 1] * 2] * 2
+    fresh, was = h.open(hello(sid="other"))
+    assert not was and not fresh.episodes.state.any()

@@ -309,7 +309,8 @@ def test_ppo_loss_against_a_hand_computation(monkeypatch, norm_adv, clip_vloss, 
     data = (torch.arange(6, dtype=torch.float32).unsqueeze(1), torch.tensor(OLD_VALUES), torch.tensor(ADVANTAGES),
             torch.tensor(RETURNS), torch.tensor(ACTIONS), torch.tensor(OLD_LOGPROB),
             None if weights is None else torch.tensor(weights), None)
-    loss, diagnostics = ppo._loss(data, torch.tensor(MINIBATCH), CLIP)
+    loss, diagnostics, rows = ppo._loss(data, torch.tensor(MINIBATCH), CLIP)
+    assert rows == len(MINIBATCH)
     want = hand_ppo_loss(norm_adv, clip_vloss, ent_coef, vf_coef=0.5, weights=weights)
     got = {"loss": loss.item(), **{k: v.item() for k, v in diagnostics.items()}}
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
