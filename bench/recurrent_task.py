@@ -21,15 +21,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = "kuberl_envs:CartPoleNoVelocity-v1"
-ARMS = {"feed-forward": None, "lstm": "lstm", "gru": "gru"}
+# arm -> ppo settings beside the defaults
+ARMS = {"feed-forward": {}, "lstm": {"recurrent": "lstm"}, "gru": {"recurrent": "gru"},
+        "lstm-separate-critic": {"recurrent": "lstm", "critic_core": "separate"}}
 THRESHOLDS = (100, 200, 300, 400, 475)
 WINDOW = 100
 
 
-def run(core: str | None, seed: int, steps: int, workdir: Path, name: str) -> dict:
+def run(ppo: dict, seed: int, steps: int, workdir: Path, name: str) -> dict:
     config = workdir / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "algorithm": "ppo", "seed": seed, "env": {"id": ENV, "num_envs": 8}, "ppo": {"recurrent": core},
+        "algorithm": "ppo", "seed": seed, "env": {"id": ENV, "num_envs": 8}, "ppo": ppo,
         "topology": {"actors": 1}, "evaluation": {"after_training": False},
         "run": {"target_return": None, "max_env_steps": steps, "return_window": WINDOW}}))
     proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(workdir),
@@ -54,13 +56,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--steps", type=int, default=300_000)
+    p.add_argument("--arms", default="feed-forward,lstm,gru", help=f"comma-separated, from: {', '.join(ARMS)}")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result: dict = {"env": ENV, "steps": args.steps, "window": WINDOW, "arms": {arm: [] for arm in ARMS}}
+    arms = args.arms.split(",")
+    result: dict = {"env": ENV, "steps": args.steps, "window": WINDOW, "arms": {arm: [] for arm in arms}}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
-            for arm, core in ARMS.items():
-                r = run(core, seed, args.steps, Path(tmp), f"{arm}-{seed}")
+            for arm in arms:
+                r = run(ARMS[arm], seed, args.steps, Path(tmp), f"{arm}-{seed}")
                 result["arms"][arm].append(r)
                 print(f"seed {seed} {arm:>12}: best mean {r['best_mean']:.1f}, steps to "
                       + ", ".join(f"{t}: {s if s is None else f'{s:,.0f}'}" for t, s in r["steps_to"].items()),

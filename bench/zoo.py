@@ -48,11 +48,21 @@ class Task:
     target: float           # mean return over `window` episodes that counts as solved
     window: int
     budget: int | None = None  # env steps; None = the zoo's n_timesteps
+    # A task that needs memory: PPO with an LSTM (`ppo.recurrent: lstm` in every kuberl run, the
+    # defaults' too: it is the switch the task needs, not a tuning), against sb3-contrib's RecurrentPPO
+    # with the zoo's `ppo_lstm` hyper-parameters for `zoo_key`.
+    memory: bool = False
+    zoo_key: str | None = None
 
     @property
     def zoo_env(self) -> str:
         """The key in the zoo's file: the same env, v4 for the MuJoCo tasks gymnasium now ships as v5."""
-        return self.env_id.replace("-v5", "-v4")
+        return self.zoo_key or self.env_id.replace("-v5", "-v4")
+
+    @property
+    def zoo_algo(self) -> str:
+        """The zoo's file (rl_zoo3/hyperparams/<zoo_algo>.yml)."""
+        return "ppo_lstm" if self.memory else self.algo
 
 
 # Targets: gymnasium's reward_threshold where the env has one (CartPole 475, Acrobot -100, LunarLander
@@ -67,6 +77,10 @@ TASKS = {t.name: t for t in (
     Task("lunarlander-dqn", "LunarLander-v3", "dqn", 200, 50),
     Task("lunarlander-ppo", "LunarLander-v3", "ppo", 200, 50),
     Task("hopper-sac", "Hopper-v5", "sac", 2500, 10),
+    # CartPole with the velocities hidden: kuberl_envs' CartPoleNoVelocity-v1 shows the observations of
+    # sb3-contrib's CartPoleNoVel-v1 (x and theta, the same bounds); CartPole's threshold, 475.
+    Task("cartpolenovel-ppo-lstm", "kuberl_envs:CartPoleNoVelocity-v1", "ppo", 475, 100, memory=True,
+         zoo_key="CartPoleNoVel-v1"),
 )}
 FAST = ("cartpole-ppo", "cartpole-dqn", "acrobot-ppo", "acrobot-dqn", "pendulum-sac")
 
@@ -75,9 +89,9 @@ def zoo_hyperparams(task: Task) -> dict:
     """The zoo's entry for the task, as written (schedules and policy_kwargs still strings)."""
     from importlib.resources import files
 
-    table = yaml.safe_load(files("rl_zoo3").joinpath("hyperparams", f"{task.algo}.yml").read_text())
+    table = yaml.safe_load(files("rl_zoo3").joinpath("hyperparams", f"{task.zoo_algo}.yml").read_text())
     if task.zoo_env not in table:
-        raise KeyError(f"rl-zoo3 has no {task.algo} hyper-parameters for {task.zoo_env}")
+        raise KeyError(f"rl-zoo3 has no {task.zoo_algo} hyper-parameters for {task.zoo_env}")
     return dict(table[task.zoo_env])
 
 
@@ -163,6 +177,8 @@ def translate(task: Task, hp: dict) -> dict:
         # planner may add actors (more envs than n_envs, more lag): one actor of n_envs envs, held after
         # each fragment (a whole batch) until the learner's next weights (on-policy pacing).
         extra = {"actor": {"fragments_per_version": 1}, "planner": {"enabled": False}}
+        if task.memory:
+            section.update(recurrent="lstm", recurrent_size=int(_policy_kwargs(hp).get("lstm_hidden_size", 256)))
     else:
         train_freq, grad_steps = int(hp.get("train_freq", 1)), int(hp.get("gradient_steps", 1))
         batch = int(hp.get("batch_size", 256))
@@ -176,6 +192,9 @@ def translate(task: Task, hp: dict) -> dict:
     untranslated = sorted(k for k in hp if k in ("use_sde", "sde_sample_freq", "env_wrapper", "frame_stack")
                           or (k == "normalize" and task.algo != "ppo")
                           or (_linear(hp[k]) and k not in annealed))
+    if task.memory:   # kuberl's core is one LSTM shared by both heads after a tanh MLP torso, orthogonal init
+        untranslated += [f"policy_kwargs.{k}" for k in ("enable_critic_lstm", "activation_fn", "ortho_init")
+                         if k in _policy_kwargs(hp)]
     return {"env": {"num_envs": n_envs}, task.algo: section, **extra, "untranslated": untranslated}
 
 
@@ -220,8 +239,13 @@ def sb3_child(task: Task, seed: int, stop_at_target: bool, steps: int | None = N
     if normalize:
         options = eval(normalize, {"dict": dict}) if isinstance(normalize, str) else {}
         env = VecNormalize(env, gamma=float(hp.get("gamma", 0.99)), **options)
-    model = getattr(stable_baselines3, task.algo.upper())(hp["policy"], env, seed=seed, device="cpu", verbose=0,
-                                                          policy_kwargs=_policy_kwargs(hp), **kwargs)
+    if task.memory:
+        import sb3_contrib
+
+        algorithm = sb3_contrib.RecurrentPPO
+    else:
+        algorithm = getattr(stable_baselines3, task.algo.upper())
+    model = algorithm(hp["policy"], env, seed=seed, device="cpu", verbose=0, policy_kwargs=_policy_kwargs(hp), **kwargs)
     episodes: list[tuple[int, float, float]] = []
     started = time.monotonic()
 
@@ -327,7 +351,8 @@ def main(argv=None) -> int:
             if "sb3" in kinds:
                 row["sb3"] = sb3(task, seed, args.stop_at_target, steps)
             if "defaults" in kinds:
-                row["defaults"] = kuberl(task, {}, seed, steps, args.stop_at_target, args.max_seconds)
+                memory = {"ppo": {"recurrent": "lstm"}} if task.memory else {}
+                row["defaults"] = kuberl(task, memory, seed, steps, args.stop_at_target, args.max_seconds)
             if "tuned" in kinds:
                 config = {k: v for k, v in tuned.items() if k != "untranslated"}
                 row["tuned"] = kuberl(task, config, seed, steps, args.stop_at_target, args.max_seconds)

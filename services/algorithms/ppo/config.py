@@ -76,11 +76,15 @@ class PPOConfig:
     # None: feed-forward.
     recurrent: str | None = None
     recurrent_size: int = 64
+    # "shared": both heads read the one core; "separate": the value head reads a core of its own
+    # (sb3-contrib's enable_critic_lstm), which doubles the state actors carry.
+    critic_core: str = "shared"
 
     def __post_init__(self) -> None:
         require(self.recurrent in (None, "lstm", "gru"), "recurrent", self.recurrent,
                 "must be 'lstm', 'gru' or null (feed-forward)")
         require(self.recurrent_size >= 1, "recurrent_size", self.recurrent_size, "must be >= 1")
+        require(self.critic_core in ("shared", "separate"), "critic_core", self.critic_core, "must be 'shared' or 'separate'")
         require(self.reward_scale > 0, "reward_scale", self.reward_scale, "must be > 0")
         require(self.obs_clip > 0, "obs_clip", self.obs_clip, "must be > 0")
         require(self.reward_clip > 0, "reward_clip", self.reward_clip, "must be > 0")

@@ -260,7 +260,7 @@ class PPO:
             # Replay each env's sequence from its recorded state: outputs at obs[0..T], and the state
             # after each episode's last step (an end at t starts a new piece at t + 1: `unroll`'s ends).
             out, ends = self.net.unroll(obs, self._tensor(frag.extras[STATE_EXTRA]), self._resets(term | trunc, T + 1))
-            values = self.net.critic(out).view(T + 1, N)
+            values = self.net.values(out).view(T + 1, N)
             next_values = values[1:].clone()
             if len(frag.final_index):   # V(final obs) from the state after the episode's last step
                 at = self._tensor(frag.final_index)

@@ -86,7 +86,7 @@ class RecurrentActorCritic(nn.Module):
     from zeros. Both compute the same function (tests/unit/learner/test_recurrent.py)."""
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...], core: str, size: int, normalize_obs: bool = False,
-                 obs_clip: float = 10.0):
+                 obs_clip: float = 10.0, separate_critic: bool = False):
         super().__init__()
         if normalize_obs and is_image(spec):
             raise ValueError("ppo.normalize_observations: frames are scaled by 1/255 in the network; "
@@ -106,16 +106,25 @@ class RecurrentActorCritic(nn.Module):
             self.torso, features = cnn, cnn.features
         self.lstm = core == "lstm"
         self.size = size
-        self.core: nn.LSTM | nn.GRU = (nn.LSTM if self.lstm else nn.GRU)(features, size)
-        for name, param in self.core.named_parameters():   # (CleanRL's ppo_atari_lstm.py initialisation)
+        self.core: nn.LSTM | nn.GRU = self._new_core(features)
+        # ppo.critic_core "separate": the value head reads a core of its own (sb3-contrib's
+        # enable_critic_lstm), so the value loss does not shape the policy's memory.
+        self.critic_core: nn.LSTM | nn.GRU | None = self._new_core(features) if separate_critic else None
+        self.cores = [self.core] if self.critic_core is None else [self.core, self.critic_core]
+        self.core_state = 2 * size if self.lstm else size          # floats of one core's state
+        self.state_size = self.core_state * len(self.cores)        # the actor core's state, then the critic's
+        self.actor = layer(size, out_features(spec.action), std=0.01)
+        self.critic = layer(size, 1, std=1.0)
+        self.head = Head(spec.action)
+
+    def _new_core(self, features: int) -> nn.LSTM | nn.GRU:
+        core = (nn.LSTM if self.lstm else nn.GRU)(features, self.size)
+        for name, param in core.named_parameters():   # (CleanRL's ppo_atari_lstm.py initialisation)
             if "bias" in name:
                 nn.init.constant_(param, 0.0)
             else:
                 nn.init.orthogonal_(param, 1.0)
-        self.state_size = 2 * size if self.lstm else size
-        self.actor = layer(size, out_features(spec.action), std=0.01)
-        self.critic = layer(size, 1, std=1.0)
-        self.head = Head(spec.action)
+        return core
 
     def initial_state(self, n: int) -> torch.Tensor:
         """The state of `n` envs at the start of an episode: zeros [n, state_size]."""
@@ -129,16 +138,17 @@ class RecurrentActorCritic(nn.Module):
         out: torch.Tensor = self.torso(x if self.obs_norm is None else self.obs_norm(x))
         return out
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The core's one layer: (weight_ih, weight_hh, bias_ih, bias_hh), as nn.LSTM / nn.GRU keep them."""
-        w = [getattr(self.core, f"{name}_l0") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+    @staticmethod
+    def _weights(core: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A core's one layer: (weight_ih, weight_hh, bias_ih, bias_hh), as nn.LSTM / nn.GRU keep them."""
+        w = [getattr(core, f"{name}_l0") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
         assert all(isinstance(t, torch.Tensor) for t in w)
         return w[0], w[1], w[2], w[3]
 
-    def core_step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step of the cell on features `x` [B, F] from `state` [B, state_size]: (output [B, size],
-        the state after). nn.LSTM's and nn.GRU's equations, on their weights."""
-        w_ih, w_hh, b_ih, b_hh = self._weights()
+    def _cell(self, core: nn.Module, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of `core` (nn.LSTM's or nn.GRU's equations, on its weights) on features `x` [B, F]
+        from its `state` [B, core_state]: (output [B, size], the state after)."""
+        w_ih, w_hh, b_ih, b_hh = self._weights(core)
         gates_x = F.linear(x, w_ih, b_ih)
         h = state[:, :self.size]
         gates_h = F.linear(h, w_hh, b_hh)
@@ -153,16 +163,28 @@ class RecurrentActorCritic(nn.Module):
         h = (1 - z) * torch.tanh(x_n + torch.sigmoid(x_r + h_r) * h_n) + z * h
         return h, h
 
+    def core_step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the core(s) on features `x` [B, F] from `state` [B, state_size]: (output [B,
+        size], or [B, 2 x size] with a separate critic core (the policy's part, then the critic's),
+        the state after)."""
+        outs, states = [], []
+        for k, core in enumerate(self.cores):
+            out, after = self._cell(core, x, state[:, k * self.core_state:(k + 1) * self.core_state])
+            outs.append(out)
+            states.append(after)
+        return torch.cat(outs, dim=1), torch.cat(states, dim=1)
+
     def step(self, obs: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cell's output at one observation per env [B, ...] from `state`, and the state after."""
+        """The core's output at one observation per env [B, ...] from `state`, and the state after."""
         return self.core_step(self._encode(obs), state)
 
     def unroll(self, obs: torch.Tensor, state: torch.Tensor, resets: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay sequences: `obs` [T, B, ...] from `state` [B, state_size]; `resets` [T, B] bool marks
-        the steps whose state is zeroed first (an episode starts there). Returns the cell's outputs
-        [T, B, size] and `ends` [T, B, state_size]: the state after step t wherever step t ends a
-        piece (t + 1 resets, or t = T - 1), zeros elsewhere (what a final observation's value reads)."""
+        the steps whose state is zeroed first (an episode starts there). Returns the core's outputs
+        [T, B, ...] (as `core_step`'s) and `ends` [T, B, state_size]: the state after step t wherever
+        step t ends a piece (t + 1 resets, or t = T - 1), zeros elsewhere (what a final observation's
+        value reads)."""
         T, B = resets.shape
         x = self._encode(obs.flatten(0, 1)).view(T, B, -1)
         # Pieces in column-major order: column b's steps t0..t1 between resets.
@@ -174,42 +196,49 @@ class RecurrentActorCritic(nn.Module):
         lengths = torch.diff(first, append=torch.tensor([B * T], device=first.device))
         where = torch.arange(B * T, device=first.device) - first[piece]     # position inside the piece
         col = first // T
-        P = len(first)
         keep = ((first % T == 0) & ~resets[0, col]).unsqueeze(-1).to(state.dtype)
         init = state[col] * keep                                            # [P, S]: recorded, or zeros
-        padded = x.new_zeros(int(lengths.max()), P, x.shape[-1])
+        padded = x.new_zeros(int(lengths.max()), len(first), x.shape[-1])
         padded[where, piece] = x.transpose(0, 1).reshape(B * T, -1)
         packed = nn.utils.rnn.pack_padded_sequence(padded, lengths.cpu(), enforce_sorted=False)
-        h0 = init[:, :self.size].unsqueeze(0).contiguous()
-        if self.lstm:
-            out_p, (h_n, c_n) = self.core(packed, (h0, init[:, self.size:].unsqueeze(0).contiguous()))
-            last = torch.cat([h_n[0], c_n[0]], dim=1)
-        else:
-            out_p, h_n = self.core(packed, h0)
-            last = h_n[0]
-        out, _ = nn.utils.rnn.pad_packed_sequence(out_p)                    # [L, P, size]
-        outputs = out[where, piece].view(B, T, -1).transpose(0, 1)
-        ends = last.new_zeros(B * T, self.state_size)
-        ends[first + lengths - 1] = last
+        outs, lasts = [], []
+        for k, core in enumerate(self.cores):
+            part = init[:, k * self.core_state:(k + 1) * self.core_state]
+            h0 = part[:, :self.size].unsqueeze(0).contiguous()
+            if self.lstm:
+                out_p, (h_n, c_n) = core(packed, (h0, part[:, self.size:].unsqueeze(0).contiguous()))
+                lasts.append(torch.cat([h_n[0], c_n[0]], dim=1))
+            else:
+                out_p, h_n = core(packed, h0)
+                lasts.append(h_n[0])
+            out, _ = nn.utils.rnn.pad_packed_sequence(out_p)                # [L, P, size]
+            outs.append(out[where, piece])
+        outputs = torch.cat(outs, dim=1).view(B, T, -1).transpose(0, 1)
+        ends = x.new_zeros(B * T, self.state_size)
+        ends[first + lengths - 1] = torch.cat(lasts, dim=1)
         return outputs, ends.view(B, T, -1).transpose(0, 1)
 
     def heads(self, out: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[ActionDist, torch.Tensor]:
-        """The action distribution and the value at cell outputs `out` [B, size]."""
-        v: torch.Tensor = self.critic(out)
-        return self.head(self.actor(out), mask), v.squeeze(-1)
+        """The action distribution and the value at core outputs `out` [B, ...] (`core_step`'s)."""
+        v: torch.Tensor = self.critic(out[:, -self.size:])
+        return self.head(self.actor(out[:, :self.size]), mask), v.squeeze(-1)
+
+    def values(self, out: torch.Tensor) -> torch.Tensor:
+        """The values at core outputs `out` [..., ...] (`core_step`'s or `unroll`'s)."""
+        v: torch.Tensor = self.critic(out[..., -self.size:])
+        return v.squeeze(-1)
 
     def value_after(self, obs: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """V of observations [B, ...] seen from `state` (the value of a final observation, from the
         state after its episode's last step)."""
         out, _ = self.step(obs, state)
-        v: torch.Tensor = self.critic(out)
-        return v.squeeze(-1)
+        return self.values(out)
 
     def mode(self, obs: torch.Tensor, state: torch.Tensor, mask: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The most likely actions at `obs` [B, ...] from `state`, and the state after."""
         out, state = self.step(obs, state)
-        return self.head.mode(self.actor(out), mask), state
+        return self.head.mode(self.actor(out[:, :self.size]), mask), state
 
 
 def make_net(spec: EnvSpec, cfg: PPOConfig) -> ActorCritic | RecurrentActorCritic:
@@ -217,4 +246,4 @@ def make_net(spec: EnvSpec, cfg: PPOConfig) -> ActorCritic | RecurrentActorCriti
     if cfg.recurrent is None:
         return ActorCritic(spec, cfg.hidden_sizes, cfg.normalize_observations, cfg.obs_clip)
     return RecurrentActorCritic(spec, cfg.hidden_sizes, cfg.recurrent, cfg.recurrent_size,
-                                cfg.normalize_observations, cfg.obs_clip)
+                                cfg.normalize_observations, cfg.obs_clip, cfg.critic_core == "separate")

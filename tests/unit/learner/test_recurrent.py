@@ -23,16 +23,20 @@ from services.config import config_from_dict
 SPEC = env_spec("kuberl_envs:CartPoleNoVelocity-v1")
 
 
-def net(core: str) -> RecurrentActorCritic:
+def net(core: str, separate: bool = False) -> RecurrentActorCritic:
     torch.manual_seed(0)
-    return RecurrentActorCritic(SPEC, (16,), core, 8)
+    return RecurrentActorCritic(SPEC, (16,), core, 8, separate_critic=separate)
 
 
-@pytest.mark.parametrize("core", ["lstm", "gru"])
-def test_a_reset_inside_a_sequence_starts_the_state_afresh(core):
+CORES = pytest.mark.parametrize("core, critic", [("lstm", "shared"), ("gru", "shared"), ("lstm", "separate")])
+
+
+@CORES
+def test_a_reset_inside_a_sequence_starts_the_state_afresh(core, critic):
     """Replaying [T, B] with a reset at step 3 of column 0 gives, from step 3 on, exactly what a fresh
     sequence from the zero state gives; column 1 (no reset) carries its state through."""
-    m = net(core)
+    m = net(core, critic == "separate")
+    assert m.state_size == 8 * (2 if core == "lstm" else 1) * (2 if critic == "separate" else 1)
     obs = torch.randn(6, 2, 2)
     state = torch.randn(2, m.state_size)
     resets = torch.zeros(6, 2, dtype=torch.bool)
@@ -72,12 +76,13 @@ def fragment(T: int, N: int, state_size: int, seed: int, ends: list[tuple[int, i
     return decode_fragment(msg, extras=("behaviour_logprob",), start_extras=("core_state",))
 
 
-@pytest.mark.parametrize("core", ["lstm", "gru"])
-def test_sequence_minibatches_give_the_log_probs_and_values_of_a_naive_per_step_loop(core):
+@CORES
+def test_sequence_minibatches_give_the_log_probs_and_values_of_a_naive_per_step_loop(core, critic):
     """Two fragments of different lengths, episode ends inside them: `Sequences.replay` of any subset
     of sequences gives, row for row, the log-probs and values of stepping each env one step at a time
     from its recorded state, zeroing it after each end."""
-    learner = PPO(PPOConfig(recurrent=core, recurrent_size=8, hidden_sizes=(16,), batch_steps=8), SPEC)
+    learner = PPO(PPOConfig(recurrent=core, recurrent_size=8, hidden_sizes=(16,), batch_steps=8, critic_core=critic),
+                  SPEC)
     frags = [fragment(5, 3, learner.net.state_size, 1, [(1, 0, False), (3, 2, True)]),
              fragment(4, 2, learner.net.state_size, 2, [(0, 1, False)])]
     parts = [learner._advantages(f, False) for f in frags]
@@ -138,10 +143,12 @@ def test_an_update_on_sequences_trains_and_moves_the_weights(core):
     assert not torch.equal(before["core.weight_hh_l0"], learner.net.state_dict()["core.weight_hh_l0"])
 
 
-@pytest.mark.parametrize("env_id, core", [("kuberl_envs:CartPoleNoVelocity-v1", "lstm"),
-                                           ("kuberl_envs:MaskedChoice-v0", "gru"), ("Pendulum-v1", "lstm")],
-                         ids=["discrete", "multidiscrete-masked", "box"])
-def test_the_actors_recorded_state_is_what_the_learner_replays_from(env_id, core):
+@pytest.mark.parametrize("env_id, core, critic", [("kuberl_envs:CartPoleNoVelocity-v1", "lstm", "shared"),
+                                                   ("kuberl_envs:CartPoleNoVelocity-v1", "gru", "separate"),
+                                                   ("kuberl_envs:MaskedChoice-v0", "gru", "shared"),
+                                                   ("Pendulum-v1", "lstm", "shared")],
+                         ids=["discrete", "discrete-separate-critic", "multidiscrete-masked", "box"])
+def test_the_actors_recorded_state_is_what_the_learner_replays_from(env_id, core, critic):
     """Two consecutive fragments of a real rollout (episodes end inside them on CartPole and
     MaskedChoice; Pendulum's state runs across the fragment boundary): with the actor's weights, the
     learner's replay of each fragment from its recorded core_state gives back the behaviour
@@ -149,7 +156,7 @@ def test_the_actors_recorded_state_is_what_the_learner_replays_from(env_id, core
     the masks, and a Box's unclipped samples) are the same on both sides."""
     cfg = config_from_dict({"algorithm": "ppo", "env": {"id": env_id, "num_envs": 3},
                             "ppo": {"rollout_steps": 40, "batch_steps": 40, "recurrent": core, "recurrent_size": 8,
-                                    "hidden_sizes": [16]}})
+                                    "hidden_sizes": [16], "critic_core": critic}})
     rollout = Rollout(cfg, "actor-r", 0, Metrics("actor"))
     learner = PPO(cfg.section("ppo"), rollout.spec)
     with torch.no_grad():
