@@ -31,6 +31,8 @@ class Policy:
         self.acting = algorithms.get(cfg.algorithm).acting(cfg, spec, self.rng, metrics)
         self.net = self.acting.net
         self.net.eval()
+        # Floats of recurrent state per env (ppo.recurrent); 0 for a feed-forward policy.
+        self.state_size = int(getattr(self.acting, "state_size", 0))
         # `Acting.greedy` shares `net`, so the weights swapped into `net` are the ones it acts with.
         self.greedy = self.acting.greedy().eval() if greedy else None
         self.version: int | None = None  # None until the learner's first weights arrive
@@ -57,11 +59,6 @@ class Policy:
             self.version = version
             self.metrics.set("actor/policy_version", version)
             self.metrics.inc("actor/weights_swapped_total")
-
-    @property
-    def state_size(self) -> int:
-        """Floats of recurrent state per env (ppo.recurrent); 0 for a feed-forward policy."""
-        return int(getattr(self.acting, "state_size", 0))
 
     def initial_state(self, n: int) -> np.ndarray | None:
         """The state of `n` envs at an episode's start (zeros [n, state_size]); None when stateless."""

@@ -12,11 +12,10 @@ import torch
 
 from services.algorithms.ppo.networks import RecurrentActorCritic, make_net
 from services.common.models.nets import GreedyPolicy
-from services.common.protocol.spaces import Box
 
 if TYPE_CHECKING:
     from services.common.config import CommonConfig
-    from services.common.protocol.spaces import ActionSpace, EnvSpec
+    from services.common.protocol.spaces import EnvSpec
     from services.common.stats import Metrics
 
 
@@ -52,24 +51,12 @@ class Acting:
         return GreedyPolicy(self.net, self.spec.action)
 
 
-class GreedyRecurrent(torch.nn.Module):
+class GreedyRecurrent(GreedyPolicy):
     """A recurrent network's deterministic actions (`RecurrentActorCritic.mode`) with the state as an
-    explicit input and output, Box actions clipped into bounds: what `kuberl eval` steps and `kuberl
-    export` writes (no Python branching on data, so it traces into one graph)."""
-    low: torch.Tensor     # buffers, where the space is a Box
-    high: torch.Tensor
+    explicit input and output, Box actions clipped into bounds as `GreedyPolicy` clips them: what
+    `kuberl eval` steps and `kuberl export` writes."""
 
-    def __init__(self, net: RecurrentActorCritic, space: ActionSpace):
-        super().__init__()
-        self.net, self.state_size = net, net.state_size
-        self.bounded = isinstance(space, Box)
-        if isinstance(space, Box):
-            self.register_buffer("low", torch.as_tensor(space.low_array, dtype=torch.float32))
-            self.register_buffer("high", torch.as_tensor(space.high_array, dtype=torch.float32))
-
-    def forward(self, obs: torch.Tensor, state: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        action, state = self.net.mode(obs, state, mask)
-        if self.bounded:
-            action = torch.maximum(torch.minimum(action, self.high), self.low)
-        return action, state
+    def forward(self, obs: torch.Tensor, state: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        action, after = self.net.mode(obs, state, mask)
+        return self.bound(action), after

@@ -15,7 +15,7 @@ entry point (services/algorithms).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -124,13 +124,20 @@ Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 Replayed = tuple[torch.Tensor, ActionDist, torch.Tensor]   # rows, their distributions and values
 
 
+def starts_afresh(done: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, N] bool: the steps of a replayed sequence whose state starts afresh (those after an
+    episode's end, `done` [T, N]); never the first, whose recorded state is already reset."""
+    resets = torch.zeros((length, done.shape[1]), dtype=torch.bool, device=done.device)
+    resets[1:] = done[:length - 1].bool()
+    return resets
+
+
 class Sequences:
     """A batch's env columns as sequences for a recurrent core: each fragment's column n is one
     sequence of T steps from the state the actor recorded (extras.core_state[n]). Sequences of one
     length are stacked so a minibatch replays each length in one `unroll`."""
 
-    def __init__(self, fragments: list[Fragment], resets: Callable[[torch.Tensor, int], torch.Tensor],
-                 device: torch.device):
+    def __init__(self, fragments: list[Fragment], device: torch.device):
         by_length: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         offset = 0
         for f in fragments:
@@ -138,7 +145,7 @@ class Sequences:
             rows = offset + torch.arange(T * N, device=device).view(T, N)   # (rows are t * N + n per fragment)
             done = torch.as_tensor(f.terminated | f.truncated, device=device)
             by_length.setdefault(T, []).append((rows, torch.tensor(f.extras[STATE_EXTRA], device=device),
-                                                resets(done, T)))
+                                                starts_afresh(done, T)))
             offset += T * N
         # Per length: rows [T, B], first states [B, S], resets [T, B]
         self.groups = [(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts]),
@@ -259,7 +266,7 @@ class PPO:
         if isinstance(self.net, RecurrentActorCritic):
             # Replay each env's sequence from its recorded state: outputs at obs[0..T], and the state
             # after each episode's last step (an end at t starts a new piece at t + 1: `unroll`'s ends).
-            out, ends = self.net.unroll(obs, self._tensor(frag.extras[STATE_EXTRA]), self._resets(term | trunc, T + 1))
+            out, ends = self.net.unroll(obs, self._tensor(frag.extras[STATE_EXTRA]), starts_afresh(term | trunc, T + 1))
             values = self.net.values(out).view(T + 1, N)
             next_values = values[1:].clone()
             if len(frag.final_index):   # V(final obs) from the state after the episode's last step
@@ -321,7 +328,7 @@ class PPO:
         n = sum(f.num_samples for f in fragments)
         # What a minibatch draws: rows (samples), or with a recurrent core whole sequences (env columns
         # of fragments), each replayed from its recorded state.
-        seqs = Sequences(fragments, self._resets, self.device) if self.recurrent else None
+        seqs = Sequences(fragments, self.device) if self.recurrent else None
         units = n if seqs is None else seqs.count
         remaining = self.remaining()
         for group in self.optimizer.param_groups:
@@ -422,12 +429,7 @@ class PPO:
         return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(), "entropy": entropy.detach(),
                       "approx_kl": approx_kl, "clipfrac": clipfrac}, len(mb)
 
-    def _resets(self, done: torch.Tensor, length: int) -> torch.Tensor:
-        """[length, N] bool: the steps of a replayed sequence whose state starts afresh (those after
-        an episode's end, `done` [T, N]); never the first, whose recorded state is already reset."""
-        resets = torch.zeros((length, done.shape[1]), dtype=torch.bool, device=self.device)
-        resets[1:] = done[:length - 1].bool()
-        return resets
+
 
     def state_dict(self) -> dict[str, Any]:
         state = {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version,

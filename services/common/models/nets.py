@@ -9,7 +9,7 @@ import-linter contract keeps the buffer and planner away from it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -148,10 +148,11 @@ class ObsNormalizer(nn.Module):
 
 class ModalNet(Protocol):
     """A policy network as GreedyPolicy sees it (an nn.Module): `mode(obs)`, or `mode(obs, mask)` where
-    it takes masks, gives its deterministic actions."""
+    it takes masks, gives its deterministic actions (a recurrent one's `mode(obs, state[, mask])`
+    gives them with the state after: PPO's GreedyRecurrent)."""
 
     @property
-    def mode(self) -> Callable[..., torch.Tensor]: ...
+    def mode(self) -> Callable[..., Any]: ...
 
 
 class GreedyPolicy(nn.Module):
@@ -173,7 +174,11 @@ class GreedyPolicy(nn.Module):
             self.register_buffer("high", torch.as_tensor(space.high_array, dtype=torch.float32))
 
     def forward(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        action = self.net.mode(obs) if mask is None else self.net.mode(obs, mask)
+        action: torch.Tensor = self.net.mode(obs) if mask is None else self.net.mode(obs, mask)
+        return self.bound(action)
+
+    def bound(self, action: torch.Tensor) -> torch.Tensor:
+        """Box actions clipped into the space's bounds (others as they are)."""
         if self.bounded:  # (minimum/maximum rather than clamp with tensor bounds: every ONNX opset has them)
             action = torch.maximum(torch.minimum(action, self.high), self.low)
         return action

@@ -89,7 +89,7 @@ def test_sequence_minibatches_give_the_log_probs_and_values_of_a_naive_per_step_
     obs = torch.cat([p[0] for p in parts])
     actions = torch.cat([learner._actions(f) for f in frags])
     data = (obs, *(torch.zeros(len(obs)),) * 3, actions, torch.zeros(len(obs)), None, None)
-    seqs = Sequences(frags, learner._resets, learner.device)
+    seqs = Sequences(frags, learner.device)
     assert seqs.count == 5
     # The naive loop, per row (t * N + n, fragment after fragment).
     m = learner.net
