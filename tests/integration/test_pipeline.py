@@ -106,7 +106,7 @@ async def test_a_crashed_rollout_ends_serving_with_the_error_and_no_server_left_
     server is stopped even though the actor's shutdown sequence was cut short by it."""
     from services.actor.policy import Policy
 
-    def crash(self, obs, env_steps=0, mask=None):
+    def crash(self, obs, env_steps=0, mask=None, state=None):
         raise ZeroDivisionError("policy exploded")
 
     monkeypatch.setattr(Policy, "act", crash)
