@@ -151,6 +151,19 @@ def run_logs(run_dir: Path, names=None, lines: int = 15) -> str:
     return "\n".join(out) or f"(no logs under {run_dir}/logs)"
 
 
+def stop_up(proc: subprocess.Popen, run_dir: Path) -> str:
+    """Interrupt `kuberl up` (started with `--run-dir run_dir --name run`) as Ctrl-C would; it must stop
+    every process it (and its planner) started within 150 s. Returns its output."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"kuberl up did not stop within 150 s of SIGINT:\n{out}\n{run_logs(run_dir / 'run')}") from None
+    return out
+
+
 def up_to_target(tmp_path: Path, name: str, cfg: dict, *, target: float, budget: int, window: int = 100) -> dict:
     """Run `kuberl up` on `cfg` (configs/<name>.yaml, changed) until `target` mean return over the last
     `window` episodes or `budget` env steps; assert it reached the target within the budget with every

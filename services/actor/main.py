@@ -13,24 +13,22 @@ import uuid
 import zlib
 from contextlib import asynccontextmanager
 
-import grpc
 
-from kuberl.v1 import actor_pb2, buffer_pb2_grpc, learner_pb2_grpc
-from kuberl.v1 import common_pb2 as pb
+from kuberl.v1 import actor_pb2, learner_pb2_grpc
 from services.actor.encoder import FragmentEncoder
 from services.actor.inference import BatchedInference
 from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
-from services.actor.push import Pusher
 from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub, register_session_metrics
-from services.actor.subscribe import subscribe_weights, watch_insert_limit
+from services.actor.shardlink import ShardLink, least_loaded_shard
+from services.actor.subscribe import subscribe_weights
 from services.common.protocol.fragments import EncodedFragment, new_incarnation
 from services.common.net.grpcutil import MiB, add_servicer, make_channel
 from services.common.service.lifecycle import Lifecycle
 from services.common.models.nets import spec_of
-from services.common.net.shards import buffer_addresses, least_loaded, shard_of
+from services.common.net.shards import buffer_addresses, shard_of
 from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.config import ExperimentConfig, load_role_config
@@ -41,7 +39,6 @@ SWITCH_INTERVAL_S = 0.0001
 
 log = logging.getLogger(__name__)
 SHUTDOWN_DEADLINE_S = 20.0
-PLACEMENT_TIMEOUT_S = 3.0   # a shard that does not say its load by then is left to the hash
 
 
 async def _watch(worker_done: asyncio.Future) -> None:
@@ -53,29 +50,6 @@ def seed_index(actor_id: str, actor_index: int | None) -> int:
     """The index env seeds derive from: as given, else (replicas of a Deployment get no ordinal) a
     stable hash of the unique actor id, so no two replicas step identically seeded envs."""
     return actor_index if actor_index is not None else zlib.crc32(actor_id.encode()) % 100_000
-
-
-async def least_loaded_shard(shards: list[str], actor_id: str, cfg: ExperimentConfig) -> int:
-    """The shard an actor without an index pushes to: the one with the fewest live actors now (each
-    shard's `buffer/actors_live`, asked at once with a short timeout), ties and silence going by the
-    hash of its id (services/common/net/shards.py, `least_loaded`)."""
-    async def live(i: int, address: str) -> tuple[int, float] | None:
-        ch = make_channel(address, 4 * MiB, tls=cfg.tls)
-        try:
-            resp = await buffer_pb2_grpc.BufferStub(ch).GetStats(pb.GetStatsRequest(), timeout=PLACEMENT_TIMEOUT_S)
-            return (i, resp.metrics["buffer/actors_live"]) if "buffer/actors_live" in resp.metrics else None
-        except grpc.RpcError as err:
-            log.debug("shard %d (%s) did not say its load: %s", i, address, err.code().name)
-            return None
-        finally:
-            await ch.close()
-
-    answers = [a for a in await asyncio.gather(*(live(i, a) for i, a in enumerate(shards))) if a is not None]
-    counts = dict(answers)
-    shard = least_loaded(counts, len(shards), actor_id)
-    log.info("shard %d of %d: live actors per shard %s (the fewest; by hash where none answered)", shard,
-             len(shards), {i: int(counts[i]) for i in sorted(counts)} or "unknown")
-    return shard
 
 
 @asynccontextmanager
@@ -90,22 +64,20 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     loop = asyncio.get_running_loop()
     external = cfg.env.mode == "external"
     max_bytes = cfg.buffer.max_message_mb * MiB
-    # Buffer shards: this actor pushes to one, always the same (dedupe and high-water marks are per shard).
+    # Buffer shards: this actor pushes to one at a time (dedupe and high-water marks are per shard), and
+    # moves when the planner changes the shards (shardlink.py).
     shards = buffer_addresses(buffer)
     shard = (shard_of(actor_id, len(shards), given_index) if given_index is not None or len(shards) == 1
              else await least_loaded_shard(shards, actor_id, cfg))
-    buffer = shards[shard]
-    metrics.set("actor/buffer_shard", shard)
     register_session_metrics(metrics)   # 0 sessions where no simulator connects
-    buffer_ch, learner_ch = make_channel(buffer, max_bytes, tls=cfg.tls), make_channel(learner, max_bytes, tls=cfg.tls)
-    pusher = Pusher(buffer_ch, cfg.actor.queue_fragments, cfg.actor.push_ack_interval_s, metrics,
-                    max_bytes=int(cfg.actor.queue_mb * MiB))
+    learner_ch = make_channel(learner, max_bytes, tls=cfg.tls)
     # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
     # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py).
     gate = InsertGate(metrics)
+    link = ShardLink(cfg, actor_id, incarnation, gate, metrics, shards, shard, given_index, max_bytes)
 
     def enqueue(frag: EncodedFragment) -> None:  # the sessions' encoder thread (counted by the gate when cut)
-        loop.call_soon_threadsafe(pusher.enqueue, frag)
+        loop.call_soon_threadsafe(link.enqueue, frag)
 
     rollout = hub = inference = worker = None
     if external:  # simulators connect over EnvSession and step themselves
@@ -124,7 +96,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     lc = Lifecycle("actor", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
     lc.on_close(rollout.close if rollout is not None else lambda: None)   # release envs
     lc.on_close(learner_ch.close)
-    lc.on_close(buffer_ch.close)
+    lc.on_close(link.close)
     service = actor_pb2.DESCRIPTOR.services_by_name["Actor"]
     await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name], max_message_bytes=max_bytes,
                    metrics_listen=metrics_listen, max_connection_age_s=None,   # simulator sessions are long-lived
@@ -142,18 +114,16 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 
     if rollout is not None:
         # Fragments come serialized from the rollout thread; the event loop only writes bytes.
-        worker = RolloutWorker(rollout, lambda frag: loop.call_soon_threadsafe(pusher.enqueue, frag), done)
+        worker = RolloutWorker(rollout, enqueue, done)
     else:
         done(None)  # no rollout thread to watch
     stopping = asyncio.Event()
     log.info("actor %s (incarnation %016x): %s, %s, %s, buffer %s (shard %d of %d), learner %s", actor_id, incarnation,
-             cfg.env.id, "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm, buffer,
-             shard, len(shards), learner)
+             cfg.env.id, "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm,
+             shards[shard], shard, len(shards), learner)
     async with lc.running():
-        push = lc.task(pusher.run(stopping), "push", keep=True)
+        push = lc.task(link.run(stopping), "push", keep=True)   # (with the insert-limit stream)
         lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id, policy, metrics), "weights")
-        lc.task(watch_insert_limit(buffer_pb2_grpc.BufferStub(buffer_ch), actor_id, incarnation, gate, metrics),
-                "insert-limit")
         if inference is not None:
             lc.task(inference.run(), "inference")
         watch = lc.task(_watch(worker_done), "rollout-watch", keep=True)
@@ -184,7 +154,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             except TimeoutError:
                 push.cancel()
                 log.warning("buffer unreachable at shutdown: %d fragments not delivered (counted as dropped)",
-                            pusher.drop_pending())
+                            link.drop_pending())
 
         def stopped() -> None:
             c = metrics.counters

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -57,10 +58,12 @@ async def subscribe_weights(stub: learner_pb2_grpc.LearnerStub, subscriber_id: s
 
 
 async def watch_insert_limit(stub: buffer_pb2_grpc.BufferStub, actor_id: str, incarnation: int, gate: InsertGate,
-                             metrics: Metrics) -> None:
-    """Run until cancelled, handing each InsertLimit of the buffer's rate limiter to `gate`. While the
-    stream is down no limit is known and `gate` holds nothing; a buffer without the RPC (an older
-    release) is logged once and never asked again."""
+                             metrics: Metrics,
+                             on_topology: Callable[[buffer_pb2.BufferTopology], None] | None = None) -> None:
+    """Run until cancelled, handing each InsertLimit of the buffer's rate limiter to `gate`, and the
+    planner's shard list it carries to `on_topology` (services/actor/shardlink.py). While the stream is
+    down no limit is known and `gate` holds nothing; a buffer without the RPC (an older release) is
+    logged once and never asked again."""
     backoff = Backoff()
     req = buffer_pb2.InsertLimitRequest(actor_id=actor_id, incarnation=incarnation)
     while True:
@@ -70,6 +73,8 @@ async def watch_insert_limit(stub: buffer_pb2_grpc.BufferStub, actor_id: str, in
                             msg.samples_inserted_total,
                             msg.high_water_seq if msg.HasField("high_water_seq") else None,
                             msg.samples_served_total, msg.replay_ratio_target)
+                if on_topology is not None and msg.HasField("topology"):
+                    on_topology(msg.topology)
                 backoff.reset()
         except grpc.aio.AioRpcError as err:
             raise_if_cancelling(err)

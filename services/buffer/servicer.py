@@ -16,6 +16,7 @@ from services import algorithms
 from services.buffer.store import Outcome, Store
 from services.common.protocol.fragments import MAX_ID_LEN, RawFragment, batch_samples
 from services.common.net.grpcutil import add_handlers, generated_handlers
+from services.common.net.shards import buffer_addresses
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.common.protocol.tensors import TensorError
@@ -32,6 +33,10 @@ BATCH_STREAM_S = 20.0
 # at least this often (LIMIT_RECHECK_S) when nothing wakes it (a learner's report expiring moves it).
 LIMIT_INTERVAL_S = 0.01
 LIMIT_RECHECK_S = 1.0
+# A draining shard is drained only after this long with no fragment received, no push stream open and
+# no actor watching: an actor that moved away may still be pushing its last fragments here (it moves
+# its insert-limit stream at once, its pusher only once what it queued for this shard is acknowledged).
+DRAIN_QUIET_S = 2.0
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
@@ -46,6 +51,19 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         metrics.add_gauges(lambda: {"buffer/actors_live": float(len(self._watching))})
         self._reading: set[asyncio.Task] = set()   # push streams waiting for their next message
         self._ended: set[asyncio.Task] = set()     # ... that `close` woke to send their ack
+        # The shard list the planner set (generation 0: none) and this shard's place in it.
+        self.topology = buffer_pb2.BufferTopology()
+        self.shard: int | None = None
+        self._pushing = 0                          # push streams open
+        self._last_received = time.monotonic()
+        metrics.inc("buffer/samples_evicted_on_drain_total", 0)
+        metrics.add_gauges(lambda: {"buffer/topology_generation": float(self.topology.generation),
+                                    "buffer/draining": float(self.draining)})
+
+    @property
+    def draining(self) -> bool:
+        """The planner set a topology in which this shard is past the active ones."""
+        return self.shard is not None and self.shard >= self.topology.active
 
     def close(self) -> None:
         """Start the shutdown: refuse new pushes and batch streams, and end every push stream now
@@ -65,10 +83,18 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         The stream ends with a PushAck when its sender half-closes it or when the buffer shuts down
         (`close`); either way everything it stored is acknowledged (`high_water_seq`)."""
         ack = buffer_pb2.PushAck()
-        sender = None  # (actor_id, incarnation) of the last fragment read
-        index = -1     # position of the message in this stream, from 0
         task = asyncio.current_task()
         messages = aiter(request_iterator)
+        self._pushing += 1
+        try:
+            return await self._read_pushes(messages, ack, task, context)
+        finally:
+            self._pushing -= 1
+            self._last_received = time.monotonic()
+
+    async def _read_pushes(self, messages, ack: buffer_pb2.PushAck, task, context) -> buffer_pb2.PushAck:
+        sender = None  # (actor_id, incarnation) of the last fragment read
+        index = -1     # position of the message in this stream, from 0
         while True:
             if self.closing:
                 if sender is None:  # nothing stored from this stream: the sender retries elsewhere
@@ -168,8 +194,46 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.store.report_progress(request.learner_id, request.policy_version, request.batches_consumed_total)
         self.inserted.notify()  # a newer version may make queued fragments stale
         self.changed.notify()   # batches trained on, and a new learner, move the insert limit
-        return buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples,
-                                      warmup_samples=min(self.store.limiter.warmup, self.store.inserted_samples))
+        ack = buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples,
+                                     warmup_samples=min(self.store.limiter.warmup, self.store.inserted_samples))
+        if self.topology.generation:
+            ack.topology.CopyFrom(self.topology)
+        return ack
+
+    async def SetTopology(self, request: buffer_pb2.SetTopologyRequest, context) -> buffer_pb2.TopologyAck:
+        """Take a newer shard list from the planner (older ones are ignored); report whether this shard,
+        if it drains, is drained (`drained`)."""
+        t = request.topology
+        problem = topology_problem(t, request.shard)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kuberl.v1.Buffer/SetTopology: {problem}")
+        if t.generation > self.topology.generation:
+            was = self.draining
+            self.topology.CopyFrom(t)
+            self.shard = request.shard
+            log.info("topology %d: shard %d of %d (%d active)%s", t.generation, request.shard, len(t.addresses),
+                     t.active, ": draining" if self.draining else "")
+            if self.draining and not was:
+                self._last_received = time.monotonic()
+            self.changed.notify()   # actors hear it on their insert-limit streams
+        ack = buffer_pb2.TopologyAck(generation=self.topology.generation, draining=self.draining,
+                                     actors_live=len(self._watching))
+        ack.drained = self.draining and self._drained()
+        ack.size_samples = self.store.size
+        return ack
+
+    def _drained(self) -> bool:
+        """Whether a draining shard is done: no actor watches it or pushes to it (none has for
+        DRAIN_QUIET_S), and it holds nothing to serve. A FIFO drains by serving what it holds; a replay's
+        samples are not served out (each would be sampled many times more), so they are counted as
+        evicted, buffer/samples_evicted_on_drain_total, and the replay is emptied."""
+        if self._watching or self._pushing or time.monotonic() - self._last_received < DRAIN_QUIET_S:
+            return False
+        if self.store.replay is not None and self.store.size:
+            evicted = self.store.evict_all()
+            self.metrics.inc("buffer/samples_evicted_on_drain_total", evicted)
+            log.info("drained: %d replay samples counted as evicted (buffer/samples_evicted_on_drain_total)", evicted)
+        return self.store.size == 0
 
     async def WatchInsertLimit(self, request: buffer_pb2.InsertLimitRequest, context):
         """Stream the insert limit to one actor: at once, then on every change, at most one message
@@ -206,10 +270,28 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             msg.insert_limit_samples = max(0, limit)
         if (high := store.high_water(actor_id, incarnation)) is not None:
             msg.high_water_seq = high
+        if self.topology.generation:
+            msg.topology.CopyFrom(self.topology)
         return msg
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         return self.metrics.response()
+
+
+def topology_problem(t: buffer_pb2.BufferTopology, shard: int) -> str:
+    """What is wrong with a SetTopology request, in words naming the field; "" when nothing is."""
+    n = len(t.addresses)
+    if n == 0:
+        return "topology.addresses: empty (list every shard, in shard order)"
+    try:
+        buffer_addresses(",".join(t.addresses))
+    except ValueError as err:
+        return f"topology.addresses: {err}"
+    if not 0 < t.active <= n:
+        return f"topology.active: {t.active} is outside 1..{n} (the shards listed)"
+    if shard >= n:
+        return f"shard: {shard} is outside 0..{n - 1} (the shards listed)"
+    return ""
 
 
 def add_to_server(servicer: BufferServicer, server) -> None:

@@ -334,6 +334,15 @@ class Store:
             window = SeqWindow.of(high, recent[offsets[i]:offsets[i + 1]].tolist())
             self._actors.setdefault(str(actor_id), OrderedDict())[int(inc)] = window
 
+    def evict_all(self) -> int:
+        """Empty the replay (a drained shard's, services/buffer/servicer.py): a fresh ring of the same
+        capacity, the dedupe windows and counters kept. Returns the samples it held."""
+        held = self.size
+        if self.replay is not None and held:
+            t = self.table
+            self.replay = ReplayRing(t.capacity, seed=self.cfg.seed, n_step=t.n_step, gamma=t.gamma)
+        return held
+
     @property
     def size(self) -> int:
         """Samples held: replay occupancy, or steps waiting in the FIFO."""

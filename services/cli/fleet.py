@@ -217,7 +217,9 @@ class Fleet:
         except grpc.RpcError as err:
             log.debug("planner status failed: %s", err.code().name)
             return
-        live = {(r.role, r.name): r.address for r in status.replicas if r.ready and r.address}
+        own = {(m.role, m.name) for m in self.members if m.proc is not None}   # (its buffer shards are listed too)
+        live = {(r.role, r.name): r.address for r in status.replicas
+                if r.ready and r.address and (r.role, r.name) not in own}
         for m in [m for m in self.members if m.proc is None]:
             address = live.pop((m.role, m.name), None)
             if address is None:

@@ -27,7 +27,8 @@ after training (docs/after-training.md):
 
 planner API (--planner ADDR, default $KUBERL_PLANNER or 127.0.0.1:50054):
   plan [--apply]       preview the planner's decision now (or take and apply it)
-  scale ROLE N         hold ROLE (actor|learner) at N replicas (--ttl seconds, default 3600)
+  scale ROLE N         hold ROLE (actor|learner|buffer) at N replicas (--ttl seconds, default 3600;
+                       buffer: N shards, reached one added or drained at a time)
   unscale ROLE         end that override; the planner takes the role back
   pause / resume       stop / restart applying decisions (they are still recorded)
   status               pause state, overrides, replicas, last decision

@@ -30,6 +30,8 @@ def describe(d: ppb.Decision) -> str:
                       + (f" @ {r.rate_per_replica:,.0f}/s each" if r.rate_per_replica else "") for r in d.roles)
     state = "applied" if d.applied else ("dry run" if d.dry_run else "not applied")
     line = f"[{when}] #{d.id} {ACTION.get(d.action, '?')} ({d.trigger}, {state}): {roles}\n    {d.reason}"
+    if d.buffer_shards_target != d.buffer_shards or d.buffer_shards_reason:
+        line += f"\n    buffer shards {d.buffer_shards}->{d.buffer_shards_target}: {d.buffer_shards_reason or 'held'}"
     if d.error:
         line += f"\n    error: {d.error}"
     return line
@@ -61,11 +63,11 @@ def main(command: str, argv=None) -> int:
     if command == "plan":
         p.add_argument("--apply", action="store_true", help="apply the decision (default: preview only)")
     elif command == "scale":
-        p.add_argument("role", choices=("actor", "learner"))
+        p.add_argument("role", choices=("actor", "learner", "buffer"))
         p.add_argument("replicas", type=int)
         p.add_argument("--ttl", type=float, default=3600.0, help="seconds the override holds (default 3600)")
     elif command == "unscale":
-        p.add_argument("role", choices=("actor", "learner"))
+        p.add_argument("role", choices=("actor", "learner", "buffer"))
     elif command == "pause":
         p.add_argument("--reason", default="")
     elif command == "decisions":

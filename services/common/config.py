@@ -544,6 +544,10 @@ class PlannerConfig:
     # whenever the planner changes its size (local backend: it restarts the group; kubernetes: the learners
     # watch their StatefulSet's scale and re-form in their processes).
     learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
+    # Buffer shards (docs/architecture.md, "Buffer shards"): unset, topology.buffers stays fixed; set, the
+    # planner adds a shard while the run is communication-bound and drains one while every shard idles,
+    # one shard at a time, within min..max (the local backend; see docs/planner.md). Not in the budget.
+    buffer: RolePlanConfig | None = None
     kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
 
     def __post_init__(self) -> None:
@@ -618,3 +622,9 @@ class CommonConfig:
         require(not self.planner.enabled or learner.min <= self.topology.learners <= learner.max,
                 "topology.learners", self.topology.learners,
                 f"must lie within planner.learner.min..max ({learner.min}..{learner.max}), the planner's bounds")
+        if (shards := self.planner.buffer) is not None:
+            require(1 <= shards.min and shards.max <= MAX_SHARDS, "planner.buffer", f"{shards.min}..{shards.max}",
+                    f"min..max must lie within 1..{MAX_SHARDS} (buffer shards)")
+            require(not self.planner.enabled or shards.min <= self.topology.buffers <= shards.max,
+                    "topology.buffers", self.topology.buffers,
+                    f"must lie within planner.buffer.min..max ({shards.min}..{shards.max}), the planner's bounds")

@@ -177,7 +177,9 @@ class Metrics:
 
     def track_rate(self, rate_name: str, counter_name: str) -> None:
         """Report `rate_name` as the per-second rate of counter `counter_name` over the last
-        `rate_window_s` seconds (see WindowRate), as of the last `tick`."""
+        `rate_window_s` seconds (see WindowRate), as of the last `tick`. Tracking it again keeps its window."""
+        if self._rates.get(rate_name, ("",))[0] == counter_name:
+            return
         self._rates[rate_name] = (counter_name, WindowRate(self._rate_window_s))
         self.counters[counter_name] += 0
 

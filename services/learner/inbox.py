@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,9 @@ class Fetched:
         self.shard.samples_consumed += batch_samples(self.batch)
 
 
-def samples_per_insert(shards: list[Shard]) -> float | None:
+def samples_per_insert(shards: Iterable[Shard]) -> float | None:
     """Samples this learner consumed over samples produced, over every shard; None before any production."""
+    shards = list(shards)
     produced = sum(s.produced for s in shards)
     return sum(s.samples_consumed for s in shards) / produced if produced > 0 else None
 

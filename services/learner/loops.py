@@ -21,6 +21,7 @@ from services.common.stats import Metrics
 from services.learner.distributed import GroupBroken
 from services.learner.inbox import Fetched, Inbox, Shard, samples_per_insert, starved_get
 from services.learner.publish import WeightsHub
+from services.learner.shards import ShardSet
 from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,19 @@ async def group_train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, ever
                               "be formed again") from None
 
 
-async def send_progress(shard: Shard, shards: list[Shard], learner_id: str, version: int, metrics: Metrics,
+async def send_progress(shard: Shard, shards: ShardSet, learner_id: str, version: int, metrics: Metrics,
                         timeout: float = 5.0) -> None:
     """One LearnerProgress to one buffer shard: the version, and what this learner has consumed from
-    that shard so far. `learner/samples_per_insert` is over every shard."""
+    that shard so far. `learner/samples_per_insert` is over every shard. The shard's answer carries
+    the planner's newest shard list, which `shards` follows (services/learner/shards.py)."""
     request = buffer_pb2.LearnerProgress(
         learner_id=learner_id, policy_version=version, samples_consumed_total=shard.samples_consumed,
         batches_consumed_total=shard.batches_consumed)
     try:
         ack = await shard.stub.ReportProgress(request, timeout=timeout)
         shard.produced = max(0, ack.samples_inserted_total - ack.warmup_samples)   # the warm-up is not production
+        if ack.HasField("topology"):
+            shards.update(ack.topology)
         if (ratio := samples_per_insert(shards)) is not None:
             metrics.set("learner/samples_per_insert", ratio)
     except grpc.aio.AioRpcError as err:
@@ -168,7 +172,7 @@ async def send_progress(shard: Shard, shards: list[Shard], learner_id: str, vers
         log.debug("progress report to buffer %s failed: %s", shard.address, describe(err))
 
 
-async def report_progress(shard: Shard, shards: list[Shard], learner_id: str, current: Generation,
+async def report_progress(shard: Shard, shards: ShardSet, learner_id: str, current: Generation,
                           metrics: Metrics, progressed: Notifier) -> None:
     """Tell one buffer shard the current version after each publication, and at least once a second."""
     while True:

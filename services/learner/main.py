@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from kuberl.v1 import buffer_pb2_grpc, learner_pb2
+from kuberl.v1 import learner_pb2
 from services.config import ExperimentConfig, load_role_config
 from services.common.net.grpcutil import MiB, add_servicer, make_channel
 from services.common.service.lifecycle import Lifecycle
@@ -28,6 +28,7 @@ from services.learner.loops import (Generation, batch_request, checkpoint_loop, 
                                      report_progress, send_progress)
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
 from services.learner.publish import WeightsHub
+from services.learner.shards import ShardSet
 from services.learner.servicer import LearnerServicer
 from services.learner.trainer import Trainer
 
@@ -67,37 +68,42 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     except BaseException:
         current.close()
         raise
-    shards = []   # every buffer shard: this learner streams batches from each (services/common/net/shards.py)
-    for i, address in enumerate(buffer_addresses(buffer)):
-        channel = make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
-        lc.on_close(channel.close)
-        shards.append(Shard(i, address, buffer_pb2_grpc.BufferStub(channel)))
+
+    def open_channel(address: str):
+        return make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
+
+    def start(shard: Shard) -> tuple[asyncio.Task, asyncio.Task]:
+        return (lc.task(fetch_batches(shard, request, inbox, metrics), f"fetch-{shard.address}"),
+                lc.task(report_progress(shard, shards, learner_id, current, metrics, progressed),
+                        f"progress-{shard.address}"))
+
+    # Every buffer shard: this learner streams batches from each, and follows the planner's changes to
+    # the list (services/learner/shards.py).
+    shards = ShardSet(buffer_addresses(buffer), open_channel, start, metrics)
+    lc.on_close(shards.close)
     inbox = Inbox(maxsize=cfg.buffer.batch_prefetch)
+    request = batch_request(cfg, learner_id)
+    progressed = Notifier()
     log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
              current.trainer.version, buffer)
     async with lc.running():
-        request = batch_request(cfg, learner_id)
-        fetches = [lc.task(fetch_batches(shard, request, inbox, metrics), f"fetch-{shard.index}") for shard in shards]
-        progressed = Notifier()
+        shards.begin()
         stopping = asyncio.Event()
         train = lc.task(learn(membership, current, build, inbox, hub, cfg.learner.publish_interval_updates,
                               progressed, stopping, lc.server.set_serving), "train")
-        side = [lc.task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), "checkpoint"),
-                *(lc.task(report_progress(shard, shards, learner_id, current, metrics, progressed),
-                          f"progress-{shard.index}") for shard in shards)]
+        checkpoints = lc.task(checkpoint_loop(current, cfg.learner.checkpoint_interval_s), "checkpoint")
 
         async def stop_training() -> None:
             """Stop consuming; an update in flight finishes (a group stops together at a round's end)."""
-            for fetch in fetches:
-                fetch.cancel()
+            shards.stop_fetching()
             stopping.set()
             await asyncio.wait({train}, timeout=SHUTDOWN_DEADLINE_S / 2)
             train.cancel()                 # (the checkpoint below waits for it on the lock)
             if inbox.qsize():
                 log.info("discarding %d prefetched batches at shutdown", inbox.qsize())
                 discard(metrics, inbox.drain())
-            for task in side:              # the last progress report and checkpoint are the steps below
-                task.cancel()
+            checkpoints.cancel()           # the last progress report and checkpoint are the steps below
+            shards.stop_reporting()
 
         async def last_word() -> None:
             """What was discarded counts as consumed: the buffer stops counting it in flight now rather

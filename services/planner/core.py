@@ -22,6 +22,7 @@ from services.planner.backend import ROLES, Backend, Conflict, Refused
 from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide,
                                      judge_scale_up)
 from services.planner.observe import Observer, StatsSource
+from services.planner.shards import SendTopology, ShardDecision, ShardKeeper, decide_shards, shard_bounds
 
 log = logging.getLogger(__name__)
 MAX_RECORDED = 1000
@@ -29,6 +30,7 @@ CONFLICT_RETRIES = 3
 ACTIONS = {"hold": ppb.DECISION_ACTION_HOLD, "scale": ppb.DECISION_ACTION_SCALE,
            "suppressed": ppb.DECISION_ACTION_SUPPRESSED}
 BOTTLENECKS = ("communication", "training", "sampling", "balanced", "unknown")
+SHARDS = "buffer"   # the role name of buffer shards in overrides (SetReplicas)
 
 
 def policy_from_config(cfg: ExperimentConfig) -> Policy:
@@ -60,12 +62,14 @@ class OverrideState:
 
 class Planner:
     def __init__(self, cfg: ExperimentConfig, backend: Backend, metrics: Metrics | None = None,
-                 clock=time.monotonic, wall=time.time, journal: Path | None = None, stats: StatsSource | None = None):
+                 clock=time.monotonic, wall=time.time, journal: Path | None = None, stats: StatsSource | None = None,
+                 send_topology: SendTopology | None = None):
         self.cfg, self.backend, self.clock, self.wall = cfg, backend, clock, wall
         self.journal = journal  # every recorded decision is appended here as one JSON line
         self.policy = policy_from_config(cfg)
         self.metrics = metrics or Metrics("planner")
         self.observer = Observer(cfg, backend, self.metrics, stats, clock)
+        self.shards = ShardKeeper(cfg, backend, self.metrics, clock, wall, send_topology)
         self.paused, self.pause_reason = False, ""
         self.overrides: dict[str, OverrideState] = {}
         self.probes: dict[str, ScaleUpProbe] = {}        # applied scale-ups not judged yet
@@ -209,10 +213,36 @@ class Planner:
                     self.learner_scale_up = (self.last_change_at, before, after)
             if error:
                 self.metrics.inc("planner/apply_errors_total")
-            msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error)
+            shards = await self._shard_step(d, inp, act=apply and not dry and self.backend.leader)
+            msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error, shards=shards)
             if apply:
                 self.record(msg, d.action)
             return msg
+
+    async def _shard_step(self, d: Decision, inp: Inputs, *, act: bool) -> ShardDecision:
+        """The buffer shards' step of a decision (services/planner/shards.py); carried out when `act`."""
+        keeper = self.shards
+        if not keeper.started:
+            await keeper.sync()
+        cores = dict(inp.transport.buffer_cores) if inp.transport is not None else {}
+        override = self.overrides.get(SHARDS)
+        busy = keeper.busy()
+        if not busy and override is None and keeper.changed_at is not None and inp.now - keeper.changed_at < self.policy.cooldown_s:
+            busy = (f"buffer shards changed {inp.now - keeper.changed_at:.0f} s ago "
+                    f"(planner.cooldown_s {self.policy.cooldown_s:.0f})")
+        sd = decide_shards(keeper.active, shard_bounds(self.cfg), bottleneck=d.bottleneck.kind,
+                           evidence=d.bottleneck.evidence, buffer_cores=cores, idle_for_s=keeper.watch_idle(cores),
+                           window_s=self.policy.scale_down_window_s, busy=busy,
+                           override=override.replicas if override else None)
+        if sd.target == sd.current or not act:
+            return sd
+        try:
+            await keeper.scale_to(sd.target)
+        except Exception as err:  # noqa: BLE001 - recorded; the next decision tries again
+            self.metrics.inc("planner/apply_errors_total")
+            log.warning("changing the buffer shards to %d failed: %s", sd.target, err)
+            return replace(sd, target=sd.current, reason=f"{sd.reason}; failed: {type(err).__name__}: {err}")
+        return sd
 
     def record(self, msg: ppb.Decision, action: str) -> None:
         msg.id = self.next_id
@@ -228,16 +258,19 @@ class Planner:
             self.metrics.set("planner/buffer_samples_per_insert", msg.buffer_samples_per_insert)
         for kind in BOTTLENECKS:   # 1 for the bottleneck of the last decision, 0 for the others
             self.metrics.set(f"planner/bottleneck_{kind}", float(msg.bottleneck == kind))
-        level = logging.INFO if msg.action == ppb.DECISION_ACTION_SCALE or msg.error else logging.DEBUG
-        log.log(level, "decision %d (%s, %s%s): %s", msg.id, action, "applied" if msg.applied else "not applied",
-                f", error {msg.error}" if msg.error else "", msg.reason)
+        shards_moved = msg.buffer_shards_target != msg.buffer_shards
+        level = logging.INFO if msg.action == ppb.DECISION_ACTION_SCALE or msg.error or shards_moved else logging.DEBUG
+        log.log(level, "decision %d (%s, %s%s): %s%s", msg.id, action, "applied" if msg.applied else "not applied",
+                f", error {msg.error}" if msg.error else "", msg.reason,
+                f"; buffer shards {msg.buffer_shards} -> {msg.buffer_shards_target}: {msg.buffer_shards_reason}"
+                if shards_moved else "")
         if self.journal is not None:
             with open(self.journal, "a") as f:
                 f.write(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True)) + "\n")
         self.recorded.notify()
 
     def to_proto(self, d: Decision, inp: Inputs, *, trigger: str, applied: bool, dry_run: bool,
-                 error: str = "") -> ppb.Decision:
+                 error: str = "", shards: ShardDecision | None = None) -> ppb.Decision:
         roles = []
         for r in ROLES:
             ri = inp.role(r)
@@ -257,19 +290,32 @@ class Planner:
                             policy_lag=inp.policy_lag, max_policy_lag=self.policy.max_policy_lag,
                             tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
                             error=error, backend=self.backend.name, bottleneck=d.bottleneck.kind,
-                            bottleneck_evidence=d.bottleneck.evidence, **self.observer.buffer_view())
+                            bottleneck_evidence=d.bottleneck.evidence,
+                            buffer_shards=shards.current if shards else self.shards.active,
+                            buffer_shards_target=shards.target if shards else self.shards.active,
+                            buffer_shards_reason=shards.reason if shards else "", **self.observer.buffer_view())
 
     def validate_replicas(self, role: str, replicas: int) -> None:
+        if role == SHARDS:
+            lo, hi = shard_bounds(self.cfg)
+            if not lo <= replicas <= hi:
+                raise ValueError(f"replicas: {replicas} buffer shards is outside planner.buffer.min..max ({lo}..{hi})"
+                                 + ("; planner.buffer is unset, so the shards stay at topology.buffers"
+                                    if self.cfg.planner.buffer is None else ""))
+            return
         if role not in ROLES:
-            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join(ROLES)}")
+            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join((*ROLES, SHARDS))}")
         b = self.policy.bounds(role)
         if not b.min <= replicas <= b.max:
             raise ValueError(f"replicas: {replicas} is outside planner.{role}.min..max ({b.min}..{b.max})")
 
     async def set_override(self, role: str, replicas: int, ttl_s: float) -> ppb.Decision:
-        """Hold `role` at `replicas` until the override expires; applied at once."""
+        """Hold `role` at `replicas` until the override expires; applied at once (buffer shards: the first
+        step towards it at once, the others at the decisions after it)."""
         self.validate_replicas(role, replicas)
         self.overrides[role] = OverrideState(replicas, self.wall() + ttl_s)
+        if role == SHARDS:
+            return await self.step("override")
         async with self.lock:
             for attempt in range(CONFLICT_RETRIES + 1):
                 await self.observer.measure()
@@ -302,8 +348,8 @@ class Planner:
             return msg
 
     def clear_override(self, role: str) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join(ROLES)}")
+        if role not in (*ROLES, SHARDS):
+            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join((*ROLES, SHARDS))}")
         self.overrides.pop(role, None)
 
     def status(self) -> ppb.PlannerStatus:
@@ -316,6 +362,8 @@ class Planner:
         for role, state in self.observer.states.items():
             for rep in state.replicas:
                 st.replicas.add(role=role, name=rep.name, address=rep.address, ready=rep.ready)
+        for rep in self.observer.buffers:   # the buffer shards, as the backend lists them
+            st.replicas.add(role="buffer", name=rep.name, address=rep.address, ready=rep.ready)
         return st
 
     async def run_forever(self) -> None:
@@ -331,8 +379,11 @@ class Planner:
             else:
                 async with self.lock:
                     await self.observer.measure()
+            async with self.lock:
+                await self.shards.sync()   # publish the shard list, carry an add or a drain on
 
     async def close(self) -> None:
         self.closing = True
         self.recorded.notify()
         await self.observer.close()
+        await self.shards.close()

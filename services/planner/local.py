@@ -7,6 +7,11 @@ stepping, flushes its partial fragment and waits until the buffer has acknowledg
 that dies on its own is restarted with backoff on the same command line, like a Deployment's pod, and
 counted: services/common/local/supervise.py does it, for `kuberl up`'s own processes too.
 
+Buffer shards: `kuberl up` starts the first `topology.buffers`; the planner may add more
+(services/planner/shards.py), which this backend starts as processes on free ports (checkpointing under
+`shard-<i>`) and stops once drained. A drained shard of `kuberl up`'s own is left running, idle and
+out of the shard list, until `kuberl up` stops it; a later scale-up takes it back first.
+
 Learners run as one group (services/learner/distributed.py): n processes, ranks 0..n-1, averaging
 gradients. A group cannot change size in place, so a new learner count stops the whole group (rank 0
 writes a checkpoint as it stops) and starts a new one of the new size, which resumes from that
@@ -25,8 +30,8 @@ from pathlib import Path
 from services.config import ExperimentConfig
 from services.common.local.procs import ServiceProcess, free_port
 from services.common.stats import Metrics
-from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, learner_specs,
-                                       stop_procs, wait_or_kill)
+from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
+                                       learner_specs, stop_procs, wait_or_kill)
 from services.common.net.shards import buffer_addresses
 from services.planner.backend import ROLES, ApplyResult, Replica, RoleState
 
@@ -41,7 +46,11 @@ class LocalBackend:
                  actor_port: int = 50053, metrics: Metrics | None = None):
         self.cfg, self.config_path, self.run_dir, self.buffer = cfg, Path(config_path), Path(run_dir), buffer
         self.actor_port = actor_port
-        self.shards = buffer_addresses(buffer)   # ValueError naming a malformed address
+        self.shards = buffer_addresses(buffer)   # ValueError naming a malformed address; in shard order
+        self.shard_names = {address: f"buffer-{i}" for i, address in enumerate(self.shards)}
+        self.own_shards: set[str] = set()        # the shards this backend started (the others are kuberl up's)
+        self.idle_shards: list[str] = []         # kuberl up's shards drained out of the list
+        self.next_shard = len(self.shards)
         self.external = cfg.env.mode == "external"
         self.metrics = metrics or Metrics("planner")
         # Restarts of single processes and re-forms of the learner group alike.
@@ -107,7 +116,42 @@ class LocalBackend:
         return states
 
     async def buffers(self) -> list[Replica]:
-        return [Replica(f"buffer-{i}", address) for i, address in enumerate(self.shards)]
+        out = []
+        for address in self.shards:
+            name = self.shard_names[address]
+            if address in self.own_shards:
+                proc = self.sup.procs.get(name)
+                ready = proc is not None and proc.alive and proc.poll_ready()
+                out.append(Replica(name, address if ready else "", ready))
+            else:
+                out.append(Replica(name, address))
+        return out
+
+    async def add_buffer(self) -> str:
+        """Start one more buffer shard (or take back an idle one of kuberl up's); returns its address
+        at once: it serves once `buffers()` says it is ready."""
+        if self.idle_shards:
+            address = self.idle_shards.pop()
+        else:
+            index, self.next_shard = self.next_shard, self.next_shard + 1
+            address, name = f"127.0.0.1:{free_port()}", f"buffer-{index}"
+            self.shard_names[address] = name
+            self.own_shards.add(address)
+            self.sup.start(Spec("buffer", name, address, tuple(buffer_args(self.cfg, self.run_dir, shard=index))))
+        self.shards.append(address)
+        return address
+
+    async def remove_buffer(self, address: str) -> None:
+        """A drained shard leaves: stopped if this backend started it, else left idle (see the module)."""
+        self.shards.remove(address)
+        if address in self.own_shards:
+            await self._stop([self.shard_names[address]])
+        else:
+            self.idle_shards.append(address)
+
+    def follow_topology(self, active: list[str]) -> None:
+        """The planner's active shards: what actors and learners started from now on are given."""
+        self.buffer = ",".join(active)
 
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
         for role, n in targets.items():
@@ -149,12 +193,14 @@ class LocalBackend:
         log.info("%s drained and exited with code %s", proc.name, code)
 
     async def close(self) -> None:
-        """Actors first (they flush to the buffer), then the learners (final checkpoint)."""
+        """Actors first (they flush to the buffer), then the learners (final checkpoint), then the buffer
+        shards this backend started (their final checkpoints)."""
         for role in ROLES:
             names = list(self.names[role].values())
             self.names[role].clear()
             await self._stop(names)
             if role == "actor" and self.draining:
                 await asyncio.gather(*self.draining, return_exceptions=True)
+        await self._stop([self.shard_names[a] for a in self.own_shards if self.shard_names[a] in self.sup.procs])
         # `kuberl up` reports these in its summary: the last code of every process that ever ran.
         (self.run_dir / "planner-exit-codes.json").write_text(json.dumps(self.sup.exit_codes))

@@ -21,7 +21,7 @@ from services.common.net.tls import TlsError, open_channel
 from services.common.net.tokens import AuthError, bearer_metadata, read_client_token
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
-from services.planner.backend import ROLES, Backend, RoleState
+from services.planner.backend import ROLES, Backend, Replica, RoleState
 from services.planner.decide import RoleInputs, Transport
 from services.planner.rates import CounterRate, ReplicaRate
 
@@ -106,6 +106,7 @@ class Observer:
         self.queue_fill: dict[str, tuple[float, float]] = {}   # actor -> (when read, share of its bound)
         self.buffer_cpu: dict[str, CounterRate] = {}
         self.states: dict[str, RoleState] = {}
+        self.buffers: list[Replica] = []   # the buffer shards at the last measurement
 
     async def _read_buffer(self, name: str, address: str) -> None:
         resp = await self.stats.get_stats("buffer", name, address, pb.GetStatsRequest())
@@ -158,6 +159,7 @@ class Observer:
         except Exception as err:  # noqa: BLE001 - a backend error must not stop the actor/learner reads
             log.debug("listing buffers failed: %s", err)
             buffers = []
+        self.buffers = buffers
         for gone in set(self.buffer_stats) - {b.name for b in buffers}:
             del self.buffer_stats[gone]
             self.buffer_cpu.pop(gone, None)

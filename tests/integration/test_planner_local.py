@@ -19,7 +19,7 @@ from services.cli.main import main as kuberl
 from services.common.local.procs import free_port
 from kuberl.v1.actor_pb2_grpc import ActorStub
 from kuberl.v1.learner_pb2_grpc import LearnerStub
-from tests.helpers import ROOT, TINY_PPO, run_logs, stats, wait_for, write_config
+from tests.helpers import ROOT, TINY_PPO, stats, stop_up, wait_for, write_config
 
 # DQN on CartPole where one learner can consume what about three actors capped at 100 env steps/s
 # produce at replay ratio 64 (measured on a 2-core machine: about 23k samples/s of a 256x256 Q-net).
@@ -58,18 +58,6 @@ def _journal(tmp_path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _stop(proc: subprocess.Popen, tmp_path) -> str:
-    """Interrupt `kuberl up` as Ctrl-C would; it must stop every process it (and its planner) started."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"kuberl up did not stop within 150 s of SIGINT:\n{out}\n{run_logs(tmp_path / 'run')}") from None
-    return out
-
-
 def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
     proc = _up(tmp_path, IMBALANCED_DQN, free_port())
     tol = IMBALANCED_DQN["planner"]["tolerance"]
@@ -87,7 +75,7 @@ def test_planner_scales_an_actor_bound_run_into_the_band(tmp_path):
             reasons = "\n".join(f"{d['id']}: {d['reason']}" for d in _journal(tmp_path)[-15:])
             raise AssertionError(f"{err}; the last decisions:\n{reasons}") from None
     finally:
-        out = _stop(proc, tmp_path)
+        out = stop_up(proc, tmp_path)
     assert proc.returncode == 0, out
     journal = _journal(tmp_path)
     first_scale = next(d for d in journal if d.get("applied"))
@@ -175,7 +163,7 @@ def test_planner_api_drives_a_live_run(tmp_path, capsys):
         assert cli("unscale", "actor")[0] == 0
         assert "overrides" not in json.loads(cli("status", "--json")[1])
     finally:
-        out = _stop(proc, tmp_path)
+        out = stop_up(proc, tmp_path)
     assert proc.returncode == 0, out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exit_codes"]["actor-1"] == 0 and summary["exit_codes"]["actor-0"] == 0
@@ -236,7 +224,7 @@ def test_scaling_learners_re_forms_the_group_from_the_checkpoint(tmp_path, capsy
                  what="back to one learner")
         assert "re-formed the learner group" in (logs / "planner-0.log").read_text()
     finally:
-        out = _stop(proc, tmp_path)
+        out = stop_up(proc, tmp_path)
     assert proc.returncode == 0, out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]

@@ -370,6 +370,21 @@ async def test_role_names_serve_each_internal_rpc_only_to_the_role_that_calls_it
             iter([]), timeout=30))
         assert code == grpc.StatusCode.OK, (code, details)
 
+        # SetTopology (the planner's shard list): any certificate from the CA while role_names does not
+        # name the planner (the empty list is refused as malformed, not as the wrong caller) ...
+        def topology(ch):
+            return buffer_pb2_grpc.BufferStub(ch).SetTopology(pb_buffer.SetTopologyRequest(), timeout=30)
+        code, details = await _code(buffer.grpc, tls["actor"], topology)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "topology.addresses: empty" in details, (code, details)
+    # ... and the planner's alone where it does.
+    named = config_from_dict({**TINY_PPO, "tls": certs["buffer"].tls(role_names={**ROLE_NAMES, "planner": ["kuberl-planner"]}),
+                              "planner": {"enabled": False}})
+    async with buffer_main.serving(named, listen="127.0.0.1:0") as guarded:
+        code, details = await _code(guarded.grpc, tls["actor"], topology)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "served to planners only" in details, (code, details)
+        code, details = await _code(guarded.grpc, tls["planner"], topology)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+
 
 async def test_role_names_need_verified_client_certificates(role):
     """A buffer cannot authorise by certificate what it does not ask for: refused before it binds."""

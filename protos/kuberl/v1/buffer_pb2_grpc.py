@@ -60,6 +60,11 @@ class BufferStub:
                 request_serializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimitRequest.SerializeToString,
                 response_deserializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimit.FromString,
                 _registered_method=True)
+        self.SetTopology = channel.unary_unary(
+                '/kuberl.v1.Buffer/SetTopology',
+                request_serializer=kuberl_dot_v1_dot_buffer__pb2.SetTopologyRequest.SerializeToString,
+                response_deserializer=kuberl_dot_v1_dot_buffer__pb2.TopologyAck.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -118,6 +123,18 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTopology(self, request, context):
+        """The planner tells every shard the experiment's shard list when it changes, and again at every
+        measurement (a restarted shard learns it back). The shard hands it on to actors (InsertLimit) and
+        learners (ProgressAck); a shard at or past `active` drains (docs/architecture.md, "Buffer shards").
+        A topology older than the one held is ignored. Idempotent.
+        Errors: INVALID_ARGUMENT for an empty address list, `active` of 0 or over the list, or `shard`
+        outside the list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +162,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.WatchInsertLimit,
                     request_deserializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimitRequest.FromString,
                     response_serializer=kuberl_dot_v1_dot_buffer__pb2.InsertLimit.SerializeToString,
+            ),
+            'SetTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTopology,
+                    request_deserializer=kuberl_dot_v1_dot_buffer__pb2.SetTopologyRequest.FromString,
+                    response_serializer=kuberl_dot_v1_dot_buffer__pb2.TopologyAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +304,33 @@ class Buffer:
             '/kuberl.v1.Buffer/WatchInsertLimit',
             kuberl_dot_v1_dot_buffer__pb2.InsertLimitRequest.SerializeToString,
             kuberl_dot_v1_dot_buffer__pb2.InsertLimit.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kuberl.v1.Buffer/SetTopology',
+            kuberl_dot_v1_dot_buffer__pb2.SetTopologyRequest.SerializeToString,
+            kuberl_dot_v1_dot_buffer__pb2.TopologyAck.FromString,
             options,
             channel_credentials,
             insecure,

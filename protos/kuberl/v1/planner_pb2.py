@@ -25,41 +25,41 @@ _sym_db = _symbol_database.Default()
 from kuberl.v1 import common_pb2 as kuberl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kuberl/v1/planner.proto\x12\tkuberl.v1\x1a\x16kuberl/v1/common.proto\"\xa6\x02\n\x0cRoleDecision\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x02 \x01(\r\x12\x0e\n\x06target\x18\x03 \x01(\r\x12\x10\n\x08proposed\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x05 \x01(\r\x12\x11\n\treporting\x18\x06 \x01(\r\x12\x18\n\x10rate_per_replica\x18\x07 \x01(\x01\x12\r\n\x05stale\x18\x08 \x01(\x08\x12\x0f\n\x07\x62locked\x18\t \x01(\t\x12\x15\n\x08override\x18\n \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11\x63ores_per_replica\x18\x0b \x01(\x01\x12\x18\n\x10\x63ost_per_replica\x18\x0c \x01(\x01\x12\x14\n\x07\x63\x65iling\x18\r \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_overrideB\n\n\x08_ceiling\"\xa8\x05\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06unix_s\x18\x02 \x01(\x01\x12)\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x19.kuberl.v1.DecisionAction\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12&\n\x05roles\x18\x07 \x03(\x0b\x32\x17.kuberl.v1.RoleDecision\x12\x12\n\nproduction\x18\x08 \x01(\x01\x12\x13\n\x0b\x63onsumption\x18\t \x01(\x01\x12\r\n\x05ratio\x18\n \x01(\x01\x12\x1a\n\x12planned_throughput\x18\x0b \x01(\x01\x12\x14\n\x0creplay_ratio\x18\x0c \x01(\x01\x12\x11\n\ttolerance\x18\r \x01(\x01\x12\x0e\n\x06\x62udget\x18\x0e \x01(\x01\x12\x0f\n\x07trigger\x18\x0f \x01(\t\x12\r\n\x05\x65rror\x18\x10 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x11 \x01(\t\x12\x17\n\npolicy_lag\x18\x12 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0emax_policy_lag\x18\x13 \x01(\x01\x12&\n\x19\x62uffer_samples_per_insert\x18\x14 \x01(\x01H\x01\x88\x01\x01\x12*\n\x1d\x62uffer_samples_received_per_s\x18\x15 \x01(\x01H\x02\x88\x01\x01\x12 \n\x13\x62uffer_size_samples\x18\x16 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\nbottleneck\x18\x17 \x01(\t\x12\x1b\n\x13\x62ottleneck_evidence\x18\x18 \x01(\tB\r\n\x0b_policy_lagB\x1c\n\x1a_buffer_samples_per_insertB \n\x1e_buffer_samples_received_per_sB\x16\n\x14_buffer_size_samples\"\x10\n\x0ePreviewRequest\"\x0e\n\x0c\x41pplyRequest\"C\n\x12SetReplicasRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"$\n\x14\x43learOverrideRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"\x1e\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rResumeRequest\")\n\x15WatchDecisionsRequest\x12\x10\n\x08\x61\x66ter_id\x18\x01 \x01(\x04\"\x12\n\x10GetStatusRequest\"B\n\x08Override\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x16\n\x0e\x65xpires_unix_s\x18\x03 \x01(\x01\"E\n\x07Replica\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\"\xd0\x01\n\rPlannerStatus\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x14\n\x0cpause_reason\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12&\n\toverrides\x18\x05 \x03(\x0b\x32\x13.kuberl.v1.Override\x12*\n\rlast_decision\x18\x06 \x01(\x0b\x32\x13.kuberl.v1.Decision\x12$\n\x08replicas\x18\x07 \x03(\x0b\x32\x12.kuberl.v1.Replica*\x86\x01\n\x0e\x44\x65\x63isionAction\x12\x1f\n\x1b\x44\x45\x43ISION_ACTION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45\x43ISION_ACTION_HOLD\x10\x01\x12\x19\n\x15\x44\x45\x43ISION_ACTION_SCALE\x10\x02\x12\x1e\n\x1a\x44\x45\x43ISION_ACTION_SUPPRESSED\x10\x03\x32\xd8\x04\n\x07Planner\x12\x39\n\x07Preview\x12\x19.kuberl.v1.PreviewRequest\x1a\x13.kuberl.v1.Decision\x12\x35\n\x05\x41pply\x12\x17.kuberl.v1.ApplyRequest\x1a\x13.kuberl.v1.Decision\x12\x41\n\x0bSetReplicas\x12\x1d.kuberl.v1.SetReplicasRequest\x1a\x13.kuberl.v1.Decision\x12J\n\rClearOverride\x12\x1f.kuberl.v1.ClearOverrideRequest\x1a\x18.kuberl.v1.PlannerStatus\x12:\n\x05Pause\x12\x17.kuberl.v1.PauseRequest\x1a\x18.kuberl.v1.PlannerStatus\x12<\n\x06Resume\x12\x18.kuberl.v1.ResumeRequest\x1a\x18.kuberl.v1.PlannerStatus\x12I\n\x0eWatchDecisions\x12 .kuberl.v1.WatchDecisionsRequest\x1a\x13.kuberl.v1.Decision0\x01\x12\x42\n\tGetStatus\x12\x1b.kuberl.v1.GetStatusRequest\x1a\x18.kuberl.v1.PlannerStatus\x12\x43\n\x08GetStats\x12\x1a.kuberl.v1.GetStatsRequest\x1a\x1b.kuberl.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kuberl/v1/planner.proto\x12\tkuberl.v1\x1a\x16kuberl/v1/common.proto\"\xa6\x02\n\x0cRoleDecision\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x02 \x01(\r\x12\x0e\n\x06target\x18\x03 \x01(\r\x12\x10\n\x08proposed\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x05 \x01(\r\x12\x11\n\treporting\x18\x06 \x01(\r\x12\x18\n\x10rate_per_replica\x18\x07 \x01(\x01\x12\r\n\x05stale\x18\x08 \x01(\x08\x12\x0f\n\x07\x62locked\x18\t \x01(\t\x12\x15\n\x08override\x18\n \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11\x63ores_per_replica\x18\x0b \x01(\x01\x12\x18\n\x10\x63ost_per_replica\x18\x0c \x01(\x01\x12\x14\n\x07\x63\x65iling\x18\r \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_overrideB\n\n\x08_ceiling\"\xfb\x05\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06unix_s\x18\x02 \x01(\x01\x12)\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x19.kuberl.v1.DecisionAction\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12&\n\x05roles\x18\x07 \x03(\x0b\x32\x17.kuberl.v1.RoleDecision\x12\x12\n\nproduction\x18\x08 \x01(\x01\x12\x13\n\x0b\x63onsumption\x18\t \x01(\x01\x12\r\n\x05ratio\x18\n \x01(\x01\x12\x1a\n\x12planned_throughput\x18\x0b \x01(\x01\x12\x14\n\x0creplay_ratio\x18\x0c \x01(\x01\x12\x11\n\ttolerance\x18\r \x01(\x01\x12\x0e\n\x06\x62udget\x18\x0e \x01(\x01\x12\x0f\n\x07trigger\x18\x0f \x01(\t\x12\r\n\x05\x65rror\x18\x10 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x11 \x01(\t\x12\x17\n\npolicy_lag\x18\x12 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0emax_policy_lag\x18\x13 \x01(\x01\x12&\n\x19\x62uffer_samples_per_insert\x18\x14 \x01(\x01H\x01\x88\x01\x01\x12*\n\x1d\x62uffer_samples_received_per_s\x18\x15 \x01(\x01H\x02\x88\x01\x01\x12 \n\x13\x62uffer_size_samples\x18\x16 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\nbottleneck\x18\x17 \x01(\t\x12\x1b\n\x13\x62ottleneck_evidence\x18\x18 \x01(\t\x12\x15\n\rbuffer_shards\x18\x19 \x01(\r\x12\x1c\n\x14\x62uffer_shards_target\x18\x1a \x01(\r\x12\x1c\n\x14\x62uffer_shards_reason\x18\x1b \x01(\tB\r\n\x0b_policy_lagB\x1c\n\x1a_buffer_samples_per_insertB \n\x1e_buffer_samples_received_per_sB\x16\n\x14_buffer_size_samples\"\x10\n\x0ePreviewRequest\"\x0e\n\x0c\x41pplyRequest\"C\n\x12SetReplicasRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"$\n\x14\x43learOverrideRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"\x1e\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rResumeRequest\")\n\x15WatchDecisionsRequest\x12\x10\n\x08\x61\x66ter_id\x18\x01 \x01(\x04\"\x12\n\x10GetStatusRequest\"B\n\x08Override\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x16\n\x0e\x65xpires_unix_s\x18\x03 \x01(\x01\"E\n\x07Replica\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\"\xd0\x01\n\rPlannerStatus\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x14\n\x0cpause_reason\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12&\n\toverrides\x18\x05 \x03(\x0b\x32\x13.kuberl.v1.Override\x12*\n\rlast_decision\x18\x06 \x01(\x0b\x32\x13.kuberl.v1.Decision\x12$\n\x08replicas\x18\x07 \x03(\x0b\x32\x12.kuberl.v1.Replica*\x86\x01\n\x0e\x44\x65\x63isionAction\x12\x1f\n\x1b\x44\x45\x43ISION_ACTION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45\x43ISION_ACTION_HOLD\x10\x01\x12\x19\n\x15\x44\x45\x43ISION_ACTION_SCALE\x10\x02\x12\x1e\n\x1a\x44\x45\x43ISION_ACTION_SUPPRESSED\x10\x03\x32\xd8\x04\n\x07Planner\x12\x39\n\x07Preview\x12\x19.kuberl.v1.PreviewRequest\x1a\x13.kuberl.v1.Decision\x12\x35\n\x05\x41pply\x12\x17.kuberl.v1.ApplyRequest\x1a\x13.kuberl.v1.Decision\x12\x41\n\x0bSetReplicas\x12\x1d.kuberl.v1.SetReplicasRequest\x1a\x13.kuberl.v1.Decision\x12J\n\rClearOverride\x12\x1f.kuberl.v1.ClearOverrideRequest\x1a\x18.kuberl.v1.PlannerStatus\x12:\n\x05Pause\x12\x17.kuberl.v1.PauseRequest\x1a\x18.kuberl.v1.PlannerStatus\x12<\n\x06Resume\x12\x18.kuberl.v1.ResumeRequest\x1a\x18.kuberl.v1.PlannerStatus\x12I\n\x0eWatchDecisions\x12 .kuberl.v1.WatchDecisionsRequest\x1a\x13.kuberl.v1.Decision0\x01\x12\x42\n\tGetStatus\x12\x1b.kuberl.v1.GetStatusRequest\x1a\x18.kuberl.v1.PlannerStatus\x12\x43\n\x08GetStats\x12\x1a.kuberl.v1.GetStatsRequest\x1a\x1b.kuberl.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kuberl.v1.planner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISIONACTION']._serialized_start=1646
-  _globals['_DECISIONACTION']._serialized_end=1780
+  _globals['_DECISIONACTION']._serialized_start=1729
+  _globals['_DECISIONACTION']._serialized_end=1863
   _globals['_ROLEDECISION']._serialized_start=63
   _globals['_ROLEDECISION']._serialized_end=357
   _globals['_DECISION']._serialized_start=360
-  _globals['_DECISION']._serialized_end=1040
-  _globals['_PREVIEWREQUEST']._serialized_start=1042
-  _globals['_PREVIEWREQUEST']._serialized_end=1058
-  _globals['_APPLYREQUEST']._serialized_start=1060
-  _globals['_APPLYREQUEST']._serialized_end=1074
-  _globals['_SETREPLICASREQUEST']._serialized_start=1076
-  _globals['_SETREPLICASREQUEST']._serialized_end=1143
-  _globals['_CLEAROVERRIDEREQUEST']._serialized_start=1145
-  _globals['_CLEAROVERRIDEREQUEST']._serialized_end=1181
-  _globals['_PAUSEREQUEST']._serialized_start=1183
-  _globals['_PAUSEREQUEST']._serialized_end=1213
-  _globals['_RESUMEREQUEST']._serialized_start=1215
-  _globals['_RESUMEREQUEST']._serialized_end=1230
-  _globals['_WATCHDECISIONSREQUEST']._serialized_start=1232
-  _globals['_WATCHDECISIONSREQUEST']._serialized_end=1273
-  _globals['_GETSTATUSREQUEST']._serialized_start=1275
-  _globals['_GETSTATUSREQUEST']._serialized_end=1293
-  _globals['_OVERRIDE']._serialized_start=1295
-  _globals['_OVERRIDE']._serialized_end=1361
-  _globals['_REPLICA']._serialized_start=1363
-  _globals['_REPLICA']._serialized_end=1432
-  _globals['_PLANNERSTATUS']._serialized_start=1435
-  _globals['_PLANNERSTATUS']._serialized_end=1643
-  _globals['_PLANNER']._serialized_start=1783
-  _globals['_PLANNER']._serialized_end=2383
+  _globals['_DECISION']._serialized_end=1123
+  _globals['_PREVIEWREQUEST']._serialized_start=1125
+  _globals['_PREVIEWREQUEST']._serialized_end=1141
+  _globals['_APPLYREQUEST']._serialized_start=1143
+  _globals['_APPLYREQUEST']._serialized_end=1157
+  _globals['_SETREPLICASREQUEST']._serialized_start=1159
+  _globals['_SETREPLICASREQUEST']._serialized_end=1226
+  _globals['_CLEAROVERRIDEREQUEST']._serialized_start=1228
+  _globals['_CLEAROVERRIDEREQUEST']._serialized_end=1264
+  _globals['_PAUSEREQUEST']._serialized_start=1266
+  _globals['_PAUSEREQUEST']._serialized_end=1296
+  _globals['_RESUMEREQUEST']._serialized_start=1298
+  _globals['_RESUMEREQUEST']._serialized_end=1313
+  _globals['_WATCHDECISIONSREQUEST']._serialized_start=1315
+  _globals['_WATCHDECISIONSREQUEST']._serialized_end=1356
+  _globals['_GETSTATUSREQUEST']._serialized_start=1358
+  _globals['_GETSTATUSREQUEST']._serialized_end=1376
+  _globals['_OVERRIDE']._serialized_start=1378
+  _globals['_OVERRIDE']._serialized_end=1444
+  _globals['_REPLICA']._serialized_start=1446
+  _globals['_REPLICA']._serialized_end=1515
+  _globals['_PLANNERSTATUS']._serialized_start=1518
+  _globals['_PLANNERSTATUS']._serialized_end=1726
+  _globals['_PLANNER']._serialized_start=1866
+  _globals['_PLANNER']._serialized_end=2466
 # @@protoc_insertion_point(module_scope)

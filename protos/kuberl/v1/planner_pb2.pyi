@@ -50,7 +50,7 @@ class RoleDecision(_message.Message):
     def __init__(self, role: _Optional[str] = ..., current: _Optional[int] = ..., target: _Optional[int] = ..., proposed: _Optional[int] = ..., ready: _Optional[int] = ..., reporting: _Optional[int] = ..., rate_per_replica: _Optional[float] = ..., stale: _Optional[bool] = ..., blocked: _Optional[str] = ..., override: _Optional[int] = ..., cores_per_replica: _Optional[float] = ..., cost_per_replica: _Optional[float] = ..., ceiling: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("id", "unix_s", "action", "applied", "dry_run", "reason", "roles", "production", "consumption", "ratio", "planned_throughput", "replay_ratio", "tolerance", "budget", "trigger", "error", "backend", "policy_lag", "max_policy_lag", "buffer_samples_per_insert", "buffer_samples_received_per_s", "buffer_size_samples", "bottleneck", "bottleneck_evidence")
+    __slots__ = ("id", "unix_s", "action", "applied", "dry_run", "reason", "roles", "production", "consumption", "ratio", "planned_throughput", "replay_ratio", "tolerance", "budget", "trigger", "error", "backend", "policy_lag", "max_policy_lag", "buffer_samples_per_insert", "buffer_samples_received_per_s", "buffer_size_samples", "bottleneck", "bottleneck_evidence", "buffer_shards", "buffer_shards_target", "buffer_shards_reason")
     ID_FIELD_NUMBER: _ClassVar[int]
     UNIX_S_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,9 @@ class Decision(_message.Message):
     BUFFER_SIZE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SHARDS_TARGET_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SHARDS_REASON_FIELD_NUMBER: _ClassVar[int]
     id: int
     unix_s: float
     action: DecisionAction
@@ -99,7 +102,10 @@ class Decision(_message.Message):
     buffer_size_samples: float
     bottleneck: str
     bottleneck_evidence: str
-    def __init__(self, id: _Optional[int] = ..., unix_s: _Optional[float] = ..., action: _Optional[_Union[DecisionAction, str]] = ..., applied: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., reason: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleDecision, _Mapping]]] = ..., production: _Optional[float] = ..., consumption: _Optional[float] = ..., ratio: _Optional[float] = ..., planned_throughput: _Optional[float] = ..., replay_ratio: _Optional[float] = ..., tolerance: _Optional[float] = ..., budget: _Optional[float] = ..., trigger: _Optional[str] = ..., error: _Optional[str] = ..., backend: _Optional[str] = ..., policy_lag: _Optional[float] = ..., max_policy_lag: _Optional[float] = ..., buffer_samples_per_insert: _Optional[float] = ..., buffer_samples_received_per_s: _Optional[float] = ..., buffer_size_samples: _Optional[float] = ..., bottleneck: _Optional[str] = ..., bottleneck_evidence: _Optional[str] = ...) -> None: ...
+    buffer_shards: int
+    buffer_shards_target: int
+    buffer_shards_reason: str
+    def __init__(self, id: _Optional[int] = ..., unix_s: _Optional[float] = ..., action: _Optional[_Union[DecisionAction, str]] = ..., applied: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., reason: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleDecision, _Mapping]]] = ..., production: _Optional[float] = ..., consumption: _Optional[float] = ..., ratio: _Optional[float] = ..., planned_throughput: _Optional[float] = ..., replay_ratio: _Optional[float] = ..., tolerance: _Optional[float] = ..., budget: _Optional[float] = ..., trigger: _Optional[str] = ..., error: _Optional[str] = ..., backend: _Optional[str] = ..., policy_lag: _Optional[float] = ..., max_policy_lag: _Optional[float] = ..., buffer_samples_per_insert: _Optional[float] = ..., buffer_samples_received_per_s: _Optional[float] = ..., buffer_size_samples: _Optional[float] = ..., bottleneck: _Optional[str] = ..., bottleneck_evidence: _Optional[str] = ..., buffer_shards: _Optional[int] = ..., buffer_shards_target: _Optional[int] = ..., buffer_shards_reason: _Optional[str] = ...) -> None: ...
 
 class PreviewRequest(_message.Message):
     __slots__ = ()

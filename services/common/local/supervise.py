@@ -61,11 +61,12 @@ def learner_args(name: str, run_dir: Path, *, buffer: str, world_size: int = 1, 
 def buffer_args(cfg: CommonConfig, run_dir: Path, shard: int = 0) -> list[str]:
     """`kuberl buffer` flags for buffer shard `shard` of a local run: a relative `buffer.checkpoint_dir`
     is taken inside the run directory, so a restarted buffer restores the run's own replay; with
-    several shards each checkpoints under its own `shard-<i>` directory there."""
+    several shards each checkpoints under its own `shard-<i>` directory there (as does a shard the
+    planner adds to a run of one, shard 1 and on)."""
     if cfg.buffer.checkpoint_dir is None:
         return []
     path = Path(run_dir) / cfg.buffer.checkpoint_dir
-    return ["--checkpoint-dir", str(path / f"shard-{shard}" if cfg.topology.buffers > 1 else path)]
+    return ["--checkpoint-dir", str(path / f"shard-{shard}" if cfg.topology.buffers > 1 or shard > 0 else path)]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ The settings are the config's `auth` section (services/common/config.AuthConfig)
 - `AuthInterceptor`: the server interceptor every role installs (`start_server`). EnvSession needs
   scope `envsession`, the planner's write RPCs `planner:write`, and with `auth.protect_reads` the
   read-only ones (GetStats, the planner's status, decisions and preview) `read`. Health, reflection and
-  the roles' internal RPCs (PushTrajectories, WatchInsertLimit, StreamBatches, ReportProgress, SubscribeWeights) are never
+  the roles' internal RPCs (PushTrajectories, WatchInsertLimit, StreamBatches, ReportProgress, SubscribeWeights,
+  SetTopology) are never
   asked for a token: probes need health, and mTLS guards the internal ones. With `tls.role_names` it
   also authorises those per role: each is served only to a client whose certificate names the role
   that calls it (`ROLE_RPCS`), PERMISSION_DENIED otherwise. It also caps EnvSession sessions per token
@@ -80,7 +81,9 @@ STATS = frozenset(f"/kuberl.v1.{s}/GetStats" for s in ("Actor", "Buffer", "Learn
 # The roles' internal RPCs and the one role that calls each: what tls.role_names authorises.
 ROLE_RPCS = {"/kuberl.v1.Buffer/PushTrajectories": "actor", "/kuberl.v1.Buffer/WatchInsertLimit": "actor",
              "/kuberl.v1.Buffer/StreamBatches": "learner", "/kuberl.v1.Buffer/ReportProgress": "learner",
-             "/kuberl.v1.Learner/SubscribeWeights": "actor"}
+             "/kuberl.v1.Learner/SubscribeWeights": "actor",
+             # The planner's shard list (optional: authorised only where tls.role_names names the planner).
+             "/kuberl.v1.Buffer/SetTopology": "planner"}
 
 
 def scope_of(method: str, protect_reads: bool) -> str | None:
@@ -296,6 +299,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         scope = scope_of(method, self.protect_reads) if self.store is not None else None
         capped = self.caps is not None and method == ENV_SESSION
         caller = ROLE_RPCS.get(method) if self.role_names else None
+        if caller not in self.role_names:
+            caller = None
         if handler is None or (scope is None and not capped and caller is None):
             return handler
         return _guarded(handler, method, lambda context: self._admit(context, method, scope, capped, caller),

@@ -58,15 +58,17 @@ class TlsConfig:
         require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,
                 "must be 'require' (servers verify client certificates: mutual TLS) or 'none'")
         if self.role_names:
-            require(set(self.role_names) == set(PEER_ROLES), "role_names", dict(self.role_names),
+            require(set(PEER_ROLES) <= set(self.role_names) <= set(PEER_ROLES) | set(OPTIONAL_PEER_ROLES),
+                    "role_names", dict(self.role_names),
                     f"must name the certificates of exactly these roles, the callers of the internal RPCs: "
-                    f"{', '.join(PEER_ROLES)}")
+                    f"{', '.join(PEER_ROLES)} (and may name {', '.join(OPTIONAL_PEER_ROLES)}'s)")
             for role, names in self.role_names.items():
                 require(bool(names) and all(isinstance(n, str) and n.strip() for n in names),
                         f"role_names.{role}", names, "must be a list of certificate names (DNS names or CN)")
 
 
 PEER_ROLES = ("actor", "learner")  # the roles whose certificates tls.role_names names
+OPTIONAL_PEER_ROLES = ("planner",)  # named too, the buffers take SetTopology from it alone
 
 
 def parse_role_names(text: str, setting: str = "--tls-role-names") -> dict[str, tuple[str, ...]]:

@@ -62,12 +62,15 @@ def test_role_names_from_the_config_the_flag_or_the_environment(monkeypatch):
     assert flag.tls.role_names == names and not flag.tls.enabled   # (how, not whether)
     monkeypatch.setenv("KUBERL_TLS_ROLE_NAMES", "actor=a,learner=l")
     assert with_tls_flags(config_from_dict({}), parse()).tls.role_names == {"actor": ("a",), "learner": ("l",)}
+    # The planner's certificate may be named too (the buffers then take SetTopology from it alone).
+    monkeypatch.setenv("KUBERL_TLS_ROLE_NAMES", "actor=a,learner=l,planner=p")
+    assert with_tls_flags(config_from_dict({}), parse()).tls.role_names["planner"] == ("p",)
 
 
 @pytest.mark.parametrize("text,match", [
     ("actor=kuberl-actor", r"^--tls-role-names \(\$KUBERL_TLS_ROLE_NAMES\): .*must name the certificates of "
                            r"exactly these roles, the callers of the internal RPCs: actor, learner"),
-    ("actor=a,learner=l,planner=p", r"exactly these roles"),
+    ("actor=a,learner=l,buffer=b", r"exactly these roles, .*: actor, learner \(and may name planner's\)"),
     ("actor=a,learner=", r"role_names.learner: \(\) is invalid: must be a list of certificate names"),
     ("actor:a,learner:l", r"^--tls-role-names \(\$KUBERL_TLS_ROLE_NAMES\): 'actor:a,learner:l' is invalid: write "
                           r"ROLE=NAME\[\|NAME\.\.\.\] for each of actor, learner"),

@@ -1,0 +1,117 @@
+"""A buffer shard's side of a change of shards (services/buffer/servicer.py, SetTopology): it takes a
+newer list only, refuses a malformed one naming the field, hands the list on to actors and learners,
+and says it is drained only when no actor watches or pushes and nothing is left to serve (a replay's
+samples counted as evicted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kuberl.v1 import buffer_pb2
+from services.buffer import servicer as servicer_module
+from services.buffer.servicer import BufferServicer, topology_problem
+from tests.unit.buffer.test_store import dqn_msg, dqn_store, ppo_msg, ppo_store
+
+A, B = "127.0.0.1:5001", "127.0.0.1:5002"
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+def request(addresses, active, generation, shard):
+    return buffer_pb2.SetTopologyRequest(shard=shard, topology=buffer_pb2.BufferTopology(
+        generation=generation, addresses=addresses, active=active))
+
+
+@pytest.mark.parametrize("addresses,active,shard,problem", [
+    ([], 0, 0, "topology.addresses: empty"),
+    ([A, A], 1, 0, "an address is listed twice"),
+    (["nohost"], 1, 0, "must be host:port"),
+    ([A, B], 0, 0, "topology.active: 0 is outside 1..2"),
+    ([A, B], 3, 0, "topology.active: 3 is outside 1..2"),
+    ([A, B], 2, 2, "shard: 2 is outside 0..1"),
+])
+def test_a_malformed_topology_is_refused_naming_the_field(addresses, active, shard, problem):
+    t = buffer_pb2.BufferTopology(generation=1, addresses=addresses, active=active)
+    assert problem in topology_problem(t, shard)
+
+    async def call():
+        ctx = Context()
+        with pytest.raises(Aborted):
+            await BufferServicer(dqn_store(), dqn_store().metrics).SetTopology(request(addresses, active, 1, shard), ctx)
+        return ctx
+    ctx = asyncio.run(call())
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and problem in ctx.details
+
+
+def test_only_a_newer_topology_is_taken_and_handed_on():
+    async def run():
+        store = dqn_store()
+        s = BufferServicer(store, store.metrics)
+        assert not s._insert_limit("a", 1).HasField("topology")   # none set: actors keep their own list
+        ack = await s.SetTopology(request([A, B], 2, 10, 1), Context())
+        assert ack.generation == 10 and not ack.draining and not ack.drained
+        await s.SetTopology(request([A], 1, 9, 0), Context())     # older: ignored
+        assert list(s.topology.addresses) == [A, B] and s.shard == 1
+        assert s._insert_limit("a", 1).topology == s.topology
+        assert (await s.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l"), Context())).topology == s.topology
+        assert store.metrics.snapshot()["buffer/topology_generation"] == 10
+    asyncio.run(run())
+
+
+def test_a_draining_replay_waits_for_its_actors_then_counts_what_it_holds_as_evicted(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(servicer_module.time, "monotonic", lambda: clock[0])
+
+    async def run():
+        store = dqn_store()
+        for seq in range(3):
+            store.insert(dqn_msg(seq))
+        held = store.size
+        s = BufferServicer(store, store.metrics)
+        s._watching["actor-0"] += 1                               # an actor still watches this shard
+        ack = await s.SetTopology(request([A, B], 1, 5, 1), Context())
+        assert ack.draining and not ack.drained and ack.actors_live == 1
+        del s._watching["actor-0"]                                # it moved away
+        clock[0] += servicer_module.DRAIN_QUIET_S / 2             # ... but may still be pushing here
+        assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained
+        s._pushing = 1                                            # a push stream is open
+        clock[0] += servicer_module.DRAIN_QUIET_S
+        assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained
+        s._pushing = 0
+        ack = await s.SetTopology(request([A, B], 1, 5, 1), Context())
+        assert ack.drained and ack.size_samples == 0 and store.size == 0
+        assert store.metrics.counters["buffer/samples_evicted_on_drain_total"] == held > 0
+        store.insert(dqn_msg(3))                                  # (an emptied replay still stores)
+        assert store.size > 0
+    asyncio.run(run())
+
+
+def test_a_draining_fifo_is_drained_only_once_served_out(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(servicer_module.time, "monotonic", lambda: clock[0])
+
+    async def run():
+        store = ppo_store()
+        for seq in range(2):
+            store.insert(ppo_msg(seq))
+        s = BufferServicer(store, store.metrics)
+        await s.SetTopology(request([A, B], 1, 5, 1), Context())
+        clock[0] += 2 * servicer_module.DRAIN_QUIET_S
+        assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained   # 16 steps to serve
+        assert store.next_batch(8, "l") is not None and store.next_batch(8, "l") is not None
+        ack = await s.SetTopology(request([A, B], 1, 5, 1), Context())
+        assert ack.drained and store.metrics.counters["buffer/samples_evicted_on_drain_total"] == 0
+        # Active again (the planner added a shard back): no longer draining.
+        assert not (await s.SetTopology(request([A, B], 2, 6, 1), Context())).draining
+    asyncio.run(run())
