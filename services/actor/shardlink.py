@@ -133,7 +133,9 @@ class ShardLink:
                     if not self.retiring:
                         return
                 self._wake.clear()
-                helpers = {asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stopping.wait())}
+                helpers = {asyncio.ensure_future(self._wake.wait())}
+                if not stopping.is_set():   # (once set, waiting on it would return at once, every time)
+                    helpers.add(asyncio.ensure_future(stopping.wait()))
                 await asyncio.wait({*helpers, *(link.task for link in self._links() if not link.task.done())},
                                    return_when=asyncio.FIRST_COMPLETED)
                 for h in helpers:

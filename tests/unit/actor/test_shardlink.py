@@ -84,3 +84,34 @@ async def test_a_newer_topology_moves_the_pusher_and_the_old_one_delivers_what_i
             item.task.cancel()
     await asyncio.gather(*(t for t in (old.task, lk.current.task) if t is not None), return_exceptions=True)
     await lk.close()
+
+
+async def test_run_waits_for_the_pushers_at_shutdown_without_spinning(monkeypatch):
+    """Once stopping is set, `run` waits for the pushers to deliver what they hold: it must sleep on
+    them, not go round its loop (a loop that spun starved the actor's pushers of the CPU they need)."""
+    lk = link(0, 0)
+    monkeypatch.setattr(lk, "_watch", lambda: None)
+    released = asyncio.Event()
+
+    async def pushing(stop):   # the pusher: done once stopped and (later) everything is acknowledged
+        await stop.wait()
+        await released.wait()
+    monkeypatch.setattr(lk.current.pusher, "run", pushing)
+    rounds = 0
+    reap = lk._reap
+
+    def counting():
+        nonlocal rounds
+        rounds += 1
+        reap()
+    monkeypatch.setattr(lk, "_reap", counting)
+    stopping = asyncio.Event()
+    running = asyncio.create_task(lk.run(stopping))
+    await asyncio.sleep(0.05)
+    stopping.set()
+    for _ in range(200):         # 200 turns of the event loop while the pusher still holds fragments
+        await asyncio.sleep(0)
+    assert not running.done() and rounds <= 4, rounds
+    released.set()
+    await asyncio.wait_for(running, 5)
+    await lk.close()
