@@ -122,7 +122,7 @@ def test_planner_api_drives_a_live_run(tmp_path, capsys):
 
     try:
         wait_for(lambda: (tmp_path / "run" / "ready" / "actor-1.json").exists(), timeout=120, what="actor-1 serving")
-        wait_for(lambda: cli("status")[1].count(" ready") == 3, timeout=60, what="learner and 2 actors ready")
+        wait_for(lambda: cli("status")[1].count(" ready") == 4, timeout=60, what="the buffer, learner and 2 actors ready")
         actor1 = json.loads((tmp_path / "run" / "ready" / "actor-1.json").read_text())["address"]
         wait_for(lambda: stats(actor1, ActorStub).get("actor/fragments_total", 0) > 0, timeout=60,
                  what="actor-1 cutting fragments")
@@ -153,7 +153,7 @@ def test_planner_api_drives_a_live_run(tmp_path, capsys):
         line = re.search(r"(\d+) fragments cut, (\d+) acknowledged, (\d+) dropped", log.read_text())
         assert line and int(line.group(1)) > 0 and line.group(1) == line.group(2) and line.group(3) == "0"
         wait_for(lambda: json.loads(cli("status", "--json")[1]).get("replicas", []) and
-                 sorted(r["name"] for r in json.loads(cli("status", "--json")[1])["replicas"]) == ["actor-0", "learner-0"],
+                 sorted(r["name"] for r in json.loads(cli("status", "--json")[1])["replicas"]) == ["actor-0", "buffer-0", "learner-0"],
                  timeout=30, what="planner status without actor-1")
 
         # The override holds while the planner keeps deciding.
