@@ -9,7 +9,10 @@ itself again:
 - without one (a Deployment's pods): it stays unless its shard is draining, or holds more than its
   share of the live actors (more than ceil(live / active)); then it moves to the least loaded active
   shard, with probability (its shard's count - the share) / its shard's count in the second case, so
-  that about the excess moves, not every actor of a crowded shard at once.
+  that about the excess moves, not every actor of a crowded shard at once. It looks after a random
+  delay (up to PLACEMENT_SPREAD_S, so that actors hearing the same list act one after another and see
+  each other's moves in the live counts), and again, up to PLACEMENT_ROUNDS times, until its shard
+  holds no more than its share.
 
 A move loses nothing and sends nothing twice: fragments cut from then on go to the new shard's pusher,
 while the old shard's pusher goes on until everything queued for it is acknowledged (or, at shutdown,
@@ -42,6 +45,8 @@ from services.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 3.0   # a shard that does not say its load by then is left to the hash
+PLACEMENT_SPREAD_S = 3.0    # an actor without an index places itself after a random delay up to this
+PLACEMENT_ROUNDS = 5        # ... and looks again, as often as this, until its shard holds no more than its share
 
 
 async def live_actors(addresses: list[str], cfg: ExperimentConfig) -> dict[int, float]:
@@ -191,6 +196,7 @@ class ShardLink:
         if topology.generation <= self.generation or not 0 < topology.active <= len(topology.addresses):
             return
         self.generation = topology.generation
+        self.metrics.set("actor/topology_generation", topology.generation)
         self._topology = topology
         if self._placing is None or self._placing.done():
             self._placing = asyncio.create_task(self._place(), name="shard placement")
@@ -198,24 +204,35 @@ class ShardLink:
     async def _place(self) -> None:
         while (topology := self._topology) is not None:
             self._topology = None
-            target = await self.target(topology)
-            if self._topology is None and target != self.current.address:
-                self._move(target, list(topology.addresses).index(target), len(topology.addresses))
+            for _ in range(1 if self.actor_index is not None else PLACEMENT_ROUNDS):
+                if self.actor_index is None:
+                    await asyncio.sleep(self._rng.uniform(0.0, PLACEMENT_SPREAD_S))
+                if self._topology is not None:   # a newer list came meanwhile: place for that one
+                    break
+                target, settled = await self.target(topology)
+                if self._topology is None and target != self.current.address:
+                    self._move(target, list(topology.addresses).index(target), len(topology.addresses))
+                if settled:
+                    break
 
-    async def target(self, topology: buffer_pb2.BufferTopology) -> str:
-        """The shard this actor belongs on under `topology` (see the module's docstring)."""
+    async def target(self, topology: buffer_pb2.BufferTopology) -> tuple[str, bool]:
+        """The shard this actor belongs on under `topology` (see the module's docstring), and whether
+        that is settled (False: look again, the spread is not known to be even yet)."""
         active = list(topology.addresses[:topology.active])
         if self.actor_index is not None:
-            return active[self.actor_index % len(active)]
+            return active[self.actor_index % len(active)], True
         here = self.current.address
         mine = active.index(here) if here in active else None
         if mine is not None and len(active) == 1:
-            return here
+            return here, True
         counts = await live_actors(active, self.cfg)
-        if mine is not None and self._rng.random() >= excess_share(counts, mine, len(active)):
-            return here
+        excess = excess_share(counts, mine, len(active)) if mine is not None else 1.0
+        if mine is not None and (excess == 0.0 or self._rng.random() >= excess):
+            return here, excess == 0.0
         others = {i: n for i, n in counts.items() if i != mine}
-        return active[least_loaded(others, len(active), self.actor_id)] if others or mine is None else here
+        if not others and mine is not None:
+            return here, True
+        return active[least_loaded(others, len(active), self.actor_id)], False
 
     def _move(self, address: str, shard: int, shards: int) -> None:
         old, self.current = self.current, self._link(address)

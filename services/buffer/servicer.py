@@ -224,10 +224,14 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     def _drained(self) -> bool:
         """Whether a draining shard is done: no actor watches it or pushes to it (none has for
-        DRAIN_QUIET_S), and it holds nothing to serve. A FIFO drains by serving what it holds; a replay's
-        samples are not served out (each would be sampled many times more), so they are counted as
-        evicted, buffer/samples_evicted_on_drain_total, and the replay is emptied."""
+        DRAIN_QUIET_S), it holds nothing to serve, and every batch it served a live learner has been
+        reported consumed (one still in a stream's buffers would be lost with the stream). A FIFO drains
+        by serving what it holds; a replay's samples are not served out (each would be sampled many
+        times more), so they are counted as evicted, buffer/samples_evicted_on_drain_total, and the
+        replay is emptied."""
         if self._watching or self._pushing or time.monotonic() - self._last_received < DRAIN_QUIET_S:
+            return False
+        if self.store.in_flight_total():
             return False
         if self.store.replay is not None and self.store.size:
             evicted = self.store.evict_all()

@@ -225,6 +225,10 @@ class Store:
         return self.limiter.insert_limit(self.inserted_samples, self.size + in_flight, self.served_samples,
                                           len(live), self.largest_fragment)
 
+    def in_flight_total(self) -> int:
+        """Batches served to live learners that they have not reported consuming yet."""
+        return sum(self.in_flight(lid) for lid in self._live_learners())
+
     def unserve(self, learner_id: str) -> None:
         """A batch served to `learner_id` never left (its stream broke): it is not in flight."""
         self._served_to[learner_id] = max(0, self._served_to.get(learner_id, 0) - 1)

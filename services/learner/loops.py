@@ -60,7 +60,9 @@ async def fetch_batches(shard: Shard, request: buffer_pb2.BatchRequest, inbox: I
     while True:
         try:
             async for batch in shard.stub.StreamBatches(request):
-                await inbox.put(Fetched(batch, shard))
+                # Shielded: a batch read off the stream reaches the inbox even if this task is cancelled
+                # while the inbox is full (a shard leaving the topology, services/learner/shards.py).
+                await asyncio.shield(inbox.put(Fetched(batch, shard)))
                 metrics.inc("learner/batches_received_total")
                 backoff.reset()
         except grpc.aio.AioRpcError as err:

@@ -39,7 +39,7 @@ def test_excess_share_is_the_part_above_an_even_spread():
 async def test_an_indexed_actor_goes_to_its_index_modulo_the_active_shards():
     for index, active, want in [(0, 2, 0), (1, 2, 1), (3, 3, 0), (4, 3, 1), (1, 1, 0)]:
         lk = link(index % 2, index)
-        assert await lk.target(topology(1, active)) == ADDRESSES[want], (index, active)
+        assert await lk.target(topology(1, active)) == (ADDRESSES[want], True), (index, active)
         await lk.close()
 
 
@@ -48,7 +48,7 @@ async def test_an_actor_without_an_index_leaves_a_draining_shard_for_the_least_l
         return {0: 3.0, 1: 1.0}
     monkeypatch.setattr(shardlink, "live_actors", live)
     lk = link(2, None)                                   # on shard 2, which drains
-    assert await lk.target(topology(1, 2)) == ADDRESSES[1]
+    assert await lk.target(topology(1, 2)) == (ADDRESSES[1], False)   # (then it looks again)
     await lk.close()
 
 
@@ -60,9 +60,34 @@ async def test_about_the_excess_of_a_crowded_shard_moves(monkeypatch):
     moved = 0
     for i in range(400):
         lk = link(0, None, actor_id=f"actor-{i}")
-        moved += await lk.target(topology(1, 2)) == ADDRESSES[1]
+        moved += (await lk.target(topology(1, 2)))[0] == ADDRESSES[1]
         await lk.close()
     assert 160 <= moved <= 240, moved   # binomial(400, 1/2): mean 200, sd 10
+
+
+async def test_actors_without_an_index_hearing_one_list_end_up_spread(monkeypatch):
+    """Six actors on shard 0 hear that there are two shards now. Each looks after its own random delay
+    and sees the live counts as the others' moves left them (a shared model of the shards here), and
+    looks again until its shard holds no more than its share: they end three and three."""
+    monkeypatch.setattr(shardlink, "PLACEMENT_SPREAD_S", 0.05)
+    live = {0: 6.0, 1: 0.0}
+
+    async def counts(addresses, cfg):
+        return dict(live)
+    monkeypatch.setattr(shardlink, "live_actors", counts)
+    links = [link(0, None, actor_id=f"pod-{i}") for i in range(6)]
+    for lk in links:
+        def moved(address, shard, shards, lk=lk):
+            live[ADDRESSES.index(lk.current.address)] -= 1
+            live[shard] += 1
+            lk.current.address = address
+        monkeypatch.setattr(lk, "_move", moved)
+        lk.on_topology(topology(5, 2))
+    await asyncio.gather(*(lk._placing for lk in links))
+    assert live == {0: 3.0, 1: 3.0}, live
+    assert links[0].metrics.gauges["actor/topology_generation"] == 5
+    for lk in links:
+        await lk.close()
 
 
 async def test_a_newer_topology_moves_the_pusher_and_the_old_one_delivers_what_it_holds(monkeypatch):

@@ -109,7 +109,12 @@ def test_a_draining_fifo_is_drained_only_once_served_out(monkeypatch):
         await s.SetTopology(request([A, B], 1, 5, 1), Context())
         clock[0] += 2 * servicer_module.DRAIN_QUIET_S
         assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained   # 16 steps to serve
+        store.report_progress("l", 0, 0)                           # a live learner
         assert store.next_batch(8, "l") is not None and store.next_batch(8, "l") is not None
+        # Served out, but the learner has not said it consumed both batches (they may still be in the
+        # stream's buffers, and would be lost with it): not drained yet.
+        assert store.size == 0 and not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained
+        store.report_progress("l", 1, 2)
         ack = await s.SetTopology(request([A, B], 1, 5, 1), Context())
         assert ack.drained and store.metrics.counters["buffer/samples_evicted_on_drain_total"] == 0
         # Active again (the planner added a shard back): no longer draining.

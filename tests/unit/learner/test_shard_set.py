@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kuberl.v1 import buffer_pb2
+from kuberl.v1 import common_pb2 as pb
 from services.common.stats import Metrics
 from services.learner.inbox import Shard
 from services.learner.loops import send_progress
@@ -81,3 +82,29 @@ async def test_a_progress_ack_carries_the_list_to_the_learner():
     await send_progress(shards.shards[0], shards, "l", 1, Metrics("learner"))
     assert [s.address for s in shards] == ["a:1", "b:1"] and shards.generation == 3
     await shards.close()
+
+
+async def test_a_batch_read_off_a_leaving_shard_still_reaches_the_inbox():
+    """The shard's batch stream is ended (the shard left the list) while its last batch waits for room
+    in a full inbox: the batch was served, so it must not vanish with the task."""
+    from services.learner.inbox import Inbox
+    from services.learner.loops import fetch_batches
+
+    class Stub:
+        def StreamBatches(self, request):
+            async def stream():
+                yield pb.TrainingBatch(batch_id=7)
+                await asyncio.Event().wait()
+            return stream()
+
+    inbox = Inbox(maxsize=1)
+    await inbox.put("a batch from another shard")              # full
+    shard = Shard(0, "a:1", Stub())
+    fetch = asyncio.create_task(fetch_batches(shard, buffer_pb2.BatchRequest(), inbox, Metrics("learner")))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    fetch.cancel()
+    await asyncio.gather(fetch, return_exceptions=True)
+    assert await inbox.get() == "a batch from another shard"
+    late = await asyncio.wait_for(inbox.get(), 5)
+    assert late.batch.batch_id == 7 and late.shard is shard
