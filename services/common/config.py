@@ -497,6 +497,11 @@ class KubernetesPlannerConfig:
     actor_service: str = "kuberl-actor"     # headless Services whose Endpoints list the replicas
     learner_service: str = "kuberl-learner"
     buffer_service: str = "kuberl-buffer"
+    # Buffer shards the planner adds and drains (planner.buffer): the buffer StatefulSet (shard i = pod
+    # ordinal i), and shard i's address as actors and learners name it, "{i}" standing for the ordinal
+    # (the chart: dns:///kuberl-buffer-{i}.kuberl-buffer:50051). Unset: the planner leaves the shards be.
+    buffer_statefulset: str = "kuberl-buffer"
+    buffer_address: str = ""
     grpc_port_name: str = "grpc"            # the Service port the planner reads GetStats on
     field_manager: str = "kuberl-planner"
     pause_annotation: str = "kuberl.io/planner-paused"  # "true" on the Deployment or StatefulSet: left alone
@@ -511,6 +516,9 @@ class KubernetesPlannerConfig:
         require(self.burst >= 1, "burst", self.burst, "must be >= 1")
         require(self.lease_duration_s >= 2, "lease_duration_s", self.lease_duration_s, "must be >= 2")
         require(bool(self.field_manager), "field_manager", self.field_manager, "must not be empty")
+        require(not self.buffer_address or self.buffer_address.count("{i}") == 1, "buffer_address",
+                self.buffer_address, "must hold {i} once, where the shard's ordinal goes "
+                "(e.g. dns:///kuberl-buffer-{i}.kuberl-buffer:50051), or be empty")
 
 
 @dataclass(frozen=True)

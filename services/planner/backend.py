@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-ROLES = ("actor", "learner")   # the roles the planner scales; the buffer is fixed (no sharding yet)
+# The roles the planner scales by replica counts. Buffer shards are scaled one at a time through a backend's
+# optional `scales_buffers`, `buffer_list()`, `add_buffer()` and `remove_buffer(address)`
+# (services/planner/shards.py).
+ROLES = ("actor", "learner")
 
 
 class Conflict(Exception):

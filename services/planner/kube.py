@@ -8,7 +8,13 @@ reads the Endpoints of the role's headless Service; it writes ONLY the scale sub
 the configured field manager), so a concurrent change gives 409 -> `Conflict`, and the planner core
 re-reads and decides again. It refuses (`Refused`, naming the HPA) to scale a workload an HPA targets,
 and leaves alone a workload annotated `<pause_annotation>: "true"`. Both kinds go through the same code,
-parameterised by `Kind`. One planner writes at a time: a coordination.k8s.io/v1 Lease (lease.py).
+parameterised by `Kind`.
+
+Buffer shards (services/planner/shards.py), when `buffer_address` names them: shard i is pod ordinal i
+of the buffer StatefulSet, addressed as actors and learners were told (`buffer_address` with {i}
+replaced); a shard is added by patching that StatefulSet's scale up by one, and a drained one removed
+by patching it down by one (a StatefulSet removes its highest ordinal: the last shard, the one
+drained), through the same checks (HPA, pause annotation, resourceVersion). One planner writes at a time: a coordination.k8s.io/v1 Lease (lease.py).
 Every API call goes through `KubeApi.call` (kubeapi.py: RBAC-checked, rate-limited, retried, errors
 naming the call).
 """
@@ -52,6 +58,7 @@ STATEFULSET = Kind("StatefulSet", "statefulsets", "stateful_set")
 # role -> the kind of workload it runs as. Learners are a StatefulSet: rank = pod ordinal, and each learner
 # reads the StatefulSet's scale to know the group's size (services/learner/membership.py).
 WORKLOADS = {"actor": DEPLOYMENT, "learner": STATEFULSET}
+SHARDS = "buffer"   # the buffer StatefulSet, scaled one shard at a time (add_buffer/remove_buffer)
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class KubernetesBackend:
         self.lease = LeaderLease(self.kube, cfg.lease_name, self.identity, cfg.lease_duration_s)
         names = {"actor": cfg.actor_deployment, "learner": cfg.learner_statefulset}
         self._workloads = {role: Workload(WORKLOADS[role], names[role]) for role in ROLES}
+        if cfg.buffer_address:   # (services/planner/shards.py; rbac.BUFFER_RESOURCES)
+            self._workloads[SHARDS] = Workload(STATEFULSET, cfg.buffer_statefulset)
         self._services = {"actor": cfg.actor_service, "learner": cfg.learner_service, "buffer": cfg.buffer_service}
         self._read: dict[str, tuple[str, str]] = {}    # role -> (resourceVersion, pause reason) as last read
         self._task: asyncio.Task | None = None
@@ -185,8 +194,57 @@ class KubernetesBackend:
         return (f"HorizontalPodAutoscaler {hpa!r} targets {w} in namespace {self.namespace!r}: the planner "
                 f"will not fight it (delete the HPA to let the planner manage it)")
 
+    @property
+    def scales_buffers(self) -> bool:
+        return bool(self.cfg.buffer_address)
+
+    def shard_address(self, ordinal: int) -> str:
+        return self.cfg.buffer_address.replace("{i}", str(ordinal))
+
     async def buffers(self) -> list[Replica]:
-        return await self._replicas("buffer")
+        """The buffer shards: the Endpoints of the buffer Service; with `buffer_address`, each pod of the
+        buffer StatefulSet by its ordinal, in shard order, under the address actors and learners use."""
+        replicas = await self._replicas("buffer")
+        if not self.scales_buffers:
+            return replicas
+        prefix = f"{self.cfg.buffer_statefulset}-"
+        shards = []
+        for r in replicas:
+            ordinal = r.name[len(prefix):]
+            if r.name.startswith(prefix) and ordinal.isdigit():
+                shards.append((int(ordinal), Replica(r.name, self.shard_address(int(ordinal)) if r.ready else "",
+                                                     r.ready)))
+        return [r for _, r in sorted(shards, key=lambda s: s[0])]
+
+    async def buffer_list(self) -> list[str]:
+        """Every shard's address, in shard order: one per replica the buffer StatefulSet's scale asks for,
+        whether its pod serves now or not (a restarting shard stays in the list)."""
+        desired, _, _ = await self._read_workload(SHARDS)
+        return [self.shard_address(i) for i in range(desired)]
+
+    async def add_buffer(self) -> str:
+        """Scale the buffer StatefulSet up by one; returns the new shard's address (it serves once its pod is
+        ready in the Endpoints)."""
+        n = await self._patch_shards(+1)
+        return self.shard_address(n - 1)
+
+    async def remove_buffer(self, address: str) -> None:
+        """Scale the buffer StatefulSet down by one, which removes the drained last shard: ValueError for any
+        other address."""
+        desired, _, _ = await self._read_workload(SHARDS)
+        if address != self.shard_address(desired - 1):
+            raise ValueError(f"buffer shard {address} is not the last of {desired} ({self.shard_address(desired - 1)}):"
+                             f" a StatefulSet removes only its highest ordinal")
+        await self._patch_shards(-1)
+
+    async def _patch_shards(self, step: int) -> int:
+        """Patch the buffer StatefulSet's scale by `step`, after the same checks as `apply`; the count set."""
+        desired, _, _ = await self._read_workload(SHARDS)
+        n = desired + step
+        if n < 1:
+            raise ValueError(f"buffer shards: {n} must be >= 1")
+        await self.apply({SHARDS: n})
+        return n
 
     async def _replicas(self, role: str) -> list[Replica]:
         """The replicas in the Endpoints of the role's headless Service (ready and not ready), addressed at
@@ -215,8 +273,8 @@ class KubernetesBackend:
         paused, or this planner is not the leader) before writing anything, ValueError for an unknown role or
         a negative count. dry_run: the API server validates and nothing is stored (dryRun=All)."""
         for role, n in targets.items():
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r}: the planner scales {ROLES}")
+            if role not in self._workloads:
+                raise ValueError(f"unknown role {role!r}: the planner scales {tuple(self._workloads)}")
             if n < 0:
                 raise ValueError(f"{role}: replica count {n} must be >= 0")
         if not dry_run and not self.leader:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 class LocalBackend:
     name = "local"
     leader = True
+    scales_buffers = True   # (services/planner/shards.py)
 
     def __init__(self, cfg: ExperimentConfig, *, config_path: Path, run_dir: Path, buffer: str,
                  actor_port: int = 50053, metrics: Metrics | None = None):
@@ -126,6 +127,10 @@ class LocalBackend:
             else:
                 out.append(Replica(name, address))
         return out
+
+    async def buffer_list(self) -> list[str]:
+        """Every shard's address, in shard order (serving or not)."""
+        return list(self.shards)
 
     async def add_buffer(self) -> str:
         """Start one more buffer shard (or take back an idle one of kuberl up's); returns its address

@@ -20,6 +20,18 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 # The manifests narrow these rules to one object each (resourceNames): resource -> the planner.kubernetes
 # config key naming that object. The buffer is a StatefulSet too, and must stay out of the planner's reach.
 RESOURCE_NAMES: dict[str, str] = {"statefulsets": "learner_statefulset", "statefulsets/scale": "learner_statefulset"}
+# ... unless the planner scales the buffer shards (planner.kubernetes.buffer_address set, which the chart does
+# with planner.buffer): then the same rules name the buffer StatefulSet too.
+SHARD_RESOURCE_NAMES: dict[str, str] = {"statefulsets": "buffer_statefulset", "statefulsets/scale": "buffer_statefulset"}
+
+
+def resource_names(k8s) -> dict[str, tuple[str, ...]]:
+    """resource -> the objects the manifests grant it on, for a planner.kubernetes config `k8s`."""
+    out = {r: (getattr(k8s, key),) for r, key in RESOURCE_NAMES.items()}
+    if k8s.buffer_address:
+        for r, key in SHARD_RESOURCE_NAMES.items():
+            out[r] += (getattr(k8s, key),)
+    return out
 
 
 def allowed(group: str, resource: str, verb: str) -> bool:

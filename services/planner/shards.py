@@ -19,8 +19,10 @@ One change at a time, and each in steps:
 busy, actors' send queues backing up or dropping) gets one more shard, up to `planner.buffer.max`;
 shards that all idle (each under BUFFER_IDLE_CORES, and together few enough for one fewer) for
 `planner.scale_down_window_s` lose one, down to `planner.buffer.min`. Unset `planner.buffer`: the
-count stays `topology.buffers`, though the list is still published. Only the local backend starts
-and stops shards; with the others nothing is published and the command-line lists stand.
+count stays `topology.buffers`, though the list is still published. The local backend starts and
+stops shard processes; the Kubernetes backend scales the buffer StatefulSet when
+`planner.kubernetes.buffer_address` names the shards (the chart sets it with `planner.buffer`); with
+any other backend nothing is published and the command-line lists stand.
 """
 
 from __future__ import annotations
@@ -114,8 +116,9 @@ class ShardKeeper:
 
     @property
     def scales(self) -> bool:
-        """Whether the backend can start and stop shards."""
-        return callable(getattr(self.backend, "add_buffer", None))
+        """Whether the backend starts and stops shards (`scales_buffers`, with buffer_list, add_buffer and
+        remove_buffer)."""
+        return bool(getattr(self.backend, "scales_buffers", False))
 
     @property
     def started(self) -> bool:
@@ -123,11 +126,12 @@ class ShardKeeper:
 
     async def start(self) -> None:
         """Take the backend's shards as the first list and publish it. Only a backend that starts and
-        stops shards publishes one (the Kubernetes backend lists pods by IP, while actors and learners
-        name the shards by their stable DNS names: a list of IPs would move every one of them)."""
+        stops shards publishes one, and it lists them by the addresses actors and learners were given
+        (a Kubernetes backend without `buffer_address` knows only pod IPs: a list of those would move
+        every actor and learner off the DNS names they use)."""
         if not self.scales:
             return
-        self.addresses = [b.address for b in await self.backend.buffers()]
+        self.addresses = await self.backend.buffer_list()
         self.active = len(self.addresses)
         self._bump()
         await self.publish()

@@ -26,7 +26,7 @@ import yaml
 from services.config import load_config
 from services.common.service.prometheus import PROBE_TIMEOUT_S, PROBES
 from services.planner.kube import WORKLOADS
-from services.planner.rbac import RESOURCE_NAMES, RULES
+from services.planner.rbac import RULES, resource_names
 from tests.deploy.render import (HELM_SECURE, ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
                                  pod_env, role_of, workloads)
 
@@ -40,6 +40,10 @@ RENDERS = {
     "helm defaults": lambda: helm_template(),
     "helm gpu": lambda: helm_template("--set", "learner.gpu.enabled=true"),
     "helm renamed": lambda: helm_template("--set", "nameOverride=rl", "--set", "learner.persistence.enabled=false"),
+    # The planner adds and drains buffer shards (docs/planner.md, "Buffer shards"), with replay checkpoints.
+    "helm scaled shards": lambda: helm_template("--set", "buffer.shards=2", "--set", "config.planner.buffer.min=1",
+                                               "--set", "config.planner.buffer.max=4",
+                                               "--set", "buffer.checkpoint.enabled=true"),
     # Mutual TLS, tokens and external simulators let in (docs/security.md; tests/deploy/test_security.py).
     "kustomize secure": lambda: kustomize("overlays/secure"),
     "helm secure": lambda: helm_template(*HELM_SECURE),
@@ -134,11 +138,15 @@ def test_planner_role_grants_exactly_the_rbac_rules(render, tmp_path):
     cfg, _ = config_of(render, tmp_path)
     rules = role_rules(render, "planner")
     assert sorted((g, r, verbs) for g, r, verbs, _ in rules) == sorted(RULES)
-    # Narrowed to the objects rbac.RESOURCE_NAMES names (the learner StatefulSet: not the buffer's).
+    # Narrowed to the objects rbac.RESOURCE_NAMES names (the learner StatefulSet), and the buffer's only
+    # where the planner scales the shards (rbac.SHARD_RESOURCE_NAMES).
     names = {r: names for _, r, _, names in rules}
-    assert names == {r: ((getattr(cfg.planner.kubernetes, RESOURCE_NAMES[r]),) if r in RESOURCE_NAMES else ())
-                     for _, r, _ in RULES}
-    assert workloads(render)["buffer"]["metadata"]["name"] not in {n for ns in names.values() for n in ns}
+    narrowed = resource_names(cfg.planner.kubernetes)
+    assert names == {r: narrowed.get(r, ()) for _, r, _ in RULES}
+    buffer = workloads(render)["buffer"]["metadata"]["name"]
+    scaled = cfg.planner.buffer is not None
+    assert (buffer in {n for ns in names.values() for n in ns}) == scaled
+    assert (cfg.planner.kubernetes.buffer_statefulset == buffer) if scaled else not cfg.planner.kubernetes.buffer_address
 
 
 def test_learner_role_grants_exactly_the_membership_rules_on_its_statefulset(render, tmp_path):
@@ -200,15 +208,22 @@ def test_peers_are_headless_services_that_select_the_right_pods(render):
     services = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}
     peers = {"actor": {"buffer": parsed_args(ws["actor"]).buffer, "learner": parsed_args(ws["actor"]).learner},
              "learner": {"buffer": parsed_args(ws["learner"]).buffer}}
-    for role, targets in peers.items():
-        for peer, target in targets.items():
-            # dns:/// + round_robin (services/common/net/grpcutil.make_channel) balances over every pod.
-            assert target.startswith("dns:///"), f"{role} --{peer}={target}: use dns:/// for per-pod balancing"
-            host, port = urlparse(target).path.lstrip("/").rsplit(":", 1)
-            svc = services[host]
-            assert selects(svc["spec"]["selector"], pod_labels(ws[peer]))
-            (grpc,) = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
-            assert grpc["port"] == int(port) == named_port(container(ws[peer]), "grpc")
+    for role, listed in peers.items():
+        for peer, targets in listed.items():
+            for i, target in enumerate(targets.split(",")):   # (buffer shards: one address per shard)
+                # dns:/// + round_robin (services/common/net/grpcutil.make_channel) balances over every pod.
+                assert target.startswith("dns:///"), f"{role} --{peer}={target}: use dns:/// for per-pod balancing"
+                host, port = urlparse(target).path.lstrip("/").rsplit(":", 1)
+                if host in services:
+                    svc = services[host]
+                else:   # one pod of a StatefulSet by its stable name, <pod>.<governing Service>
+                    pod, _, governing = host.partition(".")
+                    svc = services[governing]
+                    assert ws[peer]["kind"] == "StatefulSet" and ws[peer]["spec"]["serviceName"] == governing
+                    assert pod == f"{ws[peer]['metadata']['name']}-{i}", f"{role} --{peer}: shard {i} is {pod}"
+                assert selects(svc["spec"]["selector"], pod_labels(ws[peer]))
+                (grpc,) = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+                assert grpc["port"] == int(port) == named_port(container(ws[peer]), "grpc")
     for name, svc in services.items():
         spec = svc["spec"]
         assert spec["clusterIP"] == "None", f"Service {name} must be headless"
@@ -257,7 +272,12 @@ def test_planner_managed_counts_are_not_in_the_templates(render, tmp_path):
         assert role_of(w) == role
         assert "replicas" not in w["spec"], f"{name}: the planner is the only writer of replicas"
     buffer = workloads(render)["buffer"]
-    assert buffer["kind"] == "StatefulSet" and buffer["spec"]["replicas"] == 1   # out of the planner Role's reach
+    if cfg.planner.buffer is None:   # out of the planner Role's reach
+        assert buffer["kind"] == "StatefulSet" and buffer["spec"]["replicas"] == cfg.topology.buffers
+    else:   # the planner scales it: an upgrade keeps the live count (a `lookup`; none under `helm template`)
+        assert buffer["spec"]["replicas"] == cfg.topology.buffers and k.buffer_statefulset == buffer["metadata"]["name"]
+        chart = (ROOT / "k8s" / "helm" / "kuberl" / "templates" / "buffer.yaml").read_text()
+        assert 'lookup "apps/v1" "StatefulSet"' in chart
 
 
 def test_config_map_loads_and_names_the_objects_the_planner_uses(render, tmp_path):

@@ -173,3 +173,20 @@ def test_buffer_shards_from_the_chart():
         with pytest.raises(RenderError) as err:
             helm_template(*values)
         assert message in str(err.value)
+
+    # The planner scales the shards (config.planner.buffer): even one shard is named by its pod, each gets
+    # a claim of its own, the planner is told the pattern, and its Role names the buffer StatefulSet.
+    scaled = helm_template("--set", "config.planner.buffer.min=1", "--set", "config.planner.buffer.max=4",
+                           "--set", "buffer.checkpoint.enabled=true")
+    assert validate(scaled) == []
+    assert buffer_args(scaled)["actor"] == ["dns:///kuberl-buffer-0.kuberl-buffer:50051"]
+    k8s = config_from_dict(config(scaled)).planner.kubernetes
+    assert (k8s.buffer_statefulset, k8s.buffer_address) == ("kuberl-buffer",
+                                                            "dns:///kuberl-buffer-{i}.kuberl-buffer:50051")
+    assert workloads(scaled)["buffer"]["spec"]["volumeClaimTemplates"]
+    (role,) = [o for o in of_kind(scaled, "Role") if o["metadata"]["name"] == "kuberl-planner"]
+    assert {tuple(r.get("resourceNames", ())) for r in role["rules"] if r["resources"][0].startswith("statefulsets")} \
+        == {("kuberl-learner", "kuberl-buffer")}
+    with pytest.raises(RenderError, match="buffer.checkpoint.existingClaim"):
+        helm_template("--set", "config.planner.buffer.min=1", "--set", "config.planner.buffer.max=4",
+                      "--set", "buffer.checkpoint.enabled=true", "--set", "buffer.checkpoint.existingClaim=mine")

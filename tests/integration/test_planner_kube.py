@@ -25,7 +25,7 @@ from tests.k8s.cluster import TOKENS, expand, grant
 
 ACTOR, LEARNER = "kuberl-actor", "kuberl-learner"
 NAMES = {"actor": ACTOR, "learner": LEARNER}   # KubernetesPlannerConfig's defaults
-ROLE_OF = {name: role for role, name in NAMES.items()}
+ROLE_OF = {name: role for role, name in NAMES.items()} | {"kuberl-buffer": "learner"}   # (a StatefulSet too)
 MERGE = "application/merge-patch+json"
 # The planner's Role as the manifests grant it: rbac.RULES, the StatefulSet rules on the learners' only.
 RESOURCE_NAMES = {resource: [LEARNER] for resource in rbac.RESOURCE_NAMES}
@@ -545,3 +545,69 @@ async def test_429_waits_for_retry_after_and_5xx_is_retried(tmp_path):
     hpa_times = [t for t, p in _Flaky.seen if p.startswith(hpas)]
     assert len(hpa_times) == 2 and hpa_times[1] - hpa_times[0] >= 1.0, "Retry-After: 1 was not honoured"
     assert sum(p.startswith(dep) for _, p in _Flaky.seen) == 2   # the 503 was retried once, then 404 stood
+
+
+BUFFER = "kuberl-buffer"
+SHARD_ADDRESS = "dns:///kuberl-buffer-{i}.kuberl-buffer:50051"
+
+
+def buffer_endpoints(core, ns: str, ready: int, starting: int = 0) -> None:
+    """The buffer Service's Endpoints as the controller would write them: pods kuberl-buffer-0.. ready,
+    then `starting` more not ready yet."""
+    def pod(i):
+        return {"ip": f"10.2.0.{i + 1}", "targetRef": {"kind": "Pod", "name": f"{BUFFER}-{i}", "namespace": ns}}
+    body = {"metadata": {"name": BUFFER}, "subsets": [{
+        "addresses": [pod(i) for i in range(ready)],
+        "notReadyAddresses": [pod(i) for i in range(ready, ready + starting)],
+        "ports": [{"name": "grpc", "port": 50051}]}]}
+    try:
+        core.replace_namespaced_endpoints(BUFFER, ns, body)
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+        core.create_namespaced_endpoints(ns, body)
+
+
+async def test_buffer_shards_scale_the_buffer_statefulset_one_at_a_time(k8s_cluster, k8s_admin, k8s_namespace,
+                                                                        backends, tmp_path):
+    """With buffer_address, the backend names shards by the address actors were given (by pod ordinal,
+    not IP), adds one by patching the buffer StatefulSet's scale up by one and removes the drained last
+    one by patching it down; only the last can go. Under the planner's Role with the buffer StatefulSet
+    named (rbac.resource_names), every call is one the Role grants; without buffer_address the backend
+    does not scale shards at all."""
+    ns, core = k8s_namespace, client.CoreV1Api(k8s_admin)
+    make_roles(k8s_admin, ns)
+    client.AppsV1Api(k8s_admin).create_namespaced_stateful_set(ns, workload(STATEFULSET, BUFFER, 1))
+    buffer_endpoints(core, ns, ready=1)
+    plain = await backends(ns)
+    assert not plain.scales_buffers and [r.address for r in await plain.buffers()] == ["10.2.0.1:50051"]
+    cfg = KubernetesPlannerConfig(buffer_address=SHARD_ADDRESS)
+    names = rbac.resource_names(cfg)
+    assert names["statefulsets/scale"] == (LEARNER, BUFFER)
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner",
+          resource_names={r: list(v) for r, v in names.items()})
+    kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "planner.kubeconfig", user="kuberl-planner", namespace=ns)
+    b = await backends(None, kubeconfig=str(kubeconfig), buffer_address=SHARD_ADDRESS)
+    assert b.scales_buffers and await b.buffer_list() == ["dns:///kuberl-buffer-0.kuberl-buffer:50051"]
+    assert [(r.name, r.address, r.ready) for r in await b.buffers()] == [
+        (f"{BUFFER}-0", "dns:///kuberl-buffer-0.kuberl-buffer:50051", True)]
+
+    assert await b.add_buffer() == "dns:///kuberl-buffer-1.kuberl-buffer:50051"
+    assert spec_replicas(k8s_admin, ns, BUFFER) == 2
+    assert len(await b.buffer_list()) == 2                      # (by the scale: in the list once it serves)
+    buffer_endpoints(core, ns, ready=1, starting=1)            # its pod starts: listed, not serving yet
+    assert [(r.address, r.ready) for r in await b.buffers()] == [
+        ("dns:///kuberl-buffer-0.kuberl-buffer:50051", True), ("", False)]
+    buffer_endpoints(core, ns, ready=2)
+    assert [r.address for r in await b.buffers() if r.ready] == [SHARD_ADDRESS.replace("{i}", str(i)) for i in (0, 1)]
+
+    with pytest.raises(ValueError, match="is not the last of 2"):
+        await b.remove_buffer("dns:///kuberl-buffer-0.kuberl-buffer:50051")
+    await b.remove_buffer("dns:///kuberl-buffer-1.kuberl-buffer:50051")
+    assert spec_replicas(k8s_admin, ns, BUFFER) == 1
+    # Paused by hand: left alone, and the refusal says so.
+    apps = client.AppsV1Api(k8s_admin)
+    apps.patch_namespaced_stateful_set(BUFFER, ns, {"metadata": {"annotations": {cfg.pause_annotation: "true"}}})
+    with pytest.raises(Refused, match="paused by hand"):
+        await b.add_buffer()
+    assert spec_replicas(k8s_admin, ns, BUFFER) == 1

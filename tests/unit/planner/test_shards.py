@@ -60,6 +60,7 @@ def test_bounds_default_to_the_topology_and_are_checked_against_it():
 class ShardingBackend(WireBackend):
     """WireBackend whose buffer shards it starts and stops: a shard it adds serves from the second
     listing on."""
+    scales_buffers = True
 
     def __init__(self, actors: int):
         super().__init__(actors)
@@ -75,6 +76,9 @@ class ShardingBackend(WireBackend):
             ready = address == "fake:buffer-0" or self.listed[address] > 1
             out.append(Replica(f"buffer-{i}", address if ready else "", ready))
         return out
+
+    async def buffer_list(self) -> list[str]:
+        return list(self.shards)
 
     async def add_buffer(self) -> str:
         address = f"fake:buffer-{len(self.shards)}"

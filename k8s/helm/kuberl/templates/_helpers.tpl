@@ -37,12 +37,19 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{ printf "%s/%s:%s" .ctx.Values.image.repository .role $tag }}
 {{- end -}}
 
+{{/* "true" when the planner scales the buffer shards (config.planner.buffer is set), else "". */}}
+{{- define "kuberl.bufferScaled" -}}
+{{- $planner := get .Values.config "planner" | default dict -}}
+{{- if get $planner "buffer" -}}true{{- end -}}
+{{- end -}}
+
 {{/* The --buffer address list every actor and learner is given: the buffer Service alone for one shard
-(as before shards existed), else each shard's pod by its stable name, in shard order. */}}
+(as before shards existed), else each shard's pod by its stable name, in shard order (also for one
+shard when the planner scales them: it names the shards it adds the same way). */}}
 {{- define "kuberl.bufferAddresses" -}}
 {{- $name := include "kuberl.name" . -}}
 {{- $n := int .Values.buffer.shards -}}
-{{- if eq $n 1 -}}
+{{- if and (eq $n 1) (not (include "kuberl.bufferScaled" .)) -}}
 {{- printf "dns:///%s-buffer:50051" $name -}}
 {{- else -}}
 {{- $out := list -}}
@@ -64,6 +71,11 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- $_ = set $k8s "actor_service" (printf "%s-actor" $name) -}}
 {{- $_ = set $k8s "learner_service" (printf "%s-learner" $name) -}}
 {{- $_ = set $k8s "buffer_service" (printf "%s-buffer" $name) -}}
+{{- if include "kuberl.bufferScaled" . -}}
+{{- /* The planner adds and drains shards: the buffer StatefulSet, its pods named as actors are told. */ -}}
+{{- $_ = set $k8s "buffer_statefulset" (printf "%s-buffer" $name) -}}
+{{- $_ = set $k8s "buffer_address" (printf "dns:///%s-buffer-{i}.%s-buffer:50051" $name $name) -}}
+{{- end -}}
 {{- $_ = set $k8s "grpc_port_name" "grpc" -}}
 {{- $_ = set $k8s "lease_name" (printf "%s-planner" $name) -}}
 {{- $_ = set $planner "kubernetes" $k8s -}}
