@@ -244,14 +244,20 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         per LIMIT_INTERVAL_S (docs/rate-limiter.md)."""
         if not 0 < len(request.actor_id) <= MAX_ID_LEN:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"actor_id: must be 1..{MAX_ID_LEN} characters")
-        sent = None
+        sent, told = None, 0   # the last limit written, and the generation of the shard list it carried
         self._watching[request.actor_id] += 1
         try:
             while not self.closing:
                 waiter = self.changed.waiter()  # taken before reading: a change in between is not missed
                 msg = self._insert_limit(request.actor_id, request.incarnation)
-                if msg != sent:
-                    await context.write(msg)
+                if msg != sent or self.topology.generation != told:
+                    out = msg
+                    if self.topology.generation != told:   # the shard list once per change, not in every limit
+                        out = buffer_pb2.InsertLimit()
+                        out.CopyFrom(msg)
+                        out.topology.CopyFrom(self.topology)
+                        told = self.topology.generation
+                    await context.write(out)
                     sent = msg
                     await asyncio.sleep(LIMIT_INTERVAL_S)
                     continue
@@ -274,8 +280,6 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             msg.insert_limit_samples = max(0, limit)
         if (high := store.high_water(actor_id, incarnation)) is not None:
             msg.high_water_seq = high
-        if self.topology.generation:
-            msg.topology.CopyFrom(self.topology)
         return msg
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:

@@ -60,20 +60,23 @@ class GrpcStats:
         self.cfg, self.metrics = cfg, metrics
         self.channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, role: str, address: str):
+    def stub(self, role: str, address: str):
+        """The role's stub on this source's channel to `address` (one channel per address, kept)."""
         ch = self.channels.get(address)
         if ch is None:
             ch = self.channels[address] = open_channel(address, self.cfg.tls, aio=True)
         return self.STUBS[role](ch)
 
+    def metadata(self):
+        """This planner's token as call metadata (None without one), read at every call so that a rotated
+        one is sent; needed by roles with auth.protect_reads. AuthError naming the file it cannot read."""
+        token_file = self.cfg.auth.client_token_file
+        token = read_client_token(token_file, "auth.client_token_file") if token_file else None
+        return bearer_metadata(token, self.cfg.tls.enabled) or None
+
     async def get_stats(self, role, name, address, request):
         try:
-            # The role's own token, read at every call so that a rotated one is sent; needed by roles
-            # with auth.protect_reads.
-            token_file = self.cfg.auth.client_token_file
-            token = read_client_token(token_file, "auth.client_token_file") if token_file else None
-            return await self._stub(role, address).GetStats(
-                request, timeout=STATS_TIMEOUT_S, metadata=bearer_metadata(token, self.cfg.tls.enabled) or None)
+            return await self.stub(role, address).GetStats(request, timeout=STATS_TIMEOUT_S, metadata=self.metadata())
         except grpc.RpcError as err:
             log.debug("stats from %s %s (%s) failed: %s", role, name, address, err.code().name)
         except (AuthError, TlsError) as err:  # this planner's own certificate or token files: tried next time

@@ -35,13 +35,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
-from services.common.net.tls import TlsError, open_channel
-from services.common.net.tokens import AuthError, bearer_metadata, read_client_token
+from kuberl.v1 import buffer_pb2
+from services.common.net.tls import TlsError
+from services.common.net.tokens import AuthError
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 from services.planner.backend import Backend, Refused
 from services.planner.decide import BUFFER_BUSY_CORES
+from services.planner.observe import GrpcStats
 
 log = logging.getLogger(__name__)
 BUFFER_IDLE_CORES = 0.3        # a shard's process under this has room for another's actors
@@ -108,7 +109,7 @@ class ShardKeeper:
         self.adding: tuple[str, float] | None = None     # (address started, when)
         self.removing: tuple[str, float] | None = None   # (address draining, when)
         self.acks: dict[str, buffer_pb2.TopologyAck] = {}
-        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.grpc = GrpcStats(cfg, metrics)   # (its channels, with this planner's TLS and token)
         self.idle_since: float | None = None
         self.changed_at: float | None = None            # when the last add or drain completed
         for name in ("topology_errors", "buffer_shards_added", "buffer_shards_drained"):
@@ -211,8 +212,7 @@ class ShardKeeper:
             self.removing = None
             self.changed_at = self.clock()
             self.acks.pop(address, None)
-            if (ch := self.channels.pop(address, None)) is not None:
-                await ch.close()
+            await self.grpc.forget(set(self.addresses))
             self._bump()
             self.metrics.inc("planner/buffer_shards_drained_total")
             log.info("buffer shard %s drained and stopped: %d shards (generation %d)", address, self.active,
@@ -234,13 +234,8 @@ class ShardKeeper:
 
     async def _send(self, i: int, address: str, request: buffer_pb2.SetTopologyRequest) -> buffer_pb2.TopologyAck | None:
         try:
-            token_file = self.cfg.auth.client_token_file
-            token = read_client_token(token_file, "auth.client_token_file") if token_file else None
-            ch = self.channels.get(address)
-            if ch is None:
-                ch = self.channels[address] = open_channel(address, self.cfg.tls, aio=True)
-            return await buffer_pb2_grpc.BufferStub(ch).SetTopology(
-                request, timeout=SET_TOPOLOGY_TIMEOUT_S, metadata=bearer_metadata(token, self.cfg.tls.enabled) or None)
+            return await self.grpc.stub("buffer", address).SetTopology(
+                request, timeout=SET_TOPOLOGY_TIMEOUT_S, metadata=self.grpc.metadata())
         except grpc.RpcError as err:
             log.debug("SetTopology to shard %d (%s) failed: %s", i, address, err.code().name)
         except (AuthError, TlsError) as err:
@@ -248,6 +243,4 @@ class ShardKeeper:
         return None
 
     async def close(self) -> None:
-        for ch in self.channels.values():
-            await ch.close()
-        self.channels.clear()
+        await self.grpc.close()

@@ -58,14 +58,41 @@ def test_only_a_newer_topology_is_taken_and_handed_on():
     async def run():
         store = dqn_store()
         s = BufferServicer(store, store.metrics)
-        assert not s._insert_limit("a", 1).HasField("topology")   # none set: actors keep their own list
         ack = await s.SetTopology(request([A, B], 2, 10, 1), Context())
         assert ack.generation == 10 and not ack.draining and not ack.drained
         await s.SetTopology(request([A], 1, 9, 0), Context())     # older: ignored
         assert list(s.topology.addresses) == [A, B] and s.shard == 1
-        assert s._insert_limit("a", 1).topology == s.topology
         assert (await s.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l"), Context())).topology == s.topology
         assert store.metrics.snapshot()["buffer/topology_generation"] == 10
+    asyncio.run(run())
+
+
+def test_the_insert_limit_stream_carries_the_list_once_per_change():
+    """An actor hears the shard list in its stream's first message and again only when it changes: not
+    in each of up to a hundred limits a second."""
+    async def run():
+        store = dqn_store()
+        s = BufferServicer(store, store.metrics)
+        written: list[buffer_pb2.InsertLimit] = []
+
+        class Stream(Context):
+            async def write(self, msg):
+                written.append(msg)
+        watch = asyncio.create_task(s.WatchInsertLimit(buffer_pb2.InsertLimitRequest(actor_id="a", incarnation=1),
+                                                       Stream()))
+        await asyncio.sleep(0.05)
+        assert len(written) == 1 and not written[0].HasField("topology")   # none set: the actor keeps its own
+        await s.SetTopology(request([A, B], 2, 10, 0), Context())
+        await asyncio.sleep(0.05)
+        store.insert(dqn_msg(0))
+        s.changed.notify()
+        await asyncio.sleep(0.05)
+        await s.SetTopology(request([A, B], 1, 11, 0), Context())
+        await asyncio.sleep(0.05)
+        s.close()
+        await asyncio.wait_for(watch, 5)
+        assert [m.topology.generation for m in written] == [0, 10, 0, 11], written
+        assert written[2].samples_inserted_total > 0   # (a limit that moved, without the list)
     asyncio.run(run())
 
 
