@@ -121,6 +121,7 @@ class Fleet:
         self.external = cfg.env.mode == "external"
         self.planned = cfg.planner.enabled
         self.actor_ports = actor_ports(cfg, actor_port)
+        self._picked: set[int] = set()   # ports handed to this run's processes (see _free_port)
         self._planner_claim = None   # the lock that keeps PLANNER_PORT this run's while it lasts
         self.sup = Supervisor(self.dir, self.dir / "config.yaml", log_events=False)
         self.events_read = 0  # bytes of events.jsonl already printed (the planner's backend appends too)
@@ -188,8 +189,12 @@ class Fleet:
                         actor_args(f"actor-{i}", self.dir.name, buffer=buffer, learner=learner, index=i))
 
     def _free_port(self) -> int:
-        while (port := free_port()) in self.actor_ports:
+        """A port for one of this run's processes: free now, outside the external actors' ports, and
+        never one already handed to another process here (which may not have bound it yet: seen, the
+        planner picked the port of a buffer still starting, and failed to bind it five times)."""
+        while (port := free_port()) in self.actor_ports or port in self._picked:
             pass
+        self._picked.add(port)
         return port
 
     def wait_all_ready(self) -> None:

@@ -59,11 +59,19 @@ class LocalBackend:
                               on_restart=lambda name: self.metrics.inc("planner/replica_restarts_total"))
         self.names: dict[str, dict[int, str]] = {r: {} for r in ROLES}  # role -> index -> process name
         self.draining: set[asyncio.Task] = set()
+        self._picked = {int(a.rsplit(":", 1)[1]) for a in self.shards}   # ports handed out (see _free_port)
         # Rank 0 listens on a port picked here, so actors can be told its address before it serves.
-        self.learner_address = f"127.0.0.1:{free_port()}"
+        self.learner_address = f"127.0.0.1:{self._free_port()}"
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
         self.metrics.inc("planner/replicas_drained_total", 0)
+
+    def _free_port(self) -> int:
+        """A free port never handed to another process of this backend (one still starting has not bound it)."""
+        while (port := free_port()) in self._picked:
+            pass
+        self._picked.add(port)
+        return port
 
     @property
     def procs(self) -> dict[str, dict[int, ServiceProcess]]:
@@ -83,7 +91,7 @@ class LocalBackend:
     def _form_group(self, n: int) -> None:
         """Start n learners as one group (one learner alone is restarted alone)."""
         procs = self.sup.start_group(LEARNERS, n, learner_specs(self.run_dir, n, buffer=self.buffer,
-                                                                listen=self.learner_address))
+                                                                listen=self.learner_address), port=self._free_port)
         self.names["learner"] = {rank: p.name for rank, p in enumerate(procs)}
         self.metrics.set("planner/learner_group_size", n)
 
@@ -139,7 +147,7 @@ class LocalBackend:
             address = self.idle_shards.pop()
         else:
             index, self.next_shard = self.next_shard, self.next_shard + 1
-            address, name = f"127.0.0.1:{free_port()}", f"buffer-{index}"
+            address, name = f"127.0.0.1:{self._free_port()}", f"buffer-{index}"
             self.shard_names[address] = name
             self.own_shards.add(address)
             self.sup.start(Spec("buffer", name, address, tuple(buffer_args(self.cfg, self.run_dir, shard=index))))

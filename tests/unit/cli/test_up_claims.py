@@ -64,3 +64,26 @@ def test_the_run_lists_every_live_process_metrics_endpoint_for_prometheus(tmp_pa
     fleet.members.pop(0)                                            # the buffer went
     fleet.write_targets()
     assert [g["labels"]["name"] for g in json.loads((tmp_path / TARGETS_FILE).read_text())] == ["actor-0"]
+
+
+def test_a_port_handed_to_one_process_of_a_run_is_never_handed_to_another(tmp_path, monkeypatch):
+    """The buffer's port is picked, the buffer starts, the planner's port is picked before the buffer has
+    bound its own: a free-now check alone could pick the same port again (seen in a clean-clone run: the
+    planner then failed to bind five times and the run ended). The fleet, and the planner's local
+    backend, never hand out a port twice."""
+    from services.cli import fleet
+    from services.config import config_from_dict
+    from services.planner import local
+    from tests.helpers import TINY_PPO
+
+    picks = iter([12001, 12001, 12001, 12002, 12001, 12003])
+    monkeypatch.setattr(fleet, "free_port", lambda: next(picks))
+    f = fleet.Fleet(config_from_dict(TINY_PPO), tmp_path / "run")
+    assert [f._free_port(), f._free_port()] == [12001, 12002]
+
+    picks = iter([12005, 12005, 12006, 12007])
+    monkeypatch.setattr(local, "free_port", lambda: next(picks))
+    backend = local.LocalBackend(config_from_dict(TINY_PPO), config_path=tmp_path / "c.yaml", run_dir=tmp_path / "r",
+                                 buffer="127.0.0.1:12006")
+    assert backend.learner_address == "127.0.0.1:12005"
+    assert backend._free_port() == 12007   # (12005 is the learner's, 12006 the buffer's)
