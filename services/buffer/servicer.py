@@ -220,6 +220,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                                      actors_live=len(self._watching))
         ack.drained = self.draining and self._drained()
         ack.size_samples = self.store.size
+        if self.topology.generation:
+            ack.topology.CopyFrom(self.topology)
         return ack
 
     def _drained(self) -> bool:

@@ -134,8 +134,36 @@ class ShardKeeper:
             return
         self.addresses = await self.backend.buffer_list()
         self.active = len(self.addresses)
+        await self._resume()
         self._bump()
         await self.publish()
+
+    async def _resume(self) -> None:
+        """A planner restarted mid-drain takes the drain back up: it reads the list the shards hold (a
+        SetTopology of generation 0 changes nothing) and, where the newest one drains shards the backend
+        still runs, keeps them draining instead of making them active again. Its generation starts past
+        the newest one held."""
+        ask = buffer_pb2.BufferTopology(generation=0, addresses=self.addresses, active=self.active)
+        acks = await asyncio.gather(*(self.send(i, a, buffer_pb2.SetTopologyRequest(topology=ask, shard=i))
+                                      for i, a in enumerate(self.addresses)))
+        held = max((a.topology for a in acks if a is not None and a.topology.generation),
+                   key=lambda t: t.generation, default=None)
+        if held is None:
+            return
+        self.generation = max(self.generation, held.generation)
+        # The shards the held list has active, in its order, then the rest the backend runs (a shard
+        # added after it was published, or one being drained): those past `active` go on draining.
+        active = [a for a in held.addresses[:held.active] if a in self.addresses]
+        if not active or len(active) == len(self.addresses):
+            return
+        rest = [a for a in self.addresses if a not in active]
+        draining = [a for a in rest if a in held.addresses[held.active:]]
+        self.addresses = active + [a for a in rest if a not in draining] + draining
+        self.active = len(self.addresses) - len(draining)
+        if draining:
+            self.removing = (self.addresses[self.active], self.clock())
+            log.info("resuming the drain of buffer shard %d (%s) from generation %d", self.active,
+                     self.removing[0], held.generation)
 
     def _bump(self) -> None:
         self.generation = max(self.generation + 1, int(self.wall() * 1000))

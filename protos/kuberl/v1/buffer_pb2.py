@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kuberl.v1 import common_pb2 as kuberl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kuberl/v1/buffer.proto\x12\tkuberl.v1\x1a\x16kuberl/v1/common.proto\"G\n\x0e\x42ufferTopology\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\r\"P\n\x12SetTopologyRequest\x12+\n\x08topology\x18\x01 \x01(\x0b\x32\x19.kuberl.v1.BufferTopology\x12\r\n\x05shard\x18\x02 \x01(\r\"o\n\x0bTopologyAck\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\x12\x13\n\x0b\x61\x63tors_live\x18\x04 \x01(\r\x12\x14\n\x0csize_samples\x18\x05 \x01(\x04\"\xa7\x01\n\x07PushAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\x12\x10\n\x08rejected\x18\x03 \x01(\x04\x12\x1e\n\x11last_accepted_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0ehigh_water_seq\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x14\n\x12_last_accepted_seqB\x11\n\x0f_high_water_seq\"t\n\x0c\x42\x61tchRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\'\n\talgorithm\x18\x02 \x01(\x0e\x32\x14.kuberl.v1.Algorithm\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_batches\x18\x04 \x01(\x04\"}\n\x0fLearnerProgress\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x1e\n\x16samples_consumed_total\x18\x03 \x01(\x04\x12\x1e\n\x16\x62\x61tches_consumed_total\x18\x04 \x01(\x04\"r\n\x0bProgressAck\x12\x1e\n\x16samples_inserted_total\x18\x01 \x01(\x04\x12\x16\n\x0ewarmup_samples\x18\x02 \x01(\x04\x12+\n\x08topology\x18\x03 \x01(\x0b\x32\x19.kuberl.v1.BufferTopology\";\n\x12InsertLimitRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x81\x02\n\x0bInsertLimit\x12\x1e\n\x16samples_inserted_total\x18\x01 \x01(\x04\x12!\n\x14insert_limit_samples\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0ehigh_water_seq\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12\x1c\n\x14samples_served_total\x18\x04 \x01(\x04\x12\x1b\n\x13replay_ratio_target\x18\x05 \x01(\x01\x12+\n\x08topology\x18\x06 \x01(\x0b\x32\x19.kuberl.v1.BufferTopologyB\x17\n\x15_insert_limit_samplesB\x11\n\x0f_high_water_seq2\xb5\x03\n\x06\x42uffer\x12G\n\x10PushTrajectories\x12\x1d.kuberl.v1.TrajectoryFragment\x1a\x12.kuberl.v1.PushAck(\x01\x12\x44\n\rStreamBatches\x12\x17.kuberl.v1.BatchRequest\x1a\x18.kuberl.v1.TrainingBatch0\x01\x12\x44\n\x0eReportProgress\x12\x1a.kuberl.v1.LearnerProgress\x1a\x16.kuberl.v1.ProgressAck\x12\x43\n\x08GetStats\x12\x1a.kuberl.v1.GetStatsRequest\x1a\x1b.kuberl.v1.GetStatsResponse\x12K\n\x10WatchInsertLimit\x12\x1d.kuberl.v1.InsertLimitRequest\x1a\x16.kuberl.v1.InsertLimit0\x01\x12\x44\n\x0bSetTopology\x12\x1d.kuberl.v1.SetTopologyRequest\x1a\x16.kuberl.v1.TopologyAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kuberl/v1/buffer.proto\x12\tkuberl.v1\x1a\x16kuberl/v1/common.proto\"G\n\x0e\x42ufferTopology\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\r\"P\n\x12SetTopologyRequest\x12+\n\x08topology\x18\x01 \x01(\x0b\x32\x19.kuberl.v1.BufferTopology\x12\r\n\x05shard\x18\x02 \x01(\r\"\x9c\x01\n\x0bTopologyAck\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\x12\x13\n\x0b\x61\x63tors_live\x18\x04 \x01(\r\x12\x14\n\x0csize_samples\x18\x05 \x01(\x04\x12+\n\x08topology\x18\x06 \x01(\x0b\x32\x19.kuberl.v1.BufferTopology\"\xa7\x01\n\x07PushAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\x12\x10\n\x08rejected\x18\x03 \x01(\x04\x12\x1e\n\x11last_accepted_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0ehigh_water_seq\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x14\n\x12_last_accepted_seqB\x11\n\x0f_high_water_seq\"t\n\x0c\x42\x61tchRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\'\n\talgorithm\x18\x02 \x01(\x0e\x32\x14.kuberl.v1.Algorithm\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_batches\x18\x04 \x01(\x04\"}\n\x0fLearnerProgress\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x1e\n\x16samples_consumed_total\x18\x03 \x01(\x04\x12\x1e\n\x16\x62\x61tches_consumed_total\x18\x04 \x01(\x04\"r\n\x0bProgressAck\x12\x1e\n\x16samples_inserted_total\x18\x01 \x01(\x04\x12\x16\n\x0ewarmup_samples\x18\x02 \x01(\x04\x12+\n\x08topology\x18\x03 \x01(\x0b\x32\x19.kuberl.v1.BufferTopology\";\n\x12InsertLimitRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x81\x02\n\x0bInsertLimit\x12\x1e\n\x16samples_inserted_total\x18\x01 \x01(\x04\x12!\n\x14insert_limit_samples\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1b\n\x0ehigh_water_seq\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12\x1c\n\x14samples_served_total\x18\x04 \x01(\x04\x12\x1b\n\x13replay_ratio_target\x18\x05 \x01(\x01\x12+\n\x08topology\x18\x06 \x01(\x0b\x32\x19.kuberl.v1.BufferTopologyB\x17\n\x15_insert_limit_samplesB\x11\n\x0f_high_water_seq2\xb5\x03\n\x06\x42uffer\x12G\n\x10PushTrajectories\x12\x1d.kuberl.v1.TrajectoryFragment\x1a\x12.kuberl.v1.PushAck(\x01\x12\x44\n\rStreamBatches\x12\x17.kuberl.v1.BatchRequest\x1a\x18.kuberl.v1.TrainingBatch0\x01\x12\x44\n\x0eReportProgress\x12\x1a.kuberl.v1.LearnerProgress\x1a\x16.kuberl.v1.ProgressAck\x12\x43\n\x08GetStats\x12\x1a.kuberl.v1.GetStatsRequest\x1a\x1b.kuberl.v1.GetStatsResponse\x12K\n\x10WatchInsertLimit\x12\x1d.kuberl.v1.InsertLimitRequest\x1a\x16.kuberl.v1.InsertLimit0\x01\x12\x44\n\x0bSetTopology\x12\x1d.kuberl.v1.SetTopologyRequest\x1a\x16.kuberl.v1.TopologyAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,20 +36,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BUFFERTOPOLOGY']._serialized_end=132
   _globals['_SETTOPOLOGYREQUEST']._serialized_start=134
   _globals['_SETTOPOLOGYREQUEST']._serialized_end=214
-  _globals['_TOPOLOGYACK']._serialized_start=216
-  _globals['_TOPOLOGYACK']._serialized_end=327
-  _globals['_PUSHACK']._serialized_start=330
-  _globals['_PUSHACK']._serialized_end=497
-  _globals['_BATCHREQUEST']._serialized_start=499
-  _globals['_BATCHREQUEST']._serialized_end=615
-  _globals['_LEARNERPROGRESS']._serialized_start=617
-  _globals['_LEARNERPROGRESS']._serialized_end=742
-  _globals['_PROGRESSACK']._serialized_start=744
-  _globals['_PROGRESSACK']._serialized_end=858
-  _globals['_INSERTLIMITREQUEST']._serialized_start=860
-  _globals['_INSERTLIMITREQUEST']._serialized_end=919
-  _globals['_INSERTLIMIT']._serialized_start=922
-  _globals['_INSERTLIMIT']._serialized_end=1179
-  _globals['_BUFFER']._serialized_start=1182
-  _globals['_BUFFER']._serialized_end=1619
+  _globals['_TOPOLOGYACK']._serialized_start=217
+  _globals['_TOPOLOGYACK']._serialized_end=373
+  _globals['_PUSHACK']._serialized_start=376
+  _globals['_PUSHACK']._serialized_end=543
+  _globals['_BATCHREQUEST']._serialized_start=545
+  _globals['_BATCHREQUEST']._serialized_end=661
+  _globals['_LEARNERPROGRESS']._serialized_start=663
+  _globals['_LEARNERPROGRESS']._serialized_end=788
+  _globals['_PROGRESSACK']._serialized_start=790
+  _globals['_PROGRESSACK']._serialized_end=904
+  _globals['_INSERTLIMITREQUEST']._serialized_start=906
+  _globals['_INSERTLIMITREQUEST']._serialized_end=965
+  _globals['_INSERTLIMIT']._serialized_start=968
+  _globals['_INSERTLIMIT']._serialized_end=1225
+  _globals['_BUFFER']._serialized_start=1228
+  _globals['_BUFFER']._serialized_end=1665
 # @@protoc_insertion_point(module_scope)

@@ -26,18 +26,20 @@ class SetTopologyRequest(_message.Message):
     def __init__(self, topology: _Optional[_Union[BufferTopology, _Mapping]] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class TopologyAck(_message.Message):
-    __slots__ = ("generation", "draining", "drained", "actors_live", "size_samples")
+    __slots__ = ("generation", "draining", "drained", "actors_live", "size_samples", "topology")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     ACTORS_LIVE_FIELD_NUMBER: _ClassVar[int]
     SIZE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     draining: bool
     drained: bool
     actors_live: int
     size_samples: int
-    def __init__(self, generation: _Optional[int] = ..., draining: _Optional[bool] = ..., drained: _Optional[bool] = ..., actors_live: _Optional[int] = ..., size_samples: _Optional[int] = ...) -> None: ...
+    topology: BufferTopology
+    def __init__(self, generation: _Optional[int] = ..., draining: _Optional[bool] = ..., drained: _Optional[bool] = ..., actors_live: _Optional[int] = ..., size_samples: _Optional[int] = ..., topology: _Optional[_Union[BufferTopology, _Mapping]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("accepted", "duplicates", "rejected", "last_accepted_seq", "high_water_seq")

@@ -127,7 +127,8 @@ class BufferServicer:
         """The planner tells every shard the experiment's shard list when it changes, and again at every
         measurement (a restarted shard learns it back). The shard hands it on to actors (InsertLimit) and
         learners (ProgressAck); a shard at or past `active` drains (docs/architecture.md, "Buffer shards").
-        A topology older than the one held is ignored. Idempotent.
+        A topology older than the one held is ignored, so one of generation 0 only reads what the shard
+        holds (TopologyAck.topology): a restarted planner does that before it publishes. Idempotent.
         Errors: INVALID_ARGUMENT for an empty address list, `active` of 0 or over the list, or `shard`
         outside the list.
         """

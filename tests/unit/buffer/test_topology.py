@@ -58,10 +58,12 @@ def test_only_a_newer_topology_is_taken_and_handed_on():
     async def run():
         store = dqn_store()
         s = BufferServicer(store, store.metrics)
+        assert not (await s.SetTopology(request([A, B], 2, 0, 1), Context())).HasField("topology")  # none held
         ack = await s.SetTopology(request([A, B], 2, 10, 1), Context())
         assert ack.generation == 10 and not ack.draining and not ack.drained
-        await s.SetTopology(request([A], 1, 9, 0), Context())     # older: ignored
+        older = await s.SetTopology(request([A], 1, 9, 0), Context())     # older: ignored
         assert list(s.topology.addresses) == [A, B] and s.shard == 1
+        assert older.topology == s.topology   # (what a restarted planner reads back with generation 0)
         assert (await s.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l"), Context())).topology == s.topology
         assert store.metrics.snapshot()["buffer/topology_generation"] == 10
     asyncio.run(run())

@@ -102,11 +102,15 @@ class Shards:
 
     async def __call__(self, i, address, request):
         t = request.topology
-        if address in self.got and t.generation < self.got[address].generation:
+        held = self.got.get(address)
+        if held is not None and 0 < t.generation < held.generation:
             raise AssertionError("the generation went back")
-        self.got[address] = t
-        draining = i >= t.active
-        return buffer_pb2.TopologyAck(generation=t.generation, draining=draining,
+        if held is None or t.generation > held.generation:   # (generation 0 only reads, as a shard does)
+            self.got[address] = held = t
+        if held is None:
+            return buffer_pb2.TopologyAck()
+        draining = i >= held.active
+        return buffer_pb2.TopologyAck(generation=held.generation, draining=draining, topology=held,
                                       drained=draining and address in self.drained)
 
 
@@ -154,6 +158,50 @@ async def test_the_planner_adds_a_shard_for_a_busy_buffer_and_drains_it_once_sha
     assert list(shards.got["fake:buffer-0"].addresses) == ["fake:buffer-0"] and not planner.shards.busy()
     assert planner.metrics.counters["planner/buffer_shards_drained_total"] == 1
     assert planner.metrics.counters["planner/buffer_shards_added_total"] == 1
+    await planner.close()
+
+
+async def test_a_planner_restarted_mid_drain_keeps_the_shard_draining_and_finishes_the_drain():
+    cfg = config_from_dict({**TINY_PPO, "planner": {
+        "interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1, "buffer": {"min": 1, "max": 3}},
+        "topology": {"actors": 2}})
+    backend, shards, clock = ShardingBackend(actors=2), Shards(), [0.0]
+    backend.shards = ["fake:buffer-0", "fake:buffer-1", "fake:buffer-2"]
+    first = Planner(cfg, backend, clock=lambda: clock[0], wall=lambda: 1000.0, stats=ModelStats(lambda: clock[0]),
+                    send_topology=shards)
+    await first.shards.sync()
+    assert shards.got["fake:buffer-2"].active == 3
+    await first.shards.scale_to(2)                 # shard 2 drains; then the planner goes away
+    drain_generation = shards.got["fake:buffer-2"].generation
+    assert shards.got["fake:buffer-2"].active == 2
+    await first.close()
+
+    # The new planner's clock reads earlier than the generation held (a skewed node): still past it.
+    second = Planner(cfg, backend, clock=lambda: clock[0], wall=lambda: 500.0, stats=ModelStats(lambda: clock[0]),
+                     send_topology=shards)
+    await second.shards.sync()
+    for address in backend.shards:
+        got = shards.got[address]
+        assert got.generation > drain_generation and got.active == 2, (address, got)
+        assert list(got.addresses) == backend.shards
+    assert "draining buffer shard 2 (fake:buffer-2)" in second.shards.busy()
+    assert second.metrics.gauges["planner/buffer_shards"] == 2
+    shards.drained.add("fake:buffer-2")
+    await second.shards.sync()                     # the ack says drained
+    await second.shards.sync()                     # stopped, and the list shrinks
+    assert backend.stopped == ["fake:buffer-2"] and not second.shards.busy()
+    assert list(shards.got["fake:buffer-0"].addresses) == ["fake:buffer-0", "fake:buffer-1"]
+    await second.close()
+
+
+async def test_a_planner_with_no_list_held_anywhere_makes_every_shard_it_runs_active():
+    cfg = config_from_dict({**TINY_PPO, "planner": {"buffer": {"min": 1, "max": 3}}})
+    backend, shards = ShardingBackend(actors=1), Shards()
+    backend.shards = ["fake:buffer-0", "fake:buffer-1"]
+    planner = Planner(cfg, backend, clock=lambda: 0.0, wall=lambda: 1000.0, stats=ModelStats(lambda: 0.0),
+                      send_topology=shards)
+    await planner.shards.sync()
+    assert all(shards.got[a].active == 2 for a in backend.shards) and not planner.shards.busy()
     await planner.close()
 
 
