@@ -26,7 +26,7 @@ import grpc
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc, learner_pb2_grpc, planner_pb2_grpc
 from kuberl.v1 import planner_pb2 as ppb
 from services.common.atomic import write_atomically
-from services.common.local.procs import ServiceProcess, free_port
+from services.common.local.procs import PortPicker, ServiceProcess
 from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                              format_event, learner_specs)
 from services.common.net.tls import open_channel
@@ -121,7 +121,7 @@ class Fleet:
         self.external = cfg.env.mode == "external"
         self.planned = cfg.planner.enabled
         self.actor_ports = actor_ports(cfg, actor_port)
-        self._picked: set[int] = set()   # ports handed to this run's processes (see _free_port)
+        self._free_port = PortPicker(avoid=self.actor_ports)   # ports for this run's own processes
         self._planner_claim = None   # the lock that keeps PLANNER_PORT this run's while it lasts
         self.sup = Supervisor(self.dir, self.dir / "config.yaml", log_events=False)
         self.events_read = 0  # bytes of events.jsonl already printed (the planner's backend appends too)
@@ -187,15 +187,6 @@ class Fleet:
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"
             self._spawn("actor", f"actor-{i}", listen,
                         actor_args(f"actor-{i}", self.dir.name, buffer=buffer, learner=learner, index=i))
-
-    def _free_port(self) -> int:
-        """A port for one of this run's processes: free now, outside the external actors' ports, and
-        never one already handed to another process here (which may not have bound it yet: seen, the
-        planner picked the port of a buffer still starting, and failed to bind it five times)."""
-        while (port := free_port()) in self.actor_ports or port in self._picked:
-            pass
-        self._picked.add(port)
-        return port
 
     def wait_all_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 from services.config import ExperimentConfig
-from services.common.local.procs import ServiceProcess, free_port
+from services.common.local.procs import PortPicker, ServiceProcess
 from services.common.stats import Metrics
 from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                        learner_specs, stop_procs, wait_or_kill)
@@ -59,19 +59,12 @@ class LocalBackend:
                               on_restart=lambda name: self.metrics.inc("planner/replica_restarts_total"))
         self.names: dict[str, dict[int, str]] = {r: {} for r in ROLES}  # role -> index -> process name
         self.draining: set[asyncio.Task] = set()
-        self._picked = {int(a.rsplit(":", 1)[1]) for a in self.shards}   # ports handed out (see _free_port)
+        self._free_port = PortPicker(avoid={int(a.rsplit(":", 1)[1]) for a in self.shards})
         # Rank 0 listens on a port picked here, so actors can be told its address before it serves.
         self.learner_address = f"127.0.0.1:{self._free_port()}"
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
         self.metrics.inc("planner/replicas_drained_total", 0)
-
-    def _free_port(self) -> int:
-        """A free port never handed to another process of this backend (one still starting has not bound it)."""
-        while (port := free_port()) in self._picked:
-            pass
-        self._picked.add(port)
-        return port
 
     @property
     def procs(self) -> dict[str, dict[int, ServiceProcess]]:

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,22 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         ephemeral: int = s.getsockname()[1]
         return ephemeral
+
+
+class PortPicker:
+    """Ports for one run's processes: each free when picked (`free_port`), never one in `avoid`, and
+    never one handed out before: a process still starting has not bound its port, so a free-now check
+    alone can pick it again (seen: the planner got the port of a buffer still starting and failed to
+    bind it five times)."""
+
+    def __init__(self, avoid: Iterable[int] = ()):
+        self.taken = set(avoid)
+
+    def __call__(self) -> int:
+        while (port := free_port()) in self.taken:
+            pass
+        self.taken.add(port)
+        return port
 
 
 # Names the supervisor's pid to the child, which asks the kernel for SIGTERM when it dies

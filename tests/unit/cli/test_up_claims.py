@@ -72,17 +72,18 @@ def test_a_port_handed_to_one_process_of_a_run_is_never_handed_to_another(tmp_pa
     planner then failed to bind five times and the run ended). The fleet, and the planner's local
     backend, never hand out a port twice."""
     from services.cli import fleet
+    from services.common.local import procs
     from services.config import config_from_dict
     from services.planner import local
     from tests.helpers import TINY_PPO
 
     picks = iter([12001, 12001, 12001, 12002, 12001, 12003])
-    monkeypatch.setattr(fleet, "free_port", lambda: next(picks))
+    monkeypatch.setattr(procs, "free_port", lambda: next(picks))
     f = fleet.Fleet(config_from_dict(TINY_PPO), tmp_path / "run")
     assert [f._free_port(), f._free_port()] == [12001, 12002]
 
     picks = iter([12005, 12005, 12006, 12007])
-    monkeypatch.setattr(local, "free_port", lambda: next(picks))
+    monkeypatch.setattr(procs, "free_port", lambda: next(picks))
     backend = local.LocalBackend(config_from_dict(TINY_PPO), config_path=tmp_path / "c.yaml", run_dir=tmp_path / "r",
                                  buffer="127.0.0.1:12006")
     assert backend.learner_address == "127.0.0.1:12005"
