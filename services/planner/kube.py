@@ -231,15 +231,15 @@ class KubernetesBackend:
     async def remove_buffer(self, address: str) -> None:
         """Scale the buffer StatefulSet down by one, which removes the drained last shard: ValueError for any
         other address."""
-        desired, _, _ = await self._read_workload(SHARDS)
-        if address != self.shard_address(desired - 1):
-            raise ValueError(f"buffer shard {address} is not the last of {desired} ({self.shard_address(desired - 1)}):"
-                             f" a StatefulSet removes only its highest ordinal")
-        await self._patch_shards(-1)
+        await self._patch_shards(-1, last=address)
 
-    async def _patch_shards(self, step: int) -> int:
-        """Patch the buffer StatefulSet's scale by `step`, after the same checks as `apply`; the count set."""
+    async def _patch_shards(self, step: int, last: str | None = None) -> int:
+        """Patch the buffer StatefulSet's scale by `step`, after the same checks as `apply` (and, given
+        `last`, that it is the address of the highest ordinal, the one a scale-down removes); the count set."""
         desired, _, _ = await self._read_workload(SHARDS)
+        if last is not None and last != self.shard_address(desired - 1):
+            raise ValueError(f"buffer shard {last} is not the last of {desired} ({self.shard_address(desired - 1)}):"
+                             f" a StatefulSet removes only its highest ordinal")
         n = desired + step
         if n < 1:
             raise ValueError(f"buffer shards: {n} must be >= 1")
