@@ -234,6 +234,8 @@ class Planner:
                            evidence=d.bottleneck.evidence, buffer_cores=cores, idle_for_s=keeper.watch_idle(cores),
                            window_s=self.policy.scale_down_window_s, busy=busy,
                            override=override.replicas if override else None)
+        if sd.target != sd.current and self.paused and override is None:   # paused: overrides only, as for roles
+            return replace(sd, target=sd.current, reason=f"paused; would go on: {sd.reason}")
         if sd.target == sd.current or not act:
             return sd
         try:

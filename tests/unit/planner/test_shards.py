@@ -161,6 +161,26 @@ async def test_the_planner_adds_a_shard_for_a_busy_buffer_and_drains_it_once_sha
     await planner.close()
 
 
+async def test_a_paused_planner_changes_the_shards_only_when_asked():
+    cfg = config_from_dict({**TINY_PPO, "planner": {
+        "interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1,
+        "actor": {"min": 2, "max": 2}, "buffer": {"min": 1, "max": 2}}, "topology": {"actors": 2}})
+    backend, clock, shards = ShardingBackend(actors=2), [0.0], Shards()
+    stats = ModelStats(lambda: clock[0])
+    planner = Planner(cfg, backend, clock=lambda: clock[0], wall=lambda: 1000.0 + clock[0], stats=stats,
+                      send_topology=shards)
+    planner.paused = True
+    stats.buffer_cores = 0.98                      # communication-bound, as in the test above
+    for _ in range(8):
+        clock[0] += 1.0
+        d = await planner.step()
+    assert d.bottleneck == "communication" and d.buffer_shards_target == 1 and backend.shards == ["fake:buffer-0"]
+    assert d.buffer_shards_reason.startswith("paused; would go on: communication-bound"), d.buffer_shards_reason
+    asked = await planner.set_override("buffer", 2, 60)   # what `kuberl scale buffer 2` sends
+    assert asked.buffer_shards_target == 2 and backend.shards == ["fake:buffer-0", "fake:buffer-1"]
+    await planner.close()
+
+
 async def test_a_planner_restarted_mid_drain_keeps_the_shard_draining_and_finishes_the_drain():
     cfg = config_from_dict({**TINY_PPO, "planner": {
         "interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1, "buffer": {"min": 1, "max": 3}},
