@@ -1,5 +1,6 @@
-"""Buffer shards and a learner group together on a real node, installed with Helm (`buffer.shards: 2`).
+"""Buffer shards on a real node, installed with Helm.
 
+**A fixed two (`buffer.shards: 2`) and a learner group.** 
 Two actors push, each to the shard `shard_of` its pod name picks (`kuberl_actor_buffer_shard`). The
 planner is asked through its API (`SetReplicas`, what `kuberl scale learner N` sends) to take the
 learner StatefulSet 1 -> 3 -> 2, its own decisions paused so that the walk is the test's: at each size every learner pod reports the group's size and the
@@ -10,6 +11,14 @@ move; their sum must equal what the old shard stored (its last log line), so not
 acknowledged was lost unaccounted (a PPO FIFO is not checkpointed; what it held unserved is in the
 same line). The replacement serves under the same name, the actors and learners reconnect without
 restarting, and the group trains on.
+
+**Shards the planner adds and drains (`config.planner.buffer`).** From one shard, the planner is asked
+(`kuberl scale buffer 2`) for a second: the Kubernetes backend scales the buffer StatefulSet up, the
+new pod joins the shard list once it serves, one actor moves to it and the learner streams from it.
+Then `kuberl scale buffer 1`: the shard drains (its actors move back, the learner serves out its FIFO),
+the planner scales the StatefulSet down, and the drained pod ends holding nothing. The accounting is
+exact: the actors are stopped (their last log lines give what each had acknowledged), and the sum
+equals what shard 0 stored plus what the drained shard stored (its last log line).
 """
 
 from __future__ import annotations
@@ -67,10 +76,15 @@ def _pause_planner(node) -> None:
     assert status.paused
 
 
-def _scale_learners(node, replicas: int) -> None:
+def _ask(node, role: str, replicas: int) -> planner_pb2.Decision:
+    """SetReplicas, what `kuberl scale ROLE N` sends."""
     with _planner(node) as ch:
-        decision = planner_pb2_grpc.PlannerStub(ch).SetReplicas(
-            planner_pb2.SetReplicasRequest(role="learner", replicas=replicas, ttl_s=1800), timeout=60)
+        return planner_pb2_grpc.PlannerStub(ch).SetReplicas(
+            planner_pb2.SetReplicasRequest(role=role, replicas=replicas, ttl_s=1800), timeout=60)
+
+
+def _scale_learners(node, replicas: int) -> None:
+    decision = _ask(node, "learner", replicas)
     (learner,) = [r for r in decision.roles if r.role == "learner"]
     assert not decision.error and learner.target == replicas and (decision.applied or learner.current == replicas), \
         decision
@@ -156,3 +170,76 @@ def test_two_shards_a_learner_group_taken_1_3_2_and_a_shard_pod_deleted(e2e_node
                                     "samples_held_at_sigterm_lost_with_it": held,
                                     "delete_to_training_s": round(time.monotonic() - deleted, 1)}
         e2e_report["shards_and_learner_group"] = report
+
+
+ACTOR_LINE = re.compile(r"actor (\S+) stopped: (\d+) fragments cut, (\d+) acknowledged, (\d+) dropped, (\d+) rejected")
+BUFFER_LINE = re.compile(r"buffer stopped: (\d+) fragments received \((\d+) samples\), (\d+) samples served, (\d+) held")
+PLANNED = {**VALUES, "buffer": {**VALUES["buffer"], "shards": 1},
+           "config": {**VALUES["config"], "planner": {"actor": {"min": 2, "max": 2}, "learner": {"min": 1, "max": 1},
+                                                      "buffer": {"min": 1, "max": 2}}}}
+
+
+def _shard_replicas(node) -> int:
+    return int(kubectl(node, "-n", NAMESPACE, "get", "statefulset", "kuberl-buffer", "-o", "jsonpath={.spec.replicas}"))
+
+
+def _placement(node) -> dict[str, int]:
+    return {a.metadata.name: int(_metrics(node, a.metadata.name).get("kuberl_actor_buffer_shard", -1))
+            for a in pods(node, NAMESPACE, "actor")}
+
+
+def test_the_planner_adds_a_buffer_shard_and_drains_it_losing_nothing_acknowledged(e2e_node, e2e_images, e2e_report,
+                                                                                   tmp_path):
+    report: dict = {}
+    with fresh_namespace(e2e_node, NAMESPACE), release(e2e_node, tmp_path, NAMESPACE, PLANNED):
+        wait_ready(e2e_node, NAMESPACE, timeout_s=400)
+        _wait("two actors pushing", lambda: len(actors := pods(e2e_node, NAMESPACE, "actor")) == 2 and all(
+            _metrics(e2e_node, a.metadata.name).get(ACKED, 0) > 0 for a in actors), e2e_node)
+        _pause_planner(e2e_node)   # the planner adds and drains only when asked
+        assert _shard_replicas(e2e_node) == 1
+
+        # --- the planner adds shard 1 ---------------------------------------------------------------
+        asked = time.monotonic()
+        decision = _ask(e2e_node, "buffer", 2)
+        assert not decision.error and decision.buffer_shards_target == 2, decision
+        assert _shard_replicas(e2e_node) == 2
+        added = _wait("shard 1 fed by an actor and served to the learner", lambda: all(
+            _metrics(e2e_node, "kuberl-buffer-1").get(m, 0) > 0 for m in (RECEIVED, SERVED)), e2e_node)
+        _wait("one actor on each shard", lambda: sorted(_placement(e2e_node).values()) == [0, 1], e2e_node, 120)
+        report["add"] = {"ask_to_fed_and_served_s": round(added, 1), "placement": _placement(e2e_node)}
+
+        # --- the planner drains it ------------------------------------------------------------------
+        follow = _follow(e2e_node, "kuberl-buffer-1", NAMESPACE)
+        asked = time.monotonic()
+        decision = _ask(e2e_node, "buffer", 1)
+        assert not decision.error and decision.buffer_shards_target == 1, decision
+        _wait("shard 1 drained and its pod gone", lambda: _shard_replicas(e2e_node) == 1 and not any(
+            p.metadata.name == "kuberl-buffer-1" for p in pods(e2e_node, NAMESPACE, "buffer")), e2e_node, 300)
+        drained_s = time.monotonic() - asked
+        out = _output(follow)
+        last = BUFFER_LINE.search(out)
+        assert last, f"no final counts in the drained shard's log:\n{out[-2000:]}"
+        stored_1, _, _, held_1 = map(int, last.groups())
+        assert "draining" in out and held_1 == 0 and stored_1 > 0, out[-2000:]
+        assert set(_placement(e2e_node).values()) == {0}
+
+        # --- exact accounting: stop the actors, then compare --------------------------------------------
+        actors = [a.metadata.name for a in pods(e2e_node, NAMESPACE, "actor")]
+        follows = {a: _follow(e2e_node, a, NAMESPACE) for a in actors}
+        kubectl(e2e_node, "-n", NAMESPACE, "scale", "deployment", "kuberl-actor", "--replicas=0")
+        _wait("the actors gone", lambda: not pods(e2e_node, NAMESPACE, "actor"), e2e_node, 200)
+        finals = {}
+        for a, f in follows.items():
+            out = _output(f)
+            line = ACTOR_LINE.search(out)
+            assert line, f"no final counts in {a}'s log:\n{out[-2000:]}"
+            finals[a] = dict(zip(("cut", "acked", "dropped", "rejected"), map(int, line.groups()[1:])))
+        stored_0 = int(_metrics(e2e_node, "kuberl-buffer-0")[RECEIVED])
+        acked = sum(f["acked"] for f in finals.values())
+        assert all(f["dropped"] == 0 for f in finals.values()), finals
+        assert acked == stored_0 + stored_1, (f"acknowledged {acked}; shard 0 stored {stored_0}, the drained shard "
+                                              f"{stored_1}: {finals}")
+        assert _restarts(e2e_node, "buffer") == 0
+        report["drain"] = {"ask_to_pod_gone_s": round(drained_s, 1), "drained_shard_stored": stored_1,
+                           "shard_0_stored": stored_0, "acknowledged": acked, "actors": finals}
+        e2e_report["planner_shards"] = report
