@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -46,14 +47,37 @@ class Pacer:
             time.sleep(self._next - now)
 
 
+def split_runs(present: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """The fragments a window of T steps of N agent slots is cut into, as (first step, end step, columns):
+    each column's runs of steps at which its agent acted (`present` [T, N]), grouped by their span. The
+    columns present throughout come first (one fragment, as with single-agent envs); an agent that
+    came or went inside the window makes a shorter one (a run ends only where its agent ended)."""
+    T, N = present.shape
+    spans: dict[tuple[int, int], list[int]] = {}
+    for n in range(N):
+        col = present[:, n]
+        u = 0
+        while u < T:
+            if not col[u]:
+                u += 1
+                continue
+            v = u
+            while v < T and col[v]:
+                v += 1
+            spans.setdefault((u, v), []).append(n)
+            u = v
+    order = sorted(spans, key=lambda span: (span != (0, T), span))
+    return [(a, b, np.asarray(spans[(a, b)])) for a, b in order]
+
+
 class Rollout:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0,
                  gate: InsertGate | None = None):
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
         self.algorithm = algorithms.get(cfg.algorithm)
-        n = cfg.env.num_envs
         self.envs = make_vector_env(cfg.env)
+        n = self.envs.num_envs   # env copies, or agent slots for a PettingZoo env (services/common/agents.py)
         self.spec = spec_of(cfg.env)
         # Atari: fragments carry sign(r) (Mnih et al. 2015); episode returns are logged unclipped.
         self.clip_rewards = is_atari(cfg.env.id) and cfg.env.atari.clip_rewards
@@ -62,6 +86,9 @@ class Rollout:
         self.episodic_life = is_atari(cfg.env.id) and cfg.env.atari.episodic_life
         seed = cfg.env.seed + 1000 * actor_index
         self.obs, info = self.envs.reset(seed=seed)
+        # Several agents per env: which slots act now (the others are recorded nowhere); None: every env acts.
+        self.present = np.asarray(info["present"], bool) if "present" in info else None
+        self._pending: deque[EncodedFragment] = deque()   # fragments cut with the last one, not yet handed on
         # Action masks: an env that reports `info["action_mask"]` ([N, M] bool) is masked throughout,
         # for an algorithm that takes masks (the learner re-applies them from the fragment).
         self.masked = "action_mask" in info and self.algorithm.uses_masks(self.spec.action)
@@ -93,14 +120,19 @@ class Rollout:
         """Step every env T times (fewer if `stop` is set meanwhile) and return the fragment, serialized.
 
         Blocking; call from the worker thread. Returns None only if stopped before any step.
+        With several agents per env, the agents that were not there for the whole of it make fragments of
+        their own (`split_runs`), handed out by the next calls before any more stepping.
         """
+        if self._pending:
+            return self._pending.popleft()
         if self.gate is not None:
             self.gate.wait(stop)  # the buffer's rate limiter: hold while the learner is behind
         self.policy.swap()
         if self._wait_for_the_learner(stop):
             self.policy.swap()
         self.pace.rebase(self.seq)  # the weights this fragment is cut with count from here
-        T, N = self.cfg.rollout_steps, self.cfg.env.num_envs
+        T, N = self.cfg.rollout_steps, self.envs.num_envs
+        present = None if self.present is None else np.empty((T, N), bool)
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
         space = self.spec.action
         actions = np.empty((T, N, *space.shape), dtype=space.dtype)
@@ -116,6 +148,8 @@ class Rollout:
         while t < T and not (stop is not None and stop.is_set()):
             if t == 0 and self.env_steps == 0:  # the first reset's observations
                 check_env_step(self.cfg.env.id, self._check, self.metrics, self.obs)
+            if present is not None:
+                present[t] = self.present
             a, recorded, state = self.policy.act(self.obs, self.env_steps, self.mask, self.state)
             obs, r, term, trunc, info = self.envs.step(space.clip(a) if isinstance(space, Box) else a)
             check_env_step(self.cfg.env.id, self._check, self.metrics, obs, r, info, term | trunc)
@@ -135,7 +169,7 @@ class Rollout:
                 state[term | trunc] = 0.0
                 self.state = state
             self._ep_return += r
-            self._ep_len += 1
+            self._ep_len += 1 if present is None else present[t]
             for i in np.flatnonzero(term | trunc):
                 # After a lost life the next observation is the true one (nothing was reset).
                 final_obs.append(info["final_obs"][i] if ended[i] else obs[i])
@@ -144,26 +178,42 @@ class Rollout:
                     self._finish_episode(i)
             obs_buf[t + 1] = obs
             self.obs = obs
+            stepped = N if present is None else int(present[t].sum())
+            if present is not None:
+                self.present = np.asarray(info["present"], bool)
             t += 1
-            self.env_steps += N
-            self.metrics.inc("actor/env_steps_total", N)
+            self.env_steps += stepped
+            self.metrics.inc("actor/env_steps_total", stepped)
             self._pace.step()
         if t == 0:
             return None
-        msg = encode_fragment(
-            actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=self.policy_version or 0,
-            algorithm=self.algorithm.code, env_ids=range(N), obs=obs_buf[:t + 1], actions=actions[:t],
-            rewards=rewards[:t], terminated=terminated[:t], truncated=truncated[:t],
-            final_obs=(np.stack(final_obs) if final_obs
-                       else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
-            final_index=np.asarray(final_index, dtype=np.int64),
-            action_mask=None if masks is None else masks[:t], extras={**{name: arr[:t] for name, arr in extras.items()}, **start},
-            release_gil=True)   # this thread copies the payload beside the event loop: without the GIL
+        groups = [(0, t, np.arange(N))] if present is None else split_runs(present[:t])
+        where = {(i // N, i % N): k for k, i in enumerate(final_index)}   # (step, column) -> its final_obs
+        for a, b, cols in groups:
+            # A group's steps and columns; final_index re-numbered to them (flat t * N + n in each).
+            picked = [(where[(u, n)], (u - a) * len(cols) + c) for u in range(a, b) for c, n in enumerate(cols)
+                      if (u, n) in where]
+            self._cut(encode_fragment(
+                actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq,
+                policy_version=self.policy_version or 0, algorithm=self.algorithm.code, env_ids=cols.tolist(),
+                obs=obs_buf[a:b + 1, cols], actions=actions[a:b, cols], rewards=rewards[a:b, cols],
+                terminated=terminated[a:b, cols], truncated=truncated[a:b, cols],
+                final_obs=(np.stack([final_obs[k] for k, _ in picked]) if picked
+                           else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
+                final_index=np.asarray([i for _, i in picked], dtype=np.int64),
+                action_mask=None if masks is None else masks[a:b, cols],
+                extras={**{name: arr[a:b, cols] for name, arr in extras.items()},
+                        # (a run that starts after the first step is an agent's new life: a fresh state)
+                        **{name: arr[cols] if a == 0 else np.zeros_like(arr[cols]) for name, arr in start.items()}},
+                release_gil=True))   # this thread copies the payload beside the event loop: without the GIL
+        return self._pending.popleft()
+
+    def _cut(self, msg: EncodedFragment) -> None:
         if self.gate is not None:
             self.gate.cut(self.seq, msg.samples)
         self.seq += 1
         self.metrics.inc("actor/fragments_total")
-        return msg
+        self._pending.append(msg)
 
     def _wait_for_the_learner(self, stop: threading.Event | None) -> bool:
         """On-policy pacing (`Pace`): hold this thread for newer weights once the quota is cut; True if it waited."""
@@ -184,7 +234,7 @@ class Rollout:
         """The envs' `info["action_mask"]` as [N, M] bool; ValueError naming env.id if malformed."""
         mask = np.asarray(info.get("action_mask"), dtype=bool)  # 0/1 masks as well as bool
         try:
-            check_mask(self.spec.action, mask, (self.cfg.env.num_envs,))
+            check_mask(self.spec.action, mask, (self.envs.num_envs,))
         except ValueError as err:
             raise ValueError(f"env.id: {self.cfg.env.id} reports a bad info['action_mask']: {err}") from None
         return mask

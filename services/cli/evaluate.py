@@ -101,6 +101,11 @@ class Acts:
                 return actions.numpy()
             return (self.net(x) if m is None else self.net(x, m)).numpy()
 
+    def resize(self, n: int) -> None:
+        """Act on `n` envs from here on (a PettingZoo env has a slot per agent of each copy)."""
+        if self.state is not None and len(self.state) != n:
+            self.state = self.trained.policy.initial_state(n)
+
     def ended(self, done: np.ndarray) -> None:
         if self.state is not None:
             self.state[done] = 0.0
@@ -210,22 +215,25 @@ def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episo
     """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies; returns (returns, lengths)
     in the order they finished. Copy i runs (episodes + i) // n of them. Blocking. With `deadline`
     (time.monotonic()), stops there and returns the episodes finished so far."""
-    n = min(num_envs, episodes)
+    envs = _make_envs(trained.cfg.env, min(num_envs, episodes))
+    # Env copies, or for a PettingZoo env their agents' slots: there an episode is one agent's life.
+    n = envs.num_envs
+    act.resize(n)
     share = np.array([(episodes + i) // n for i in range(n)])  # sums to `episodes`, and no copy waits for another
     done = np.zeros(n, dtype=np.int64)
     ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
     returns: list[float] = []
     lengths: list[int] = []
-    envs = _make_envs(trained.cfg.env, n)
     try:
         obs, info = envs.reset(seed=seed)
         mask = _masks(trained, info, n)
         while (done < share).any() and (deadline is None or time.monotonic() < deadline):
+            present = info.get("present", True)   # (slots whose agent acts now)
             obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
             act.ended(term | trunc)
             mask = _masks(trained, info, n)
             ret += r
-            length += 1
+            length += present
             for i in np.flatnonzero(term | trunc):
                 if done[i] < share[i]:
                     returns.append(float(ret[i]))

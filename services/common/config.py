@@ -137,11 +137,20 @@ class EnvConfig:
     num_actions: int | None = None
     action_space: ActionSpaceConfig | None = None
     atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
+    # Keyword arguments for the env's constructor: gymnasium.make's, or a PettingZoo module's
+    # parallel_env()/env() (e.g. {N: 3, max_cycles: 25, continuous_actions: false} for simple_spread).
+    kwargs: dict[str, int | float | str | bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",
                 self.id, "Atari ids are ALE/<Game>-v5, e.g. ALE/Pong-v5")
         require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
+        require(not self.id.startswith("pettingzoo:") or self.mode == "local", "mode", self.mode,
+                "PettingZoo envs are local envs (EnvSession for several agents per env is not there yet)")
+        require(not self.id.startswith("pettingzoo:") or self.max_episode_steps is None, "max_episode_steps",
+                self.max_episode_steps, "PettingZoo envs take their own limit in env.kwargs (e.g. max_cycles)")
+        require(not self.id.startswith("pettingzoo:") or re.fullmatch(r"pettingzoo:[A-Za-z_][\w.]*", self.id)
+                is not None, "id", self.id, "PettingZoo ids are pettingzoo:<module>, e.g. pettingzoo:mpe2.simple_spread_v3")
         require(self.num_actions is None or self.action_space is None, "num_actions", self.num_actions,
                 "give num_actions (a Discrete space) or action_space, not both")
         require(self.observation_shape is None or self.observation_keys is None, "observation_keys",

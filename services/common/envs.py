@@ -1,4 +1,5 @@
-"""Environments actors step, and the spaces the networks see: gymnasium ids and Atari (ALE/<Game>-v5).
+"""Environments actors step, and the spaces the networks see: gymnasium ids, Atari (ALE/<Game>-v5)
+and PettingZoo envs (`pettingzoo:<module>`, several agents per copy: services/common/agents.py).
 
 Atari games go through standard preprocessing (AtariConfig: 84x84 grey, frame stack, frameskip with
 max-pooling, no-op reset, optional episodic life), either with ale-py's native multi-threaded
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from services.common.agents import ParallelVectorEnv, is_pettingzoo, make_parallel
 from services.common.config import EnvConfig, is_atari
 from services.common.settings import ConfigError
 from services.common.protocol.spaces import EnvSpec as EnvSpec  # also re-exported
@@ -55,13 +57,17 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None,
     import gymnasium as gym
 
     n = cfg.num_envs if num_envs is None else num_envs
+    if is_pettingzoo(cfg.id):   # several agents per copy: one slot each (services/common/agents.py)
+        return ParallelVectorEnv(make_parallel(cfg.id, {**cfg.kwargs, **({} if render_mode is None else
+                                                                           {"render_mode": render_mode})}),
+                                 n, cfg.id)  # type: ignore[return-value]
     render = {} if render_mode is None else {"render_mode": render_mode}
     if not is_atari(cfg.id):
         # gymnasium types `wrappers` as returning a Wrapper; make_vec applies them, any Env will do.
         return gym.make_vec(cfg.id, num_envs=n, vectorization_mode="sync",
                             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
                             wrappers=[_flatten_dict],  # type: ignore[list-item]
-                            max_episode_steps=cfg.max_episode_steps, **render)
+                            max_episode_steps=cfg.max_episode_steps, **render, **cfg.kwargs)
     ale_py = _import_ale()
     a = cfg.atari
     game = atari_game(cfg.id)
@@ -125,7 +131,20 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
             return EnvSpec((a.frame_stack, a.screen_size, a.screen_size), np.dtype(np.uint8), Discrete(int(act.n)))
         finally:
             env.close()
-    raw = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps)
+    if is_pettingzoo(cfg.id):
+        agents = ParallelVectorEnv(make_parallel(cfg.id, cfg.kwargs), 1, cfg.id)
+        try:
+            obs = agents.single_observation_space
+            if type(obs).__name__ != "Box":
+                raise ValueError(f"env.id: {cfg.id} has observation space {obs}; only Box is supported so far")
+            try:
+                action = from_gymnasium(agents.single_action_space)
+            except ValueError as err:
+                raise ValueError(f"env.id: {cfg.id}: {err}") from None
+            return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action)
+        finally:
+            agents.close()
+    raw = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps, **cfg.kwargs)  # type: ignore[arg-type]
     # (its spaces are Boxes, whose shape gymnasium types as set: _flatten_dict refuses any other)
     keys = (dict_layout({k: s.shape for k, s in raw.observation_space.spaces.items()})  # type: ignore[misc]
             if isinstance(raw.observation_space, gym.spaces.Dict) else None)
