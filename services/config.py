@@ -63,6 +63,9 @@ class ExperimentConfig(CommonConfig):
                 require(table.capacity // shards >= batch, "topology.buffers", shards,
                         f"{self.algorithm}.buffer_size {table.capacity} split over {shards} buffer shards holds "
                         f"fewer than one batch ({batch}) per shard")
+        require(not (self.selfplay.enabled and getattr(self.section(self.algorithm), "recurrent", None)),
+                "selfplay.enabled", self.selfplay.enabled,
+                f"self-play with a recurrent policy ({self.algorithm}.recurrent) is not supported yet")
         pace = self.actor.fragments_per_version
         if pace:
             algorithm = algorithms.get(self.algorithm)

@@ -24,6 +24,7 @@ from services.actor.episodes import EpisodeLog
 from services.actor.finite import Check, check_env_step
 from services.actor.limiter import InsertGate
 from services.actor.policy import Pace, Policy
+from services.actor.selfplay import SelfPlay
 from services.common.envs import make_vector_env, spec_of
 from services.common.protocol.spaces import Box, check_mask
 from services.common.stats import Metrics
@@ -95,6 +96,9 @@ class Rollout:
         self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
         self.policy = Policy(cfg, self.spec, seed, metrics)
+        # Self-play: one learning agent per copy, the others played by snapshots (selfplay.py).
+        self.selfplay = (SelfPlay(cfg, self.policy, self.envs.num_envs // self.envs.slots, self.envs.slots, metrics,
+                                  np.random.default_rng(seed + 1)) if cfg.selfplay.enabled else None)
         self.extras = self.algorithm.extras(cfg)
         # A recurrent policy's state per env (zeroed where an episode starts); None: feed-forward.
         self.state = self.policy.initial_state(n)
@@ -130,6 +134,8 @@ class Rollout:
         self.policy.swap()
         if self._wait_for_the_learner(stop):
             self.policy.swap()
+        if self.selfplay is not None:
+            self.selfplay.swapped()
         self.pace.rebase(self.seq)  # the weights this fragment is cut with count from here
         T, N = self.cfg.rollout_steps, self.envs.num_envs
         present = None if self.present is None else np.empty((T, N), bool)
@@ -148,11 +154,15 @@ class Rollout:
         while t < T and not (stop is not None and stop.is_set()):
             if t == 0 and self.env_steps == 0:  # the first reset's observations
                 check_env_step(self.cfg.env.id, self._check, self.metrics, self.obs)
-            if present is not None:
-                present[t] = self.present
+            if present is not None:   # (the steps recorded: with self-play, the learning agents' only)
+                present[t] = self.present if self.selfplay is None else self.present & self.selfplay.recorded()
             a, recorded, state = self.policy.act(self.obs, self.env_steps, self.mask, self.state)
+            if self.selfplay is not None:
+                a = self.selfplay.act(self.obs, a, self.present, self.mask, self.env_steps)
             obs, r, term, trunc, info = self.envs.step(space.clip(a) if isinstance(space, Box) else a)
             check_env_step(self.cfg.env.id, self._check, self.metrics, obs, r, info, term | trunc)
+            if self.selfplay is not None:
+                self.selfplay.stepped(r, info.get("episode_over"))
             if masks is not None:
                 masks[t] = self.mask
                 self.mask = self._mask_of(info)
@@ -170,7 +180,10 @@ class Rollout:
                 self.state = state
             self._ep_return += r
             self._ep_len += 1 if present is None else present[t]
-            for i in np.flatnonzero(term | trunc):
+            if present is not None:   # a slot not recorded (an opponent's) ends unrecorded
+                gone = (term | trunc) & ~present[t]
+                self._ep_return[gone], self._ep_len[gone] = 0.0, 0
+            for i in np.flatnonzero((term | trunc) if present is None else (term | trunc) & present[t]):
                 # After a lost life the next observation is the true one (nothing was reset).
                 final_obs.append(info["final_obs"][i] if ended[i] else obs[i])
                 final_index.append(t * N + i)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -316,6 +317,62 @@ def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bo
             "returns": returns, "lengths": lengths}
 
 
+def opponent_fn(against: str, space, seed: int):
+    """The opponent `--against` names: "random" (uniform over the action space, seeded), or
+    "module:function", a function of one agent's observation that returns its action. EvalError naming
+    --against otherwise."""
+    if against == "random":
+        space.seed(seed)
+        return lambda obs: space.sample()
+    module_name, _, name = against.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), name) if name else None
+    except (ImportError, AttributeError) as err:
+        raise EvalError(f"--against {against}: {err}") from None
+    if not callable(fn):
+        raise EvalError(f"--against {against}: give 'random' or module:function (a function of an observation)")
+    return fn
+
+
+def play_against(trained, against: str, games: int, seed: int, deterministic: bool = True) -> dict:
+    """`games` games of the policy's PettingZoo env with the policy on one agent, the first in the
+    first game, the next in the next, and so on, and `against` (`opponent_fn`) on the others. Each game
+    is scored as self-play scores it (services/actor/selfplay.py): a win when the policy's agent's
+    return is above every other's, a loss when below any. Blocking."""
+    from services.common.agents import is_pettingzoo
+
+    if not is_pettingzoo(trained.cfg.env.id):
+        raise EvalError(f"--against plays agents against each other: env.id {trained.cfg.env.id!r} has one agent")
+    envs = _make_envs(trained.cfg.env, 1)
+    agents = envs.num_envs
+    act = act_fn(trained, deterministic, agents)
+    opponent = opponent_fn(against, envs.single_action_space, seed)
+    results = {"wins": 0, "losses": 0, "draws": 0}
+    try:
+        obs, info = envs.reset(seed=seed)
+        returns = np.zeros(agents)
+        for game in range(games):
+            mine = game % agents
+            over = False
+            while not over:
+                actions = act(obs, _masks(trained, info, agents))
+                for j in range(agents):
+                    if j != mine and info["present"][j]:
+                        actions[j] = opponent(obs[j])
+                obs, r, term, trunc, info = _step(envs, trained.spec.action, actions)
+                act.ended(term | trunc)
+                returns += r
+                over = bool(info["episode_over"][0])
+            others = np.delete(returns, mine).max()
+            results["wins" if returns[mine] > others else "losses" if returns[mine] < others else "draws"] += 1
+            returns[:] = 0.0
+    finally:
+        envs.close()
+    return {"checkpoint": str(trained.checkpoint), "env_id": trained.cfg.env.id, "policy_version": trained.version,
+            "against": against, "games": games, "deterministic": deterministic, "seed": seed, **results,
+            "win_rate": results["wins"] / games}
+
+
 def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict | None:
     """`kuberl up`'s evaluation of the run's final checkpoint (`evaluation` in the config): None when
     `evaluation.after_training` is off or the env is external simulators' (not one this process can
@@ -371,6 +428,11 @@ def main(argv=None) -> int:
                    help="evaluate on this gymnasium env instead of the run's env.id; its observation and action "
                         "spaces must be the policy's. A policy trained on external simulators (env.mode: "
                         "external) is evaluated here only this way (or served to them: `kuberl serve`)")
+    p.add_argument("--against", default=None, metavar="OPPONENT",
+                   help="for an env with several agents: play --episodes games with the policy on one agent "
+                        "(each in turn) against OPPONENT on the others, 'random' or module:function (a "
+                        "function of an agent's observation returning its action), and report wins, losses, "
+                        "draws and the win rate")
     args = p.parse_args(argv)
     for name in ("episodes", "num_envs", "video_episodes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -398,6 +460,12 @@ def main(argv=None) -> int:
         e = trained.cfg.evaluation
         episodes = args.episodes or e.episodes
         seed = e.seed if args.seed is None else args.seed
+        if args.against is not None:
+            result = play_against(trained, args.against, episodes, seed, not args.stochastic)
+            print(json.dumps(result) if args.json else
+                  f"{trained.description} against {args.against}: {result['wins']} wins, {result['losses']} losses, "
+                  f"{result['draws']} draws in {episodes} games (win rate {result['win_rate']:.2f})")
+            return 0
         if not args.json:
             print(f"evaluating {trained.description} on {episodes} episodes, "
                   f"{'stochastic' if args.stochastic else 'deterministic'} actions", flush=True)

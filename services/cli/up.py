@@ -39,6 +39,7 @@ from services.common.net.shards import combined_samples_per_insert
 from services.common.net.tls import TlsError, check_role
 
 log = logging.getLogger("kuberl.up")
+SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate"]   # (with selfplay.enabled: the actors' mean)
 
 
 def _new_dir(root: Path, name: str) -> Path:
@@ -153,7 +154,17 @@ class LocalRun:
             "learners": len(self.fleet.role("learner")),
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
             "process_restarts": sum(self.fleet.restarts.values()),
+            **(self._selfplay() if self.cfg.selfplay.enabled else {}),
         }
+
+    def _selfplay(self) -> dict:
+        """Self-play's Elo and win rate against the pool, each the mean over the actors reporting it."""
+        out: dict = {}
+        for key in SELFPLAY_COLUMNS:
+            name = "actor/" + key
+            values = [a.stats[name] for a in self.fleet.role("actor") if name in a.stats]
+            out[key] = sum(values) / len(values) if values else None
+        return out
 
     def _final_stats(self, role: str) -> None:
         """Read `role`'s counters once more, into the run totals too (they are final now)."""
@@ -210,7 +221,8 @@ class LocalRun:
         files = contextlib.ExitStack()  # closed whatever happens, after every process has stopped
         try:
             csv_file = files.enter_context(open(self.dir / "metrics.csv", "w", newline=""))
-            writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS)
+            writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS + (SELFPLAY_COLUMNS if self.cfg.selfplay.enabled
+                                                                        else []))
             writer.writeheader()
             episodes_file = files.enter_context(open(self.dir / "episodes.csv", "w", newline=""))
             self.episode_rows = csv.writer(episodes_file)

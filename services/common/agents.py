@@ -13,7 +13,8 @@ action space. It steps like a gymnasium vector env in SAME_STEP autoreset mode, 
   its agent appears and after it ends while the others play on; its observation is zeros and the
   action given for it is ignored. The rollout (services/actor/rollout.py) records only present steps.
 - `final_obs` [N, *shape]: an agent's last observation on the step it ended (terminated, truncated, or
-  left the env's `agents` without either, which counts as truncated).
+  left the env's `agents` without either, which counts as truncated);
+- `episode_over` [num_envs] bool (after a step): the copies whose episode ended at it.
 When every agent of a copy has ended, the copy is reset at once and its agents' first observations are
 returned, as a gymnasium vector env does. An observation that is a dict of `observation` and
 `action_mask` (PettingZoo's convention for classic games) gives the observation and `info["action_mask"]`.
@@ -127,10 +128,10 @@ class ParallelVectorEnv:
             observation = observation["observation"]
         return np.asarray(observation)
 
-    def _info(self, final_obs: np.ndarray | None = None) -> dict[str, Any]:
+    def _info(self, final_obs: np.ndarray | None = None, over: np.ndarray | None = None) -> dict[str, Any]:
         info: dict[str, Any] = {"present": self._present.copy()}
         if final_obs is not None:
-            info["final_obs"] = final_obs
+            info["final_obs"], info["episode_over"] = final_obs, over
         if self._mask is not None:
             info["action_mask"] = self._mask.copy()
         return info
@@ -146,6 +147,7 @@ class ParallelVectorEnv:
         rewards = np.zeros(n_all, np.float32)
         terminated, truncated = np.zeros(n_all, bool), np.zeros(n_all, bool)
         final_obs = np.zeros_like(self._obs)
+        over = np.zeros(len(self.copies), bool)
         for k, env in enumerate(self.copies):
             acting = list(env.agents)
             observations, rew, term, trunc, _ = env.step({a: actions[self._col(k, a)] for a in acting})
@@ -160,8 +162,9 @@ class ParallelVectorEnv:
                     final_obs[n] = self._unpack(n, observations[agent]) if agent in observations else self._last[n]
             if not env.agents:   # every agent ended: the copy starts its next episode now
                 observations, _ = env.reset()
+                over[k] = True
             self._take(k, observations)
-        return self._obs.copy(), rewards, terminated, truncated, self._info(final_obs)
+        return self._obs.copy(), rewards, terminated, truncated, self._info(final_obs, over)
 
     def close(self) -> None:
         for env in self.copies:

@@ -277,6 +277,30 @@ class ActorConfig:
 
 
 @dataclass(frozen=True)
+class SelfPlayConfig:
+    """Self-play in an env with several agents (env.id pettingzoo:..., docs/multi-agent.md): in each env
+    copy one agent is played by the policy that trains and recorded; the others are played, unrecorded,
+    by frozen snapshots of that policy from a pool each actor keeps."""
+    enabled: bool = False
+    pool_size: int = 8              # snapshots kept; the oldest leaves when a newer one comes
+    snapshot_every: int = 10        # a snapshot of every this many-th policy version the actor receives
+    # At each episode of an env copy the opponents are the newest weights with this probability, else
+    # a snapshot drawn uniformly from the pool (the newest always while the pool is empty).
+    latest_probability: float = 0.2
+    # The agent that trains is drawn uniformly from possible_agents at each episode; false: always the
+    # first (for envs that draw the sides themselves).
+    swap_sides: bool = True
+    elo_k: float = 16.0             # the Elo update's K; ratings start at 1000
+
+    def __post_init__(self) -> None:
+        require(self.pool_size >= 1, "pool_size", self.pool_size, "must be >= 1")
+        require(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "must be >= 1")
+        require(0.0 <= self.latest_probability <= 1.0, "latest_probability", self.latest_probability,
+                "must be within 0..1")
+        require(self.elo_k > 0, "elo_k", self.elo_k, "must be > 0")
+
+
+@dataclass(frozen=True)
 class BufferConfig:
     """Buffer process settings."""
     max_message_mb: int = 64          # largest fragment accepted / batch sent, MiB
@@ -608,6 +632,7 @@ class CommonConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
     # Each algorithm's settings by its name (YAML: a top-level section `<name>:`), opaque here: the
     # algorithm reads its own (`Algorithm.section`); services.config.ExperimentConfig fills and checks them.
     sections: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -632,6 +657,9 @@ class CommonConfig:
         return sizes
 
     def __post_init__(self) -> None:
+        require(not self.selfplay.enabled or self.env.id.startswith("pettingzoo:"), "selfplay.enabled",
+                self.selfplay.enabled, f"self-play needs an env with several agents (env.id pettingzoo:<module>), "
+                f"not {self.env.id!r}")
         require(self.planner.actor.min <= self.topology.actors <= self.planner.actor.max, "topology.actors",
                 self.topology.actors, f"must lie within planner.actor.min..max "
                 f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")

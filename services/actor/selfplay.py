@@ -1,0 +1,144 @@
+"""Self-play in the actor (config `selfplay`, docs/multi-agent.md "Self-play").
+
+In each env copy of a PettingZoo env (services/common/agents.py) one agent, the *learning* agent, is
+played by the policy that trains, and only its steps are recorded; the copy's other agents are
+played by an *opponent*: the newest weights, or a frozen snapshot of the policy from a pool this actor
+keeps. Nothing of it reaches the buffer or the learner: they see one agent per copy, as they would a
+single-agent env.
+
+- **The pool.** Of the policy versions this actor swaps in, every `snapshot_every`-th becomes a
+  snapshot (its weights copied into a network of its own); the pool holds the newest `pool_size`.
+- **The draw, at each episode of a copy:** the learning agent is uniform over `possible_agents`
+  (`swap_sides`; else always the first); the opponent is the newest weights with probability
+  `latest_probability` (always while the pool is empty), else a snapshot drawn uniformly from the pool.
+- **Results.** When a copy's episode ends, the learning agent *won* if its return is above every
+  other agent's, *lost* if below any, else drew. Games against a snapshot update the learning
+  policy's Elo rating (starting at 1000) against the snapshot's (the rating the policy had when the
+  snapshot was taken, then fixed): R += K * (score - 1 / (1 + 10 ** ((R_s - R) / 400))), score 1, 0
+  or 1/2. Metrics: `actor/selfplay_games_total`, `..._wins_total`, `..._losses_total`,
+  `..._draws_total` (every game), `actor/selfplay_win_rate` (the last 100 games against snapshots),
+  `actor/selfplay_elo` and `actor/selfplay_pool_size`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services import algorithms
+from services.actor.policy import Policy
+from services.common.models.nets import load_numpy, to_numpy
+from services.common.stats import Metrics
+from services.config import ExperimentConfig
+
+LATEST = -1   # an episode's opponent: the newest weights (the policy that trains)
+START_ELO = 1000.0
+
+
+@dataclass
+class Snapshot:
+    version: int
+    rating: float
+    acting: object   # the algorithm's acting part, with this version's weights
+
+
+class SelfPlay:
+    """Who plays which agent of each copy, the pool of snapshots, and the games' results."""
+
+    def __init__(self, cfg: ExperimentConfig, policy: Policy, copies: int, agents: int, metrics: Metrics,
+                 rng: np.random.Generator):
+        self.cfg, self.sp, self.policy, self.metrics, self.rng = cfg, cfg.selfplay, policy, metrics, rng
+        self.copies, self.agents = copies, agents
+        self.pool: deque[Snapshot] = deque(maxlen=self.sp.pool_size)
+        self.learning = np.zeros(copies, np.int64)          # each copy's learning agent (index in possible_agents)
+        self.opponent: list[int | Snapshot] = [LATEST] * copies
+        self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
+        self.rating = START_ELO
+        self.recent: deque[float] = deque(maxlen=100)       # scores of the last games against snapshots
+        self._seen: int | None = None                       # the last policy version looked at
+        for name in ("games", "wins", "losses", "draws"):
+            metrics.inc(f"actor/selfplay_{name}_total", 0)
+        metrics.set("actor/selfplay_elo", self.rating)
+        metrics.set("actor/selfplay_pool_size", 0)
+        for k in range(copies):
+            self.new_episode(k)
+
+    def recorded(self) -> np.ndarray:
+        """[N] bool: the learning agents' slots."""
+        out = np.zeros(self.copies * self.agents, bool)
+        out[np.arange(self.copies) * self.agents + self.learning] = True
+        return out
+
+    def new_episode(self, k: int) -> None:
+        self.learning[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
+        if self.pool and self.rng.random() >= self.sp.latest_probability:
+            self.opponent[k] = self.pool[int(self.rng.integers(len(self.pool)))]
+        else:
+            self.opponent[k] = LATEST
+
+    def swapped(self) -> None:
+        """After the policy swapped weights in: every `snapshot_every`-th version joins the pool."""
+        version = self.policy.version
+        if version is None or version == self._seen:
+            return
+        self._seen = version
+        if version % self.sp.snapshot_every:
+            return
+        acting = algorithms.get(self.cfg.algorithm).acting(self.cfg, self.policy.spec, self.rng, Metrics("snapshot"))
+        load_numpy(acting.net, to_numpy(self.policy.net))
+        acting.net.eval()
+        self.pool.append(Snapshot(version, self.rating, acting))
+        self.metrics.set("actor/selfplay_pool_size", len(self.pool))
+
+    @torch.inference_mode()
+    def act(self, obs: np.ndarray, actions: np.ndarray, present: np.ndarray, mask: np.ndarray | None,
+            env_steps: int) -> np.ndarray:
+        """`actions` (the training policy's, for every slot) with the opponents' slots played by their
+        snapshots: one batched call per snapshot in use."""
+        out = actions.copy()
+        learning = self.recorded()
+        by_snapshot: dict[int, list[int]] = {}
+        for k, opponent in enumerate(self.opponent):
+            if opponent is LATEST:
+                continue
+            cols = [k * self.agents + j for j in range(self.agents)
+                    if not learning[k * self.agents + j] and present[k * self.agents + j]]
+            by_snapshot.setdefault(id(opponent), []).extend(cols)
+        snapshots = {id(o): o for o in self.opponent if isinstance(o, Snapshot)}
+        for key, cols in by_snapshot.items():
+            if not cols:
+                continue
+            acting = snapshots[key].acting
+            x = torch.from_numpy(np.ascontiguousarray(obs[cols]))
+            if mask is None:
+                picked = acting.act(x, snapshots[key].version, env_steps)[0]   # type: ignore[attr-defined]
+            else:
+                picked = acting.act(x, snapshots[key].version, env_steps,       # type: ignore[attr-defined]
+                                    mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
+            out[cols] = picked
+        return out
+
+    def stepped(self, rewards: np.ndarray, over: np.ndarray | None) -> None:
+        """Add a step's rewards; score the copies whose episode ended (`over`) and draw their next one."""
+        self.returns += rewards
+        if over is None:
+            return
+        for k in np.flatnonzero(over):
+            mine = self.returns[k * self.agents + self.learning[k]]
+            others = np.delete(self.returns[k * self.agents:(k + 1) * self.agents], self.learning[k])
+            score = 1.0 if mine > others.max() else 0.0 if mine < others.max() else 0.5
+            outcome = "wins" if score == 1.0 else "losses" if score == 0.0 else "draws"
+            self.metrics.inc("actor/selfplay_games_total")
+            self.metrics.inc(f"actor/selfplay_{outcome}_total")
+            opponent = self.opponent[k]
+            if isinstance(opponent, Snapshot):
+                expected = 1.0 / (1.0 + 10.0 ** ((opponent.rating - self.rating) / 400.0))
+                self.rating += self.sp.elo_k * (score - expected)
+                self.recent.append(score)
+                self.metrics.set("actor/selfplay_elo", self.rating)
+                self.metrics.set("actor/selfplay_win_rate", sum(s == 1.0 for s in self.recent) / len(self.recent))
+            self.returns[k * self.agents:(k + 1) * self.agents] = 0.0
+            self.new_episode(k)

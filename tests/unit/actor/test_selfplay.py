@@ -1,0 +1,125 @@
+"""Self-play in the actor (services/actor/selfplay.py): only the learning agent of each env copy is
+recorded; the others are played by the newest weights or a pool snapshot, drawn by the documented
+rule; the pool keeps every `snapshot_every`-th version, the newest `pool_size`; games are scored and
+Elo moves by the formula."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.actor.rollout import Rollout
+from services.actor.selfplay import LATEST, START_ELO, Snapshot
+from services.common.models.nets import to_numpy
+from services.common.protocol.fragments import RawFragment, decode_fragment
+from services.common.stats import Metrics
+from services.config import ConfigError, config_from_dict
+from tests.helpers import TINY_PPO
+
+pytest.importorskip("pettingzoo", reason="PettingZoo is in the actor extra")
+
+COPIES = 4
+
+
+def config(**selfplay):
+    return config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:kuberl_envs.tron", "num_envs": COPIES,
+                                                 "kwargs": {"size": 6}},
+                             "selfplay": {"enabled": True, **selfplay}})
+
+
+def weights_preferring(rollout: Rollout, action: int) -> dict[str, np.ndarray]:
+    """The policy's weights changed so that it picks `action` almost surely (its action head: zero
+    weights and a large bias on `action`)."""
+    arrays = to_numpy(rollout.policy.net)
+    n = rollout.spec.action.n
+    for name, arr in arrays.items():
+        if name.endswith("weight") and arr.shape[0] == n:
+            arrays[name] = np.zeros_like(arr)
+        if name.endswith("bias") and arr.shape == (n,):
+            arrays[name] = np.where(np.arange(n) == action, 50.0, 0.0).astype(arr.dtype)
+    return arrays
+
+
+def test_only_the_learning_agents_are_recorded_and_every_game_is_scored():
+    rollout = Rollout(config(snapshot_every=2, pool_size=2), "sp", 0, Metrics("actor"))
+    try:
+        frags = []
+        for version in range(1, 7):
+            rollout.policy.offer_weights(version, to_numpy(rollout.policy.net))
+            frags.append(rollout.collect())
+            while rollout._pending:
+                frags.append(rollout.collect())
+        sp = rollout.selfplay
+        assert [s.version for s in sp.pool] == [4, 6]                # every 2nd version, the newest 2
+        decoded = [decode_fragment(RawFragment(m.payload)) for m in frags]
+    finally:
+        rollout.close()
+    # Both agents of a tron copy play every step, and each copy has one learning agent: one recorded
+    # sample per copy and step, the learning agent's (a slot of its copy).
+    steps = 6 * TINY_PPO["ppo"]["rollout_steps"]
+    assert sum(f.num_samples for f in decoded) == steps * COPIES
+    assert rollout.metrics.counters["actor/env_steps_total"] == steps * COPIES
+    c = rollout.metrics.counters
+    assert c["actor/selfplay_games_total"] == c["actor/selfplay_wins_total"] + c["actor/selfplay_losses_total"] \
+        + c["actor/selfplay_draws_total"] > 0
+    # Every recorded episode is a learning agent's, one per game.
+    assert c["actor/episodes_total"] == c["actor/selfplay_games_total"]
+    assert rollout.metrics.gauges["actor/selfplay_pool_size"] == 2
+
+
+def test_opponents_are_drawn_by_the_documented_rule():
+    rollout = Rollout(config(latest_probability=0.2), "sp", 0, Metrics("actor"))
+    rollout.close()
+    sp = rollout.selfplay
+    assert all(o is LATEST for o in sp.opponent)                     # an empty pool: the newest weights
+    sp.pool.extend(Snapshot(v, START_ELO, None) for v in (10, 20, 30))
+    draws = 3000
+    latest, versions, sides = 0, {10: 0, 20: 0, 30: 0}, [0, 0]
+    for _ in range(draws):
+        sp.new_episode(0)
+        sides[sp.learning[0]] += 1
+        if sp.opponent[0] is LATEST:
+            latest += 1
+        else:
+            versions[sp.opponent[0].version] += 1
+    # Binomial: 0.2 +- 0.007 (sd); each snapshot 0.8 / 3 +- 0.008; each side 0.5 +- 0.009. 4 sd.
+    assert abs(latest / draws - 0.2) < 0.03
+    assert all(abs(n / draws - 0.8 / 3) < 0.035 for n in versions.values()), versions
+    assert abs(sides[0] / draws - 0.5) < 0.04
+
+
+def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_formula():
+    rollout = Rollout(config(snapshot_every=1, swap_sides=False), "sp", 0, Metrics("actor"))
+    rollout.close()
+    sp = rollout.selfplay
+    rollout.policy.offer_weights(1, weights_preferring(rollout, 2))
+    rollout.policy.swap()
+    sp.swapped()
+    (snapshot,) = sp.pool
+    sp.opponent = [snapshot, LATEST, snapshot, LATEST]
+    n = COPIES * 2
+    obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
+    out = sp.act(obs, np.zeros(n, np.int64), np.ones(n, bool), None, 0)
+    # Slot 2k is copy k's learning agent (swap_sides false: the first); copies 0 and 2 face the snapshot.
+    assert out.tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
+
+    sp.rating = 1000.0
+    snapshot.rating = 1200.0
+    expected = 1 / (1 + 10 ** (200 / 400))
+    sp.stepped(np.array([1.0, -1.0, 0, 0, 0, 0, 0, 0]), np.array([True, False, False, False]))   # copy 0: a win
+    assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))
+    assert rollout.metrics.gauges["actor/selfplay_win_rate"] == 1.0
+    sp.opponent[1] = LATEST
+    sp.stepped(np.array([0, 0, -1.0, 1.0, 0, 0, 0, 0]), np.array([False, True, False, False]))   # copy 1: lost, to the newest
+    assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))   # (no rating change against itself)
+    assert rollout.metrics.counters["actor/selfplay_losses_total"] == 1
+
+
+def test_selfplay_needs_an_env_with_several_agents_and_a_feed_forward_policy():
+    with pytest.raises(ConfigError, match=r"selfplay.enabled: True is invalid: self-play needs an env with several"):
+        config_from_dict({**TINY_PPO, "selfplay": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"self-play with a recurrent policy"):
+        config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:kuberl_envs.tron"}, "selfplay": {"enabled": True},
+                          "ppo": {**TINY_PPO["ppo"], "recurrent": "gru"}})
+    with pytest.raises(ConfigError, match=r"selfplay.latest_probability: 1.5 is invalid"):
+        config(latest_probability=1.5)
