@@ -221,6 +221,12 @@ class Rollout:
                 release_gil=True))   # this thread copies the payload beside the event loop: without the GIL
         return self._pending.popleft()
 
+    def take_pending(self) -> list[EncodedFragment]:
+        """The fragments already cut that `collect` has not handed out yet (several agents per env)."""
+        out = list(self._pending)
+        self._pending.clear()
+        return out
+
     def _cut(self, msg: EncodedFragment) -> None:
         if self.gate is not None:
             self.gate.cut(self.seq, msg.samples)
@@ -289,6 +295,8 @@ class RolloutWorker(threading.Thread):
                 msg = self.rollout.collect(self.stop_event)
                 if msg is not None:
                     self.on_fragment(msg)
+            for msg in self.rollout.take_pending():   # cut with the last one: sent like it, never lost
+                self.on_fragment(msg)
         except BaseException as exc:  # handed to the event loop, which ends the process loudly
             self.done(exc)
             return

@@ -187,3 +187,27 @@ def test_env_kwargs_reach_the_env():
         assert rollout.envs.copies[0].length == 4 and rollout.envs.num_envs == 3
     finally:
         rollout.close()
+
+
+def test_a_worker_stopped_between_a_windows_fragments_hands_on_every_one_it_cut():
+    """A window cut into several fragments is handed out over several calls: a stop in between must not
+    leave the rest unsent (they were counted as cut)."""
+    import threading
+
+    from services.actor.rollout import RolloutWorker
+
+    rollout = Rollout(config("ppo", 7), "ma", 0, Metrics("actor"))
+    got, done, ended = [], threading.Event(), []
+
+    def on_fragment(msg):
+        got.append(msg)
+        if len(got) == 1:
+            worker.stop_event.set()   # stop after the first fragment of the first window
+
+    worker = RolloutWorker(rollout, on_fragment, lambda exc: (ended.append(exc), done.set()))
+    rollout.policy.have_weights.set()   # (acting with its initial weights)
+    worker.start()
+    assert done.wait(30) and ended == [None]
+    rollout.close()
+    assert len(got) == rollout.metrics.counters["actor/fragments_total"] > 1
+    assert [RawFragment(m.payload).seq for m in got] == list(range(len(got)))
