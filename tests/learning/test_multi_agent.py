@@ -13,7 +13,8 @@ them). Assertions are on returns, win rates and env steps (agent steps recorded)
   player. Measured (wins/losses/draws): two runs' checkpoints at 1.07M-1.5M steps against random
   385/3/12 to 361/13/26 of 400 sampled, 186/3/11 to 193/0/7 of 200 deterministic; against the scripted
   player 303/14/83, 207/66/127, 197/123/80 and 84/53/263 of 400. At 600k steps: 179/9/12 of 200
-  against random, 0/104/96 against the scripted player (deterministic).
+  against random, 0/104/96 against the scripted player (deterministic). This test's own run
+  (8 min 8 s for both tests): 380/0/20 against random, 169/102/129 against the scripted player.
 """
 
 from __future__ import annotations
