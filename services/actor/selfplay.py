@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from services.common.models.nets import load_numpy, to_numpy
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 
-LATEST = -1   # an episode's opponent: the newest weights (the policy that trains)
+LATEST = None   # an episode's opponent: the newest weights (the policy that trains)
 START_ELO = 1000.0
 
 
@@ -42,7 +43,7 @@ START_ELO = 1000.0
 class Snapshot:
     version: int
     rating: float
-    acting: object   # the algorithm's acting part, with this version's weights
+    acting: Any   # the algorithm's acting part, with this version's weights
 
 
 class SelfPlay:
@@ -54,7 +55,7 @@ class SelfPlay:
         self.copies, self.agents = copies, agents
         self.pool: deque[Snapshot] = deque(maxlen=self.sp.pool_size)
         self.learning = np.zeros(copies, np.int64)          # each copy's learning agent (index in possible_agents)
-        self.opponent: list[int | Snapshot] = [LATEST] * copies
+        self.opponent: list[Snapshot | None] = [LATEST] * copies
         self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
         self.rating = START_ELO
         self.recent: deque[float] = deque(maxlen=100)       # scores of the last games against snapshots
@@ -100,25 +101,20 @@ class SelfPlay:
         snapshots: one batched call per snapshot in use."""
         out = actions.copy()
         learning = self.recorded()
-        by_snapshot: dict[int, list[int]] = {}
+        by_snapshot: dict[int, tuple[Snapshot, list[int]]] = {}
         for k, opponent in enumerate(self.opponent):
-            if opponent is LATEST:
-                continue
-            cols = [k * self.agents + j for j in range(self.agents)
-                    if not learning[k * self.agents + j] and present[k * self.agents + j]]
-            by_snapshot.setdefault(id(opponent), []).extend(cols)
-        snapshots = {id(o): o for o in self.opponent if isinstance(o, Snapshot)}
-        for key, cols in by_snapshot.items():
+            if opponent is not None:
+                cols = [n for n in range(k * self.agents, (k + 1) * self.agents) if not learning[n] and present[n]]
+                by_snapshot.setdefault(id(opponent), (opponent, []))[1].extend(cols)
+        for snapshot, cols in by_snapshot.values():
             if not cols:
                 continue
-            acting = snapshots[key].acting
             x = torch.from_numpy(np.ascontiguousarray(obs[cols]))
             if mask is None:
-                picked = acting.act(x, snapshots[key].version, env_steps)[0]   # type: ignore[attr-defined]
+                out[cols] = snapshot.acting.act(x, snapshot.version, env_steps)[0]
             else:
-                picked = acting.act(x, snapshots[key].version, env_steps,       # type: ignore[attr-defined]
-                                    mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
-            out[cols] = picked
+                out[cols] = snapshot.acting.act(x, snapshot.version, env_steps,
+                                                mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
         return out
 
     def stepped(self, rewards: np.ndarray, over: np.ndarray | None) -> None:

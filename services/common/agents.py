@@ -1,8 +1,9 @@
 """Several agents in one env: PettingZoo envs as a vector of agent *slots* that one policy steps.
 
 `env.id: pettingzoo:<module>` names a PettingZoo env module (`mpe2.simple_spread_v3`,
-`pettingzoo.classic.tictactoe_v3`, or any module of your own that follows the API): its
-`parallel_env(**env.kwargs)`, or its AEC `env(**env.kwargs)` through PettingZoo's `aec_to_parallel`.
+`pettingzoo.butterfly.pistonball_v6`, `kuberl_envs.tron`, or any module of your own that follows the
+API): its `parallel_env(**env.kwargs)`, or its AEC `env(**env.kwargs)` through PettingZoo's
+`aec_to_parallel` where the AEC env says it can be stepped so (turn-based games cannot: refused).
 
 `ParallelVectorEnv` runs `num_envs` copies and gives each of the env's `possible_agents` a slot per
 copy: N = num_envs * len(possible_agents) columns, agent j of copy k in column k * S + j. Every agent
@@ -50,7 +51,10 @@ def make_parallel(env_id: str, kwargs: dict[str, Any] | None = None) -> Callable
     if callable(getattr(module, "parallel_env", None)):
         return lambda: module.parallel_env(**kw)
     if callable(getattr(module, "env", None)):
-        if not getattr(module.env(**kw), "metadata", {}).get("is_parallelizable", False):
+        probe = module.env(**kw)
+        parallelizable = getattr(probe, "metadata", {}).get("is_parallelizable", False)
+        probe.close()
+        if not parallelizable:
             raise ValueError(f"env.id: {env_id!r} is a turn-based (AEC) env that PettingZoo cannot step as a "
                              f"parallel one (its metadata lacks is_parallelizable); turn-based envs are not "
                              f"supported yet")
