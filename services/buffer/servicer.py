@@ -56,6 +56,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.shard: int | None = None
         self._pushing = 0                          # push streams open
         self._last_received = time.monotonic()
+        self._drained_at_generation = 0   # (the generation a drained shard last said so under, logged once)
         metrics.inc("buffer/samples_evicted_on_drain_total", 0)
         metrics.add_gauges(lambda: {"buffer/topology_generation": float(self.topology.generation),
                                     "buffer/draining": float(self.draining)})
@@ -219,6 +220,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         ack = buffer_pb2.TopologyAck(generation=self.topology.generation, draining=self.draining,
                                      actors_live=len(self._watching))
         ack.drained = self.draining and self._drained()
+        if ack.drained and self._drained_at_generation != self.topology.generation:
+            self._drained_at_generation = self.topology.generation
+            log.info("drained: no actor watches or pushes, nothing left to serve (generation %d)",
+                     self.topology.generation)
         ack.size_samples = self.store.size
         if self.topology.generation:
             ack.topology.CopyFrom(self.topology)

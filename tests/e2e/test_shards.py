@@ -188,6 +188,17 @@ def _placement(node) -> dict[str, int]:
             for a in pods(node, NAMESPACE, "actor")}
 
 
+def _logged_after(text: str, pattern: str, since: float) -> float | None:
+    """Seconds from `since` (wall clock) to the first log line matching `pattern` (None: none does)."""
+    for line in text.splitlines():
+        stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", line)
+        if stamp and re.search(pattern, line):
+            at = time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) + int(stamp.group(2)) / 1000
+            if at >= since - 1:
+                return round(at - since, 1)
+    return None
+
+
 def test_the_planner_adds_a_buffer_shard_and_drains_it_losing_nothing_acknowledged(e2e_node, e2e_images, e2e_report,
                                                                                    tmp_path):
     report: dict = {}
@@ -210,7 +221,8 @@ def test_the_planner_adds_a_buffer_shard_and_drains_it_losing_nothing_acknowledg
 
         # --- the planner drains it ------------------------------------------------------------------
         follow = _follow(e2e_node, "kuberl-buffer-1", NAMESPACE)
-        asked = time.monotonic()
+        (planner,) = pods(e2e_node, NAMESPACE, "planner")
+        asked, asked_wall = time.monotonic(), time.time()
         decision = _ask(e2e_node, "buffer", 1)
         assert not decision.error and decision.buffer_shards_target == 1, decision
         _wait("shard 1 drained and its pod gone", lambda: _shard_replicas(e2e_node) == 1 and not any(
@@ -222,6 +234,11 @@ def test_the_planner_adds_a_buffer_shard_and_drains_it_losing_nothing_acknowledg
         stored_1, _, _, held_1 = map(int, last.groups())
         assert "draining" in out and held_1 == 0 and stored_1 > 0, out[-2000:]
         assert set(_placement(e2e_node).values()) == {0}
+        # Where the drain's time went (the pods' log lines, seconds after the ask).
+        planner_log = kubectl(e2e_node, "-n", NAMESPACE, "logs", planner.metadata.name)
+        phases = {what: _logged_after(text, pattern, asked_wall) for what, text, pattern in (
+            ("shard_told_to_drain", out, r"draining"), ("shard_drained", out, r"drained: "),
+            ("planner_stopped_it", planner_log, r"drained and stopped"), ("shard_stopped", out, r"buffer stopped"))}
 
         # --- exact accounting: stop the actors, then compare --------------------------------------------
         actors = [a.metadata.name for a in pods(e2e_node, NAMESPACE, "actor")]
@@ -240,6 +257,6 @@ def test_the_planner_adds_a_buffer_shard_and_drains_it_losing_nothing_acknowledg
         assert acked == stored_0 + stored_1, (f"acknowledged {acked}; shard 0 stored {stored_0}, the drained shard "
                                               f"{stored_1}: {finals}")
         assert _restarts(e2e_node, "buffer") == 0
-        report["drain"] = {"ask_to_pod_gone_s": round(drained_s, 1), "drained_shard_stored": stored_1,
+        report["drain"] = {"ask_to_pod_gone_s": round(drained_s, 1), "phases_s": phases, "drained_shard_stored": stored_1,
                            "shard_0_stored": stored_0, "acknowledged": acked, "actors": finals}
         e2e_report["planner_shards"] = report
