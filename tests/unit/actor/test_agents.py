@@ -146,8 +146,25 @@ def test_agents_of_one_policy_must_share_their_spaces():
         ParallelVectorEnv(Uneven, 1, "uneven")
     with pytest.raises(ValueError, match=r"env.id: 'pettingzoo:no_such_module_here': module"):
         make_parallel("pettingzoo:no_such_module_here")
-    with pytest.raises(ValueError, match=r"is a turn-based \(AEC\) env .* not supported yet"):
-        make_parallel("pettingzoo:pettingzoo.classic.tictactoe_v3")
+
+
+
+def test_a_turn_based_env_is_refused_with_the_reason(monkeypatch):
+    import sys
+    import types
+
+    class TurnBased:   # an AEC env, as PettingZoo's classic games are: not steppable in parallel
+        metadata = {"name": "turns_v0"}
+
+        def close(self):
+            pass
+
+    turns = types.ModuleType("turn_based_game")
+    turns.env = lambda **kw: TurnBased()
+    monkeypatch.setitem(sys.modules, "turn_based_game", turns)
+    with pytest.raises(ValueError, match=r"env.id: 'pettingzoo:turn_based_game' is a turn-based \(AEC\) env .* "
+                                         r"not supported yet"):
+        make_parallel("pettingzoo:turn_based_game")
 
 
 def test_an_aec_env_that_can_step_in_parallel_is_wrapped(monkeypatch):
