@@ -154,14 +154,17 @@ class Rendezvous:
             store = self._store(deadline, abandon)
             g = self._open(store, world_size, deadline, abandon) if self.rank == 0 else \
                 self._join(store, world_size, deadline, abandon)
+            store.set(f"g/{g}/device/{self.rank}", device_id(self.device))
             pg = self._connect(store, g, world_size)
-            backend = gradient_backend(self.device)
+            # Every member set its device before connecting, so all are there once gloo is connected.
+            devices = [store.get(f"g/{g}/device/{r}").decode() for r in range(world_size)]
+            backend, why = gradient_backend(devices)
             grads = self._connect_nccl(store, g, world_size) if backend == "nccl" else None
         except GroupBroken:
             raise
         except Exception as err:  # noqa: BLE001 - torch raises several kinds; all mean the same here
             raise GroupBroken(f"could not form the group of {world_size} learners at {self.address}: {err}") from err
-        log.info("group of %d learners formed (generation %d), gradients over %s", world_size, g, backend)
+        log.info("group of %d learners formed (generation %d), gradients over %s (%s)", world_size, g, backend, why)
         return GradientSync(spec, pg, g, grads=grads, device=self.device)
 
     def _store(self, deadline: float, abandon: threading.Event) -> dist.Store:
@@ -304,10 +307,32 @@ def _outcome(store: dist.Store, g: int, rank: int) -> str | None:
     return None
 
 
-def gradient_backend(device: torch.device) -> str:
-    """The backend the group averages gradients over: "nccl" between CUDA learners where torch has
-    NCCL, else "gloo" (CPU tensors; a CUDA learner without NCCL copies its gradients through the CPU)."""
-    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+def device_id(device: torch.device) -> str:
+    """What names the chip a learner trains on, the same in every process of the host: "cpu", or
+    "cuda:" and the GPU's UUID (which does not depend on CUDA_VISIBLE_DEVICES' numbering)."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"cuda:{uuid}" if uuid is not None else f"cuda:{socket.gethostname()}/{index}"
+
+
+def gradient_backend(devices: list[str]) -> tuple[str, str]:
+    """(backend, why) for a group whose member r trains on `devices[r]` (`device_id`): "nccl" when every
+    member has a GPU of its own and torch has NCCL, else "gloo" (CPU tensors; a CUDA learner copies
+    its gradients through the CPU). NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), as
+    two learners on a one-GPU machine would be: their group falls back to gloo instead of breaking
+    at its first all-reduce, and is re-formed in vain."""
+    if any(not d.startswith("cuda:") for d in devices):
+        return "gloo", "not every learner trains on CUDA"
+    if not dist.is_nccl_available():
+        return "gloo", "this torch has no NCCL"
+    first: dict[str, int] = {}
+    for rank, d in enumerate(devices):
+        if d in first:
+            return "gloo", f"ranks {first[d]} and {rank} share the GPU {d[5:]}, and NCCL needs one GPU per rank"
+        first[d] = rank
+    return "nccl", f"{len(devices)} GPUs"
 
 
 class GradientSync:
