@@ -14,10 +14,10 @@ one instant: a dedupe window naming a seq whose rows are not in the ring would t
 re-send of that fragment away as a duplicate (lost), and rows whose seq the windows do not name
 would be stored twice after a re-send. So the rows are copied in a thread while the event loop goes
 on, then the rows written meanwhile (`ReplayRing.spans_since`) are copied again in a thread, round
-after shorter round, until at most PATCH_BYTES of them are left; those are copied on the event loop
-(where every insert happens, so nothing moves meanwhile), where the ring's position, RNG, dedupe
-windows and counters are read too. The loop is paused only for that last patch, never for a copy of
-the whole ring (docs/reliability.md: under a millisecond with pushes arriving). The copy costs one
+after shorter round, until at most PATCH_BYTES of them are left; those are copied by the store's owner
+(the event loop, or the thread that owns the store: services/buffer/owner.py; every insert happens
+there, so nothing moves meanwhile), where the ring's position, RNG, dedupe windows and counters are
+read too. Inserts are paused only for that last patch, never for a copy of the whole ring (docs/reliability.md: under a millisecond with pushes arriving). The copy costs one
 ring's worth of memory until it is written, and is freed in the writing thread.
 
 Durability. The copy is written to a temp file in the same directory (`.replay-<n>.<random>.tmp`),
@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from services.buffer.replay import Spans
+from services.buffer.owner import StoreOwner
 from services.buffer.store import Store
 from services.common.atomic import write_atomically
 from services.common.config import is_atari
@@ -113,26 +114,35 @@ def _span_bytes(arrays: dict[str, np.ndarray], spans: Spans) -> int:
     return sum((stop - start) * arr[0].nbytes for name, arr in arrays.items() for start, stop in spans[name])
 
 
-async def take_snapshot(store: Store, cfg: ExperimentConfig) -> Snapshot:
-    """Copy the replay state as of one instant, pausing the event loop only to patch the last rows
-    inserted during the copy (see the module docstring). Call it on the loop that inserts."""
+async def take_snapshot(store: Store, cfg: ExperimentConfig, run: StoreOwner | None = None) -> Snapshot:
+    """Copy the replay state as of one instant, pausing the store's work (`run`, its owner: the event
+    loop or the owner thread) only to patch the last rows inserted during the copy (see the module
+    docstring)."""
+    run = run or StoreOwner(threaded=False)
     ring = store.replay
     copies: dict[str, np.ndarray] = {}
+    mark = None
     if ring.data is not None:
         # Pre-copy (as live migration does): copy everything in a thread, then, while much was written
         # meanwhile, copy again in a thread just what was; each round is shorter than the one before.
-        mark = ring.mark()
-        copies = await asyncio.to_thread(_copy_rows, ring.data, ring.used())
+        mark, used = await run(lambda: (ring.mark(), ring.used()))
+        copies = await asyncio.to_thread(_copy_rows, ring.data, used)
         for _ in range(PRECOPY_ROUNDS):
-            spans = ring.spans_since(mark)
+            spans = await run(ring.spans_since, mark)
             if _span_bytes(ring.data, spans) <= PATCH_BYTES:
                 break
-            mark = ring.mark()
+            mark = await run(ring.mark)
             await asyncio.to_thread(_copy_spans, copies, ring.data, spans)
-    # From here to the return there is no await: inserts wait, and everything below is of one instant.
+    return await run(_instant, store, cfg, ring, copies, mark)
+
+
+def _instant(store: Store, cfg: ExperimentConfig, ring, copies: dict[str, np.ndarray], mark) -> Snapshot:
+    """The snapshot's instant, on the store's owner: no insert runs meanwhile."""
     paused = time.perf_counter()
-    if copies:  # (an empty ring was not awaited on, so it is empty still)
+    if copies:
         _copy_spans(copies, ring.data, ring.spans_since(mark))
+    elif ring.data is not None:   # the ring was empty at the pre-copy, and its first rows came since
+        copies = _copy_rows(ring.data, ring.used())
     used = ring.used()
     arrays = {f"ring.{name}": arr[:used[name]] for name, arr in copies.items()}
     arrays.update({f"dedupe.{key}": np.asarray(value) for key, value in store.dedupe_state().items()})
@@ -228,10 +238,12 @@ class BufferCheckpointer:
     """Saves a DQN buffer's replay state to `directory` every `interval_s` and at shutdown, and
     restores the newest usable checkpoint at start."""
 
-    def __init__(self, store: Store, cfg: ExperimentConfig, directory: str | Path, metrics: Metrics):
+    def __init__(self, store: Store, cfg: ExperimentConfig, directory: str | Path, metrics: Metrics,
+                 owner: StoreOwner | None = None):
         if store.replay is None:
             raise ValueError("only a DQN buffer's replay ring is checkpointed")
         self.store, self.cfg, self.directory, self.metrics = store, cfg, Path(directory), metrics
+        self.owner = owner or StoreOwner(threaded=False)
         self.interval_s, self.keep = cfg.buffer.checkpoint_interval_s, cfg.buffer.keep_checkpoints
         metrics.inc("buffer/checkpoints_total", 0)
         metrics.inc("buffer/checkpoint_errors_total", 0)
@@ -278,7 +290,7 @@ class BufferCheckpointer:
         """Checkpoint now (copy, then write in a thread). A failing disk is logged and counted, never
         raised: the buffer goes on serving and the previous checkpoint stands."""
         started = time.perf_counter()
-        snapshot = await take_snapshot(self.store, self.cfg)
+        snapshot = await take_snapshot(self.store, self.cfg, self.owner)
         try:
             path = await asyncio.to_thread(_write_and_release, self.directory, snapshot, self.keep)
         except Exception as err:  # noqa: BLE001 - a failed save must never take the buffer down

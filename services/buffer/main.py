@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 from kuberl.v1 import buffer_pb2
 from services.buffer.checkpoint import BufferCheckpointer
+from services.buffer.owner import StoreOwner, use_thread
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.store import Store
 from services.config import ExperimentConfig, load_role_config
@@ -31,6 +32,9 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     replay and restores it from before it serves (services/buffer/checkpoint.py)."""
     metrics = Metrics("buffer")
     store = Store(cfg, metrics)
+    threaded, why = use_thread(cfg.buffer.store_thread, replay=store.replay is not None)
+    owner = StoreOwner(threaded)
+    metrics.set("buffer/store_thread", float(threaded))
     checkpointer = None
     checkpoint_dir = checkpoint_dir or cfg.buffer.checkpoint_dir
     if checkpoint_dir and store.replay is None:
@@ -38,16 +42,17 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                     "(its on-policy fragments go stale within a few updates): a restarted buffer starts empty",
                     checkpoint_dir)
     elif checkpoint_dir:
-        checkpointer = BufferCheckpointer(store, cfg, checkpoint_dir, metrics)
+        checkpointer = BufferCheckpointer(store, cfg, checkpoint_dir, metrics, owner)
         await checkpointer.restore()  # before serving: pushes go into the restored ring
-    servicer = BufferServicer(store, metrics)
+    servicer = BufferServicer(store, metrics, owner)
     lc = Lifecycle("buffer", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
     await lc.serve(listen, lambda s: add_to_server(servicer, s), [buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name],
                    max_message_bytes=cfg.buffer.max_message_mb * MiB, metrics_listen=metrics_listen, tls=cfg.tls,
                    auth=cfg.auth)
-    log.info("buffer for %s (%s), %s", cfg.algorithm, cfg.env.id,
+    log.info("buffer for %s (%s), %s; the store works %s (%s)", cfg.algorithm, cfg.env.id,
              f"replay of {store.replay.capacity}" if store.replay is not None
-             else f"FIFO of {store.fifo.capacity_steps} steps")
+             else f"FIFO of {store.fifo.capacity_steps} steps",
+             "on a thread of its own" if threaded else "on the event loop", why)
     async with lc.running():
         lc.on_stop(servicer.close)             # refuse new pushes, ack open ones, end batch streams
         lc.on_stop(lc.stop_server(grace=2.0))  # let in-flight calls finish
@@ -65,6 +70,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                      store.served_samples, store.size,
                      "in its last checkpoint" if checkpointer is not None else "lost with it: no checkpoint")
         lc.after_deadline(stopped)
+        lc.after_deadline(owner.close)   # after the last checkpoint: it runs its instant on the owner
         await lc.ready()
         yield lc.endpoints
 

@@ -1,5 +1,6 @@
 """Thin gRPC adapter of the buffer: PushTrajectories, StreamBatches, ReportProgress, WatchInsertLimit,
-GetStats -> Store."""
+GetStats -> Store. Every call on the Store goes through its StoreOwner (services/buffer/owner.py): on
+the event loop, or on the thread that owns the store."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services import algorithms
+from services.buffer.owner import StoreOwner
 from services.buffer.store import Outcome, Store
 from services.common.protocol.fragments import MAX_ID_LEN, RawFragment, batch_samples
 from services.common.net.grpcutil import add_handlers, generated_handlers
@@ -40,8 +42,9 @@ DRAIN_QUIET_S = 2.0
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
-    def __init__(self, store: Store, metrics: Metrics):
+    def __init__(self, store: Store, metrics: Metrics, owner: StoreOwner | None = None):
         self.store, self.metrics = store, metrics
+        self.run = owner or StoreOwner(threaded=False)   # every call on `store` goes through it
         self.inserted = Notifier()
         self.changed = Notifier()  # what the insert limit is computed from moved (WatchInsertLimit)
         self.closing = False
@@ -117,7 +120,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             index += 1
             msg = RawFragment(data)
             try:
-                outcome = self.store.insert(msg)
+                outcome = await self.run(self.store.insert, msg)
             except TensorError as err:
                 self.metrics.inc("buffer/fragments_invalid_total")
                 log.warning("refused fragment seq %d from %r: %s", msg.seq, msg.actor_id[:MAX_ID_LEN], err)
@@ -142,7 +145,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 ack.duplicates += 1
             else:  # counted by the store under its reason (buffer/fragments_too_old_total)
                 ack.rejected += 1
-        if sender is not None and (high := self.store.high_water(*sender)) is not None:
+        if sender is not None and (high := await self.run(self.store.high_water, *sender)) is not None:
             ack.high_water_seq = high
         return ack
 
@@ -161,13 +164,14 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         while not self.closing and (request.max_batches == 0 or sent < request.max_batches):
             if sent and time.monotonic() >= ends:
                 return   # a clean end: the learner reads what was written, then opens the next stream
-            batch = self.store.next_batch(request.batch_size, request.learner_id)
+            batch, why = await self.run(self._cut, request.batch_size, request.learner_id, urgent=True,
+                                        orphan=lambda cut: self._lost(cut[0], request.learner_id))
             if batch is None:
                 if time.monotonic() >= ends:
                     return
                 started = time.monotonic()
                 await self.inserted.wait(timeout=1.0)
-                if self.store.wait_reason == "paced":
+                if why == "paced":
                     self.metrics.inc("buffer/paced_seconds_total", time.monotonic() - started)
                 continue
             batch.batch_id = sent
@@ -179,27 +183,41 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 # (Any exception: what grpcio raises for a write to a call that its peer already
                 # ended, UsageError or ExecuteBatchError, has no public type; whatever the cause,
                 # the batch was not delivered.)
-                lost = batch_samples(batch)
-                self.metrics.inc("buffer/samples_lost_in_transit_total", lost)
-                self.store.unserve(request.learner_id)
+                self.run.post(self._lost, batch, request.learner_id)
                 log.info("learner %s went away (%r); %d samples of batch %d were not delivered",
-                         request.learner_id, err, lost, sent)
+                         request.learner_id, err, batch_samples(batch), sent)
                 if isinstance(err, asyncio.CancelledError):
                     raise
                 return
             sent += 1
 
+    def _cut(self, batch_size: int, learner_id: str) -> tuple[pb.TrainingBatch | None, str]:
+        """(the next batch for `learner_id`, or None and why not); on the store's owner."""
+        batch = self.store.next_batch(batch_size, learner_id)
+        return batch, "" if batch is not None else self.store.wait_reason
+
+    def _lost(self, batch: pb.TrainingBatch | None, learner_id: str) -> None:
+        """A batch cut for a learner that went away before it was sent: its samples are gone, so count
+        them. On the store's owner."""
+        if batch is not None:
+            self.metrics.inc("buffer/samples_lost_in_transit_total", batch_samples(batch))
+            self.store.unserve(learner_id)
+
     async def ReportProgress(self, request: buffer_pb2.LearnerProgress, context) -> buffer_pb2.ProgressAck:
         if not 0 < len(request.learner_id) <= MAX_ID_LEN:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner_id: must be 1..{MAX_ID_LEN} characters")
-        self.store.report_progress(request.learner_id, request.policy_version, request.batches_consumed_total)
+        ack = await self.run(self._progress, request, urgent=True)
         self.inserted.notify()  # a newer version may make queued fragments stale
         self.changed.notify()   # batches trained on, and a new learner, move the insert limit
-        ack = buffer_pb2.ProgressAck(samples_inserted_total=self.store.inserted_samples,
-                                     warmup_samples=min(self.store.limiter.warmup, self.store.inserted_samples))
         if self.topology.generation:
             ack.topology.CopyFrom(self.topology)
         return ack
+
+    def _progress(self, request: buffer_pb2.LearnerProgress) -> buffer_pb2.ProgressAck:
+        store = self.store
+        store.report_progress(request.learner_id, request.policy_version, request.batches_consumed_total)
+        return buffer_pb2.ProgressAck(samples_inserted_total=store.inserted_samples,
+                                      warmup_samples=min(store.limiter.warmup, store.inserted_samples))
 
     async def SetTopology(self, request: buffer_pb2.SetTopologyRequest, context) -> buffer_pb2.TopologyAck:
         """Take a newer shard list from the planner (older ones are ignored); report whether this shard,
@@ -219,7 +237,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             self.changed.notify()   # actors hear it on their insert-limit streams
         ack = buffer_pb2.TopologyAck(generation=self.topology.generation, draining=self.draining,
                                      actors_live=len(self._watching))
-        ack.drained = self.draining and self._drained()
+        ack.drained = self.draining and await self.run(self._drained)
         if ack.drained and self._drained_at_generation != self.topology.generation:
             self._drained_at_generation = self.topology.generation
             log.info("drained: no actor watches or pushes, nothing left to serve (generation %d)",
@@ -230,7 +248,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return ack
 
     def _drained(self) -> bool:
-        """Whether a draining shard is done: no actor watches it or pushes to it (none has for
+        """(On the store's owner.) Whether a draining shard is done: no actor watches it or pushes to it (none has for
         DRAIN_QUIET_S), it holds nothing to serve, and every batch it served a live learner has been
         reported consumed (one still in a stream's buffers would be lost with the stream). A FIFO drains
         by serving what it holds; a replay's samples are not served out (each would be sampled many
@@ -256,7 +274,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         try:
             while not self.closing:
                 waiter = self.changed.waiter()  # taken before reading: a change in between is not missed
-                msg = self._insert_limit(request.actor_id, request.incarnation)
+                msg = await self.run(self._insert_limit, request.actor_id, request.incarnation, urgent=True)
                 if msg != sent or self.topology.generation != told:
                     out = msg
                     if self.topology.generation != told:   # the shard list once per change, not in every limit
@@ -279,6 +297,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 del self._watching[request.actor_id]
 
     def _insert_limit(self, actor_id: str, incarnation: int) -> buffer_pb2.InsertLimit:
+        """(On the store's owner.)"""
         store = self.store
         msg = buffer_pb2.InsertLimit(samples_inserted_total=store.inserted_samples,
                                      samples_served_total=store.served_samples,
@@ -290,7 +309,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return msg
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        return self.metrics.response()
+        return await self.run(self.metrics.response, urgent=True)   # (the store's gauges, read between its calls)
 
 
 def topology_problem(t: buffer_pb2.BufferTopology, shard: int) -> str:

@@ -321,6 +321,11 @@ class BufferConfig:
     # as they came; "always": frames once for any observation with a stack axis; "never": as they came.
     # A checkpoint restores in the layout it was saved in; "always"/"never" refuse one of the other.
     compact_replay: str = "auto"
+    # DQN, SAC: the replay's Store works on a thread of its own (services/buffer/owner.py), so the event
+    # loop goes on reading pushes and writing batches meanwhile, and batch cuts pass queued inserts.
+    # It shifts the GIL-bound work toward learners rather than adding to it: off by default
+    # (docs/benchmarks.md, "Buffer event loop"). A FIFO (PPO) always works on the loop.
+    store_thread: bool = False
 
     def __post_init__(self) -> None:
         require(1 <= self.max_message_mb <= 1024, "max_message_mb", self.max_message_mb, "must be 1..1024")

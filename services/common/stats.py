@@ -11,6 +11,7 @@ import asyncio
 import math
 import os
 import socket
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -145,9 +146,11 @@ class Metrics:
         self._rate_window_s = rate_window_s
         self._gauge_providers: list[Callable[[], Mapping[str, float]]] = []
         self._labelled_providers: list[Callable[[], Iterable[tuple[str, Mapping[str, str], float]]]] = []
+        self._inc_lock = threading.Lock()
 
     def inc(self, name: str, n: float = 1) -> None:
-        self.counters[name] += n
+        with self._inc_lock:   # (threads count too: a buffer's store owner, an actor's rollout thread)
+            self.counters[name] += n
 
     def set(self, name: str, value: float) -> None:
         self.gauges[name] = float(value)

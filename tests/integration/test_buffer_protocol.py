@@ -16,6 +16,7 @@ from services.config import config_from_dict
 from services.common.protocol.tensors import encode
 from tests.fragments import make_fragment
 from tests.helpers import TINY_DQN, TINY_PPO
+from tests.store_owner import store_owner  # noqa: F401 (every test runs with the store on the loop and on its thread)
 
 
 @pytest.fixture

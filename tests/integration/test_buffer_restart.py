@@ -11,6 +11,7 @@ from services.buffer import main as buffer_main
 from services.config import config_from_dict
 from tests.fragments import make_fragment
 from tests.helpers import TINY_DQN, TINY_PPO
+from tests.store_owner import store_owner  # noqa: F401 (every test runs with the store on the loop and on its thread)
 
 WAIT_S = 60.0  # upper bound for a call on a loaded machine; nothing asserts on time
 

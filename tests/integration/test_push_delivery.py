@@ -175,14 +175,16 @@ async def _until(check, what: str) -> None:
             await asyncio.sleep(0.02)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "dqn"])
-async def test_a_buffer_stopped_with_sigterm_acknowledges_what_its_open_stream_stored(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm,store_thread", [("ppo", False), ("dqn", False), ("dqn", True)])
+async def test_a_buffer_stopped_with_sigterm_acknowledges_what_its_open_stream_stored(tmp_path, algorithm,
+                                                                                      store_thread):
     """SIGTERM (a pod deleted, a node drained) ends the buffer's open push streams with their acks:
     the actor counts as acknowledged exactly what that buffer stored, and re-sends to its successor
     only what it did not store, never data a learner may already have trained on. What the buffer
     held goes with it (PPO's FIFO: said in its last line), unless its replay has a checkpoint dir (DQN):
     then the successor restores every acknowledged sample."""
-    config = write_config(tmp_path / "exp.yaml", TINY_PPO if algorithm == "ppo" else TINY_DQN)
+    base = TINY_PPO if algorithm == "ppo" else TINY_DQN
+    config = write_config(tmp_path / "exp.yaml", {**base, "buffer": {**base.get("buffer", {}), "store_thread": store_thread}})
     args = () if algorithm == "ppo" else ("--checkpoint-dir", str(tmp_path / "replay"))
     kind = {"algorithm": pb.ALGORITHM_PPO if algorithm == "ppo" else pb.ALGORITHM_DQN}
     # A long ack interval: the stream is open, its fragments stored but not acknowledged, at SIGTERM.
@@ -201,6 +203,7 @@ async def test_a_buffer_stopped_with_sigterm_acknowledges_what_its_open_stream_s
         old.popen.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(old.popen.wait, WAIT_S) == 0
         assert _stopped_line(old.output()) == 10
+        assert f"the store works {'on a thread of its own' if store_thread else 'on the event loop'}" in old.output()
         held = sum(m.samples for m in sent[:10])
         fate = "lost with it: no checkpoint" if algorithm == "ppo" else "in its last checkpoint"
         assert f"{held} held ({fate})" in old.output()

@@ -1,9 +1,12 @@
 """DQN: the buffer holds the target replay ratio within its tolerance band while two actors at
-different speeds feed it and the learner could run faster, and it never blocks or drops an insert."""
+different speeds feed it and the learner could run faster, and it never blocks or drops an insert;
+with the Store on the event loop and on a thread of its own (`buffer.store_thread`)."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from kuberl.v1 import actor_pb2_grpc, buffer_pb2_grpc
 from tests.helpers import TINY_DQN, Service, stats, wait_for, write_config
@@ -15,21 +18,23 @@ TARGET, TOLERANCE, LEARNING_STARTS = 4.0, 0.1, 64
 READ_EVERY, READINGS, SETTLED = 125, 16, 1000
 
 
-def _config(tmp, name, steps_per_s):
-    data = {**TINY_DQN, "dqn": {**TINY_DQN["dqn"], "batch_size": 32, "learning_starts": LEARNING_STARTS,
+def _config(tmp, name, steps_per_s, store_thread=False):
+    data = {**TINY_DQN, "buffer": {"store_thread": store_thread}, "dqn": {**TINY_DQN["dqn"], "batch_size": 32, "learning_starts": LEARNING_STARTS,
                                 "buffer_size": 4096, "replay_ratio": TARGET, "replay_ratio_tolerance": TOLERANCE},
             "actor": {"push_ack_interval_s": 0.2, "max_env_steps_per_s": steps_per_s}}
     return write_config(tmp / f"{name}.yaml", data)
 
 
-def test_replay_ratio_stays_in_band_and_inserts_are_never_blocked(tmp_path):
+@pytest.mark.parametrize("store_thread", [False, True])
+def test_replay_ratio_stays_in_band_and_inserts_are_never_blocked(tmp_path, store_thread):
     # 375 env steps/s in all: the tiny learner needs 1,500 samples/s (47 updates/s) to hold ratio 4,
     # several times below what it manages even on a loaded 2-core machine, so the buffer must pace it.
-    slow, fast = _config(tmp_path, "slow", 75), _config(tmp_path, "fast", 300)
+    slow, fast = _config(tmp_path, "slow", 75, store_thread), _config(tmp_path, "fast", 300, store_thread)
     buffer = Service("buffer", tmp_path, slow)
     procs = [buffer]
     try:
         b = buffer.wait_ready()
+        assert stats(b, buffer_pb2_grpc.BufferStub)["buffer/store_thread"] == float(store_thread)
         procs.append(Service("learner", tmp_path, slow, "--buffer", b, "--checkpoint-dir", str(tmp_path / "ck")))
         learner = procs[-1].wait_ready()
         actors = [Service("actor", tmp_path, cfg, "--buffer", b, "--learner", learner, "--actor-index", str(i))
