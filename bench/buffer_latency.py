@@ -2,6 +2,8 @@
 "Buffer event loop").
 
     .venv/bin/python -m bench.buffer_latency [--seconds 5] [--pushers 4] [--learners 2] [--json PATH]
+    .venv/bin/python -m bench.buffer_latency --cases dqn-atari --store-thread off,on --pushers 1,2,4,8 \
+        --client-procs 8 --repeats 2      # one shard's ingest, the Store on the loop and on its thread
 
 One `python -m services.buffer` per case (the same process starter as the tests), loaded by client
 processes on loopback:
@@ -26,6 +28,12 @@ pushers alone, learners alone (dqn-atari only: the PPO FIFO holds nothing withou
 both together (`mixed`). The alone phases are the baseline measured in the same run; the ratios
 mixed / alone say how much each side waits on the other's work in the buffer process. Also reported:
 fragments and batches per second and the buffer process's CPU seconds per second.
+
+`--store-thread off,on` runs every case with `buffer.store_thread` false and true (services/buffer/owner.py),
+interleaved `--repeats` times; `--pushers 1,2,4,8` runs the push phase once per count (the other
+phases at the largest), spread over `--client-procs` client processes so that the clients are not
+the limit where cores allow. Ingest is reported as fragments/s, MB/s of fragment payload and the
+buffer's CPU seconds per GB received.
 
 Prints a table and writes `--json` (default: none). Timings on a shared 2-core machine move by
 10-20% from run to run: compare runs made back to back.
@@ -54,15 +62,15 @@ ATARI_T = 16
 POOL = 8  # Atari fragments cut per pusher before the run
 
 
-def case_config(case: str, args) -> dict:
+def case_config(case: str, args, store_thread: str = "off") -> dict:
     if case == "ppo-cartpole":
         return {"algorithm": "ppo", "env": {"id": "CartPole-v1", "num_envs": PPO_N},
                 "ppo": {"rollout_steps": PPO_T, "batch_steps": PPO_T * args.ppo_batch_fragments},
-                "buffer": {"fifo_capacity_steps": 64 * PPO_T}}
+                "buffer": {"fifo_capacity_steps": 64 * PPO_T, "store_thread": store_thread == "on"}}
     return {"algorithm": "dqn", "env": {"id": "ALE/Pong-v5", "num_envs": args.atari_envs},
             "dqn": {"buffer_size": 20_000, "rollout_steps": ATARI_T, "batch_size": 32, "learning_starts": 1000,
                     "replay_ratio": 0.0},
-            "buffer": {"max_message_mb": 64}}
+            "buffer": {"max_message_mb": 64, "store_thread": store_thread == "on"}}
 
 
 class Fragments:
@@ -109,8 +117,8 @@ class Fragments:
 
 # --- client processes -------------------------------------------------------------------------------
 
-def _pushers(address: str, case: str, count: int, tag: str, seconds: float, atari_envs: int, result_q) -> None:
-    """`count` closed-loop pushers; puts (push latencies in s after the warm-up, fragments acked then)."""
+def _pushers(address: str, case: str, ids: list[int], tag: str, seconds: float, atari_envs: int, result_q) -> None:
+    """Closed-loop pushers numbered `ids`; puts (push latencies in s after the warm-up, fragments acked then)."""
     import grpc
     import uvloop
 
@@ -138,7 +146,7 @@ def _pushers(address: str, case: str, count: int, tag: str, seconds: float, atar
                     if started >= counted and done <= ends:
                         latencies.append(done - started)
 
-            await asyncio.gather(*(pusher(i) for i in range(count)))
+            await asyncio.gather(*(pusher(i) for i in ids))
             return latencies
 
     latencies = uvloop.run(main())
@@ -207,14 +215,15 @@ def percentiles(latencies: list[float]) -> dict:
     return {"n": len(arr), "p50_ms": float(p50), "p99_ms": float(p99), "max_ms": float(arr.max())}
 
 
-def run_phase(buffer: BufferProcess, case: str, phase: str, args) -> dict:
+def run_phase(buffer: BufferProcess, case: str, phase: str, args, pushers: int, setting: str) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []
     tag = f"{phase}-{time.monotonic_ns()}"
     if phase in ("push", "mixed"):
-        procs.append(ctx.Process(target=_pushers, args=(buffer.address, case, args.pushers, tag, args.seconds,
-                                                        args.atari_envs, q)))
+        for k in range(min(pushers, args.client_procs)):
+            procs.append(ctx.Process(target=_pushers, args=(buffer.address, case, list(range(k, pushers, args.client_procs)),
+                                                            tag, args.seconds, args.atari_envs, q)))
     if phase in ("batch", "mixed"):
         procs.append(ctx.Process(target=_learners, args=(
             buffer.address, case, args.learners, tag, args.seconds,
@@ -224,15 +233,22 @@ def run_phase(buffer: BufferProcess, case: str, phase: str, args) -> dict:
         p.start()
     time.sleep(WARMUP_S + 1.0)  # the clients' imports and channels: take the CPU counts once they run
     cpu0, t0 = process_cpu_s(buffer.pid), time.perf_counter()
-    results = dict(q.get(timeout=args.seconds + 120) for _ in procs)
+    results: dict[str, list[float]] = {}
+    for _ in procs:
+        side, latencies = q.get(timeout=args.seconds + 120)
+        results.setdefault(side, []).extend(latencies)
     cpu1, t1 = process_cpu_s(buffer.pid), time.perf_counter()
     for p in procs:
         p.join()
     after = buffer.stats()
-    out = {"case": case, "phase": phase, "buffer_cpu_per_s": (cpu1 - cpu0) / (t1 - t0) if cpu0 is not None else None}
+    out = {"case": case, "phase": phase, "store_thread": setting, "pushers": pushers if "push" in results else 0,
+           "buffer_cpu_per_s": (cpu1 - cpu0) / (t1 - t0) if cpu0 is not None else None}
     if "push" in results:
         out["push"] = percentiles(results["push"])
         out["fragments_per_s"] = len(results["push"]) / args.seconds
+        out["mb_per_s"] = out["fragments_per_s"] * fragment_bytes(case, args) / 1e6
+        if out["buffer_cpu_per_s"] is not None and out["mb_per_s"]:
+            out["cpu_s_per_gb"] = out["buffer_cpu_per_s"] / (out["mb_per_s"] / 1e3)
     if "batch" in results:
         out["batch"] = percentiles(results["batch"])
         out["batches_per_s"] = len(results["batch"]) / args.seconds
@@ -241,22 +257,37 @@ def run_phase(buffer: BufferProcess, case: str, phase: str, args) -> dict:
     return out
 
 
-def run_case(case: str, args, tmp: Path) -> list[dict]:
-    buffer = BufferProcess(tmp, case_config(case, args))
+def fragment_bytes(case: str, args) -> int:
+    return len(Fragments(case, "bench-size", args.atari_envs, seed=0).next())
+
+
+def run_case(case: str, args, tmp: Path, store_thread: str = "off") -> list[dict]:
+    buffer = BufferProcess(tmp, case_config(case, args, store_thread))
+    counts = [int(n) for n in str(args.pushers).split(",")]
     try:
         phases = [p for p in args.phases.split(",") if case == "dqn-atari" or p != "batch"]
-        results = [run_phase(buffer, case, phase, args) for phase in phases]
+        results = []
+        for phase in phases:
+            for n in (counts if phase == "push" else [max(counts)]):
+                results.append(run_phase(buffer, case, phase, args, n, store_thread))
     finally:
         buffer.stop()
     alone = {r["phase"]: r for r in results}
     if (mixed := alone.get("mixed")) is None:
         return results
+    alone["push"] = next((r for r in results if r["phase"] == "push" and r["pushers"] == max(counts)), {})
     for side in ("push", "batch"):
         base = alone.get(side, {}).get(side)
         if base and base.get("n") and mixed[side].get("n"):
             mixed[f"{side}_p50_ratio"] = mixed[side]["p50_ms"] / base["p50_ms"]
             mixed[f"{side}_p99_ratio"] = mixed[side]["p99_ms"] / base["p99_ms"]
     return results
+
+
+def write_json(args, results: list[dict]) -> None:
+    import os
+    Path(args.json).write_text(json.dumps({"label": args.label, "args": vars(args), "cpus": os.cpu_count(),
+                                           "results": results}, indent=1) + "\n")
 
 
 def fmt(r: dict, side: str) -> str:
@@ -272,7 +303,10 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase")
     p.add_argument("--phases", default="push,batch,mixed",
                    help="of push,batch,mixed (batch: dqn-atari only; it needs the push phase's samples)")
-    p.add_argument("--pushers", type=int, default=4)
+    p.add_argument("--pushers", default="4", help="closed-loop pushers; a list (1,2,4,8) runs the push phase per count")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes the pushers are spread over")
+    p.add_argument("--store-thread", default="off", help="buffer.store_thread settings to compare: off,on")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every setting, interleaved")
     p.add_argument("--learners", type=int, default=2)
     p.add_argument("--ppo-batch-fragments", type=int, default=4, help="PPO batch size, in fragments")
     p.add_argument("--atari-envs", type=int, default=4, help="envs per Atari fragment (16 steps each)")
@@ -281,20 +315,26 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="kuberl-bench-") as tmp:
-        for case in args.cases.split(","):
-            results += run_case(case, args, Path(tmp))
-            print(f"{case}: done", file=sys.stderr)
-    print(f"{'case':13} {'phase':6} {'push p50':>8} {'p99 ms':>8} {'batch p50':>9} {'p99 ms':>8} "
-          f"{'frag/s':>7} {'batch/s':>7} {'cpu/s':>5}  mixed/alone p50, p99")
+        for repeat in range(args.repeats):
+            settings = args.store_thread.split(",")
+            for setting in settings if repeat % 2 == 0 else settings[::-1]:   # (order alternates)
+                for case in args.cases.split(","):
+                    for r in run_case(case, args, Path(tmp), setting):
+                        results.append({**r, "repeat": repeat})
+                    print(f"{case}, store_thread {setting}, repeat {repeat}: done", file=sys.stderr)
+                    if args.json:   # after every case: a run cut short keeps what it measured
+                        write_json(args, results)
+    print(f"{'case':13} {'thread':6} {'phase':6} {'n':>2} {'push p50':>8} {'p99 ms':>8} {'batch p50':>9} "
+          f"{'p99 ms':>8} {'frag/s':>7} {'MB/s':>6} {'batch/s':>7} {'cpu/s':>5} {'cpu s/GB':>8}  mixed/alone p50, p99")
     for r in results:
         ratios = ", ".join(f"{side} {r[f'{side}_p50_ratio']:.2f}x {r[f'{side}_p99_ratio']:.2f}x"
                            for side in ("push", "batch") if f"{side}_p50_ratio" in r)
-        print(f"{r['case']:13} {r['phase']:6} {fmt(r, 'push')} {fmt(r, 'batch'):>18} "
-              f"{r.get('fragments_per_s', 0):>7.1f} {r.get('batches_per_s', 0):>7.1f} "
-              f"{r['buffer_cpu_per_s'] or 0:>5.2f}  {ratios}")
+        print(f"{r['case']:13} {r['store_thread']:6} {r['phase']:6} {r['pushers']:>2} {fmt(r, 'push')} "
+              f"{fmt(r, 'batch'):>18} {r.get('fragments_per_s', 0):>7.1f} {r.get('mb_per_s', 0):>6.0f} "
+              f"{r.get('batches_per_s', 0):>7.1f} {r['buffer_cpu_per_s'] or 0:>5.2f} "
+              f"{r.get('cpu_s_per_gb', 0):>8.2f}  {ratios}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"label": args.label, "args": vars(args), "results": results},
-                                              indent=1) + "\n")
+        write_json(args, results)
     return 0
 
 
