@@ -7,10 +7,18 @@ keeps. Nothing of it reaches the buffer or the learner: they see one agent per c
 single-agent env.
 
 - **The pool.** Of the policy versions this actor swaps in, every `snapshot_every`-th becomes a
-  snapshot (its weights copied into a network of its own); the pool holds the newest `pool_size`.
+  snapshot (its weights copied into a network of its own). `keep: newest`: the pool holds the newest
+  `pool_size`. `keep: history`: it holds the newest `pool_size - pool_size // 2`, and `pool_size // 2`
+  older ones drawn uniformly from all that left the newest (reservoir sampling: the n-th to leave
+  replaces a uniformly drawn one of them with probability (pool_size // 2) / n), so the policy keeps
+  meeting the play it learned to beat long ago.
 - **The draw, at each episode of a copy:** the learning agent is uniform over `possible_agents`
   (`swap_sides`; else always the first); the opponent is the newest weights with probability
-  `latest_probability` (always while the pool is empty), else a snapshot drawn uniformly from the pool.
+  `latest_probability` (always while the pool is empty), else a snapshot from the pool:
+  `sampling: uniform`, each alike; `sampling: prioritized` (prioritized fictitious self-play, as
+  AlphaStar's league), snapshot i with probability proportional to (1 - s_i)^2, where
+  s_i = (points + 1) / (games + 2) is the learning policy's mean score against it so far (a win 1, a
+  draw 1/2), so the opponents it still loses to are met most.
 - **Results.** When a copy's episode ends, the learning agent *won* if its return is above every
   other agent's, *lost* if below any, else drew. Games against a snapshot update the learning
   policy's Elo rating (starting at 1000) against the snapshot's (the rating the policy had when the
@@ -31,6 +39,7 @@ import torch
 
 from services import algorithms
 from services.actor.policy import Policy
+from services.common.agents import OUTCOMES, game_score
 from services.common.models.nets import load_numpy, to_numpy
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
@@ -43,7 +52,13 @@ START_ELO = 1000.0
 class Snapshot:
     version: int
     rating: float
-    acting: Any   # the algorithm's acting part, with this version's weights
+    acting: Any         # the algorithm's acting part, with this version's weights
+    games: int = 0      # games the learning policy played against it, in this actor
+    points: float = 0.0  # ... and their scores' sum (a win 1, a draw 1/2)
+
+    def hardness(self) -> float:
+        """(1 - s)^2, s the learning policy's mean score against it with one win and one loss as prior."""
+        return (1.0 - (self.points + 1.0) / (self.games + 2.0)) ** 2
 
 
 class SelfPlay:
@@ -53,8 +68,12 @@ class SelfPlay:
                  rng: np.random.Generator):
         self.cfg, self.sp, self.policy, self.metrics, self.rng = cfg, cfg.selfplay, policy, metrics, rng
         self.copies, self.agents = copies, agents
-        self.pool: deque[Snapshot] = deque(maxlen=self.sp.pool_size)
+        older = self.sp.pool_size // 2 if self.sp.keep == "history" else 0
+        self.newest: deque[Snapshot] = deque(maxlen=self.sp.pool_size - older)
+        self.older: list[Snapshot] = []                     # keep: history's sample of what left `newest`
+        self._older_max, self._left = older, 0              # (and how many have left it)
         self.learning = np.zeros(copies, np.int64)          # each copy's learning agent (index in possible_agents)
+        self._recorded = np.zeros(copies * agents, bool)    # the learning agents' slots
         self.opponent: list[Snapshot | None] = [LATEST] * copies
         self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
         self.rating = START_ELO
@@ -67,16 +86,25 @@ class SelfPlay:
         for k in range(copies):
             self.new_episode(k)
 
+    @property
+    def pool(self) -> list[Snapshot]:
+        return self.older + list(self.newest)
+
     def recorded(self) -> np.ndarray:
-        """[N] bool: the learning agents' slots."""
-        out = np.zeros(self.copies * self.agents, bool)
-        out[np.arange(self.copies) * self.agents + self.learning] = True
-        return out
+        """[N] bool: the learning agents' slots (kept, not built: read every step)."""
+        return self._recorded
 
     def new_episode(self, k: int) -> None:
+        self._recorded[k * self.agents + self.learning[k]] = False
         self.learning[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
-        if self.pool and self.rng.random() >= self.sp.latest_probability:
-            self.opponent[k] = self.pool[int(self.rng.integers(len(self.pool)))]
+        self._recorded[k * self.agents + self.learning[k]] = True
+        pool = self.pool
+        if pool and self.rng.random() >= self.sp.latest_probability:
+            if self.sp.sampling == "prioritized":
+                weights = np.array([snap.hardness() for snap in pool])
+                self.opponent[k] = pool[int(self.rng.choice(len(pool), p=weights / weights.sum()))]
+            else:
+                self.opponent[k] = pool[int(self.rng.integers(len(pool)))]
         else:
             self.opponent[k] = LATEST
 
@@ -91,8 +119,19 @@ class SelfPlay:
         acting = algorithms.get(self.cfg.algorithm).acting(self.cfg, self.policy.spec, self.rng, Metrics("snapshot"))
         load_numpy(acting.net, to_numpy(self.policy.net))
         acting.net.eval()
-        self.pool.append(Snapshot(version, self.rating, acting))
-        self.metrics.set("actor/selfplay_pool_size", len(self.pool))
+        self.add(Snapshot(version, self.rating, acting))
+
+    def add(self, snapshot: Snapshot) -> None:
+        """Put a new snapshot in the pool, by the `keep` rule (module docstring)."""
+        if len(self.newest) == self.newest.maxlen and self._older_max:
+            leaving = self.newest[0]
+            self._left += 1
+            if len(self.older) < self._older_max:
+                self.older.append(leaving)
+            elif (j := int(self.rng.integers(self._left))) < self._older_max:
+                self.older[j] = leaving
+        self.newest.append(snapshot)
+        self.metrics.set("actor/selfplay_pool_size", len(self.newest) + len(self.older))
 
     @torch.inference_mode()
     def act(self, obs: np.ndarray, actions: np.ndarray, present: np.ndarray, mask: np.ndarray | None,
@@ -100,7 +139,7 @@ class SelfPlay:
         """`actions` (the training policy's, for every slot) with the opponents' slots played by their
         snapshots: one batched call per snapshot in use."""
         out = actions.copy()
-        learning = self.recorded()
+        learning = self._recorded
         by_snapshot: dict[int, tuple[Snapshot, list[int]]] = {}
         for k, opponent in enumerate(self.opponent):
             if opponent is not None:
@@ -123,14 +162,13 @@ class SelfPlay:
         if over is None:
             return
         for k in np.flatnonzero(over):
-            mine = self.returns[k * self.agents + self.learning[k]]
-            others = np.delete(self.returns[k * self.agents:(k + 1) * self.agents], self.learning[k])
-            score = 1.0 if mine > others.max() else 0.0 if mine < others.max() else 0.5
-            outcome = "wins" if score == 1.0 else "losses" if score == 0.0 else "draws"
+            score = game_score(self.returns[k * self.agents:(k + 1) * self.agents], int(self.learning[k]))
             self.metrics.inc("actor/selfplay_games_total")
-            self.metrics.inc(f"actor/selfplay_{outcome}_total")
+            self.metrics.inc(f"actor/selfplay_{OUTCOMES[score]}_total")
             opponent = self.opponent[k]
             if isinstance(opponent, Snapshot):
+                opponent.games += 1
+                opponent.points += score
                 expected = 1.0 / (1.0 + 10.0 ** ((opponent.rating - self.rating) / 400.0))
                 self.rating += self.sp.elo_k * (score - expected)
                 self.recent.append(score)

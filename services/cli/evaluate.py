@@ -337,9 +337,9 @@ def opponent_fn(against: str, space, seed: int):
 def play_against(trained, against: str, games: int, seed: int, deterministic: bool = True) -> dict:
     """`games` games of the policy's PettingZoo env with the policy on one agent, the first in the
     first game, the next in the next, and so on, and `against` (`opponent_fn`) on the others. Each game
-    is scored as self-play scores it (services/actor/selfplay.py): a win when the policy's agent's
+    is scored as self-play scores it (`game_score`, services/common/agents.py): a win when the policy's agent's
     return is above every other's, a loss when below any. Blocking."""
-    from services.common.agents import is_pettingzoo
+    from services.common.agents import OUTCOMES, game_score, is_pettingzoo
 
     if not is_pettingzoo(trained.cfg.env.id):
         raise EvalError(f"--against plays agents against each other: env.id {trained.cfg.env.id!r} has one agent")
@@ -363,8 +363,7 @@ def play_against(trained, against: str, games: int, seed: int, deterministic: bo
                 act.ended(term | trunc)
                 returns += r
                 over = bool(info["episode_over"][0])
-            others = np.delete(returns, mine).max()
-            results["wins" if returns[mine] > others else "losses" if returns[mine] < others else "draws"] += 1
+            results[OUTCOMES[game_score(returns, mine)]] += 1
             returns[:] = 0.0
     finally:
         envs.close()

@@ -63,6 +63,17 @@ def make_parallel(env_id: str, kwargs: dict[str, Any] | None = None) -> Callable
     raise ValueError(f"env.id: {env_id!r}: module {module_name!r} has no parallel_env() or env()")
 
 
+def game_score(returns: np.ndarray, mine: int) -> float:
+    """One agent's result in a finished game, from every agent's return: 1 (a win) when agent `mine`'s
+    return is above every other's, 0 (a loss) when below any, else 0.5 (a draw). Self-play and
+    `kuberl eval --against` score games by it."""
+    best_other = np.delete(returns, mine).max()
+    return 1.0 if returns[mine] > best_other else 0.0 if returns[mine] < best_other else 0.5
+
+
+OUTCOMES = {1.0: "wins", 0.0: "losses", 0.5: "draws"}   # game_score -> its name in counts and metrics
+
+
 def _split_space(space: Any) -> tuple[Any, Any | None]:
     """(observation space, action-mask space or None) of an agent's observation space."""
     spaces = getattr(space, "spaces", None)

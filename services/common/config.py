@@ -282,15 +282,20 @@ class SelfPlayConfig:
     copy one agent is played by the policy that trains and recorded; the others are played, unrecorded,
     by frozen snapshots of that policy from a pool each actor keeps."""
     enabled: bool = False
-    pool_size: int = 8              # snapshots kept; the oldest leaves when a newer one comes
+    pool_size: int = 8              # snapshots kept (which: `keep`)
     snapshot_every: int = 10        # a snapshot of every this many-th policy version the actor receives
     # At each episode of an env copy the opponents are the newest weights with this probability, else
-    # a snapshot drawn uniformly from the pool (the newest always while the pool is empty).
+    # a snapshot drawn from the pool (by `sampling`; the newest weights always while the pool is empty).
     latest_probability: float = 0.2
     # The agent that trains is drawn uniformly from possible_agents at each episode; false: always the
     # first (for envs that draw the sides themselves).
     swap_sides: bool = True
     elo_k: float = 16.0             # the Elo update's K; ratings start at 1000
+    # Which snapshots the pool keeps: "newest" (the newest pool_size) or "history" (the newest half,
+    # and half a uniform sample of all older ones); and how an opponent is drawn from it: "uniform",
+    # or "prioritized" (those the policy scores worst against, most often). services/actor/selfplay.py.
+    keep: str = "newest"
+    sampling: str = "uniform"
 
     def __post_init__(self) -> None:
         require(self.pool_size >= 1, "pool_size", self.pool_size, "must be >= 1")
@@ -298,6 +303,11 @@ class SelfPlayConfig:
         require(0.0 <= self.latest_probability <= 1.0, "latest_probability", self.latest_probability,
                 "must be within 0..1")
         require(self.elo_k > 0, "elo_k", self.elo_k, "must be > 0")
+        require(self.keep in ("newest", "history"), "keep", self.keep,
+                "must be 'newest' (the newest pool_size snapshots) or 'history' (the newest half and a "
+                "uniform sample of the older ones)")
+        require(self.sampling in ("uniform", "prioritized"), "sampling", self.sampling,
+                "must be 'uniform' or 'prioritized' (the snapshots the policy scores worst against, most often)")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def test_opponents_are_drawn_by_the_documented_rule():
     rollout.close()
     sp = rollout.selfplay
     assert all(o is LATEST for o in sp.opponent)                     # an empty pool: the newest weights
-    sp.pool.extend(Snapshot(v, START_ELO, None) for v in (10, 20, 30))
+    for v in (10, 20, 30):
+        sp.add(Snapshot(v, START_ELO, None))
     draws = 3000
     latest, versions, sides = 0, {10: 0, 20: 0, 30: 0}, [0, 0]
     for _ in range(draws):
@@ -86,6 +87,50 @@ def test_opponents_are_drawn_by_the_documented_rule():
     assert abs(latest / draws - 0.2) < 0.03
     assert all(abs(n / draws - 0.8 / 3) < 0.035 for n in versions.values()), versions
     assert abs(sides[0] / draws - 0.5) < 0.04
+
+
+def test_keep_history_holds_the_newest_half_and_a_uniform_sample_of_the_older():
+    rollout = Rollout(config(pool_size=4, keep="history"), "sp", 0, Metrics("actor"))
+    rollout.close()
+    picked = np.zeros(101)
+    trials = 400
+    for trial in range(trials):
+        sp = rollout.selfplay
+        sp.newest.clear()
+        sp.older, sp._left, sp.rng = [], 0, np.random.default_rng(trial)
+        for v in range(1, 101):
+            sp.add(Snapshot(v, START_ELO, None))
+        versions = [snap.version for snap in sp.pool]
+        assert versions[2:] == [99, 100] and len(versions) == 4     # the newest half, in order
+        picked[versions[:2]] += 1
+    # Each of versions 1..98 is among the 2 older ones with probability 2/98: over 400 trials, 8.2 +- 2.8
+    # each; the first and the second half of the history alike (392 +- 19.8 each of the 800 picks).
+    assert picked[99:].sum() == 0 and picked[1:99].sum() == 2 * trials
+    assert abs(picked[1:50].sum() - picked[50:99].sum()) < 4 * 2 * 19.8
+    assert rollout.metrics.gauges["actor/selfplay_pool_size"] == 4
+
+
+def test_prioritized_sampling_meets_the_snapshots_it_loses_to_most():
+    rollout = Rollout(config(latest_probability=0.0, sampling="prioritized", swap_sides=False), "sp", 0,
+                      Metrics("actor"))
+    rollout.close()
+    sp = rollout.selfplay
+    beaten, even, unbeaten = Snapshot(1, START_ELO, None, 98, 98.0), Snapshot(2, START_ELO, None, 10, 5.0), \
+        Snapshot(3, START_ELO, None, 8, 0.0)
+    for snap in (beaten, even, unbeaten):
+        sp.add(snap)
+    weights = np.array([(1 - 99 / 100) ** 2, (1 - 6 / 12) ** 2, (1 - 1 / 10) ** 2])
+    assert [snap.hardness() for snap in sp.pool] == pytest.approx(weights)
+    draws, counts = 4000, {1: 0, 2: 0, 3: 0}
+    for _ in range(draws):
+        sp.new_episode(0)
+        counts[sp.opponent[0].version] += 1
+    want = weights / weights.sum()   # 0.0001, 0.236, 0.764
+    assert all(abs(counts[v + 1] / draws - want[v]) < 0.03 for v in range(3)), counts
+    # Games against a snapshot count toward its hardness: copy 0's learning agent (slot 0) wins.
+    sp.opponent[0] = even
+    sp.stepped(np.array([1.0, -1.0] + [0.0] * (2 * COPIES - 2)), np.array([True] + [False] * (COPIES - 1)))
+    assert (even.games, even.points) == (11, 6.0)
 
 
 def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_formula():
