@@ -25,6 +25,7 @@ Imports pettingzoo lazily; only actors and learners import this module.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -51,16 +52,24 @@ def make_parallel(env_id: str, kwargs: dict[str, Any] | None = None) -> Callable
     if callable(getattr(module, "parallel_env", None)):
         return lambda: module.parallel_env(**kw)
     if callable(getattr(module, "env", None)):
-        probe = module.env(**kw)
-        parallelizable = getattr(probe, "metadata", {}).get("is_parallelizable", False)
-        probe.close()
-        if not parallelizable:
+        if not _parallelizable(module_name, tuple(sorted(kw.items()))):
             raise ValueError(f"env.id: {env_id!r} is a turn-based (AEC) env that PettingZoo cannot step as a "
                              f"parallel one (its metadata lacks is_parallelizable); turn-based envs are not "
                              f"supported yet")
         from pettingzoo.utils.conversions import aec_to_parallel  # type: ignore[import-untyped]
         return lambda: aec_to_parallel(module.env(**kw))
     raise ValueError(f"env.id: {env_id!r}: module {module_name!r} has no parallel_env() or env()")
+
+
+@functools.lru_cache(maxsize=64)
+def _parallelizable(module_name: str, kwargs: tuple) -> bool:
+    """Whether the AEC env `module_name`'s env(**kwargs) says PettingZoo can step it in parallel (read
+    once per module and kwargs: env_spec, the actor and eval all ask)."""
+    probe = importlib.import_module(module_name).env(**dict(kwargs))
+    try:
+        return bool(getattr(probe, "metadata", {}).get("is_parallelizable", False))
+    finally:
+        probe.close()
 
 
 def game_score(returns: np.ndarray, mine: int) -> float:

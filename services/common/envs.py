@@ -134,14 +134,7 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
     if is_pettingzoo(cfg.id):
         agents = ParallelVectorEnv(make_parallel(cfg.id, cfg.kwargs), 1, cfg.id)
         try:
-            obs = agents.single_observation_space
-            if type(obs).__name__ != "Box":
-                raise ValueError(f"env.id: {cfg.id} has observation space {obs}; only Box is supported so far")
-            try:
-                action = from_gymnasium(agents.single_action_space)
-            except ValueError as err:
-                raise ValueError(f"env.id: {cfg.id}: {err}") from None
-            return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action)
+            return _spec_of_spaces(cfg.id, agents.single_observation_space, agents.single_action_space)
         finally:
             agents.close()
     raw = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps, **cfg.kwargs)  # type: ignore[arg-type]
@@ -150,16 +143,23 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
             if isinstance(raw.observation_space, gym.spaces.Dict) else None)
     flat = _flatten_dict(raw)
     try:
-        obs, act = flat.observation_space, flat.action_space
-        if not isinstance(obs, gym.spaces.Box):
-            raise ValueError(f"env.id: {cfg.id} has observation space {obs}; only Box is supported so far")
-        try:
-            action = from_gymnasium(act)
-        except ValueError as err:
-            raise ValueError(f"env.id: {cfg.id}: {err}") from None
-        return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action, keys)
+        return _spec_of_spaces(cfg.id, flat.observation_space, flat.action_space, keys)
     finally:
         flat.close()
+
+
+def _spec_of_spaces(env_id: str, obs, act, keys=None) -> EnvSpec:
+    """The EnvSpec of a (flattened) observation space and an action space; ValueError naming env.id for
+    what kuberl cannot train on yet. (PettingZoo's spaces are gymnasium's.)"""
+    import gymnasium as gym
+
+    if not isinstance(obs, gym.spaces.Box):
+        raise ValueError(f"env.id: {env_id} has observation space {obs}; only Box is supported so far")
+    try:
+        action = from_gymnasium(act)
+    except ValueError as err:
+        raise ValueError(f"env.id: {env_id}: {err}") from None
+    return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action, keys)
 
 
 def spec_of(cfg: EnvConfig) -> EnvSpec:

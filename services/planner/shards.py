@@ -245,6 +245,9 @@ class ShardKeeper:
             self.metrics.inc("planner/buffer_shards_drained_total")
             log.info("buffer shard %s drained and stopped: %d shards (generation %d)", address, self.active,
                      self.generation)
+            if len(self.addresses) > self.active:   # a resumed list that drains more than one: the next
+                self.removing = (self.addresses[self.active], self.clock())
+                log.info("draining buffer shard %d (%s) next", self.active, self.removing[0])
         await self.publish()
 
     async def publish(self) -> None:

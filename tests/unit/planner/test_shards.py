@@ -214,6 +214,25 @@ async def test_a_planner_restarted_mid_drain_keeps_the_shard_draining_and_finish
     await second.close()
 
 
+async def test_a_resumed_list_that_drains_two_shards_drains_and_stops_both():
+    cfg = config_from_dict({**TINY_PPO, "planner": {"buffer": {"min": 1, "max": 4}}, "topology": {"actors": 2}})
+    backend, shards = ShardingBackend(actors=2), Shards()
+    backend.shards = [f"fake:buffer-{i}" for i in range(4)]
+    held = buffer_pb2.BufferTopology(generation=7, addresses=backend.shards, active=2)
+    for address in backend.shards:          # what a planner that drained two at once would have left
+        shards.got[address] = held
+    planner = Planner(cfg, backend, clock=lambda: 0.0, wall=lambda: 0.0, stats=ModelStats(lambda: 0.0),
+                      send_topology=shards)
+    await planner.shards.sync()
+    assert "draining buffer shard 2 (fake:buffer-2)" in planner.shards.busy()
+    shards.drained |= {"fake:buffer-2", "fake:buffer-3"}
+    for _ in range(6):
+        await planner.shards.sync()
+    assert backend.stopped == ["fake:buffer-2", "fake:buffer-3"] and not planner.shards.busy()
+    assert list(shards.got["fake:buffer-0"].addresses) == ["fake:buffer-0", "fake:buffer-1"]
+    await planner.close()
+
+
 async def test_a_planner_with_no_list_held_anywhere_makes_every_shard_it_runs_active():
     cfg = config_from_dict({**TINY_PPO, "planner": {"buffer": {"min": 1, "max": 3}}})
     backend, shards = ShardingBackend(actors=1), Shards()
