@@ -62,7 +62,7 @@ def make_parallel(env_id: str, kwargs: dict[str, Any] | None = None) -> Callable
 
 
 @functools.lru_cache(maxsize=64)
-def _parallelizable(module_name: str, kwargs: tuple) -> bool:
+def _parallelizable(module_name: str, kwargs: tuple[tuple[str, Any], ...]) -> bool:
     """Whether the AEC env `module_name`'s env(**kwargs) says PettingZoo can step it in parallel (read
     once per module and kwargs: env_spec, the actor and eval all ask)."""
     probe = importlib.import_module(module_name).env(**dict(kwargs))

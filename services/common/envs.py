@@ -148,7 +148,7 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
         flat.close()
 
 
-def _spec_of_spaces(env_id: str, obs, act, keys=None) -> EnvSpec:
+def _spec_of_spaces(env_id: str, obs: Any, act: Any, keys: Any = None) -> EnvSpec:
     """The EnvSpec of a (flattened) observation space and an action space; ValueError naming env.id for
     what kuberl cannot train on yet. (PettingZoo's spaces are gymnasium's.)"""
     import gymnasium as gym
