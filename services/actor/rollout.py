@@ -156,9 +156,11 @@ class Rollout:
                 check_env_step(self.cfg.env.id, self._check, self.metrics, self.obs)
             if present is not None:   # (the steps recorded: with self-play, the learning agents' only)
                 present[t] = self.present if self.selfplay is None else self.present & self.selfplay.recorded()
-            a, recorded, state = self.policy.act(self.obs, self.env_steps, self.mask, self.state)
-            if self.selfplay is not None:
-                a = self.selfplay.act(self.obs, a, self.present, self.mask, self.env_steps)
+            if self.selfplay is None:
+                a, recorded, state = self.policy.act(self.obs, self.env_steps, self.mask, self.state)
+            else:   # (the training policy acts only for the slots it plays; a self-play policy is feed-forward)
+                (a, recorded), state = self.selfplay.act(self.policy, self.obs, self.present, self.mask,
+                                                         self.env_steps), None
             obs, r, term, trunc, info = self.envs.step(space.clip(a) if isinstance(space, Box) else a)
             check_env_step(self.cfg.env.id, self._check, self.metrics, obs, r, info, term | trunc)
             if self.selfplay is not None:
@@ -174,7 +176,7 @@ class Rollout:
             actions[t], terminated[t], truncated[t] = a, term, trunc
             rewards[t] = np.sign(r) if self.clip_rewards else r
             for name, arr in extras.items():
-                arr[t] = recorded[name]
+                arr[t] = recorded.get(name, 0.0)   # (self-play: none where the policy played no slot)
             if state is not None:   # the next step starts an episode where this one ended (a lost life too)
                 state[term | trunc] = 0.0
                 self.state = state

@@ -134,16 +134,28 @@ class SelfPlay:
         self.metrics.set("actor/selfplay_pool_size", len(self.newest) + len(self.older))
 
     @torch.inference_mode()
-    def act(self, obs: np.ndarray, actions: np.ndarray, present: np.ndarray, mask: np.ndarray | None,
-            env_steps: int) -> np.ndarray:
-        """`actions` (the training policy's, for every slot) with the opponents' slots played by their
-        snapshots: one batched call per snapshot in use."""
-        out = actions.copy()
-        learning = self._recorded
+    def act(self, policy: Policy, obs: np.ndarray, present: np.ndarray, mask: np.ndarray | None,
+            env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Every slot's action, and the extras the training policy recorded: the training `policy` acts
+        for the learning agents and for the copies facing the newest weights, in one call; each
+        snapshot in use for the copies facing it, in one call each. (Extras of the slots the policy did
+        not play are 0: they are not recorded.)"""
+        played = present & (self._recorded | np.repeat([o is LATEST for o in self.opponent], self.agents))
+        rows = np.flatnonzero(played)
+        space = policy.spec.action
+        out = np.zeros((len(obs), *space.shape), space.dtype)
+        recorded: dict[str, np.ndarray] = {}
+        if len(rows):
+            a, extras, _ = policy.act(obs[rows], env_steps, None if mask is None else mask[rows])
+            out[rows] = a
+            for name, values in extras.items():
+                recorded[name] = np.zeros(len(obs), np.float32)
+                recorded[name][rows] = values
         by_snapshot: dict[int, tuple[Snapshot, list[int]]] = {}
         for k, opponent in enumerate(self.opponent):
             if opponent is not None:
-                cols = [n for n in range(k * self.agents, (k + 1) * self.agents) if not learning[n] and present[n]]
+                cols = [n for n in range(k * self.agents, (k + 1) * self.agents)
+                        if not self._recorded[n] and present[n]]
                 by_snapshot.setdefault(id(opponent), (opponent, []))[1].extend(cols)
         for snapshot, cols in by_snapshot.values():
             if not cols:
@@ -154,7 +166,7 @@ class SelfPlay:
             else:
                 out[cols] = snapshot.acting.act(x, snapshot.version, env_steps,
                                                 mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
-        return out
+        return out, recorded
 
     def stepped(self, rewards: np.ndarray, over: np.ndarray | None) -> None:
         """Add a step's rewards; score the copies whose episode ended (`over`) and draw their next one."""

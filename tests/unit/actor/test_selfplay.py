@@ -144,9 +144,19 @@ def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_f
     sp.opponent = [snapshot, LATEST, snapshot, LATEST]
     n = COPIES * 2
     obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
-    out = sp.act(obs, np.zeros(n, np.int64), np.ones(n, bool), None, 0)
-    # Slot 2k is copy k's learning agent (swap_sides false: the first); copies 0 and 2 face the snapshot.
-    assert out.tolist() == [0, 2, 0, 0, 0, 2, 0, 0]
+    rollout.policy.offer_weights(2, weights_preferring(rollout, 1))   # the training policy now plays 1
+    rollout.policy.swap()
+    calls = []
+    act = rollout.policy.act
+    rollout.policy.act = lambda x, *args: calls.append(len(x)) or act(x, *args)
+    out, recorded = sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)
+    # Slot 2k is copy k's learning agent (swap_sides false: the first); copies 0 and 2 face the snapshot
+    # (which plays 2), copies 1 and 3 the newest weights (1, as the learning agents).
+    assert out.tolist() == [1, 2, 1, 1, 1, 2, 1, 1]
+    assert calls == [6]                      # the training policy acted for its 6 slots only, in one call
+    assert recorded["behaviour_logprob"][[1, 5]].tolist() == [0.0, 0.0]   # the snapshot's slots: no extras
+    _, direct, _ = act(obs[:6])
+    assert recorded["behaviour_logprob"][[0, 2, 3, 4, 6, 7]].tolist() == direct["behaviour_logprob"].tolist()
 
     sp.rating = 1000.0
     snapshot.rating = 1200.0
