@@ -8,6 +8,22 @@
             actions = client.step(obs, rewards, term, trunc, final_obs)
     # leaving the block half-closes the stream and waits for the actor to end it
 
+Several agents (`agent_ids=[...]` instead of num_envs; docs/multi-agent.md, "Agents over EnvSession"),
+as PettingZoo's parallel API has them: `reset` and `step` take and return dicts keyed by agent id.
+
+    with EnvSessionClient(address, session_id="crossing-3", agent_ids=["car-0", "car-1", "car-2"],
+                          obs_shape=(6,), num_actions=3) as client:
+        actions = client.reset({"car-0": o0, "car-1": o1})        # the agents acting now
+        # rewards, terminated, truncated (and final_observations of those that ended): one entry for
+        # each agent that acted on the step before; observations: the agents acting next
+        actions = client.step({"car-0": o0, "car-2": o2}, rewards={"car-0": 0.1, "car-1": 1.0},
+                              terminated={"car-0": False, "car-1": True}, truncated={...},
+                              final_observations={"car-1": last1}, joined=[])
+
+An agent that acted and did not end must act again; one that ended acts on (its next episode) or
+leaves, and comes back only when listed in `joined`. The client checks this before sending, as the
+actor does (INVALID_ARGUMENT naming the agent and the field).
+
 Spaces: the observation is a Box (`obs_shape`, `obs_dtype`) or a Dict of Boxes (`obs_keys`, each
 key's shape; observations are then passed as {key: [num_envs, *shape]} and flattened here, keys
 sorted, into float32). The action space is `num_actions` (Discrete) or `action_space`: a
@@ -152,12 +168,13 @@ class EnvSessionClient:
     the rate limiter, docs/rate-limiter.md), and from the actor's acceptance `resumed`, `session_timeout_s`.
     """
 
-    def __init__(self, address: str, *, session_id: str, num_envs: int, obs_shape=None, obs_dtype="float32",
+    def __init__(self, address: str, *, session_id: str, num_envs: int = 0, obs_shape=None, obs_dtype="float32",
                  obs_keys: dict | None = None, num_actions: int | None = None,
                  action_space: ActionSpace | None = None, simulator: str = "python", timeout_s: float = 30.0,
                  wait_for_ready: bool = True, channel_options: list | None = None, ca_file: str | None = None,
                  cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None,
-                 tls: bool | None = None, token: str | None = None, token_file: str | None = None):
+                 tls: bool | None = None, token: str | None = None, token_file: str | None = None,
+                 agent_ids: list[str] | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if (num_actions is None) == (action_space is None):
@@ -174,7 +191,18 @@ class EnvSessionClient:
             obs_shape, obs_dtype = (spaces.flat_size(self.obs_keys),), np.float32
         self.obs_shape = tuple(int(d) for d in obs_shape)
         self.obs_dtype = np.dtype(obs_dtype)
+        self.agent_ids = [str(a) for a in agent_ids or ()]
+        if self.agent_ids:
+            if len(set(self.agent_ids)) != len(self.agent_ids):
+                raise ValueError("agent_ids: each id once")
+            if num_envs not in (0, len(self.agent_ids)):
+                raise ValueError(f"num_envs: {num_envs}, but agent_ids names {len(self.agent_ids)} agents")
+            num_envs = len(self.agent_ids)
+        elif num_envs < 1:
+            raise ValueError("give num_envs (env copies, >= 1) or agent_ids (several agents)")
         self.num_envs = int(num_envs)
+        self._acted: list[str] = []          # several agents: those that acted on the last step, in order
+        self._left: set[str] = set()         # ... those that ended and left (they come back through joined)
         self.simulator, self.timeout_s, self.wait_for_ready = simulator, float(timeout_s), wait_for_ready
         self._obs_code = dtype_code(self.obs_dtype)  # TensorError (a ValueError) for dtypes with no wire code
         self.tls = TlsConfig(enabled=bool(ca_file or cert_file or key_file or server_name) if tls is None else tls,
@@ -219,7 +247,8 @@ class EnvSessionClient:
         stub = actor_pb2_grpc.ActorStub(self._channel)
         self._call = stub.EnvSession(self._request_iter(), wait_for_ready=self.wait_for_ready,
                                      metadata=bearer_metadata(self._token, self.tls.enabled) or None)
-        hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator)
+        hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator,
+                                   agent_ids=self.agent_ids)
         if self.obs_keys is None:
             hello.observation_space.box.shape[:] = self.obs_shape
             hello.observation_space.box.dtype = self._obs_code
@@ -235,29 +264,38 @@ class EnvSessionClient:
         self.session_timeout_s = acc.session_timeout_ms / 1000.0
         return acc
 
-    def reset(self, observations, action_masks=None) -> np.ndarray:
-        """Send hello (if not yet sent) and step 0 with the first observations; return the actions."""
+    def reset(self, observations, action_masks=None):
+        """Send hello (if not yet sent) and step 0 with the first observations; return the actions.
+        Several agents: observations {agent: obs} of the agents acting first (action_masks likewise);
+        returns {agent: action}."""
         self._check_usable()
         if self.step_id is not None:
             raise RuntimeError("reset() starts a session once; to resume, open a new client with the same session_id")
         if self._call is None:
             self.hello()
+        if self.agent_ids:
+            return self._agents_step(0, observations, action_masks)
         step = actor_pb2.EnvStep(step_id=0)
         encode(self._observations(observations, "observations"), step.observations)
         self._masks(action_masks, step)
         return self._exchange(step)
 
     def step(self, observations, rewards, terminated, truncated, final_observations=None,
-             action_masks=None) -> np.ndarray:
+             action_masks=None, joined=()):
         """Send the next step (rewards, flags and next observations for the previous actions); return actions.
 
         final_observations: [K, *obs_shape] (a Dict space: {key: [K, *shape]}), the true last
         observation of each env whose episode ended (terminated or truncated), in env order; required
         iff K > 0. action_masks: [num_envs, M] bool, the actions allowed at `observations` (None: all).
+        Several agents: every argument a dict keyed by agent id (see the module docstring), `joined`
+        the agents coming back after they left; returns {agent: action}.
         """
         self._check_usable()
         if self.step_id is None:
             raise RuntimeError("call reset() before step()")
+        if self.agent_ids:
+            return self._agents_step(self.step_id + 1, observations, action_masks, rewards, terminated, truncated,
+                                     final_observations, joined)
         n = self.num_envs
         step = actor_pb2.EnvStep(step_id=self.step_id + 1)
         encode(self._observations(observations, "observations"), step.observations)
@@ -348,7 +386,62 @@ class EnvSessionClient:
                 return
             yield item
 
-    def _exchange(self, step: actor_pb2.EnvStep) -> np.ndarray:
+    def _agents_step(self, step_id: int, observations: dict, action_masks: dict | None, rewards=None,
+                     terminated=None, truncated=None, final_observations=None, joined=()) -> dict:
+        """One step of a session of several agents: the dicts checked and laid out in rows."""
+        if not isinstance(observations, dict):
+            raise TypeError("observations: a dict {agent id: observation} for a session of several agents")
+        agents = list(observations)
+        for a in agents:
+            if a not in self.agent_ids:
+                raise ValueError(f"observations: {a!r} is not one of agent_ids")
+        joined = list(joined)
+        for a in joined:
+            if a not in observations:
+                raise ValueError(f"joined: {a!r} joins but has no observation (a joining agent acts on the step it joins)")
+            if a not in self._left:
+                raise ValueError(f"joined: {a!r} has not left (only an agent whose episode ended and that then left joins)")
+        step = actor_pb2.EnvStep(step_id=step_id, agents=agents, joined=joined)
+        ended: list[str] = []
+        if step_id > 0:
+            flags = {}
+            for field, value, dtype in (("rewards", rewards, np.float32), ("terminated", terminated, np.bool_),
+                                        ("truncated", truncated, np.bool_)):
+                if not isinstance(value, dict) or set(value) != set(self._acted):
+                    raise ValueError(f"{field}: a dict with one entry for each agent that acted on the step before: "
+                                     f"{sorted(self._acted)}")
+                flags[field] = np.array([value[a] for a in self._acted], dtype)
+            encode(flags["rewards"], step.rewards)
+            encode(flags["terminated"], step.terminated)
+            encode(flags["truncated"], step.truncated)
+            ended = [a for a, e in zip(self._acted, flags["terminated"] | flags["truncated"]) if e]
+            for a in self._acted:
+                if a not in ended and a not in observations:
+                    raise ValueError(f"observations: {a!r} acted on the step before and did not end, so it must act "
+                                     f"now (end it with terminated or truncated first)")
+            finals = final_observations or {}
+            if set(finals) != set(ended):
+                raise ValueError(f"final_observations: one for each agent that ended, {sorted(ended)}; "
+                                 f"got {sorted(finals)}")
+            if ended:
+                encode(self._array(self._flat(np.stack([np.asarray(finals[a]) for a in ended])
+                                              if self.obs_keys is None else _stack_dicts([finals[a] for a in ended]),
+                                              len(ended), "final_observations"), "final_observations"),
+                       step.final_observations)
+        for a in agents:
+            if a in self._left and a not in joined and a not in ended:
+                raise ValueError(f"observations: {a!r} left after its episode ended; list it in joined to act again")
+        rows = (_stack_dicts([observations[a] for a in agents]) if self.obs_keys is not None
+                else np.stack([np.asarray(observations[a]) for a in agents]))
+        encode(self._observations(rows, "observations", len(agents)), step.observations)
+        if action_masks is not None:
+            self._masks(np.stack([np.asarray(action_masks[a]) for a in agents]), step, len(agents))
+        actions = self._exchange(step, len(agents))
+        self._left = (self._left | set(ended)) - set(agents)
+        self._acted = agents
+        return dict(zip(agents, actions))
+
+    def _exchange(self, step: actor_pb2.EnvStep, rows: int | None = None) -> np.ndarray:
         self._requests.put(actor_pb2.EnvMessage(step=step))
         self.step_id = step.step_id
         reply = self._receive(f"actions for step {step.step_id}")
@@ -362,7 +455,7 @@ class EnvSessionClient:
         except TensorError as e:
             raise self._protocol_error(f"malformed actions: {e}") from None
         try:
-            spaces.check_actions(self.action_space, actions, (self.num_envs,))
+            spaces.check_actions(self.action_space, actions, (self.num_envs if rows is None else rows,))
             if isinstance(self.action_space, Box) and ((actions < self.action_space.low_array).any()
                                                        or (actions > self.action_space.high_array).any()):
                 raise TensorError("actions", f"lie outside the bounds of {self.action_space}")
@@ -442,7 +535,7 @@ class EnvSessionClient:
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
 
-    def _masks(self, value, step: actor_pb2.EnvStep) -> None:
+    def _masks(self, value, step: actor_pb2.EnvStep, rows: int | None = None) -> None:
         if value is None:
             return
         arr = np.asarray(value)
@@ -451,17 +544,18 @@ class EnvSessionClient:
                 raise ValueError("action_masks: must be booleans (0 or 1)")
             arr = arr.astype(np.bool_)
         try:
-            spaces.check_mask(self.action_space, arr, (self.num_envs,), "action_masks")
+            spaces.check_mask(self.action_space, arr, (self.num_envs if rows is None else rows,), "action_masks")
         except TensorError as e:
             raise ValueError(str(e)) from None
         encode(arr, step.action_masks)
 
-    def _observations(self, value, field: str) -> np.ndarray:
-        arr = self._array(self._flat(value, self.num_envs, field), field)
-        if self.num_envs == 1 and arr.shape == self.obs_shape:
+    def _observations(self, value, field: str, rows: int | None = None) -> np.ndarray:
+        n = self.num_envs if rows is None else rows
+        arr = self._array(self._flat(value, n, field), field)
+        if n == 1 and arr.shape == self.obs_shape:
             arr = arr[None]
-        if arr.shape != (self.num_envs, *self.obs_shape):
-            raise ValueError(f"{field}: shape {arr.shape}, expected {(self.num_envs, *self.obs_shape)}")
+        if arr.shape != (n, *self.obs_shape):
+            raise ValueError(f"{field}: shape {arr.shape}, expected {(n, *self.obs_shape)}")
         return arr
 
     def _per_env(self, value, dtype, field: str) -> np.ndarray:
@@ -471,3 +565,8 @@ class EnvSessionClient:
         if dtype is np.bool_ and arr.dtype != np.bool_ and not np.isin(arr, (0, 1)).all():
             raise ValueError(f"{field}: flags must be booleans (0 or 1)")
         return arr.astype(dtype, copy=False).reshape(self.num_envs)
+
+
+def _stack_dicts(values: list[dict]) -> dict:
+    """Several agents' Dict observations, {key: [K, *shape]}."""
+    return {k: np.stack([np.asarray(v[k]) for v in values]) for k in values[0]} if values else {}

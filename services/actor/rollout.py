@@ -71,6 +71,19 @@ def split_runs(present: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     return [(a, b, np.asarray(spans[(a, b)])) for a, b in order]
 
 
+def window_groups(present: np.ndarray | None, t: int, N: int, final_index: list[int]
+                  ) -> list[tuple[int, int, np.ndarray, list[tuple[int, int]]]]:
+    """The fragments a window of t steps of N slots is cut into (`split_runs`; every slot throughout
+    when `present` is None), each as (first step, end step, columns, picked): `picked` pairs each final
+    observation of the group (its position in `final_index`, whose entries are u * N + n) with its
+    index re-numbered within the group ((u - first) * len(columns) + the column's position)."""
+    groups = [(0, t, np.arange(N))] if present is None else split_runs(present[:t])
+    where = {(i // N, i % N): k for k, i in enumerate(final_index)}   # (step, column) -> its final_obs
+    return [(a, b, cols, [(where[(u, n)], (u - a) * len(cols) + c) for u in range(a, b)
+                          for c, n in enumerate(cols) if (u, n) in where])
+            for a, b, cols in groups]
+
+
 class Rollout:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0,
                  gate: InsertGate | None = None):
@@ -202,12 +215,7 @@ class Rollout:
             self._pace.step()
         if t == 0:
             return None
-        groups = [(0, t, np.arange(N))] if present is None else split_runs(present[:t])
-        where = {(i // N, i % N): k for k, i in enumerate(final_index)}   # (step, column) -> its final_obs
-        for a, b, cols in groups:
-            # A group's steps and columns; final_index re-numbered to them (flat t * N + n in each).
-            picked = [(where[(u, n)], (u - a) * len(cols) + c) for u in range(a, b) for c, n in enumerate(cols)
-                      if (u, n) in where]
+        for a, b, cols, picked in window_groups(present, t, N, final_index):
             self._cut(encode_fragment(
                 actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq,
                 policy_version=self.policy_version or 0, algorithm=self.algorithm.code, env_ids=cols.tolist(),

@@ -15,6 +15,13 @@ own, in the order cut, so the loop never copies a payload) and handed to `on_fra
 on the encoder's thread; without an encoder, inline, before the step returns. `flush` waits for the
 encoder's pending fragments (the actor's shutdown, after `close_all`).
 
+A session of several agents (hello.agent_ids) gives each agent a slot. A step names the agents that act
+on it (`EnvStep.agents`); the outcomes it carries are those of the agents that acted on the step before.
+An agent that acted and did not end must act again; one that ended acts on with its next episode or
+leaves, and comes back only through `EnvStep.joined`. Its transitions are recorded only at the steps it
+acted, and a window is cut into one fragment per run of steps of a set of agents (rollout.py's
+`split_runs`, as for PettingZoo envs), so no agent's step is lost or recorded twice.
+
 A hub without `on_fragment` (`kuberl serve`: inference only) checks everything exactly as a training
 actor's does and keeps the sessions' episode statistics, but records no transitions: no fragment
 buffers are allocated, no fragment is cut, nothing is pushed.
@@ -33,6 +40,7 @@ from kuberl.v1 import actor_pb2
 from services.actor.encoder import FragmentEncoder
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import FINITE, Check
+from services.actor.rollout import window_groups
 from services.config import ExperimentConfig
 from services import algorithms
 from services.common.protocol.fragments import MAX_ID_LEN, EncodedFragment, encode_fragment
@@ -67,6 +75,7 @@ class _Episodes:
     # resumed session goes on (its step 0 re-sends the observations those actions were chosen on).
     state: np.ndarray | None = None
     acted_from: np.ndarray | None = None
+    agent_ids: tuple[str, ...] = ()   # a session of several agents: theirs (a resume must name the same)
 
 
 def _same_action_space(got: spaces.ActionSpace, want: spaces.ActionSpace) -> bool:
@@ -96,6 +105,15 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     held_s: float = 0.0               # seconds its replies were held (rate limiter, on-policy pacing)
     ended: str | None = None          # why the hub closed it ("replaced", "shutdown", ...), None while open
+    # A session of several agents (hello.agent_ids): slot of each id; the slots of the observations being
+    # acted on, in row order; [N] slots that ended and left (they come back through `joined`).
+    index: dict[str, int] = field(default_factory=dict)
+    rows: np.ndarray | None = None
+    left: np.ndarray | None = None
+
+    @property
+    def agents(self) -> bool:
+        return bool(self.index)
 
 
 def ended_error(s: Session) -> SessionError:
@@ -182,15 +200,18 @@ class SessionHub:
                                                      f"(actor.max_sessions)")
         self._expire_parked()
         parked = self._parked.pop(hello.session_id, None)
-        resumed = parked is not None and len(parked.returns) == hello.num_envs
-        n = hello.num_envs
-        episodes = parked if resumed else _Episodes(np.zeros(n), np.zeros(n, np.int64))
+        ids = tuple(hello.agent_ids)
+        n = len(ids) or hello.num_envs
+        resumed = parked is not None and len(parked.returns) == n and parked.agent_ids == ids
+        episodes = parked if resumed else _Episodes(np.zeros(n), np.zeros(n, np.int64), agent_ids=ids)
         if not resumed and self.state_size:
             episodes.state = np.zeros((n, self.state_size), np.float32)
         elif resumed and episodes.acted_from is not None:   # the state its last actions were chosen from
             episodes.state = episodes.acted_from
         episodes.closed_at = None
         session = Session(hello.session_id, n, episodes, self._next_env_id, self.cfg.rollout_steps, check=check)
+        if ids:
+            session.index, session.left = {agent: i for i, agent in enumerate(ids)}, np.zeros(n, bool)
         self._next_env_id += n
         self._new_buffers(session)
         self.sessions[session.session_id] = session
@@ -203,7 +224,9 @@ class SessionHub:
         """Refuse a hello that does not fit the policy (SessionError); the check of its observations."""
         if not 0 < len(hello.session_id) <= MAX_ID_LEN:
             raise SessionError("INVALID_ARGUMENT", f"session_id: must be 1..{MAX_ID_LEN} characters")
-        if not 0 < hello.num_envs <= MAX_ENVS:
+        if hello.agent_ids:
+            self._check_agent_ids(hello)
+        elif not 0 < hello.num_envs <= MAX_ENVS:
             raise SessionError("INVALID_ARGUMENT", f"num_envs: {hello.num_envs} is outside 1..{MAX_ENVS}")
         self._check_observation_space(hello.observation_space)
         want = self.spec.action
@@ -218,6 +241,24 @@ class SessionHub:
                                     bounds=self.cfg.actor.check_obs_bounds)
         except TensorError as err:
             raise SessionError("INVALID_ARGUMENT", str(err)) from None
+
+    def _check_agent_ids(self, hello: actor_pb2.EnvHello) -> None:
+        ids = hello.agent_ids
+        if len(ids) > MAX_ENVS:
+            raise SessionError("INVALID_ARGUMENT", f"agent_ids: {len(ids)} agents, more than {MAX_ENVS}")
+        first: dict[str, int] = {}
+        for i, agent in enumerate(ids):
+            if not 0 < len(agent) <= MAX_ID_LEN:
+                raise SessionError("INVALID_ARGUMENT", f"agent_ids[{i}]: must be 1..{MAX_ID_LEN} characters")
+            if agent in first:
+                raise SessionError("INVALID_ARGUMENT", f"agent_ids[{i}]: {agent!r} is agent_ids[{first[agent]}] too")
+            first[agent] = i
+        if hello.num_envs not in (0, len(ids)):
+            raise SessionError("INVALID_ARGUMENT", f"num_envs: {hello.num_envs}, but agent_ids names {len(ids)} "
+                                                   f"agents (0, or their count)")
+        if self.state_size:
+            raise SessionError("INVALID_ARGUMENT", "agent_ids: a session of several agents needs a feed-forward "
+                                                   "policy, and this actor's is recurrent (ppo.recurrent)")
 
     def _check_observation_space(self, obs) -> None:
         """The hello's observation space must be the policy's input: the same Box, or a Dict with the
@@ -264,6 +305,9 @@ class SessionHub:
             s.buffers.update({name: s.episodes.state.copy() for name in self.extras.start})
         if self.masks:
             s.buffers["action_mask"] = np.ones((T, N, self.spec.action.mask_width), bool)
+        if s.agents:   # which slots acted at each step; the observations of absent ones are zeros, not garbage
+            s.buffers["present"] = np.zeros((T, N), bool)
+            s.buffers["obs"] = np.zeros((T + 1, N, *shape), self.spec.obs_dtype)
 
     # -- steps -------------------------------------------------------------------------------------
     def observe(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
@@ -275,8 +319,10 @@ class SessionHub:
         if step.step_id != s.next_step:
             raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {step.step_id} "
                                                       f"(one step at a time, starting at 0)")
+        if s.agents:
+            return self._observe_agents(s, step)
         N = s.num_envs
-        s.mask = self._mask(s, step) if step.HasField("action_masks") else None
+        s.mask = self._mask(s, step, N) if step.HasField("action_masks") else None
         try:
             obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
             if step.step_id == 0:
@@ -320,6 +366,110 @@ class SessionHub:
                 s.buffers["obs"][0] = obs
         return obs
 
+    def _observe_agents(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
+        """`observe` for a session of several agents (module docstring): the step's agents' rows."""
+        N, sid = s.num_envs, step.step_id
+        rows = self._agent_rows(s, step)
+        s.mask = self._mask(s, step, len(rows)) if step.HasField("action_masks") else None
+        prev = s.rows if sid > 0 and s.rows is not None else np.empty(0, np.int64)
+        K = len(prev)
+        try:
+            obs = self._tensor(step, "observations", (len(rows), *self.spec.obs_shape), self.spec.obs_dtype)
+            if sid > 0:
+                rewards = self._tensor(step, "rewards", (K,), np.dtype(np.float32))
+                term = self._tensor(step, "terminated", (K,), np.dtype(bool))
+                trunc = self._tensor(step, "truncated", (K,), np.dtype(bool))
+                ended = term | trunc
+                done = np.flatnonzero(ended)
+                final = None
+                if len(done):
+                    final = self._tensor(step, "final_observations", (len(done), *self.spec.obs_shape),
+                                         self.spec.obs_dtype)
+                elif step.HasField("final_observations") and step.final_observations.shape and \
+                        step.final_observations.shape[0]:
+                    raise TensorError("final_observations", "given, but no agent ended")
+        except TensorError as err:
+            raise SessionError("INVALID_ARGUMENT", f"step {sid}: {err} (rewards, terminated, truncated and "
+                                                   f"final_observations are of the agents that acted on the "
+                                                   f"step before)") from None
+        if sid == 0:
+            self._refuse_bad(s, sid, obs)
+        else:
+            self._refuse_bad(s, sid, obs, rewards, final, done)
+            acting = set(rows.tolist())
+            ids = list(s.index)
+            for slot in prev[~ended]:
+                if slot not in acting:
+                    raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents: {ids[slot]!r} acted on step "
+                                                           f"{sid - 1} and did not end, so it must act on this "
+                                                           f"step (end it with terminated or truncated first)")
+        if self.records:
+            b, t = s.buffers, s.t
+            if sid > 0:
+                b["rewards"][t, prev], b["terminated"][t, prev], b["truncated"][t, prev] = rewards, term, trunc
+                for k, i in enumerate(done):
+                    s.final_obs.append(final[k])
+                    s.final_index.append(t * N + int(prev[i]))
+                b["obs"][t + 1, rows] = obs
+            else:
+                b["obs"][t, rows] = obs
+        if sid > 0:
+            ep = s.episodes
+            ep.returns[prev] += rewards
+            ep.lengths[prev] += 1
+            for slot in prev[done]:
+                self._finish_episode(ep, int(slot))
+            assert s.left is not None
+            s.left[prev[done]] = True     # ended: gone, unless it acts on this step (its next episode)
+            self.env_steps += K
+            ep.env_steps += K
+            self.metrics.inc("actor/env_steps_total", K)
+        assert s.left is not None
+        s.left[rows] = False
+        s.rows = rows
+        if self.records and sid > 0:
+            s.t += 1
+            if s.t == s.T:
+                self._emit(s, s.t)
+                s.buffers["obs"][0, rows] = obs
+        return obs
+
+    def _agent_rows(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
+        """The slots of the step's `agents` in row order; SessionError naming the agent and the field for
+        an unknown or repeated id, a `joined` that does not fit, or an agent back without joining."""
+        sid = step.step_id
+        names = list(step.agents) or list(s.index)
+        rows = np.empty(len(names), np.int64)
+        seen: dict[int, int] = {}
+        for i, agent in enumerate(names):
+            slot = s.index.get(agent)
+            if slot is None:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {agent!r} is not one of "
+                                                       f"hello.agent_ids")
+            if slot in seen:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {agent!r} is agents[{seen[slot]}] too")
+            seen[slot] = i
+            rows[i] = slot
+        assert s.left is not None
+        joining = set()
+        for i, agent in enumerate(step.joined):
+            slot = s.index.get(agent)
+            if slot is None:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} is not one of "
+                                                       f"hello.agent_ids")
+            if slot not in seen:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} joins but is not in "
+                                                       f"agents (a joining agent acts on the step it joins)")
+            if not s.left[slot]:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} has not left (only an "
+                                                       f"agent whose episode ended and that then left joins)")
+            joining.add(slot)
+        for i, slot in enumerate(rows):   # (one that ends on this step has not left yet: it may act on)
+            if s.left[slot] and slot not in joining:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {names[i]!r} left after its "
+                                                       f"episode ended; it acts again only when listed in joined")
+        return rows
+
     def _refuse_bad(self, s: Session, step_id: int, obs: np.ndarray, rewards: np.ndarray | None = None,
                     final: np.ndarray | None = None, done: np.ndarray | None = None) -> None:
         """SessionError INVALID_ARGUMENT naming the field and the env copy, counted, if the step holds
@@ -333,7 +483,7 @@ class SessionHub:
             self.metrics.inc(bad.metric)
             raise SessionError("INVALID_ARGUMENT", f"step {step_id}: {bad}")
 
-    def _mask(self, s: Session, step) -> np.ndarray:
+    def _mask(self, s: Session, step, rows: int) -> np.ndarray:
         """The step's action masks, checked against the action space; SessionError if they cannot be used."""
         space = self.spec.action
         if not space.mask_width:
@@ -343,7 +493,7 @@ class SessionHub:
                                                    f"{self.algorithm.name} does not take action masks")
         try:
             mask = decode(step.action_masks, "action_masks")
-            spaces.check_mask(space, mask, (s.num_envs,), "action_masks")
+            spaces.check_mask(space, mask, (rows,), "action_masks")
         except TensorError as err:
             raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
         return mask
@@ -366,12 +516,15 @@ class SessionHub:
             s.episodes.acted_from, s.episodes.state = s.episodes.state, state
         if not self.records or s.ended is not None:
             return  # (closed while its actions were chosen: its arrays went to the encoder with its last fragment)
-        s.buffers["actions"][s.t] = actions
+        at = slice(None) if not s.agents else s.rows    # a session of several agents: the step's agents' slots
+        s.buffers["actions"][s.t, at] = actions
+        if s.agents:
+            s.buffers["present"][s.t, at] = True
         if self.masks:
-            s.buffers["action_mask"][s.t] = True if s.mask is None else s.mask
+            s.buffers["action_mask"][s.t, at] = True if s.mask is None else s.mask
             s.masked |= s.mask is not None
         for name in self.extras.steps:
-            s.buffers[name][s.t] = extras[name]
+            s.buffers[name][s.t, at] = extras[name]
         s.versions.append(version)
 
     def to_send(self, actions: np.ndarray) -> np.ndarray:
@@ -390,22 +543,28 @@ class SessionHub:
         ep.returns[i], ep.lengths[i] = 0.0, 0
 
     def _emit(self, s: Session, t: int, last: bool = False) -> None:
-        """Cut the session's first t transitions as a fragment and start a new one (none if `last`)."""
+        """Cut the session's first t transitions as a fragment (a session of several agents: one per run
+        of steps of a set of its agents, rollout.py's `window_groups`) and start anew (not if `last`)."""
         b, N = s.buffers, s.num_envs
-        fields = dict(
-            actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq, policy_version=min(s.versions[:t]),
-            algorithm=self.algorithm.code, created_unix_s=time.time(),
-            env_ids=range(s.env_id_base, s.env_id_base + N), obs=b["obs"][:t + 1], actions=b["actions"][:t],
-            rewards=b["rewards"][:t], terminated=b["terminated"][:t], truncated=b["truncated"][:t],
-            final_obs=(np.stack(s.final_obs) if s.final_obs
-                       else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
-            final_index=np.asarray(s.final_index, np.int64),
-            action_mask=b["action_mask"][:t] if s.masked else None,
-            extras={**{name: b[name][:t] for name in self.extras.steps}, **{name: b[name] for name in self.extras.start}})
-        if self.on_cut is not None:
-            self.on_cut(self.seq, t * N)
-        self.seq += 1
-        self.metrics.inc("actor/fragments_total")
+        common = dict(actor_id=self.actor_id, incarnation=self.incarnation, policy_version=min(s.versions[:t]),
+                      algorithm=self.algorithm.code)
+        cuts = []
+        for a, end, cols, picked in window_groups(b["present"] if s.agents else None, t, N, s.final_index):
+            cuts.append(dict(
+                common, seq=self.seq + len(cuts), created_unix_s=time.time(), env_ids=(s.env_id_base + cols).tolist(),
+                obs=b["obs"][a:end + 1, cols], actions=b["actions"][a:end, cols], rewards=b["rewards"][a:end, cols],
+                terminated=b["terminated"][a:end, cols], truncated=b["truncated"][a:end, cols],
+                final_obs=(np.stack([s.final_obs[k] for k, _ in picked]) if picked
+                           else np.empty((0, *self.spec.obs_shape), self.spec.obs_dtype)),
+                final_index=np.asarray([i for _, i in picked], np.int64),
+                action_mask=b["action_mask"][a:end, cols] if s.masked else None,
+                extras={**{name: b[name][a:end, cols] for name in self.extras.steps},
+                        **{name: b[name][cols] for name in self.extras.start}}))
+        for fields in cuts:
+            if self.on_cut is not None:
+                self.on_cut(self.seq, (fields["actions"].shape[0]) * len(fields["env_ids"]))
+            self.seq += 1
+            self.metrics.inc("actor/fragments_total")
         # The filled arrays now belong to the encoder: the session goes on in fresh ones (a closed one in none).
         rest = s.versions[t:]
         if last:
@@ -414,10 +573,11 @@ class SessionHub:
             self._new_buffers(s)
             s.versions = rest
         assert self.on_fragment is not None  # (records: a hub without a sink never cuts)
-        if self.encoder is not None:
-            self.encoder.submit(fields, self.on_fragment)
-        else:
-            self.on_fragment(encode_fragment(**fields))
+        for fields in cuts:
+            if self.encoder is not None:
+                self.encoder.submit(fields, self.on_fragment)
+            else:
+                self.on_fragment(encode_fragment(**fields))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every fragment cut so far has been handed to `on_fragment` (and end the encoder's
@@ -440,6 +600,8 @@ class SessionHub:
         if s.t > 0:
             b, t, N = s.buffers, s.t, s.num_envs
             running = ~(b["terminated"][t - 1] | b["truncated"][t - 1])
+            if s.agents:   # (the agents that acted on the last step recorded)
+                running &= b["present"][t - 1]
             for i in np.flatnonzero(running):
                 b["truncated"][t - 1, i] = True
                 s.final_obs.append(b["obs"][t, i].copy())

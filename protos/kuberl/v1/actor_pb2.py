@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kuberl.v1 import common_pb2 as kuberl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kuberl/v1/actor.proto\x12\tkuberl.v1\x1a\x16kuberl/v1/common.proto\"U\n\x08\x42oxSpace\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.kuberl.v1.DType\x12\x0b\n\x03low\x18\x03 \x03(\x01\x12\x0c\n\x04high\x18\x04 \x03(\x01\"\x1a\n\rDiscreteSpace\x12\t\n\x01n\x18\x01 \x01(\x03\"\"\n\x12MultiDiscreteSpace\x12\x0c\n\x04nvec\x18\x01 \x03(\x03\"\x81\x01\n\tDictSpace\x12\x30\n\x06spaces\x18\x01 \x03(\x0b\x32 .kuberl.v1.DictSpace.SpacesEntry\x1a\x42\n\x0bSpacesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.kuberl.v1.BoxSpace:\x02\x38\x01\"\xc0\x01\n\x05Space\x12\"\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x13.kuberl.v1.BoxSpaceH\x00\x12,\n\x08\x64iscrete\x18\x02 \x01(\x0b\x32\x18.kuberl.v1.DiscreteSpaceH\x00\x12\x37\n\x0emulti_discrete\x18\x03 \x01(\x0b\x32\x1d.kuberl.v1.MultiDiscreteSpaceH\x00\x12$\n\x04\x64ict\x18\x04 \x01(\x0b\x32\x14.kuberl.v1.DictSpaceH\x00\x42\x06\n\x04kind\"\x98\x01\n\x08\x45nvHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x11observation_space\x18\x02 \x01(\x0b\x32\x10.kuberl.v1.Space\x12&\n\x0c\x61\x63tion_space\x18\x03 \x01(\x0b\x32\x10.kuberl.v1.Space\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x11\n\tsimulator\x18\x05 \x01(\t\"\x8c\x02\n\x07\x45nvStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x0cobservations\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07rewards\x18\x03 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12%\n\nterminated\x18\x04 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12$\n\ttruncated\x18\x05 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12-\n\x12\x66inal_observations\x18\x06 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\'\n\x0c\x61\x63tion_masks\x18\x07 \x01(\x0b\x32\x11.kuberl.v1.Tensor\"^\n\nEnvMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kuberl.v1.EnvHelloH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.kuberl.v1.EnvStepH\x00\x42\x06\n\x04kind\"j\n\x0fSessionAccepted\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1a\n\x12session_timeout_ms\x18\x04 \x01(\r\"k\n\x0b\x41\x63tionReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\"\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0f\n\x07held_ms\x18\x04 \x01(\r\"q\n\x0c\x41\x63torMessage\x12.\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1a.kuberl.v1.SessionAcceptedH\x00\x12)\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x16.kuberl.v1.ActionReplyH\x00\x42\x06\n\x04kind2\x8e\x01\n\x05\x41\x63tor\x12\x43\n\x08GetStats\x12\x1a.kuberl.v1.GetStatsRequest\x1a\x1b.kuberl.v1.GetStatsResponse\x12@\n\nEnvSession\x12\x15.kuberl.v1.EnvMessage\x1a\x17.kuberl.v1.ActorMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kuberl/v1/actor.proto\x12\tkuberl.v1\x1a\x16kuberl/v1/common.proto\"U\n\x08\x42oxSpace\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.kuberl.v1.DType\x12\x0b\n\x03low\x18\x03 \x03(\x01\x12\x0c\n\x04high\x18\x04 \x03(\x01\"\x1a\n\rDiscreteSpace\x12\t\n\x01n\x18\x01 \x01(\x03\"\"\n\x12MultiDiscreteSpace\x12\x0c\n\x04nvec\x18\x01 \x03(\x03\"\x81\x01\n\tDictSpace\x12\x30\n\x06spaces\x18\x01 \x03(\x0b\x32 .kuberl.v1.DictSpace.SpacesEntry\x1a\x42\n\x0bSpacesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.kuberl.v1.BoxSpace:\x02\x38\x01\"\xc0\x01\n\x05Space\x12\"\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x13.kuberl.v1.BoxSpaceH\x00\x12,\n\x08\x64iscrete\x18\x02 \x01(\x0b\x32\x18.kuberl.v1.DiscreteSpaceH\x00\x12\x37\n\x0emulti_discrete\x18\x03 \x01(\x0b\x32\x1d.kuberl.v1.MultiDiscreteSpaceH\x00\x12$\n\x04\x64ict\x18\x04 \x01(\x0b\x32\x14.kuberl.v1.DictSpaceH\x00\x42\x06\n\x04kind\"\xab\x01\n\x08\x45nvHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x11observation_space\x18\x02 \x01(\x0b\x32\x10.kuberl.v1.Space\x12&\n\x0c\x61\x63tion_space\x18\x03 \x01(\x0b\x32\x10.kuberl.v1.Space\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x11\n\tsimulator\x18\x05 \x01(\t\x12\x11\n\tagent_ids\x18\x06 \x03(\t\"\xac\x02\n\x07\x45nvStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x0cobservations\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\"\n\x07rewards\x18\x03 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12%\n\nterminated\x18\x04 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12$\n\ttruncated\x18\x05 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12-\n\x12\x66inal_observations\x18\x06 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\'\n\x0c\x61\x63tion_masks\x18\x07 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\x0e\n\x06\x61gents\x18\x08 \x03(\t\x12\x0e\n\x06joined\x18\t \x03(\t\"^\n\nEnvMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kuberl.v1.EnvHelloH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.kuberl.v1.EnvStepH\x00\x42\x06\n\x04kind\"j\n\x0fSessionAccepted\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1a\n\x12session_timeout_ms\x18\x04 \x01(\r\"k\n\x0b\x41\x63tionReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\"\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x11.kuberl.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0f\n\x07held_ms\x18\x04 \x01(\r\"q\n\x0c\x41\x63torMessage\x12.\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1a.kuberl.v1.SessionAcceptedH\x00\x12)\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x16.kuberl.v1.ActionReplyH\x00\x42\x06\n\x04kind2\x8e\x01\n\x05\x41\x63tor\x12\x43\n\x08GetStats\x12\x1a.kuberl.v1.GetStatsRequest\x1a\x1b.kuberl.v1.GetStatsResponse\x12@\n\nEnvSession\x12\x15.kuberl.v1.EnvMessage\x1a\x17.kuberl.v1.ActorMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,17 +47,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPACE']._serialized_start=344
   _globals['_SPACE']._serialized_end=536
   _globals['_ENVHELLO']._serialized_start=539
-  _globals['_ENVHELLO']._serialized_end=691
-  _globals['_ENVSTEP']._serialized_start=694
-  _globals['_ENVSTEP']._serialized_end=962
-  _globals['_ENVMESSAGE']._serialized_start=964
-  _globals['_ENVMESSAGE']._serialized_end=1058
-  _globals['_SESSIONACCEPTED']._serialized_start=1060
-  _globals['_SESSIONACCEPTED']._serialized_end=1166
-  _globals['_ACTIONREPLY']._serialized_start=1168
-  _globals['_ACTIONREPLY']._serialized_end=1275
-  _globals['_ACTORMESSAGE']._serialized_start=1277
-  _globals['_ACTORMESSAGE']._serialized_end=1390
-  _globals['_ACTOR']._serialized_start=1393
-  _globals['_ACTOR']._serialized_end=1535
+  _globals['_ENVHELLO']._serialized_end=710
+  _globals['_ENVSTEP']._serialized_start=713
+  _globals['_ENVSTEP']._serialized_end=1013
+  _globals['_ENVMESSAGE']._serialized_start=1015
+  _globals['_ENVMESSAGE']._serialized_end=1109
+  _globals['_SESSIONACCEPTED']._serialized_start=1111
+  _globals['_SESSIONACCEPTED']._serialized_end=1217
+  _globals['_ACTIONREPLY']._serialized_start=1219
+  _globals['_ACTIONREPLY']._serialized_end=1326
+  _globals['_ACTORMESSAGE']._serialized_start=1328
+  _globals['_ACTORMESSAGE']._serialized_end=1441
+  _globals['_ACTOR']._serialized_start=1444
+  _globals['_ACTOR']._serialized_end=1586
 # @@protoc_insertion_point(module_scope)

@@ -57,21 +57,23 @@ class Space(_message.Message):
     def __init__(self, box: _Optional[_Union[BoxSpace, _Mapping]] = ..., discrete: _Optional[_Union[DiscreteSpace, _Mapping]] = ..., multi_discrete: _Optional[_Union[MultiDiscreteSpace, _Mapping]] = ..., dict: _Optional[_Union[DictSpace, _Mapping]] = ...) -> None: ...
 
 class EnvHello(_message.Message):
-    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "simulator")
+    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "simulator", "agent_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     SIMULATOR_FIELD_NUMBER: _ClassVar[int]
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     observation_space: Space
     action_space: Space
     num_envs: int
     simulator: str
-    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ...) -> None: ...
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ..., agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EnvStep(_message.Message):
-    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations", "action_masks")
+    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations", "action_masks", "agents", "joined")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,8 @@ class EnvStep(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     FINAL_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     ACTION_MASKS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     observations: _common_pb2.Tensor
     rewards: _common_pb2.Tensor
@@ -86,7 +90,9 @@ class EnvStep(_message.Message):
     truncated: _common_pb2.Tensor
     final_observations: _common_pb2.Tensor
     action_masks: _common_pb2.Tensor
-    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_masks: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    agents: _containers.RepeatedScalarFieldContainer[str]
+    joined: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_masks: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agents: _Optional[_Iterable[str]] = ..., joined: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EnvMessage(_message.Message):
     __slots__ = ("hello", "step")

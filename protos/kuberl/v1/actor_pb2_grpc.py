@@ -75,7 +75,11 @@ class ActorServicer:
 
         Errors (the stream ends with this status; other sessions are never affected):
         INVALID_ARGUMENT     hello whose spaces do not match the actor's policy (the message names the
-        space, expected and got), num_envs out of range, or a step whose tensors
+        space, expected and got), num_envs out of range, agent_ids repeated or of
+        a bad length; a step of several agents naming an agent not in agent_ids or
+        twice, leaving out an agent that acted and did not end, bringing back one
+        that left without `joined`, or joining one that has not left (each names
+        the agent and the field); or a step whose tensors
         are malformed or do not match the declared spaces (names the field), or
         whose observations, final observations or rewards hold NaN or infinity
         (or, with actor.check_obs_bounds, observations outside the declared bounds;

@@ -1,0 +1,214 @@
+"""A session of several agents (hello.agent_ids; services/actor/sessions.py): agents that join, end and act
+on, leave, and join again, mid-fragment; every step of every agent is recorded exactly once, as a
+naive per-agent log of the script says, and every misuse is refused naming the agent and the field."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kuberl.v1 import actor_pb2
+from kuberl.v1 import common_pb2 as pb
+from services.actor.sessions import SessionError, SessionHub
+from services.common.models.nets import EnvSpec
+from services.common.protocol.fragments import RawFragment, decode_fragment
+from services.common.protocol.spaces import Discrete
+from services.common.protocol.tensors import encode
+from services.common.stats import Metrics
+from services.config import config_from_dict
+
+SPEC = EnvSpec((3,), np.dtype(np.float32), Discrete(2))
+AGENTS = ["a0", "a1", "a2"]
+
+
+def hub(T: int = 4):
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": T}})
+    out: list = []
+    return SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), lambda frag: out.append(RawFragment(frag.payload))), out
+
+
+def hello(sid="s", ids=AGENTS, num_envs=0):
+    return actor_pb2.EnvHello(session_id=sid, num_envs=num_envs, agent_ids=ids, observation_space=actor_pb2.Space(
+        box=actor_pb2.BoxSpace(shape=[3], dtype=pb.DTYPE_FLOAT32)), action_space=actor_pb2.Space(
+        discrete=actor_pb2.DiscreteSpace(n=2)))
+
+
+def step(k, agents, obs, outcomes=None, final=None, joined=()):
+    msg = actor_pb2.EnvStep(step_id=k, agents=agents, joined=joined,
+                            observations=encode(np.asarray(obs, np.float32).reshape(-1, 3)))
+    if outcomes is not None:
+        rewards, term, trunc = outcomes
+        msg.rewards.CopyFrom(encode(np.asarray(rewards, np.float32)))
+        msg.terminated.CopyFrom(encode(np.asarray(term, bool)))
+        msg.truncated.CopyFrom(encode(np.asarray(trunc, bool)))
+    if final is not None and len(final):
+        msg.final_observations.CopyFrom(encode(np.asarray(final, np.float32).reshape(len(final), 3)))
+    return msg
+
+
+# Per step k (the step whose outcomes end it): "end" ends the agent's episode and it leaves, "reset"
+# ends it and it acts on with a new one (same step), "join" brings it (back) in.
+SCRIPT = {
+    0: {"a0": "join", "a2": "join"},
+    3: {"a1": "join"},                     # a first appearance, mid-fragment
+    5: {"a0": "reset"},                    # truncated, acts on
+    6: {"a2": "reset"},                    # terminated, acts on
+    8: {"a1": "end"},                      # terminated, leaves for good
+    11: {"a0": "end"},                     # terminated, leaves...
+    14: {"a0": "join"},                    # ...and joins again
+}
+STEPS = 21
+
+
+def obs_of(agent: str, k: int, life: int) -> np.ndarray:
+    return np.array([AGENTS.index(agent), k, life], np.float32)
+
+
+def run_script(h, s, steps=STEPS):
+    """Drive the session; return the naive log: per agent, its transitions (obs, action, reward,
+    terminated, truncated, next obs) in order, with the session's close truncating the running ones."""
+    log: dict[str, list] = {a: [] for a in AGENTS}
+    acting: list[str] = []
+    life = dict.fromkeys(AGENTS, 0)
+    current: dict[str, np.ndarray] = {}
+    actions: dict[str, int] = {}
+    for k in range(steps + 1):
+        events = SCRIPT.get(k, {})
+        outcomes = final = None
+        joined = [a for a, e in events.items() if e == "join" and k > 0 and any(log[a])]
+        if k > 0:
+            rewards, term, trunc, final = [], [], [], []
+            for a in acting:
+                kind = events.get(a)
+                ends = kind in ("end", "reset")
+                u_ = kind == "reset" and a == "a0"           # a0's reset is a truncation, a2's a termination
+                t_ = ends and not u_
+                r = 10.0 * AGENTS.index(a) + k
+                rewards.append(r)
+                term.append(t_)
+                trunc.append(u_)
+                nxt = obs_of(a, k, life[a]) if not ends else obs_of(a, k, life[a]) * -1   # the true last
+                if ends:
+                    final.append(nxt)
+                log[a].append((current[a], actions[a], r, t_, u_, nxt))
+            outcomes = (rewards, term, trunc)
+        now = [a for a in acting if events.get(a) != "end"]
+        now += [a for a, e in events.items() if e == "join"]
+        for a in now:
+            if events.get(a) in ("reset", "join") and k > 0:
+                life[a] += 1
+            current[a] = obs_of(a, k, life[a])
+        got = h.observe(s, step(k, now, [current[a] for a in now], outcomes, final, joined))
+        assert got.tolist() == [current[a].tolist() for a in now]
+        actions = {a: (k + AGENTS.index(a)) % 2 for a in now}
+        h.record_actions(s, np.array([actions[a] for a in now]),
+                         {"behaviour_logprob": np.full(len(now), -0.5, np.float32)}, version=k)
+        acting = now
+    # The close truncates each running episode at its last recorded step, bootstrapped from the
+    # observation the agent was last sent (its actions on it have no outcome yet); where the last
+    # window was full, it was cut already, and nothing is left to truncate.
+    for a in acting if steps % h.cfg.rollout_steps else ():
+        if log[a] and not (log[a][-1][3] or log[a][-1][4]):
+            o, act, r, _, _, _ = log[a][-1]
+            log[a][-1] = (o, act, r, False, True, current[a])
+    h.close(s, "closed")
+    return log
+
+
+def recorded(out) -> dict[int, list]:
+    """Per env id (slot), the transitions the fragments hold, in fragment order."""
+    got: dict[int, list] = {}
+    for m in out:
+        f = decode_fragment(m, algorithm=pb.ALGORITHM_PPO)
+        nxt = f.next_obs()
+        for c, env in enumerate(f.env_ids):
+            for t in range(f.num_steps):
+                got.setdefault(env, []).append((f.obs[t, c], int(f.actions[t, c]), float(f.rewards[t, c]),
+                                                bool(f.terminated[t, c]), bool(f.truncated[t, c]), nxt[t, c]))
+    return got
+
+
+@pytest.mark.parametrize("T", [4, 7, 30])
+def test_every_step_of_every_agent_is_recorded_once_as_the_script_says(T):
+    h, out = hub(T)
+    s, _ = h.open(hello())
+    log = run_script(h, s)
+    got = recorded(out)
+    for i, a in enumerate(AGENTS):
+        want, have = log[a], got.get(s.env_id_base + i, [])
+        assert len(have) == len(want), (a, len(have), len(want))
+        for u, (w, g) in enumerate(zip(want, have)):
+            assert np.array_equal(w[0], g[0]) and w[1:5] == g[1:5] and np.array_equal(w[5], g[5]), (a, u, w, g)
+    steps = sum(len(v) for v in log.values())
+    assert h.metrics.counters["actor/env_steps_total"] == steps
+    assert sum(decode_fragment(m, algorithm=pb.ALGORITHM_PPO).num_samples for m in out) == steps
+    assert [m.seq for m in out] == list(range(len(out)))
+    # Episodes: every one the script ended is reported (those the close cut short are not finished).
+    ends = sum(1 for events in SCRIPT.values() for e in events.values() if e in ("end", "reset"))
+    assert h.metrics.counters["actor/episodes_total"] == ends == 4
+
+
+def test_the_script_really_makes_agents_join_leave_and_come_back():
+    h, out = hub(4)
+    s, _ = h.open(hello())
+    log = run_script(h, s)
+    assert len(log["a1"]) == 8 - 3 and len(log["a0"]) == 11 + (STEPS - 14)   # a1 joined late; a0 was away 3 steps
+    assert len({len(decode_fragment(m, algorithm=pb.ALGORITHM_PPO).env_ids) for m in out}) > 1   # runs of fewer agents
+
+
+def opened(h):
+    s, _ = h.open(hello())
+    h.observe(s, step(0, ["a0", "a1"], np.zeros((2, 3))))
+    h.record_actions(s, np.array([0, 1]), {"behaviour_logprob": np.zeros(2, np.float32)}, version=1)
+    return s
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda: step(1, ["a0", "zz"], np.zeros((2, 3)), ([0, 0], [False, False], [False, False])),
+     "step 1: agents[1]: 'zz' is not one of hello.agent_ids"),
+    (lambda: step(1, ["a0", "a0"], np.zeros((2, 3)), ([0, 0], [False, False], [False, False])),
+     "step 1: agents[1]: 'a0' is agents[0] too"),
+    (lambda: step(1, ["a0"], np.zeros((1, 3)), ([0, 0], [False, False], [False, False])),
+     "step 1: agents: 'a1' acted on step 0 and did not end, so it must act on this step"),
+    (lambda: step(1, ["a0", "a1", "a2"], np.zeros((3, 3)), ([0, 0], [False, False], [False, False]), joined=["a2"]),
+     "step 1: joined[0]: 'a2' has not left"),
+    (lambda: step(1, ["a0", "a1"], np.zeros((2, 3)), ([0, 0, 0], [False] * 3, [False] * 3)),
+     "step 1: rewards: must be float32 [2]"),
+    (lambda: step(1, ["a0", "a1"], np.zeros((3, 3)), ([0, 0], [False, False], [False, False])),
+     "step 1: observations: must be float32 [2, 3]"),
+])
+def test_misuse_is_refused_naming_the_agent_and_the_field(bad, message):
+    h, _ = hub()
+    s = opened(h)
+    with pytest.raises(SessionError, match=re.escape(message)) as err:
+        h.observe(s, bad())
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_an_agent_acting_after_its_end_without_joining_is_refused():
+    h, _ = hub()
+    s = opened(h)
+    h.observe(s, step(1, ["a0"], np.zeros((1, 3)), ([0, 1], [False, True], [False, False]), final=np.zeros((1, 3))))
+    h.record_actions(s, np.array([0]), {"behaviour_logprob": np.zeros(1, np.float32)}, version=1)
+    with pytest.raises(SessionError, match=r"step 2: agents\[1\]: 'a1' left after its episode ended; it acts again "
+                                           r"only when listed in joined"):
+        h.observe(s, step(2, ["a0", "a1"], np.zeros((2, 3)), ([0], [False], [False])))
+    h2, _ = hub()
+    s2 = opened(h2)   # the same, joined: accepted
+    h2.observe(s2, step(1, ["a0"], np.zeros((1, 3)), ([0, 1], [False, True], [False, False]), final=np.zeros((1, 3))))
+    h2.record_actions(s2, np.array([0]), {"behaviour_logprob": np.zeros(1, np.float32)}, version=1)
+    assert h2.observe(s2, step(2, ["a0", "a1"], np.ones((2, 3)), ([0], [False], [False]), joined=["a1"])).shape == (2, 3)
+
+
+@pytest.mark.parametrize("ids,num_envs,message", [
+    (["a", "b", "a"], 0, r"agent_ids\[2\]: 'a' is agent_ids\[0\] too"),
+    (["a", ""], 0, r"agent_ids\[1\]: must be 1..128 characters"),
+    (["a", "b"], 3, r"num_envs: 3, but agent_ids names 2 agents"),
+])
+def test_a_hello_with_bad_agent_ids_is_refused(ids, num_envs, message):
+    h, _ = hub()
+    with pytest.raises(SessionError, match=message) as err:
+        h.open(hello(ids=ids, num_envs=num_envs))
+    assert err.value.code == "INVALID_ARGUMENT"
