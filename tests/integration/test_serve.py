@@ -131,6 +131,26 @@ def test_python_clients_get_the_checkpoints_greedy_actions(served, greedy):
     assert "actor/fragments_total" not in a and "actor/fragments_pushed_total" not in a, a  # nothing recorded
 
 
+def test_a_session_of_agents_gets_every_agents_greedy_action(served, greedy):
+    """`kuberl serve` answers each agent of a session of several agents (hello.agent_ids) as it acts."""
+    rng = np.random.default_rng(5)
+    ids = ["p0", "p1", "p2"]
+    with EnvSessionClient(served.address, session_id="agents", agent_ids=ids, obs_shape=(4,), num_actions=2,
+                          timeout_s=WAIT_S) as client:
+        acting = ["p0", "p2"]
+        observations = {a: rng.normal(size=4).astype(np.float32) for a in acting}
+        actions = client.reset(observations)
+        for k in range(12):
+            assert list(actions) == acting
+            want = greedy_actions(greedy, np.stack([observations[a] for a in acting]))
+            assert [actions[a] for a in acting] == want.tolist()
+            nxt = ["p0", "p1", "p2"]   # p1 comes in on step 1 (its first step needs no join)
+            observations = {a: rng.normal(size=4).astype(np.float32) for a in nxt}
+            actions = client.step(observations, rewards=dict.fromkeys(acting, 0.0),
+                                  terminated=dict.fromkeys(acting, False), truncated=dict.fromkeys(acting, False))
+            acting = nxt
+
+
 @pytest.mark.parametrize("kwargs, text", [
     ({"obs_shape": (6,), "num_actions": 2}, "observation_space: expected Box[4] float32, got Box[6] float32"),
     ({"obs_shape": (4,), "num_actions": 3}, "action_space: expected Discrete(2), got Discrete(3)"),
