@@ -399,8 +399,6 @@ class EnvSessionClient:
         for a in joined:
             if a not in observations:
                 raise ValueError(f"joined: {a!r} joins but has no observation (a joining agent acts on the step it joins)")
-            if a not in self._left:
-                raise ValueError(f"joined: {a!r} has not left (only an agent whose episode ended and that then left joins)")
         step = actor_pb2.EnvStep(step_id=step_id, agents=agents, joined=joined)
         ended: list[str] = []
         if step_id > 0:
@@ -428,6 +426,9 @@ class EnvSessionClient:
                                               if self.obs_keys is None else _stack_dicts([finals[a] for a in ended]),
                                               len(ended), "final_observations"), "final_observations"),
                        step.final_observations)
+        for a in joined:
+            if a not in self._left and a not in ended:
+                raise ValueError(f"joined: {a!r} has not ended (only an agent whose episode ended joins again)")
         for a in agents:
             if a in self._left and a not in joined and a not in ended:
                 raise ValueError(f"observations: {a!r} left after its episode ended; list it in joined to act again")

@@ -369,7 +369,7 @@ class SessionHub:
     def _observe_agents(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
         """`observe` for a session of several agents (module docstring): the step's agents' rows."""
         N, sid = s.num_envs, step.step_id
-        rows = self._agent_rows(s, step)
+        rows, names = self._agent_rows(s, step)
         s.mask = self._mask(s, step, len(rows)) if step.HasField("action_masks") else None
         prev = s.rows if sid > 0 and s.rows is not None else np.empty(0, np.int64)
         K = len(prev)
@@ -392,6 +392,8 @@ class SessionHub:
             raise SessionError("INVALID_ARGUMENT", f"step {sid}: {err} (rewards, terminated, truncated and "
                                                    f"final_observations are of the agents that acted on the "
                                                    f"step before)") from None
+        ended_now = set() if sid == 0 else set(prev[done].tolist())
+        self._check_returns(s, step, rows, names, ended_now)
         if sid == 0:
             self._refuse_bad(s, sid, obs)
         else:
@@ -434,22 +436,30 @@ class SessionHub:
                 s.buffers["obs"][0, rows] = obs
         return obs
 
-    def _agent_rows(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
-        """The slots of the step's `agents` in row order; SessionError naming the agent and the field for
-        an unknown or repeated id, a `joined` that does not fit, or an agent back without joining."""
-        sid = step.step_id
+    def _agent_rows(self, s: Session, step: actor_pb2.EnvStep) -> tuple[np.ndarray, list[str]]:
+        """The slots of the step's `agents` in row order, and their names; SessionError naming the agent
+        and the field for an id not in hello.agent_ids or named twice."""
         names = list(step.agents) or list(s.index)
         rows = np.empty(len(names), np.int64)
         seen: dict[int, int] = {}
         for i, agent in enumerate(names):
             slot = s.index.get(agent)
             if slot is None:
-                raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {agent!r} is not one of "
-                                                       f"hello.agent_ids")
+                raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: agents[{i}]: {agent!r} is not one "
+                                                       f"of hello.agent_ids")
             if slot in seen:
-                raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {agent!r} is agents[{seen[slot]}] too")
+                raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: agents[{i}]: {agent!r} is "
+                                                       f"agents[{seen[slot]}] too")
             seen[slot] = i
             rows[i] = slot
+        return rows, names
+
+    def _check_returns(self, s: Session, step: actor_pb2.EnvStep, rows: np.ndarray, names: list[str],
+                       ended_now: set[int]) -> None:
+        """`joined` names agents of this step that ended (on this step or before); an agent that left
+        (ended on an earlier step and was absent since) acts again only when joined. SessionError
+        naming the agent and the field otherwise."""
+        sid, acting = step.step_id, set(rows.tolist())
         assert s.left is not None
         joining = set()
         for i, agent in enumerate(step.joined):
@@ -457,18 +467,17 @@ class SessionHub:
             if slot is None:
                 raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} is not one of "
                                                        f"hello.agent_ids")
-            if slot not in seen:
+            if slot not in acting:
                 raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} joins but is not in "
                                                        f"agents (a joining agent acts on the step it joins)")
-            if not s.left[slot]:
-                raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} has not left (only an "
-                                                       f"agent whose episode ended and that then left joins)")
+            if not s.left[slot] and slot not in ended_now:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} has not ended (only an "
+                                                       f"agent whose episode ended joins again)")
             joining.add(slot)
-        for i, slot in enumerate(rows):   # (one that ends on this step has not left yet: it may act on)
+        for i, slot in enumerate(rows):   # (one that ends on this step may act on: its next episode)
             if s.left[slot] and slot not in joining:
                 raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {names[i]!r} left after its "
                                                        f"episode ended; it acts again only when listed in joined")
-        return rows
 
     def _refuse_bad(self, s: Session, step_id: int, obs: np.ndarray, rewards: np.ndarray | None = None,
                     final: np.ndarray | None = None, done: np.ndarray | None = None) -> None:

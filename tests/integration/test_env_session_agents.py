@@ -92,7 +92,7 @@ def _step(k: int, agents: list[str], rows: int, acted: int = 0, joined=()):
 @pytest.mark.parametrize("second,message", [
     (_step(1, ["car-0", "bus-9"], 2, acted=2), "step 1: agents[1]: 'bus-9' is not one of hello.agent_ids"),
     (_step(1, ["car-0"], 1, acted=2), "step 1: agents: 'car-1' acted on step 0 and did not end, so it must act"),
-    (_step(1, ["car-0", "car-1", "car-2"], 3, acted=2, joined=["car-2"]), "step 1: joined[0]: 'car-2' has not left"),
+    (_step(1, ["car-0", "car-1", "car-2"], 3, acted=2, joined=["car-2"]), "step 1: joined[0]: 'car-2' has not ended"),
     (_step(1, ["car-0", "car-1"], 2, acted=3), "step 1: rewards: must be float32 [2]"),
 ])
 def test_misuse_ends_only_its_own_session_with_invalid_argument_naming_agent_and_field(stack, second, message):

@@ -260,3 +260,32 @@ def test_node_cartpole_without_velocities_learns_with_a_recurrent_policy(tmp_pat
         a = stats(procs["actor"].address, actor_pb2_grpc.ActorStub)
         assert a["actor/sessions_refused_total"] == 0 and a["actor/env_steps_total"] == NO_VELOCITY_STEPS * ENVS, a
         _assert_buffer_got_every_step(procs, NO_VELOCITY_STEPS * ENVS)
+
+
+CROSSING_STEPS = 3_000
+
+
+def test_node_crossing_cars_come_and_go_as_agents_and_learn_to_take_turns(tmp_path):
+    """examples/node-crossing: a JavaScript simulator of several agents (docs/multi-agent.md, "Agents over
+    EnvSession"): cars arrive at random, each is an agent of the one session (hello.agent_ids), leaves
+    when it passed, crashed or gave up, and its id comes back with a later car (EnvStep.joined). Every
+    agent step reaches the buffer once. Measured (2 cores, seed 0): the first 100 cars scored 0.06 on
+    average (going at random crashes most), the last 100 0.89 after 3,000 steps (about 4,300 agent
+    steps; best possible just under 1). The assertion: the last 100 at least 0.5, and above the first."""
+    node = node_example("node-crossing")
+    with external_stack(tmp_path, "crossing_external") as procs:
+        run = _simulate(node, procs["actor"].address, "--steps", str(CROSSING_STEPS), "--session", "crossing",
+                        timeout=WAIT_S * 3, script="node-crossing/crossing.js")
+        logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
+        assert run.returncode == 0, logs
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["steps"] == CROSSING_STEPS and result["joined"] > 100, result   # ids really came back
+        assert result["cars"] == result["passed"] + result["crashed"] + result["gave_up"] > 1000, result
+        assert result["mean_return_last_100"] >= 0.5, f"no learning\n{logs}"
+        assert result["mean_return_last_100"] > result["mean_return_first_100"], result
+        wait_for(lambda: stats(procs["actor"].address, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
+                 timeout=WAIT_S, what="the session to close after the half-close")
+        a = stats(procs["actor"].address, actor_pb2_grpc.ActorStub)
+        assert a["actor/env_steps_total"] == result["agent_steps"], (a, result)
+        assert a["actor/episodes_total"] == result["cars"], (a, result)
+        _assert_buffer_got_every_step(procs, result["agent_steps"])

@@ -78,7 +78,7 @@ class ActorServicer:
         space, expected and got), num_envs out of range, agent_ids repeated or of
         a bad length; a step of several agents naming an agent not in agent_ids or
         twice, leaving out an agent that acted and did not end, bringing back one
-        that left without `joined`, or joining one that has not left (each names
+        that left without `joined`, or joining one that has not ended (each names
         the agent and the field); or a step whose tensors
         are malformed or do not match the declared spaces (names the field), or
         whose observations, final observations or rewards hold NaN or infinity

@@ -173,7 +173,7 @@ def opened(h):
     (lambda: step(1, ["a0"], np.zeros((1, 3)), ([0, 0], [False, False], [False, False])),
      "step 1: agents: 'a1' acted on step 0 and did not end, so it must act on this step"),
     (lambda: step(1, ["a0", "a1", "a2"], np.zeros((3, 3)), ([0, 0], [False, False], [False, False]), joined=["a2"]),
-     "step 1: joined[0]: 'a2' has not left"),
+     "step 1: joined[0]: 'a2' has not ended"),
     (lambda: step(1, ["a0", "a1"], np.zeros((2, 3)), ([0, 0, 0], [False] * 3, [False] * 3)),
      "step 1: rewards: must be float32 [2]"),
     (lambda: step(1, ["a0", "a1"], np.zeros((3, 3)), ([0, 0], [False, False], [False, False])),
