@@ -140,7 +140,7 @@ def test_a_session_of_agents_gets_every_agents_greedy_action(served, greedy):
         acting = ["p0", "p2"]
         observations = {a: rng.normal(size=4).astype(np.float32) for a in acting}
         actions = client.reset(observations)
-        for k in range(12):
+        for _ in range(12):
             assert list(actions) == acting
             want = greedy_actions(greedy, np.stack([observations[a] for a in acting]))
             assert [actions[a] for a in acting] == want.tolist()
