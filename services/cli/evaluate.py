@@ -388,8 +388,11 @@ def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict 
     started = time.monotonic()
     try:
         trained = load_trained(run_dir, seed=e.seed)
-        result = evaluate(trained, e.episodes, e.num_envs, e.seed,
-                          deadline=started + e.max_seconds if e.max_seconds else None)
+        if cfg.selfplay.enabled:   # the policy on both sides scores 0 either way: games against random say more
+            result = play_against(trained, "random", e.episodes, e.seed)
+        else:
+            result = evaluate(trained, e.episodes, e.num_envs, e.seed,
+                              deadline=started + e.max_seconds if e.max_seconds else None)
     except Exception as err:  # noqa: BLE001 - torch, gymnasium, a renderer: the run's summary comes first
         log.warning("evaluation after training failed: %s", err)
         return {"error": f"{type(err).__name__}: {err}" if not isinstance(err, (TrainedPolicyError, EvalError))
@@ -400,6 +403,9 @@ def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict 
 
 def describe(result: dict) -> str:
     """The result as the lines `kuberl eval` prints."""
+    if "against" in result:   # play_against's
+        return (f"against {result['against']}: {result['wins']} wins, {result['losses']} losses, {result['draws']} "
+                f"draws of {result['games']} games (win rate {result['win_rate']:.3f})")
     r, n = result["return"], result["length"]
     if not result["episodes"]:
         return "no episode finished"

@@ -163,6 +163,8 @@ def summary_fields(summary: dict) -> dict:
     if "return" in evaluation:
         out["eval"] = {"mean_return": evaluation["return"]["mean"], "std_return": evaluation["return"]["std"],
                        "mean_length": evaluation["length"]["mean"], "episodes": evaluation.get("episodes")}
+    elif "against" in evaluation:   # a self-play run's games against random
+        out["eval"] = {"win_rate": evaluation["win_rate"], "games": evaluation["games"]}
     return out
 
 

@@ -201,7 +201,9 @@ class LocalRun:
         from services.cli.evaluate import describe, evaluate_after_training
 
         e = self.cfg.evaluation
-        print(f"evaluating the final checkpoint: {e.episodes} episodes, deterministic actions "
+        what = f"{e.episodes} games against a uniform random player" if self.cfg.selfplay.enabled else \
+            f"{e.episodes} episodes"
+        print(f"evaluating the final checkpoint: {what}, deterministic actions "
               f"(evaluation.after_training: false turns this off)", flush=True)
         try:
             result = evaluate_after_training(self.cfg, self.dir)
@@ -212,7 +214,7 @@ class LocalRun:
             print(f"evaluation failed: {result['error']}", flush=True)
         elif result is not None:
             partial = (f" (stopped at evaluation.max_seconds: {result['episodes']} of {e.episodes} episodes)"
-                       if result["episodes"] < e.episodes else "")
+                       if result.get("episodes", e.episodes) < e.episodes else "")
             print(f"evaluation of {Path(result['checkpoint']).name}{partial}:\n{describe(result)}", flush=True)
         return result
 

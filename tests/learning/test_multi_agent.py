@@ -64,6 +64,9 @@ def test_self_play_beats_random_at_tron(tmp_path):
     assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(run, failed)}"
     random = _eval_against(run, "random", 400)
     assert random["win_rate"] >= 0.9, random
+    # `kuberl up`'s own evaluation of a self-play run: games against random, not the policy against itself.
+    evaluation = summary["evaluation"]
+    assert evaluation["against"] == "random" and evaluation["games"] == 10 and evaluation["wins"] >= 8, evaluation
     # The games self-play scored: the rating against the pool rose from its start.
     rows = (run / "metrics.csv").read_text().splitlines()
     header, last = rows[0].split(","), rows[-1].split(",")

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from services.cli import evaluate
+from services.config import config_from_dict
+from tests.helpers import TINY_PPO
 from tests.policies import untrained
 
 TRON = {"algorithm": "ppo", "env": {"id": "pettingzoo:kuberl_envs.tron", "kwargs": {"size": 6}},
@@ -52,3 +55,19 @@ def test_against_is_refused_naming_what_is_wrong(tmp_path, capsys):
     untrained(tmp_path / "cartpole", {"algorithm": "ppo", "env": {"id": "CartPole-v1"}, "ppo": {"hidden_sizes": [16]}})
     assert evaluate.main([str(tmp_path / "cartpole"), "--against", "random"]) == 2
     assert "--against plays agents against each other: env.id 'CartPole-v1' has one agent" in capsys.readouterr().err
+
+
+def test_up_evaluates_a_self_play_run_against_random(tmp_path, monkeypatch):
+    """A self-play run's policy against itself scores 0 whatever it learned: `kuberl up`'s evaluation
+    plays games against a uniform random player instead, and says so."""
+    cfg = config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:kuberl_envs.tron", "num_envs": 2,
+                                                "kwargs": {"size": 6}}, "selfplay": {"enabled": True},
+                            "evaluation": {"episodes": 6}})
+    calls = []
+    monkeypatch.setattr("services.cli.trained.load_trained", lambda run_dir, seed: "trained")
+    monkeypatch.setattr(evaluate, "play_against", lambda trained, against, games, seed: calls.append(
+        (trained, against, games)) or {"against": against, "games": games, "wins": 4, "losses": 1, "draws": 1,
+                                      "win_rate": 4 / 6})
+    result = evaluate.evaluate_after_training(cfg, tmp_path / "run")
+    assert calls == [("trained", "random", 6)] and result["win_rate"] == pytest.approx(4 / 6)
+    assert evaluate.describe(result) == "against random: 4 wins, 1 losses, 1 draws of 6 games (win rate 0.667)"
