@@ -399,10 +399,10 @@ class SessionHub:
         else:
             self._refuse_bad(s, sid, obs, rewards, final, done)
             acting = set(rows.tolist())
-            ids = list(s.index)
             for slot in prev[~ended]:
                 if slot not in acting:
-                    raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents: {ids[slot]!r} acted on step "
+                    raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents: {s.episodes.agent_ids[slot]!r} "
+                                                           f"acted on step "
                                                            f"{sid - 1} and did not end, so it must act on this "
                                                            f"step (end it with terminated or truncated first)")
         if self.records:
