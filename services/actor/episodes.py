@@ -23,7 +23,7 @@ DEFAULT_PAGE = 4096         # GetStatsRequest.max_episodes = 0
 MAX_PAGE = 16384            # larger max_episodes are capped to this (about 0.8 MB of response)
 
 _ROW = np.dtype([("episode_return", np.float64), ("length", np.uint32), ("actor_env_steps", np.uint64),
-                 ("policy_version", np.uint64), ("end_unix_s", np.float64)])
+                 ("policy_version", np.uint64), ("end_unix_s", np.float64), ("policy", np.uint16)])
 
 
 @dataclass
@@ -42,17 +42,20 @@ class EpisodeLog:
         self.count = 0      # episodes finished; also the index of the newest one
         self._rows = np.zeros(kept, dtype=_ROW)
         self._lock = threading.Lock()
+        self._policies: dict[str, int] = {"": 0}   # the policies named, by their number in the rows
 
     def finish(self, episode_return: float, length: int, actor_env_steps: int, policy_version: int | None,
-               now: float | None = None) -> None:
-        """Record one finished episode (any thread)."""
-        row = (float(episode_return), int(length), int(actor_env_steps), int(policy_version or 0),
-               time.time() if now is None else float(now))
+               now: float | None = None, policy: str = "") -> None:
+        """Record one finished episode (any thread); `policy`: the one that played it, of several."""
         with self._lock:
+            row = (float(episode_return), int(length), int(actor_env_steps), int(policy_version or 0),
+                   time.time() if now is None else float(now), self._policies.setdefault(policy, len(self._policies)))
             self._rows[self.count % self.kept] = row
             self.count += 1
         self.metrics.inc("actor/episodes_total")
         self.metrics.rolling("actor/episode_return", 100).add(episode_return)
+        if policy:
+            self.metrics.rolling(f"actor/policies/{policy}/episode_return", 100).add(episode_return)
 
     def page(self, cursor: int, limit: int = DEFAULT_PAGE) -> Page:
         """Up to `limit` retained episodes with index > cursor, oldest first (limit 0 = DEFAULT_PAGE,
@@ -65,9 +68,10 @@ class EpisodeLog:
             last = min(count, first + limit - 1)
             idx = list(range(first, last + 1))
             rows = self._rows[(np.asarray(idx, dtype=np.int64) - 1) % self.kept].tolist() if idx else []
+            names = list(self._policies)
         episodes = [pb.Episode(index=i, episode_return=ret, length=length, actor_env_steps=steps,
-                               policy_version=version, end_unix_s=end)
-                    for i, (ret, length, steps, version, end) in zip(idx, rows)]
+                               policy_version=version, end_unix_s=end, policy=names[number])
+                    for i, (ret, length, steps, version, end, number) in zip(idx, rows)]
         return Page(episodes=episodes, remaining=max(0, count - max(last, cursor)),
                     skipped=max(0, oldest - 1 - cursor) if count else 0, oldest=oldest if count else 0)
 

@@ -31,7 +31,8 @@ from services.common.models.nets import spec_of
 from services.common.net.shards import buffer_addresses, shard_of
 from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
-from services.config import ExperimentConfig, load_role_config
+from services.common.net.policy import learner_addresses
+from services.config import ConfigError, ExperimentConfig, load_role_config
 
 # The stepping thread is pure Python and would hold the GIL for the default 5 ms at a time,
 # starving the event loop that pushes fragments and receives weights; hand it over sooner.
@@ -70,14 +71,22 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     shard = (shard_of(actor_id, len(shards), given_index) if given_index is not None or len(shards) == 1
              else await least_loaded_shard(shards, actor_id, cfg))
     register_session_metrics(metrics)   # 0 sessions where no simulator connects
-    learner_ch = make_channel(learner, max_bytes, tls=cfg.tls)
+    try:
+        learners = learner_addresses(learner, cfg.policy_names)
+    except ValueError as err:
+        raise ConfigError("--learner", str(err).removeprefix("--learner: ")) from None
+    several = len(learners) > 1   # several policies (config `policies`): each its learner and buffer tables
+    learner_chs = {name: make_channel(address, max_bytes, tls=cfg.tls) for name, address in learners.items()}
     # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
-    # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py).
-    gate = InsertGate(metrics)
-    link = ShardLink(cfg, actor_id, incarnation, gate, metrics, shards, shard, given_index, max_bytes)
+    # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py); one per
+    # policy's table where there are several.
+    gates = {name if several else "": InsertGate(metrics) for name in learners}
+    links = {name: ShardLink(cfg, actor_id, incarnation, gate, metrics, shards, shard, given_index, max_bytes,
+                             policy=name) for name, gate in gates.items()}
+    gate = gates[next(iter(gates))]   # (the one policy's, where there is one)
 
     def enqueue(frag: EncodedFragment) -> None:  # the sessions' encoder thread (counted by the gate when cut)
-        loop.call_soon_threadsafe(link.enqueue, frag)
+        loop.call_soon_threadsafe(links[frag.policy].enqueue, frag)
 
     rollout = hub = inference = worker = None
     if external:  # simulators connect over EnvSession and step themselves
@@ -90,13 +99,16 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         episodes = hub.episodes
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
-        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gate)
+        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gates if several else gate)
         policy, episodes = rollout.policy, rollout.episodes
+    policies = rollout.policies if rollout is not None else {"": policy}
     servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
     lc = Lifecycle("actor", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
     lc.on_close(rollout.close if rollout is not None else lambda: None)   # release envs
-    lc.on_close(learner_ch.close)
-    lc.on_close(link.close)
+    for ch in learner_chs.values():
+        lc.on_close(ch.close)
+    for each in links.values():
+        lc.on_close(each.close)
     service = actor_pb2.DESCRIPTOR.services_by_name["Actor"]
     await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name], max_message_bytes=max_bytes,
                    metrics_listen=metrics_listen, max_connection_age_s=None,   # simulator sessions are long-lived
@@ -122,8 +134,11 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
              cfg.env.id, "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm,
              shards[shard], shard, len(shards), learner)
     async with lc.running():
-        push = lc.task(link.run(stopping), "push", keep=True)   # (with the insert-limit stream)
-        lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), actor_id, policy, metrics), "weights")
+        pushes = [lc.task(each.run(stopping), f"push {name}".rstrip(), keep=True)   # (with the insert-limit stream)
+                  for name, each in links.items()]
+        for name, ch in learner_chs.items():
+            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), actor_id, policies[name if several else ""],
+                                      metrics), f"weights {name}" if several else "weights")
         if inference is not None:
             lc.task(inference.run(), "inference")
         watch = lc.task(_watch(worker_done), "rollout-watch", keep=True)
@@ -150,11 +165,12 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             stopping.set()
             try:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):
-                    await asyncio.shield(push)
+                    await asyncio.shield(asyncio.gather(*pushes))
             except TimeoutError:
-                push.cancel()
+                for push in pushes:
+                    push.cancel()
                 log.warning("buffer unreachable at shutdown: %d fragments not delivered (counted as dropped)",
-                            link.drop_pending())
+                            sum(each.drop_pending() for each in links.values()))
 
         def stopped() -> None:
             c = metrics.counters
@@ -177,7 +193,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "to one of them, picked by its --actor-index, else a hash of its id "
                         "(default $KUBERL_BUFFER or 127.0.0.1:50051)")
     p.add_argument("--learner", default=os.environ.get("KUBERL_LEARNER", "127.0.0.1:50052"),
-                   help="learner address host:port (default $KUBERL_LEARNER or 127.0.0.1:50052)")
+                   help="learner address host:port; where the run trains several policies (config `policies`), "
+                        "policy=host:port for each, separated by commas (default $KUBERL_LEARNER or 127.0.0.1:50052)")
     p.add_argument("--actor-id", default=None, help="unique actor id (default: host-pid-random)")
     p.add_argument("--actor-index", type=int, default=None,
                    help="index used to derive env seeds (seed + 1000 * index; default: from a hash of the actor id, "

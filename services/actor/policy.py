@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class Policy:
-    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, seed: int, metrics: Metrics, greedy: bool = False):
+    def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, seed: int, metrics: Metrics, greedy: bool = False,
+                 name: str = ""):
         torch.manual_seed(seed)
         self.cfg, self.spec, self.metrics = cfg, spec, metrics
+        self.name = name   # of several policies in a run: its version is also `actor/policies/<name>/policy_version`
         self.rng = np.random.default_rng(seed)
         # The algorithm's acting part: its network and how it picks actions (and what it records).
         self.acting = algorithms.get(cfg.algorithm).acting(cfg, spec, self.rng, metrics)
@@ -58,6 +60,8 @@ class Policy:
             load_numpy(self.net, arrays)
             self.version = version
             self.metrics.set("actor/policy_version", version)
+            if self.name:
+                self.metrics.set(f"actor/policies/{self.name}/policy_version", version)
             self.metrics.inc("actor/weights_swapped_total")
 
     def initial_state(self, n: int) -> np.ndarray | None:

@@ -8,10 +8,13 @@ Weights are swapped in between fragments, so every action of a fragment comes fr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +28,7 @@ from services.actor.finite import Check, check_env_step
 from services.actor.limiter import InsertGate
 from services.actor.policy import Pace, Policy
 from services.actor.selfplay import SelfPlay
+from services.common.agents import map_agents
 from services.common.envs import make_vector_env, spec_of
 from services.common.protocol.spaces import Box, check_mask
 from services.common.stats import Metrics
@@ -84,9 +88,23 @@ def window_groups(present: np.ndarray | None, t: int, N: int, final_index: list[
             for a, b, cols in groups]
 
 
+@dataclass
+class Group:
+    """One policy's share of the rollout: the slots (columns) it plays, its weights and pacing, its
+    buffer table's rate limiter and its own fragment seqs (each table dedupes its own)."""
+    name: str                    # the policy's ("" where the run has one)
+    cols: np.ndarray             # its slots, ascending
+    policy: Policy
+    pace: Pace
+    gate: InsertGate | None
+    seq: int = 0
+
+
 class Rollout:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0,
-                 gate: InsertGate | None = None):
+                 gate: InsertGate | Mapping[str, InsertGate] | None = None):
+        """`gate`: the buffer's rate limiter (limiter.py; None: never held by it); with several policies
+        (config `policies`), each policy's table's, by policy name."""
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
         self.algorithm = algorithms.get(cfg.algorithm)
@@ -108,19 +126,33 @@ class Rollout:
         self.masked = "action_mask" in info and self.algorithm.uses_masks(self.spec.action)
         self.mask = self._mask_of(info) if self.masked else None
         self._lives = np.asarray(info["lives"]) if self.episodic_life else None
-        self.policy = Policy(cfg, self.spec, seed, metrics)
+        # Each policy's agents (config `policies`; one policy: every slot), each copy's in its slots.
+        several = len(cfg.policy_names) > 1
+        mapped = (map_agents({k: v.agents for k, v in cfg.policies.items()}, self.envs.agents, "", cfg.env.id)
+                  if several else {"": list(range(getattr(self.envs, "slots", 1)))})
+        slots = getattr(self.envs, "slots", 1)
+        gates = gate if isinstance(gate, Mapping) else {"": gate}
+        self.groups = []
+        for name, agents in mapped.items():
+            policy = Policy(cfg, self.spec, seed, metrics, name=name)
+            cols = np.sort(np.asarray([k * slots + j for k in range(n // slots) for j in agents], np.int64))
+            self.groups.append(Group(name, cols, policy, Pace(cfg, policy, metrics), gates.get(name)))
+        if several and self.groups[0].policy.state_size:
+            raise ValueError("ppo.recurrent: several policies in one run act with feed-forward policies so far")
+        self.policies = {g.name: g.policy for g in self.groups}
+        self.policy = self.groups[0].policy   # (the run's policy, where it has one)
+        self._group_of = np.zeros(n, np.int64)   # each slot's group
+        for i, g in enumerate(self.groups):
+            self._group_of[g.cols] = i
         # Self-play: one learning agent per copy, the others played by snapshots (selfplay.py).
         self.selfplay = (SelfPlay(cfg, self.policy, self.envs.num_envs // self.envs.slots, self.envs.slots, metrics,
                                   np.random.default_rng(seed + 1)) if cfg.selfplay.enabled else None)
         self.extras = self.algorithm.extras(cfg)
         # A recurrent policy's state per env (zeroed where an episode starts); None: feed-forward.
         self.state = self.policy.initial_state(n)
-        self.pace = Pace(cfg, self.policy, metrics)
-        self.gate = gate  # the buffer's rate limiter (limiter.py); None: never held by it
         # NaN, infinity (and out of bounds, if asked) never reach a fragment or the policy (finite.py).
         self._check = Check.from_gymnasium(self.envs.single_observation_space, self.spec.obs_keys,
                                            cfg.actor.check_obs_bounds)
-        self.seq = 0
         self.env_steps = 0
         self.episodes = EpisodeLog(metrics)
         self._ep_return = np.zeros(n)
@@ -133,6 +165,11 @@ class Rollout:
     def policy_version(self) -> int | None:
         return self.policy.version
 
+    @property
+    def seq(self) -> int:
+        """The next fragment's seq (the first policy's, where there are several)."""
+        return self.groups[0].seq
+
     def collect(self, stop: threading.Event | None = None) -> EncodedFragment | None:
         """Step every env T times (fewer if `stop` is set meanwhile) and return the fragment, serialized.
 
@@ -142,14 +179,16 @@ class Rollout:
         """
         if self._pending:
             return self._pending.popleft()
-        if self.gate is not None:
-            self.gate.wait(stop)  # the buffer's rate limiter: hold while the learner is behind
-        self.policy.swap()
-        if self._wait_for_the_learner(stop):
-            self.policy.swap()
+        for g in self.groups:
+            if g.gate is not None:
+                g.gate.wait(stop)  # the buffer's rate limiter: hold while the learner is behind
+        for g in self.groups:
+            g.policy.swap()
+            if self._wait_for_the_learner(g, stop):
+                g.policy.swap()
+            g.pace.rebase(g.seq)  # the weights this fragment is cut with count from here
         if self.selfplay is not None:
             self.selfplay.swapped()
-        self.pace.rebase(self.seq)  # the weights this fragment is cut with count from here
         T, N = self.cfg.rollout_steps, self.envs.num_envs
         present = None if self.present is None else np.empty((T, N), bool)
         obs_buf = np.empty((T + 1, N, *self.spec.obs_shape), dtype=self.spec.obs_dtype)
@@ -169,7 +208,10 @@ class Rollout:
                 check_env_step(self.cfg.env.id, self._check, self.metrics, self.obs)
             if present is not None:   # (the steps recorded: with self-play, the learning agents' only)
                 present[t] = self.present if self.selfplay is None else self.present & self.selfplay.recorded()
-            if self.selfplay is None:
+            if len(self.groups) > 1:
+                a, state = self._act_groups(extras, t), None
+                recorded = {}
+            elif self.selfplay is None:
                 a, recorded, state = self.policy.act(self.obs, self.env_steps, self.mask, self.state)
             else:   # (the training policy acts only for the slots it plays; a self-play policy is feed-forward)
                 (a, recorded), state = self.selfplay.act(self.policy, self.obs, self.present, self.mask,
@@ -188,7 +230,7 @@ class Rollout:
                 self._lives = lives
             actions[t], terminated[t], truncated[t] = a, term, trunc
             rewards[t] = np.sign(r) if self.clip_rewards else r
-            for name, arr in extras.items():
+            for name, arr in extras.items() if len(self.groups) == 1 else ():
                 arr[t] = recorded.get(name, 0.0)   # (self-play: none where the policy played no slot)
             if state is not None:   # the next step starts an episode where this one ended (a lost life too)
                 state[term | trunc] = 0.0
@@ -215,10 +257,44 @@ class Rollout:
             self._pace.step()
         if t == 0:
             return None
-        for a, b, cols, picked in window_groups(present, t, N, final_index):
-            self._cut(encode_fragment(
-                actor_id=self.actor_id, incarnation=self.incarnation, seq=self.seq,
-                policy_version=self.policy_version or 0, algorithm=self.algorithm.code, env_ids=cols.tolist(),
+        for g in self.groups:
+            self._cut_group(g, present, t, N, final_index, final_obs, obs_buf, actions, rewards, terminated,
+                            truncated, masks, extras, start)
+        return self._pending.popleft()
+
+    def _act_groups(self, extras: dict[str, np.ndarray], t: int) -> np.ndarray:
+        """Several policies: each acts for its slots, in one batched call each; their extras at step t."""
+        space = self.spec.action
+        out = np.empty((self.envs.num_envs, *space.shape), dtype=space.dtype)
+        for g in self.groups:
+            a, recorded, _ = g.policy.act(self.obs[g.cols], self.env_steps,
+                                          None if self.mask is None else self.mask[g.cols])
+            out[g.cols] = a
+            for name, arr in extras.items():
+                arr[t, g.cols] = recorded.get(name, 0.0)
+        return out
+
+    def _cut_group(self, g: Group, present: np.ndarray | None, t: int, N: int, final_index: list[int],
+                   final_obs: list[np.ndarray], obs_buf: np.ndarray, actions: np.ndarray, rewards: np.ndarray,
+                   terminated: np.ndarray, truncated: np.ndarray, masks: np.ndarray | None,
+                   extras: dict[str, np.ndarray], start: dict[str, np.ndarray]) -> None:
+        """Cut one policy's fragments of a window of t steps: its slots' runs (`window_groups`), with the
+        final observations of its slots."""
+        if len(self.groups) == 1:   # (every slot: the window as it is)
+            in_group: list[int] | range = range(len(final_index))
+            windows = window_groups(present, t, N, final_index)
+        else:   # its columns, and its final observations' indices re-numbered within them
+            mine = {int(c): k for k, c in enumerate(g.cols)}
+            local = [(u // N) * len(g.cols) + mine[u % N] if u % N in mine else -1 for u in final_index]
+            in_group = [k for k, u in enumerate(local) if u >= 0]
+            windows = window_groups(None if present is None else present[:, g.cols], t, len(g.cols),
+                                    [local[k] for k in in_group])
+        for a, b, lcols, lpicked in windows:
+            cols = g.cols[lcols]
+            picked = [(in_group[k], i) for k, i in lpicked]
+            self._cut(g, encode_fragment(
+                actor_id=self.actor_id, incarnation=self.incarnation, seq=g.seq,
+                policy_version=g.policy.version or 0, algorithm=self.algorithm.code, env_ids=cols.tolist(),
                 obs=obs_buf[a:b + 1, cols], actions=actions[a:b, cols], rewards=rewards[a:b, cols],
                 terminated=terminated[a:b, cols], truncated=truncated[a:b, cols],
                 final_obs=(np.stack([final_obs[k] for k, _ in picked]) if picked
@@ -229,7 +305,6 @@ class Rollout:
                         # (a run that starts after the first step is an agent's new life: a fresh state)
                         **{name: arr[cols] if a == 0 else np.zeros_like(arr[cols]) for name, arr in start.items()}},
                 release_gil=True))   # this thread copies the payload beside the event loop: without the GIL
-        return self._pending.popleft()
 
     def take_pending(self) -> list[EncodedFragment]:
         """The fragments already cut that `collect` has not handed out yet (several agents per env)."""
@@ -237,26 +312,27 @@ class Rollout:
         self._pending.clear()
         return out
 
-    def _cut(self, msg: EncodedFragment) -> None:
-        if self.gate is not None:
-            self.gate.cut(self.seq, msg.samples)
-        self.seq += 1
+    def _cut(self, g: Group, msg: EncodedFragment) -> None:
+        if g.gate is not None:
+            g.gate.cut(g.seq, msg.samples)
+        g.seq += 1
         self.metrics.inc("actor/fragments_total")
-        self._pending.append(msg)
+        self._pending.append(msg if not g.name else dataclasses.replace(msg, policy=g.name))
 
-    def _wait_for_the_learner(self, stop: threading.Event | None) -> bool:
-        """On-policy pacing (`Pace`): hold this thread for newer weights once the quota is cut; True if it waited."""
-        if not self.pace.due(self.seq):
+    def _wait_for_the_learner(self, g: Group, stop: threading.Event | None) -> bool:
+        """On-policy pacing (`Pace`): hold this thread for a policy's newer weights once its quota is cut;
+        True if it waited."""
+        if not g.pace.due(g.seq):
             return False
         start = last = time.monotonic()
-        while not self.policy.newer_weights.wait(timeout=0.1):
+        while not g.policy.newer_weights.wait(timeout=0.1):
             now = time.monotonic()
-            self.pace.held(now - last)
+            g.pace.held(now - last)
             last = now
-            if (stop is not None and stop.is_set()) or now - start >= self.pace.timeout_s:
+            if (stop is not None and stop.is_set()) or now - start >= g.pace.timeout_s:
                 break
-        self.pace.held(time.monotonic() - last)
-        self.pace.waited(self.seq, stopped=stop is not None and stop.is_set())
+        g.pace.held(time.monotonic() - last)
+        g.pace.waited(g.seq, stopped=stop is not None and stop.is_set())
         return True
 
     def _mask_of(self, info: dict) -> np.ndarray:
@@ -269,7 +345,8 @@ class Rollout:
         return mask
 
     def _finish_episode(self, i: int) -> None:
-        self.episodes.finish(self._ep_return[i], self._ep_len[i], self.env_steps, self.policy.version)
+        g = self.groups[self._group_of[i]]
+        self.episodes.finish(self._ep_return[i], self._ep_len[i], self.env_steps, g.policy.version, policy=g.name)
         self._ep_return[i] = 0.0
         self._ep_len[i] = 0
 
@@ -294,7 +371,8 @@ class RolloutWorker(threading.Thread):
     def run(self) -> None:
         try:
             waited = 0.0
-            while not self.rollout.policy.have_weights.wait(timeout=0.5):
+            while not all(p.have_weights.wait(timeout=0.5 / len(self.rollout.policies))
+                          for p in self.rollout.policies.values()):
                 if self.stop_event.is_set():
                     self.done(None)
                     return

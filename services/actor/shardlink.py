@@ -96,8 +96,11 @@ class _Link:
 
 class ShardLink:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, incarnation: int, gate: InsertGate, metrics: Metrics,
-                 addresses: list[str], shard: int, actor_index: int | None, max_bytes: int):
+                 addresses: list[str], shard: int, actor_index: int | None, max_bytes: int, policy: str = ""):
+        """`policy`: of several in the run, the one whose table in each shard this link pushes to and
+        watches the insert limit of (services/common/net/policy.py)."""
         self.cfg, self.actor_id, self.incarnation, self.gate, self.metrics = cfg, actor_id, incarnation, gate, metrics
+        self.policy = policy
         self.actor_index, self.max_bytes = actor_index, max_bytes
         self.generation = 0                          # of the topology followed (0: the command line's)
         self.current = self._link(addresses[shard])
@@ -160,7 +163,7 @@ class ShardLink:
         return [self.current, *self.retiring]
 
     def _link(self, address: str) -> _Link:
-        channel = make_channel(address, self.max_bytes, tls=self.cfg.tls)
+        channel = make_channel(address, self.max_bytes, tls=self.cfg.tls, policy=self.policy or None)
         a = self.cfg.actor
         return _Link(address, channel, Pusher(channel, a.queue_fragments, a.push_ack_interval_s, self.metrics,
                                               max_bytes=int(a.queue_mb * MiB)))
@@ -183,7 +186,7 @@ class ShardLink:
         stub = buffer_pb2_grpc.BufferStub(self.current.channel)
         self.watch = asyncio.create_task(watch_insert_limit(stub, self.actor_id, self.incarnation, self.gate,
                                                             self.metrics, on_topology=self.on_topology),
-                                         name=f"insert-limit {self.current.address}")
+                                         name=f"insert-limit {self.current.address} {self.policy}".rstrip())
         self.watch.add_done_callback(self._watch_ended)
 
     def _watch_ended(self, task: asyncio.Task) -> None:

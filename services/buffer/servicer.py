@@ -328,7 +328,7 @@ def topology_problem(t: buffer_pb2.BufferTopology, shard: int) -> str:
     return ""
 
 
-def add_to_server(servicer: BufferServicer, server) -> None:
+def add_to_server(servicer: buffer_pb2_grpc.BufferServicer, server) -> None:
     """Register the Buffer service as every service does (`grpcutil.add_handlers`: frames that do not
     parse get INVALID_ARGUMENT), except that PushTrajectories gets each fragment as the serialized
     bytes (no deserializer), which `RawFragment` reads without copying the tensor payloads: on

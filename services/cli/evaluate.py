@@ -112,6 +112,42 @@ class Acts:
             self.state[done] = 0.0
 
 
+class Mixed:
+    """Several loaded policies of one run (config `policies`) acting together on a PettingZoo env's agent
+    slots, each on the slots of its agents (`map_agents`), as an actor's rollout has them act; the same
+    calls as `Acts`."""
+
+    def __init__(self, trained: dict, deterministic: bool, agents: list[str]):
+        from services.common.agents import map_agents
+
+        first = next(iter(trained.values()))
+        self.spec = first.spec
+        self.mapping = map_agents({k: v.agents for k, v in first.cfg.policies.items()}, agents, "", first.cfg.env.id)
+        self.slots = len(agents)
+        self.acts = {name: Acts(t, deterministic, 1) for name, t in trained.items()}
+        self.cols: dict[str, np.ndarray] = {}
+        self.owner = np.zeros(0, np.int64)   # each slot's policy, by its place in `acts`
+
+    def resize(self, n: int) -> None:
+        copies = n // self.slots
+        self.owner = np.zeros(n, np.int64)
+        for i, (name, agents) in enumerate(self.mapping.items()):
+            self.cols[name] = np.sort([k * self.slots + j for k in range(copies) for j in agents])
+            self.owner[self.cols[name]] = i
+            self.acts[name].resize(len(self.cols[name]))
+
+    def __call__(self, obs: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        space = self.spec.action
+        out = np.empty((len(obs), *space.shape), dtype=space.dtype)
+        for name, cols in self.cols.items():
+            out[cols] = self.acts[name](obs[cols], None if mask is None else mask[cols])
+        return out
+
+    def ended(self, done: np.ndarray) -> None:
+        for name, cols in self.cols.items():
+            self.acts[name].ended(done[cols])
+
+
 def act_fn(trained, deterministic: bool, n: int = 1) -> Acts:
     """The policy acting on `n` env copies (`Acts`)."""
     return Acts(trained, deterministic, n)
@@ -212,10 +248,11 @@ def _step(envs, space, actions: np.ndarray):
 
 
 def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episode=None,
-                 deadline: float | None = None) -> tuple[list[float], list[int]]:
+                 deadline: float | None = None, slots: list[int] | None = None) -> tuple[list[float], list[int]]:
     """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies; returns (returns, lengths)
     in the order they finished. Copy i runs (episodes + i) // n of them. Blocking. With `deadline`
-    (time.monotonic()), stops there and returns the episodes finished so far."""
+    (time.monotonic()), stops there and returns the episodes finished so far. `slots`: appended, each
+    episode's env copy (PettingZoo: agent slot)."""
     envs = _make_envs(trained.cfg.env, min(num_envs, episodes))
     # Env copies, or for a PettingZoo env their agents' slots: there an episode is one agent's life.
     n = envs.num_envs
@@ -239,6 +276,8 @@ def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episo
                 if done[i] < share[i]:
                     returns.append(float(ret[i]))
                     lengths.append(int(length[i]))
+                    if slots is not None:
+                        slots.append(int(i))
                     if on_episode is not None:
                         on_episode(float(ret[i]))
                 done[i] += 1
@@ -317,6 +356,35 @@ def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bo
             "returns": returns, "lengths": lengths}
 
 
+def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, deterministic: bool = True,
+                      progress: bool = False, deadline: float | None = None) -> dict:
+    """Evaluate every policy of a run of several together (`Mixed`: each plays its agents) for
+    `episodes` agent lives; the JSON-ready result, with each policy's returns under `policies`. Blocking."""
+    first = next(iter(trained.values()))
+    probe = _make_envs(first.cfg.env, 1)
+    agents = list(probe.agents)
+    probe.close()
+    act = Mixed(trained, deterministic, agents)
+    bar = Progress(episodes, "eval", progress)
+    slots: list[int] = []
+    try:
+        returns, lengths = run_episodes(first, act, episodes, num_envs, seed, bar.step, deadline, slots)
+    finally:
+        bar.close()
+    by_policy: dict = {}
+    for i, (name, t) in enumerate(trained.items()):
+        mine = [k for k, slot in enumerate(slots) if act.owner[slot] == i]
+        by_policy[name] = {"checkpoint": str(t.checkpoint), "policy_version": t.version,
+                           "agents": [agents[j] for j in act.mapping[name]], "episodes": len(mine),
+                           "return": stats([returns[k] for k in mine]),
+                           "length": stats([float(lengths[k]) for k in mine])}
+    return {"checkpoint": {name: str(t.checkpoint) for name, t in trained.items()}, "algorithm": first.cfg.algorithm,
+            "env_id": first.cfg.env.id, "deterministic": deterministic, "episodes": len(returns),
+            "episodes_asked": episodes, "num_envs": min(num_envs, episodes), "seed": seed,
+            "return": stats(returns), "length": stats([float(n) for n in lengths]), "policies": by_policy,
+            "returns": returns, "lengths": lengths}
+
+
 def opponent_fn(against: str, space, seed: int):
     """The opponent `--against` names: "random" (uniform over the action space, seeded), or
     "module:function", a function of one agent's observation that returns its action. EvalError naming
@@ -382,11 +450,16 @@ def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict 
         return None
     import torch
 
-    from services.cli.trained import TrainedPolicyError, load_trained
+    from services.cli.trained import TrainedPolicyError, load_policies, load_trained
 
     torch.set_num_threads(cfg.actor.torch_threads)
     started = time.monotonic()
     try:
+        if len(cfg.policy_names) > 1:   # every policy plays its agents
+            result = evaluate_policies(load_policies(run_dir, seed=e.seed), e.episodes, e.num_envs, e.seed,
+                                       deadline=started + e.max_seconds if e.max_seconds else None)
+            result["wall_s"] = round(time.monotonic() - started, 3)
+            return result
         trained = load_trained(run_dir, seed=e.seed)
         if cfg.selfplay.enabled:   # the policy on both sides scores 0 either way: games against random say more
             result = play_against(trained, "random", e.episodes, e.seed)
@@ -409,8 +482,32 @@ def describe(result: dict) -> str:
     r, n = result["return"], result["length"]
     if not result["episodes"]:
         return "no episode finished"
-    return (f"return  mean {r['mean']:10.2f}  std {r['std']:8.2f}  min {r['min']:10.2f}  max {r['max']:10.2f}\n"
-            f"length  mean {n['mean']:10.1f}  std {n['std']:8.1f}  min {n['min']:10.0f}  max {n['max']:10.0f}")
+    lines = [f"return  mean {r['mean']:10.2f}  std {r['std']:8.2f}  min {r['min']:10.2f}  max {r['max']:10.2f}",
+             f"length  mean {n['mean']:10.1f}  std {n['std']:8.1f}  min {n['min']:10.0f}  max {n['max']:10.0f}"]
+    for name, p in result.get("policies", {}).items():   # (a run of several policies: each its agents' lives)
+        pr = p["return"]
+        lines.append(f"policy {name} (version {p['policy_version']}, agents {', '.join(p['agents'])}): "
+                     + (f"return mean {pr['mean']:.2f} std {pr['std']:.2f} over {p['episodes']} episodes"
+                        if p["episodes"] else "no episode finished"))
+    return "\n".join(lines)
+
+
+def _main_policies(args: argparse.Namespace, trained: dict) -> int:
+    """`kuberl eval` of a run of several policies: every policy plays its agents (`evaluate_policies`)."""
+    refused = [flag for flag, value in (("--env", args.env), ("--against", args.against), ("--video", args.video))
+               if value is not None]
+    if refused:
+        raise EvalError(f"{refused[0]}: a run of several policies ({', '.join(trained)}) is evaluated with every "
+                        f"policy on its agents; {refused[0]} takes a run of one policy")
+    e = next(iter(trained.values())).cfg.evaluation
+    episodes = args.episodes or e.episodes
+    if not args.json:
+        print(f"evaluating {len(trained)} policies ({', '.join(f'{n}: {t.checkpoint.name}' for n, t in trained.items())})"
+              f" on {episodes} agent episodes, {'stochastic' if args.stochastic else 'deterministic'} actions", flush=True)
+    result = evaluate_policies(trained, episodes, args.num_envs or e.num_envs,
+                               e.seed if args.seed is None else args.seed, not args.stochastic, progress=not args.json)
+    print(json.dumps(result) if args.json else describe(result))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -453,10 +550,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s eval: %(message)s")
     import torch
 
-    from services.cli.trained import TrainedPolicyError, load_trained
+    from services.cli.trained import TrainedPolicyError, load_policies, load_trained, policy_checkpoint_dirs
 
     torch.set_num_threads(1)
     try:
+        if policy_checkpoint_dirs(args.path) is not None:   # a run of several policies: each plays its agents
+            return _main_policies(args, load_policies(args.path))
         trained = load_trained(args.path)
         if args.env is not None:
             trained = on_env(trained, args.env)

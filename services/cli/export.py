@@ -267,7 +267,9 @@ def main(argv=None) -> int:
     # (no argparse `choices`: an unknown format gets the same one-line error, exit 2, as every other refusal)
     p.add_argument("--format", default="onnx", help=f"{' or '.join(FORMATS)} (default onnx)")
     p.add_argument("-o", "--output", default=None,
-                   help="the file to write (default: policy-v<version>.onnx or .pt in the current directory)")
+                   help="the file to write (default: policy-v<version>.onnx or .pt in the current directory); for "
+                        "a run of several policies (config `policies`), the directory to write <policy>-v<version>.onnx "
+                        "(or .pt) of each into (default: the current directory)")
     p.add_argument("--action-mask", default="auto", metavar="auto|yes|no",
                    help="give the graph an action_mask input: auto (default) when the run's env reports "
                         "info['action_mask'] on reset")
@@ -283,17 +285,38 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s export: %(message)s")
     import torch
 
-    from services.cli.trained import TrainedPolicyError, load_trained
+    from services.cli.trained import TrainedPolicyError, load_policies, load_trained, policy_checkpoint_dirs
 
     torch.set_num_threads(1)
     try:
-        trained = load_trained(args.path)
+        if policy_checkpoint_dirs(args.path) is not None:   # a run of several policies: a file for each
+            folder = Path(args.output or ".")
+            if folder.suffix:
+                raise ExportError(f"-o {folder}: a run of several policies is written as one file per policy: "
+                                  f"give a directory")
+            folder.mkdir(parents=True, exist_ok=True)
+            plan = [(t, folder / f"{name}-v{t.version}{FORMATS[args.format]}")
+                    for name, t in load_policies(args.path).items()]
+        else:
+            trained = load_trained(args.path)
+            plan = [(trained, Path(args.output or f"policy-v{trained.version}{FORMATS[args.format]}"))]
+    except (TrainedPolicyError, ExportError) as err:
+        print(f"kuberl export: {err}", file=sys.stderr)
+        return 2
+    for trained, out in plan:
+        if code := _export_one(trained, out, args):
+            return code
+    return 0
+
+
+def _export_one(trained, out: Path, args: argparse.Namespace) -> int:
+    """Write one policy's file, say what it takes and gives, and check it (unless --no-check)."""
+    try:
         masked, note = mask_input(trained, args.action_mask)
         if note:
             print(f"kuberl export: note: {note}", file=sys.stderr)
-        out = Path(args.output or f"policy-v{trained.version}{FORMATS[args.format]}")
         export(trained, args.format, out, masked)
-    except (TrainedPolicyError, ExportError) as err:
+    except ExportError as err:
         print(f"kuberl export: {err}", file=sys.stderr)
         return 2
     spec, size = trained.spec, trained.policy.state_size

@@ -176,12 +176,18 @@ class Fleet:
                 "--backend", self.cfg.planner.backend if self.cfg.planner.backend != "kubernetes" else "local",
                 "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
             return
-        learner = f"127.0.0.1:{self._free_port()}"  # rank 0: the learner actors take weights from
+        # Each policy's learners (one policy: `learner-<rank>`); rank 0 serves the weights actors take.
+        several = len(self.cfg.policy_names) > 1
+        learners = {name: f"127.0.0.1:{self._free_port()}" for name in self.cfg.policy_names}
         n = self.cfg.topology.learners
-        # A group is re-formed as a whole when one of its learners dies, as the planner's backend does.
-        for proc in self.sup.start_group(LEARNERS, n, learner_specs(self.dir, n, buffer=buffer, listen=learner),
-                                         port=self._free_port):
-            self.members.append(Member("learner", proc.name, proc))
+        for name, address in learners.items():
+            # A group is re-formed as a whole when one of its learners dies, as the planner's backend does.
+            for proc in self.sup.start_group(f"{name} {LEARNERS}" if several else LEARNERS, n,
+                                             learner_specs(self.dir, n, buffer=buffer, listen=address,
+                                                           policy=name if several else ""), port=self._free_port):
+                self.members.append(Member("learner", proc.name, proc))
+        learner = ",".join(f"{name}={address}" for name, address in learners.items()) if several \
+            else learners[self.cfg.policy_names[0]]
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"

@@ -102,6 +102,7 @@ class _Process:
 class Tally:
     def __init__(self, return_window: int):
         self.returns: deque[float] = deque(maxlen=return_window)
+        self.policy_returns: dict[str, deque[float]] = {}   # each policy's, of a run of several
         self.episodes_read = 0          # episodes whose returns went through `record`
         self.episodes_skipped = 0       # counted by an actor but never readable (see the module doc)
         self.restarts: dict[str, int] = defaultdict(int)   # name -> restarts seen
@@ -159,6 +160,9 @@ class Tally:
         returns them in that order."""
         ordered = sorted(episodes, key=lambda e: e.end_unix_s)
         self.returns.extend(e.episode_return for e in ordered)
+        for e in ordered:
+            if e.policy:   # (a run of several policies: each its own window too)
+                self.policy_returns.setdefault(e.policy, deque(maxlen=self.returns.maxlen)).append(e.episode_return)
         self.episodes_read += len(ordered)
         return ordered
 

@@ -65,11 +65,39 @@ def find_checkpoint(path: str | Path) -> Path:
         return p
     if p.is_dir():
         found = checkpoint.latest(p / "checkpoints") or checkpoint.latest(p)
+        if found is None and (dirs := policy_checkpoint_dirs(p)):
+            raise TrainedPolicyError(f"{p}: a run of several policies ({', '.join(dirs)}): name one policy's "
+                                     f"checkpoints, e.g. {next(iter(dirs.values()))}")
         if found is None:
             raise TrainedPolicyError(f"{p}: not a run directory with checkpoints: no checkpoints/ckpt-*.pt "
                                      "(nor ckpt-*.pt) in it")
         return found
     raise TrainedPolicyError(f"{p}: no such run directory or checkpoint file")
+
+
+def policy_checkpoint_dirs(path: str | Path) -> dict[str, Path] | None:
+    """A run of several policies (config `policies`) keeps each policy's checkpoints in
+    checkpoints/<policy>/: those directories by policy name, for a run directory (or its checkpoints
+    directory) laid out so; None for any other path."""
+    p = Path(path)
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not p.is_dir() or checkpoint.latest(root) is not None:
+        return None
+    found = {d.name: d for d in sorted(root.iterdir()) if d.is_dir() and checkpoint.latest(d) is not None}
+    return found or None
+
+
+def load_policies(path: str | Path, seed: int = 0, *, metrics: Metrics | None = None) -> dict[str, Trained]:
+    """Every policy of a run of several (`policy_checkpoint_dirs`), each its newest checkpoint, in the
+    config's order. TrainedPolicyError naming the path when one of the run's policies has none."""
+    dirs = policy_checkpoint_dirs(path) or {}
+    trained = {name: load_trained(d, seed, metrics=metrics) for name, d in dirs.items()}
+    names = next(iter(trained.values())).cfg.policy_names if trained else ()
+    missing = [name for name in names if name not in trained]
+    if not trained or missing:
+        raise TrainedPolicyError(f"{path}: no checkpoint of polic{'ies' if len(missing) > 1 else 'y'} "
+                                 f"{', '.join(missing) or '?'} (checkpoints/<policy>/ckpt-*.pt)")
+    return {name: trained[name] for name in names}
 
 
 def _first_line(err: BaseException) -> str:

@@ -113,9 +113,12 @@ class LocalRun:
         finished = self.tally.record(new_eps)
         for ep in finished:
             self.tb.add_scalar("charts/episodic_return", ep.episode_return, self.env_steps)
+            if ep.policy:   # (a run of several policies: each its own curve too)
+                self.tb.add_scalar(f"charts/episodic_return/{ep.policy}", ep.episode_return, self.env_steps)
             self.tb.add_scalar("charts/episodic_length", ep.length, self.env_steps)
             if self.episode_rows is not None:  # env_steps and wall_s: the run's when the episode was read
-                self.episode_rows.writerow([wall, self.env_steps, ep.episode_return, ep.length, ep.policy_version])
+                self.episode_rows.writerow([wall, self.env_steps, ep.episode_return, ep.length, ep.policy_version,
+                                            *([ep.policy] if len(self.cfg.policy_names) > 1 else [])])
         if self.tracker is not None and finished:
             self.tracker.episodes([(ep.episode_return, ep.length) for ep in finished], self.env_steps)
 
@@ -187,6 +190,17 @@ class LocalRun:
             return "max_seconds"
         return None
 
+    def policies_summary(self) -> dict[str, dict]:
+        """A run of several policies: each policy's version (as its rank-0 learner last said) and mean
+        return over its agents' last `run.return_window` episodes."""
+        last = {p.name: p.stats for p in self.fleet.members + self.fleet.retired if p.role == "learner"}
+        out = {}
+        for name in self.cfg.policy_names:
+            returns = self.tally.policy_returns.get(name, ())
+            out[name] = {"policy_version": last.get(f"learner-{name}-0", {}).get("learner/policy_version"),
+                         "mean_return": sum(returns) / len(returns) if returns else None, "return_window": len(returns)}
+        return out
+
     def evaluate(self, reason: str) -> dict | None:
         """The final checkpoint's deterministic evaluation (config `evaluation`, services/cli/evaluate.py),
         printed and returned for summary.json; None when it is off or training did not end normally
@@ -215,7 +229,10 @@ class LocalRun:
         elif result is not None:
             partial = (f" (stopped at evaluation.max_seconds: {result['episodes']} of {e.episodes} episodes)"
                        if result.get("episodes", e.episodes) < e.episodes else "")
-            print(f"evaluation of {Path(result['checkpoint']).name}{partial}:\n{describe(result)}", flush=True)
+            ckpt = result["checkpoint"]   # (a run of several policies: each policy's)
+            which = (", ".join(f"{n}: {Path(c).name}" for n, c in ckpt.items()) if isinstance(ckpt, dict)
+                     else Path(ckpt).name)
+            print(f"evaluation of {which}{partial}:\n{describe(result)}", flush=True)
         return result
 
     def run(self) -> dict:
@@ -228,7 +245,7 @@ class LocalRun:
             writer.writeheader()
             episodes_file = files.enter_context(open(self.dir / "episodes.csv", "w", newline=""))
             self.episode_rows = csv.writer(episodes_file)
-            self.episode_rows.writerow(EPISODE_COLUMNS)
+            self.episode_rows.writerow(EPISODE_COLUMNS + (["policy"] if len(self.cfg.policy_names) > 1 else []))
             self.fleet.start_all()
             from tensorboardX import SummaryWriter  # a 1 s import: paid while the services start
 
@@ -292,6 +309,7 @@ class LocalRun:
                    "samples_lost": {"total": sum(losses.values()), **losses},
                    "process_restarts": dict(self.fleet.restarts),
                    "policy_version": learner.get("learner/policy_version"),
+                   **({"policies": self.policies_summary()} if len(self.cfg.policy_names) > 1 else {}),
                    "exit_codes": self.fleet.exit_codes(), "run_dir": str(self.dir),
                    "last_stats": {p.name: p.stats for p in self.fleet.members + self.fleet.retired
                                   if p.role != "planner"},

@@ -25,9 +25,10 @@ Imports pettingzoo lazily; only actors and learners import this module.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,29 @@ def _parallelizable(module_name: str, kwargs: tuple[tuple[str, Any], ...]) -> bo
         return bool(getattr(probe, "metadata", {}).get("is_parallelizable", False))
     finally:
         probe.close()
+
+
+def map_agents(policies: Mapping[str, Sequence[str]], agents: Sequence[str], default: str,
+               env_id: str = "the env") -> dict[str, list[int]]:
+    """Each policy's agents, as indices into `agents` (an env's possible_agents), in config order: an agent
+    goes to the first policy with a pattern (`fnmatch`, case-sensitive) that matches its id. No policies:
+    `default` plays every agent. ValueError naming the key when an agent matches no policy's patterns or
+    a policy matches no agent."""
+    if not policies:
+        return {default: list(range(len(agents)))}
+    out: dict[str, list[int]] = {name: [] for name in policies}
+    for i, agent in enumerate(agents):
+        owner = next((name for name, patterns in policies.items()
+                      if any(fnmatch.fnmatchcase(agent, p) for p in patterns)), None)
+        if owner is None:
+            raise ValueError(f"policies: agent {agent!r} of {env_id} matches no policy's agents "
+                             f"({'; '.join(f'{n}: {list(p)}' for n, p in policies.items())})")
+        out[owner].append(i)
+    for name, got in out.items():
+        if not got:
+            raise ValueError(f"policies.{name}.agents: {list(policies[name])} match none of {env_id}'s agents "
+                             f"{list(agents)} (or only agents an earlier policy takes)")
+    return out
 
 
 def game_score(returns: np.ndarray, mine: int) -> float:

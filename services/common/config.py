@@ -21,6 +21,7 @@ from services.common.protocol.fragments import DEDUPE_WINDOW
 from services.common.settings import ConfigError, require
 from services.common.net.shards import MAX_SHARDS
 from services.common.net.auth import AuthConfig
+from services.common.net.policy import DEFAULT as DEFAULT_POLICY, name_problem
 from services.common.net.tls import TlsConfig
 
 
@@ -308,6 +309,18 @@ class SelfPlayConfig:
                 "uniform sample of the older ones)")
         require(self.sampling in ("uniform", "prioritized"), "sampling", self.sampling,
                 "must be 'uniform' or 'prioritized' (the snapshots the policy scores worst against, most often)")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """One policy of several in a run (config `policies`, docs/multi-agent.md "Several policies"): the
+    agents it plays, as shell-style patterns of agent ids (`fnmatch`: `red_*`, `player_[02]`); an agent
+    goes to the first policy, in config order, with a pattern that matches it."""
+    agents: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(len(self.agents) >= 1 and all(self.agents), "agents", list(self.agents),
+                "name the agents this policy plays: one or more patterns of agent ids (e.g. [red_*])")
 
 
 @dataclass(frozen=True)
@@ -648,6 +661,9 @@ class CommonConfig:
     tune: TuneConfig = field(default_factory=TuneConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
+    # Several policies in one run, by name (none: one policy, `default`, plays every agent): each its
+    # own learners, weights and version, and its own table in every buffer shard.
+    policies: Mapping[str, PolicyConfig] = field(default_factory=dict, hash=False)
     # Each algorithm's settings by its name (YAML: a top-level section `<name>:`), opaque here: the
     # algorithm reads its own (`Algorithm.section`); services.config.ExperimentConfig fills and checks them.
     sections: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -671,7 +687,40 @@ class CommonConfig:
         sizes: tuple[int, ...] = self.section(self.algorithm).hidden_sizes
         return sizes
 
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        """The run's policies in config order (`default` when the config names none)."""
+        return tuple(self.policies) or (DEFAULT_POLICY,)
+
+    def policy(self, name: str | None) -> str:
+        """The policy a learner given `name` (its --policy; None: not given) trains; ConfigError naming
+        `--policy` where the run has no such policy, or several and `name` picks none."""
+        names = self.policy_names
+        if name is None and len(names) == 1:
+            return names[0]
+        if name not in names:
+            raise ConfigError("--policy", f"{name!r} is not one of this run's policies ({', '.join(names)})"
+                              if name is not None else f"this run trains several policies ({', '.join(names)}): "
+                              f"name the one this learner trains")
+        return name
+
+    def _check_policies(self) -> None:
+        for name in self.policies:
+            if problem := name_problem(name):
+                raise ConfigError(f"policies.{name}", problem)
+        if len(self.policies) < 2:
+            return
+        why = "several policies (a policy per agent group) are trained "
+        require(self.env.id.startswith("pettingzoo:"), "policies", list(self.policies),
+                why + f"in envs of several agents (env.id pettingzoo:<module>), not {self.env.id!r}")
+        require(not self.selfplay.enabled, "selfplay.enabled", True,
+                why + "without self-play so far: self-play trains one policy against its own snapshots")
+        require(not self.planner.enabled, "planner.enabled", True,
+                why + "with a fixed topology so far (planner.enabled: false): the planner does not yet "
+                "balance the learners of several policies")
+
     def __post_init__(self) -> None:
+        self._check_policies()
         require(not self.selfplay.enabled or self.env.id.startswith("pettingzoo:"), "selfplay.enabled",
                 self.selfplay.enabled, f"self-play needs an env with several agents (env.id pettingzoo:<module>), "
                 f"not {self.env.id!r}")

@@ -39,11 +39,14 @@ SHUTDOWN_DEADLINE_S = 30.0
 @asynccontextmanager
 async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | None = None, buffer: str, checkpoint_dir: str,
                   learner_id: str | None = None, group: GroupSpec | StatefulSetGroup | None = None,
-                  stop: asyncio.Event | None = None):
+                  stop: asyncio.Event | None = None, policy: str | None = None):
     """Start a learner; yields its Endpoints. Leaving the context runs the shutdown sequence.
     `group`: this learner's place in a group of learners that average gradients: a fixed GroupSpec
     (None or a world size of 1: it trains alone) or an elastic StatefulSetGroup
-    (services/learner/membership.py); `stop` set while the first group forms raises StoppedBeforeGroupFormed."""
+    (services/learner/membership.py); `stop` set while the first group forms raises StoppedBeforeGroupFormed.
+    `policy`: the policy of the run it trains (config `policies`; needed where there are several): it
+    streams from and reports to that policy's table in every buffer shard."""
+    policy = cfg.policy(policy)
     learner_id = learner_id or f"learner-{socket.gethostname()}-{os.getpid()}"
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
@@ -70,7 +73,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         raise
 
     def open_channel(address: str):
-        return make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls)
+        return make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls,
+                            policy=policy if len(cfg.policy_names) > 1 else None)
 
     def start(shard: Shard) -> tuple[asyncio.Task, asyncio.Task]:
         return (lc.task(fetch_batches(shard, request, inbox, metrics), f"fetch-{shard.address}"),
@@ -84,8 +88,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     inbox = Inbox(maxsize=cfg.buffer.batch_prefetch)
     request = batch_request(cfg, learner_id)
     progressed = Notifier()
-    log.info("learner %s: %s on %s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
-             current.trainer.version, buffer)
+    log.info("learner %s: %s on %s%s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
+             f", policy {policy!r}" if len(cfg.policy_names) > 1 else "", current.trainer.version, buffer)
     async with lc.running():
         shards.begin()
         stopping = asyncio.Event()
@@ -129,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=os.environ.get("KUBERL_CHECKPOINT_DIR", "checkpoints"),
                    help="where checkpoints are written and restored from (default ./checkpoints)")
     p.add_argument("--learner-id", default=None, help="name of this learner (default: learner-host-pid)")
+    p.add_argument("--policy", default=os.environ.get("KUBERL_POLICY") or None,
+                   help="the policy it trains, where the config names several (config `policies`; "
+                        "default $KUBERL_POLICY)")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("KUBERL_LEARNER_WORLD_SIZE", "1")),
                    help="learners training together, averaging gradients (default $KUBERL_LEARNER_WORLD_SIZE or 1)")
     p.add_argument("--rank", type=int, default=int(os.environ.get("KUBERL_LEARNER_RANK", "0")),
@@ -166,7 +173,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     try:
         async with serving(cfg, listen=args.listen, metrics_listen=args.metrics_listen or None, buffer=args.buffer,
                            checkpoint_dir=args.checkpoint_dir, learner_id=args.learner_id,
-                           group=args.group_spec, stop=stop) as endpoints:
+                           group=args.group_spec, stop=stop, policy=args.policy) as endpoints:
             write_ready_file(args.ready_file, endpoints)
             log.info("learner serving gRPC on %s, metrics on %s", endpoints.grpc, endpoints.metrics)
             await stop.wait()

@@ -165,20 +165,22 @@ class Weights(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Episode(_message.Message):
-    __slots__ = ("index", "episode_return", "length", "actor_env_steps", "policy_version", "end_unix_s")
+    __slots__ = ("index", "episode_return", "length", "actor_env_steps", "policy_version", "end_unix_s", "policy")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     EPISODE_RETURN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACTOR_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     END_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     index: int
     episode_return: float
     length: int
     actor_env_steps: int
     policy_version: int
     end_unix_s: float
-    def __init__(self, index: _Optional[int] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., actor_env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., end_unix_s: _Optional[float] = ...) -> None: ...
+    policy: str
+    def __init__(self, index: _Optional[int] = ..., episode_return: _Optional[float] = ..., length: _Optional[int] = ..., actor_env_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., end_unix_s: _Optional[float] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("episodes_after", "max_episodes")

@@ -52,10 +52,13 @@ def actor_args(name: str, run_name: str, *, buffer: str, learner: str, index: in
 
 
 def learner_args(name: str, run_dir: Path, *, buffer: str, world_size: int = 1, rank: int = 0,
-                 group: str = "") -> list[str]:
-    """`kuberl learner` flags for learner `name` (rank `rank` of a group of `world_size`)."""
-    return ["--buffer", buffer, "--checkpoint-dir", str(Path(run_dir) / "checkpoints"),
-            "--learner-id", f"{name}-{Path(run_dir).name}", *learner_group_args(world_size, rank, group)]
+                 group: str = "", policy: str = "") -> list[str]:
+    """`kuberl learner` flags for learner `name` (rank `rank` of a group of `world_size`); `policy`: of
+    several in the run, the one it trains (its checkpoints in checkpoints/<policy>)."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    return ["--buffer", buffer, "--checkpoint-dir", str(checkpoints / policy if policy else checkpoints),
+            "--learner-id", f"{name}-{Path(run_dir).name}", *learner_group_args(world_size, rank, group),
+            *(["--policy", policy] if policy else [])]
 
 
 def buffer_args(cfg: CommonConfig, run_dir: Path, shard: int = 0) -> list[str]:
@@ -78,13 +81,16 @@ class Spec:
     extra: tuple[str, ...] = ()
 
 
-def learner_specs(run_dir: Path, n: int, *, buffer: str, listen: str) -> Callable[[str], list[Spec]]:
-    """`start_group`'s `specs` for n learners `learner-<rank>`: rank 0 on `listen`, the address actors
-    take weights from (the same for every formation), the others on any free port."""
+def learner_specs(run_dir: Path, n: int, *, buffer: str, listen: str, policy: str = "") -> Callable[[str], list[Spec]]:
+    """`start_group`'s `specs` for n learners `learner-<rank>` (`learner-<policy>-<rank>` for one policy of
+    several): rank 0 on `listen`, the address actors take weights from (the same for every formation),
+    the others on any free port."""
+    prefix = f"learner-{policy}-" if policy else "learner-"
+
     def specs(rendezvous: str) -> list[Spec]:
-        return [Spec("learner", f"learner-{rank}", listen if rank == 0 else "127.0.0.1:0",
-                     tuple(learner_args(f"learner-{rank}", run_dir, buffer=buffer, world_size=n, rank=rank,
-                                        group=rendezvous)))
+        return [Spec("learner", f"{prefix}{rank}", listen if rank == 0 else "127.0.0.1:0",
+                     tuple(learner_args(f"{prefix}{rank}", run_dir, buffer=buffer, world_size=n, rank=rank,
+                                        group=rendezvous, policy=policy)))
                 for rank in range(n)]
     return specs
 

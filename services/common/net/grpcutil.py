@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
 
 from services.common.net.auth import ROLE_RPCS, AuthInterceptor
+from services.common.net.policy import policy_interceptors
 from services.common.net.streams import read_to_half_close
 from services.common.net.tls import TlsError, open_channel, server_credentials
 
@@ -405,17 +406,19 @@ MAX_RECONNECT_BACKOFF_MS = 5000  # a peer restarted on the same address is tried
 
 
 def make_channel(target: str, max_message_bytes: int, receive_window_bytes: int | None = None, *,
-                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
+                 tls: TlsConfig | None = None, policy: str | None = None) -> grpc.aio.Channel:
     """One channel per peer per process; round-robin over DNS results (headless Services).
 
     `receive_window_bytes` pins the HTTP/2 receive window (BDP probing off) so that at most about
     that much unread data waits in transit per stream: a learner uses it to keep batches from
     going stale in socket buffers, where no one can count or drop them. `tls` on: the peer's
     certificate is verified and this process's presented (services/common/net/tls.open_channel).
+    `policy`: every call names it in its metadata (services/common/net/policy.py): a buffer's calls
+    about one policy of several.
     """
     window = [] if receive_window_bytes is None else [
         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window_bytes)]
-    return open_channel(target, tls, aio=True, options=[
+    return open_channel(target, tls, aio=True, interceptors=policy_interceptors(policy) if policy else (), options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.lb_policy_name", "round_robin"),

@@ -241,19 +241,21 @@ def open_channel(target: str, tls: TlsConfig | None, *, options: Sequence[tuple[
 
 @overload
 def open_channel(target: str, tls: TlsConfig | None, *, options: Sequence[tuple[str, Any]] = (),
-                 aio: Literal[True], names: Names = ROLE_NAMES) -> grpc.aio.Channel: ...
+                 aio: Literal[True], names: Names = ROLE_NAMES,
+                 interceptors: Sequence[Any] = ()) -> grpc.aio.Channel: ...
 
 
 def open_channel(target: str, tls: TlsConfig | None, *, options: Sequence[tuple[str, Any]] = (), aio: bool = False,
-                 names: Names = ROLE_NAMES) -> grpc.Channel | grpc.aio.Channel:
-    """A channel to `target` (a grpc.aio one with `aio`): TLS as `tls` says, plaintext when it is None
-    or off. `tls.server_name` replaces the host of `target` as the name checked in the server's
-    certificate."""
+                 names: Names = ROLE_NAMES, interceptors: Sequence[Any] = ()) -> grpc.Channel | grpc.aio.Channel:
+    """A channel to `target` (a grpc.aio one with `aio`, with `interceptors`): TLS as `tls` says,
+    plaintext when it is None or off. `tls.server_name` replaces the host of `target` as the name checked
+    in the server's certificate."""
+    extra = {"interceptors": list(interceptors)} if aio and interceptors else {}
     module = grpc.aio if aio else grpc   # (a module: what it makes is typed by the declared return)
     channel: grpc.Channel | grpc.aio.Channel
     if tls is None or not tls.enabled:
-        channel = module.insecure_channel(target, options=list(options))
+        channel = module.insecure_channel(target, options=list(options), **extra)
         return channel
     override = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-    channel = module.secure_channel(target, channel_credentials(tls, names), options=[*options, *override])
+    channel = module.secure_channel(target, channel_credentials(tls, names), options=[*options, *override], **extra)
     return channel

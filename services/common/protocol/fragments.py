@@ -222,6 +222,7 @@ class EncodedFragment:
     seq: int
     samples: int   # T * N
     payload: bytes
+    policy: str = ""   # the policy whose table it goes to, of several in a run ("": the only one)
 
     @classmethod
     def of(cls, msg: pb.TrajectoryFragment) -> EncodedFragment:

@@ -1,0 +1,113 @@
+"""Two policies in one run, over real gRPC: one actor steps relay's agents with both, each policy's
+fragments go to its own table in the one buffer, each table to its own learner, and each learner's
+weights back to the actor's copy of that policy (config `policies`; services/buffer/tables.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kuberl.v1 import actor_pb2_grpc, buffer_pb2, buffer_pb2_grpc, learner_pb2_grpc
+from kuberl.v1 import common_pb2 as pb
+from services.actor import main as actor_main
+from services.buffer import main as buffer_main
+from services.learner import main as learner_main
+from tests.helpers import ROOT, eval_cli
+from tests.integration.test_pipeline import _stats, _until
+from tests.unit.actor.test_policies import config
+
+pytest.importorskip("pettingzoo", reason="PettingZoo is in the actor extra")
+
+
+@contextlib.asynccontextmanager
+async def two_policy_stack(cfg, ckpt):
+    """A buffer of two tables, a learner per policy and one actor; yields their addresses."""
+    async with contextlib.AsyncExitStack() as stack:
+        buffer = await stack.enter_async_context(buffer_main.serving(cfg, listen="127.0.0.1:0"))
+        learners = {name: await stack.enter_async_context(learner_main.serving(
+            cfg, listen="127.0.0.1:0", buffer=buffer.grpc, checkpoint_dir=str(ckpt / "checkpoints" / name), policy=name,
+            learner_id=f"learner-{name}")) for name in ("first", "rest")}
+        actor = await stack.enter_async_context(actor_main.serving(
+            cfg, listen="127.0.0.1:0", buffer=buffer.grpc, actor_id="actor-two",
+            learner=",".join(f"{name}={ep.grpc}" for name, ep in learners.items())))
+        yield buffer.grpc, {name: ep.grpc for name, ep in learners.items()}, actor.grpc
+
+
+async def _at_least(address, stub_cls, names: list[str], floor: float):
+    stats = await _stats(address, stub_cls)
+    return stats if all(stats.get(name, 0) >= floor for name in names) else None
+
+
+async def test_each_policys_fragments_reach_its_learner_and_its_weights_come_back(tmp_path):
+    cfg = config()
+    async with two_policy_stack(cfg, tmp_path) as (buffer, learners, actor):
+        a = await _until(lambda: _at_least(actor, actor_pb2_grpc.ActorStub,
+                                           ["actor/policies/first/policy_version",
+                                            "actor/policies/rest/policy_version"], 3), timeout=120)
+        b = await _stats(buffer, buffer_pb2_grpc.BufferStub)
+        trained = {name: await _stats(address, learner_pb2_grpc.LearnerStub) for name, address in learners.items()}
+        # Each table took its policy's fragments and served them; each learner trained on its own table's
+        # (what a learner took cannot exceed what its table served: had both read one table, the other's
+        # would have served nothing).
+        for name in ("first", "rest"):
+            assert b[f"buffer/policies/{name}/fragments_received_total"] >= 1
+            served = b[f"buffer/policies/{name}/samples_served_total"]
+            assert 0 < trained[name]["learner/samples_total"] <= served
+            assert trained[name]["learner/updates_total"] >= 3
+        # The buffer's own figures are the tables' summed.
+        assert b["buffer/fragments_received_total"] == sum(
+            b[f"buffer/policies/{n}/fragments_received_total"] for n in ("first", "rest"))
+        assert a["actor/fragments_dropped_total"] == 0 and b["buffer/fragments_invalid_total"] == 0
+
+        # A call to a buffer of several tables that names none, or a policy it does not hold, is refused.
+        async with grpc.aio.insecure_channel(buffer) as ch:
+            stub = buffer_pb2_grpc.BufferStub(ch)
+            progress = buffer_pb2.LearnerProgress(learner_id="stray", policy_version=1)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportProgress(progress, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "metadata kuberl-policy: names no policy, and this buffer holds a table for each of first, rest" \
+                in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportProgress(progress, timeout=5, metadata=(("kuberl-policy", "blue"),))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "'blue' is not a policy of this run (its tables: first, rest)" in err.value.details()
+            # Stats naming a policy are that table's own.
+            own = await stub.GetStats(pb.GetStatsRequest(), timeout=5, metadata=(("kuberl-policy", "first"),))
+            assert own.metrics["buffer/fragments_received_total"] >= 1
+            assert "buffer/policies/first/fragments_received_total" not in own.metrics
+    # Each learner wrote its final checkpoint in its own directory, as `kuberl up` lays a run out.
+    for name in ("first", "rest"):
+        assert list((tmp_path / "checkpoints" / name).glob("ckpt-*.pt"))
+
+    # `kuberl eval` of the run: every policy plays its own agents; each policy's returns apart.
+    out = eval_cli(str(tmp_path), "--json", "--episodes", "30", "--num-envs", "2")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    policies = result["policies"]
+    assert list(policies) == ["first", "rest"]
+    assert policies["first"]["agents"] == ["a"] and policies["rest"]["agents"] == ["b", "c"]
+    assert policies["first"]["episodes"] + policies["rest"]["episodes"] == result["episodes"] == 30
+    assert policies["first"]["episodes"] > 0 and policies["rest"]["episodes"] > 0
+    for name in ("first", "rest"):
+        assert policies[name]["policy_version"] >= 3
+        assert Path(policies[name]["checkpoint"]).parent == tmp_path / "checkpoints" / name
+    # One policy's tools take one policy's checkpoints, and say so when given the run.
+    out = eval_cli(str(tmp_path), "--against", "random")
+    assert out.returncode == 2 and "--against: a run of several policies (first, rest)" in out.stderr
+    from services.cli.trained import TrainedPolicyError, load_trained
+    with pytest.raises(TrainedPolicyError, match=r"a run of several policies \(first, rest\): name one policy's"):
+        load_trained(tmp_path)
+    # `kuberl export` of the run: a file per policy, each checked against its torch policy.
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "export", str(tmp_path), "-o",
+                           str(tmp_path / "exported"), "--format", "torchscript"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(f.name.split("-v")[0] for f in (tmp_path / "exported").iterdir()) == ["first", "rest"]
+    assert done.stdout.count("checked: torch.jit.load gives the torch policy's actions") == 2
