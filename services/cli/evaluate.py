@@ -112,42 +112,6 @@ class Acts:
             self.state[done] = 0.0
 
 
-class Mixed:
-    """Several loaded policies of one run (config `policies`) acting together on a PettingZoo env's agent
-    slots, each on the slots of its agents (`map_agents`), as an actor's rollout has them act; the same
-    calls as `Acts`."""
-
-    def __init__(self, trained: dict, deterministic: bool, agents: list[str]):
-        from services.common.agents import map_agents
-
-        first = next(iter(trained.values()))
-        self.spec = first.spec
-        self.mapping = map_agents({k: v.agents for k, v in first.cfg.policies.items()}, agents, "", first.cfg.env.id)
-        self.slots = len(agents)
-        self.acts = {name: Acts(t, deterministic, 1) for name, t in trained.items()}
-        self.cols: dict[str, np.ndarray] = {}
-        self.owner = np.zeros(0, np.int64)   # each slot's policy, by its place in `acts`
-
-    def resize(self, n: int) -> None:
-        copies = n // self.slots
-        self.owner = np.zeros(n, np.int64)
-        for i, (name, agents) in enumerate(self.mapping.items()):
-            self.cols[name] = np.sort([k * self.slots + j for k in range(copies) for j in agents])
-            self.owner[self.cols[name]] = i
-            self.acts[name].resize(len(self.cols[name]))
-
-    def __call__(self, obs: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        space = self.spec.action
-        out = np.empty((len(obs), *space.shape), dtype=space.dtype)
-        for name, cols in self.cols.items():
-            out[cols] = self.acts[name](obs[cols], None if mask is None else mask[cols])
-        return out
-
-    def ended(self, done: np.ndarray) -> None:
-        for name, cols in self.cols.items():
-            self.acts[name].ended(done[cols])
-
-
 def act_fn(trained, deterministic: bool, n: int = 1) -> Acts:
     """The policy acting on `n` env copies (`Acts`)."""
     return Acts(trained, deterministic, n)
@@ -248,11 +212,10 @@ def _step(envs, space, actions: np.ndarray):
 
 
 def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episode=None,
-                 deadline: float | None = None, slots: list[int] | None = None) -> tuple[list[float], list[int]]:
+                 deadline: float | None = None) -> tuple[list[float], list[int]]:
     """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies; returns (returns, lengths)
     in the order they finished. Copy i runs (episodes + i) // n of them. Blocking. With `deadline`
-    (time.monotonic()), stops there and returns the episodes finished so far. `slots`: appended, each
-    episode's env copy (PettingZoo: agent slot)."""
+    (time.monotonic()), stops there and returns the episodes finished so far."""
     envs = _make_envs(trained.cfg.env, min(num_envs, episodes))
     # Env copies, or for a PettingZoo env their agents' slots: there an episode is one agent's life.
     n = envs.num_envs
@@ -276,8 +239,6 @@ def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episo
                 if done[i] < share[i]:
                     returns.append(float(ret[i]))
                     lengths.append(int(length[i]))
-                    if slots is not None:
-                        slots.append(int(i))
                     if on_episode is not None:
                         on_episode(float(ret[i]))
                 done[i] += 1
@@ -358,30 +319,63 @@ def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bo
 
 def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, deterministic: bool = True,
                       progress: bool = False, deadline: float | None = None) -> dict:
-    """Evaluate every policy of a run of several together (`Mixed`: each plays its agents) for
-    `episodes` agent lives; the JSON-ready result, with each policy's returns under `policies`. Blocking."""
+    """Evaluate every policy of a run of several (config `policies`) together, each playing its own
+    agents as in training (the env's agents in a group per policy, each group with its spaces), for
+    `episodes` agent lives on `min(num_envs, episodes)` env copies: each slot a fixed share of them, as
+    `run_episodes` shares episodes among copies. The JSON-ready result, with each policy's returns under
+    `policies`. Blocking."""
+    from services.common.envs import make_vector_env
+    from services.common.protocol.spaces import Box
+
     first = next(iter(trained.values()))
-    probe = _make_envs(first.cfg.env, 1)
-    agents = list(probe.agents)
-    probe.close()
-    act = Mixed(trained, deterministic, agents)
+    cfg = first.cfg
+    envs = make_vector_env(cfg.env, min(num_envs, episodes), policies={k: v.agents for k, v in cfg.policies.items()})
+    n = envs.num_envs
+    order = [(g.name, i) for g in envs.groups for i in range(len(g.obs))]   # every slot, for the shares
+    share = {slot: (episodes + k) // n for k, slot in enumerate(order)}
+    acts = {g.name: act_fn(trained[g.name], deterministic, len(g.obs)) for g in envs.groups}
+    done = dict.fromkeys(order, 0)
+    ret = {g.name: np.zeros(len(g.obs)) for g in envs.groups}
+    length = {g.name: np.zeros(len(g.obs), np.int64) for g in envs.groups}
+    results: dict[str, tuple[list[float], list[int]]] = {name: ([], []) for name in acts}
     bar = Progress(episodes, "eval", progress)
-    slots: list[int] = []
     try:
-        returns, lengths = run_episodes(first, act, episodes, num_envs, seed, bar.step, deadline, slots)
+        obs, info = envs.reset(seed=seed)
+        while any(done[slot] < share[slot] for slot in order) and (deadline is None or time.monotonic() < deadline):
+            present = info["present"]
+            actions = {}
+            for name, act in acts.items():
+                masks = info.get("action_mask", {})
+                mask = _masks(trained[name], {"action_mask": masks[name]} if name in masks else {}, len(obs[name]))
+                a = act(obs[name], mask)
+                space = trained[name].spec.action
+                actions[name] = space.clip(a) if isinstance(space, Box) else a
+            obs, r, term, trunc, info = envs.step(actions)
+            for name, act in acts.items():
+                ended = term[name] | trunc[name]
+                act.ended(ended)
+                ret[name] += r[name]
+                length[name] += present[name]
+                for i in np.flatnonzero(ended):
+                    if done[(name, i)] < share[(name, i)]:
+                        results[name][0].append(float(ret[name][i]))
+                        results[name][1].append(int(length[name][i]))
+                        bar.step(float(ret[name][i]))
+                    done[(name, i)] += 1
+                    ret[name][i], length[name][i] = 0.0, 0
     finally:
         bar.close()
-    by_policy: dict = {}
-    for i, (name, t) in enumerate(trained.items()):
-        mine = [k for k, slot in enumerate(slots) if act.owner[slot] == i]
-        by_policy[name] = {"checkpoint": str(t.checkpoint), "policy_version": t.version,
-                           "agents": [agents[j] for j in act.mapping[name]], "episodes": len(mine),
-                           "return": stats([returns[k] for k in mine]),
-                           "length": stats([float(lengths[k]) for k in mine])}
-    return {"checkpoint": {name: str(t.checkpoint) for name, t in trained.items()}, "algorithm": first.cfg.algorithm,
-            "env_id": first.cfg.env.id, "deterministic": deterministic, "episodes": len(returns),
+        envs.close()
+    returns = [x for rets, _ in results.values() for x in rets]
+    lengths = [x for _, lens in results.values() for x in lens]
+    by_policy = {name: {"checkpoint": str(t.checkpoint), "policy_version": t.version,
+                        "agents": next(g.agents for g in envs.groups if g.name == name),
+                        "episodes": len(results[name][0]), "return": stats(results[name][0]),
+                        "length": stats([float(x) for x in results[name][1]])} for name, t in trained.items()}
+    return {"checkpoint": {name: str(t.checkpoint) for name, t in trained.items()}, "algorithm": cfg.algorithm,
+            "env_id": cfg.env.id, "deterministic": deterministic, "episodes": len(returns),
             "episodes_asked": episodes, "num_envs": min(num_envs, episodes), "seed": seed,
-            "return": stats(returns), "length": stats([float(n) for n in lengths]), "policies": by_policy,
+            "return": stats(returns), "length": stats([float(x) for x in lengths]), "policies": by_policy,
             "returns": returns, "lengths": lengths}
 
 

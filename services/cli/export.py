@@ -113,12 +113,15 @@ def env_reports_masks(trained) -> bool | None:
 
     if trained.cfg.env.mode == "external":
         return None
-    try:
-        envs = make_vector_env(trained.cfg.env, num_envs=1)
+    cfg = trained.cfg
+    try:   # (a policy of several: its own agents' group)
+        envs = make_vector_env(cfg.env, num_envs=1, policies={k: v.agents for k, v in cfg.policies.items()}
+                               if trained.name else None)
     except Exception:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
         return None
     try:
-        return "action_mask" in envs.reset(seed=0)[1]
+        masks = envs.reset(seed=0)[1].get("action_mask")
+        return masks is not None and (not trained.name or trained.name in masks)
     except Exception:  # noqa: BLE001 - an env that cannot reset here: unknown, as one that cannot be made
         return None
     finally:

@@ -23,7 +23,7 @@ import torch
 from services import algorithms
 from services.actor.policy import Policy
 from services.config import ConfigError, ExperimentConfig, config_from_dict, load_config
-from services.common.models.nets import EnvSpec, spec_of, to_numpy
+from services.common.models.nets import EnvSpec, policy_spec, to_numpy
 from services.common.stats import Metrics
 from services.learner import checkpoint
 
@@ -40,6 +40,7 @@ class Trained:
     version: int
     spec: EnvSpec
     policy: Policy
+    name: str = ""   # the policy it is, of a run of several (config `policies`)
 
     def greedy(self) -> torch.nn.Module:
         """The deterministic policy (`Acting.greedy`), in eval mode: obs [B, ...] -> actions [B, ...]."""
@@ -134,8 +135,12 @@ def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metri
     except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a file that is not a checkpoint
         raise TrainedPolicyError(f"{ckpt}: not a kuberl learner checkpoint ({_first_line(err)})") from None
     cfg = _config(ckpt, state)
+    # Of a run of several policies: the policy it holds (its checkpoints' directory is named after it).
+    name = state.get("policy") or (ckpt.parent.name if ckpt.parent.name in cfg.policies else cfg.policy_names[0])
+    if name not in cfg.policy_names:
+        raise TrainedPolicyError(f"{ckpt}: holds policy {name!r}, which its config does not name")
     try:
-        spec = spec_of(cfg.env)
+        spec = policy_spec(cfg, name)
     except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
         raise TrainedPolicyError(f"{ckpt}: env.id {cfg.env.id!r} of its config cannot be made here "
                                  f"({_first_line(err)})") from None
@@ -151,4 +156,4 @@ def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metri
     policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy)
     policy.offer_weights(learner.version, to_numpy(learner.policy))
     policy.swap()
-    return Trained(cfg, ckpt, learner.version, spec, policy)
+    return Trained(cfg, ckpt, learner.version, spec, policy, name if len(cfg.policy_names) > 1 else "")

@@ -344,6 +344,17 @@ def checked_spec(cfg: ExperimentConfig):
     `env.id` when the env cannot be made here."""
     from services.common.envs import made_spec   # gymnasium: imported when a run starts, not by `kuberl --help`
 
+    if len(cfg.policy_names) > 1:   # each policy's agents: mapped, sharing their spaces, and trainable
+        from services.common.envs import policy_specs
+        try:
+            specs = policy_specs(cfg)
+        except ValueError as err:
+            key, _, why = str(err).partition(": ")
+            named = key.startswith(("policies", "env.id"))
+            raise ConfigError(key if named else "policies", why if named else str(err)) from None
+        for name, each in specs.items():
+            check_algorithm_takes(cfg, each, f"policy {name}'s agents' action space", f"policy {name}'s agents' observations")
+        return specs[cfg.policy_names[0]]
     spec = made_spec(cfg.env)
     if cfg.env.declared_spec is None:
         check_algorithm_takes(cfg, spec, f"env.id {cfg.env.id}'s action space", f"env.id {cfg.env.id}'s observations")

@@ -8,8 +8,9 @@ API): its `parallel_env(**env.kwargs)`, or its AEC `env(**env.kwargs)` through P
 `ParallelVectorEnv` runs `num_envs` copies and gives each of the env's `possible_agents` a slot per
 copy: N = num_envs * len(possible_agents) columns, agent j of copy k in column k * S + j. Every agent
 is stepped by the same policy (parameter sharing), so every agent must have the same observation and
-action space. It steps like a gymnasium vector env in SAME_STEP autoreset mode, with two additions in
-`info`:
+action space. (A run of several policies, config `policies`, splits the agents into a group per policy
+instead, each group with its own spaces and slots, and everything below per group: `SlotGroup`.) It
+steps like a gymnasium vector env in SAME_STEP autoreset mode, with two additions in `info`:
 - `present` [N] bool: the slots whose agent acts at the observation returned. A slot is absent before
   its agent appears and after it ends while the others play on; its observation is zeros and the
   action given for it is ignored. The rollout (services/actor/rollout.py) records only present steps.
@@ -29,6 +30,7 @@ import fnmatch
 import functools
 import importlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -115,104 +117,161 @@ def _split_space(space: Any) -> tuple[Any, Any | None]:
     return space, None
 
 
-class ParallelVectorEnv:
-    """`num_envs` copies of a PettingZoo parallel env as N agent slots (see the module's docstring)."""
+@dataclass
+class SlotGroup:
+    """The agents one policy plays (all of them, in a run of one), as slots: agent `agents[j]` of copy k
+    in slot k * len(agents) + j, with its group's spaces and arrays."""
+    name: str
+    agents: list[str]
+    observation_space: Any
+    action_space: Any
+    mask_space: Any | None
+    obs: np.ndarray = field(init=False)       # [slots, *shape]: each slot's observation now (zeros: absent)
+    last: np.ndarray = field(init=False)      # each slot's last observation
+    present: np.ndarray = field(init=False)   # [slots] bool: the slots whose agent acts now
+    mask: np.ndarray | None = field(init=False)
 
-    def __init__(self, make: Callable[[], Any], num_envs: int, env_id: str = "pettingzoo env"):
+    def allocate(self, copies: int) -> None:
+        n = copies * len(self.agents)
+        shape, dtype = self.observation_space.shape, self.observation_space.dtype
+        self.obs, self.last = np.zeros((n, *shape), dtype), np.zeros((n, *shape), dtype)
+        self.present = np.zeros(n, bool)
+        self.mask = None if self.mask_space is None else np.ones(
+            (n, int(getattr(self.mask_space, "n", 0) or np.prod(self.mask_space.shape))), dtype=np.bool_)
+
+
+class ParallelVectorEnv:
+    """`num_envs` copies of a PettingZoo parallel env as agent slots (see the module's docstring).
+
+    `policies` (policy name -> patterns of agent ids, config `policies`): the agents split among the
+    policies of a run of several (`map_agents`); each group's agents must share their spaces, the
+    groups' may differ, and observations, rewards and the rest come per group, as dicts by policy name
+    (actions go in so too). Without `policies`, one group of every agent, and arrays."""
+
+    def __init__(self, make: Callable[[], Any], num_envs: int, env_id: str = "pettingzoo env",
+                 policies: Mapping[str, Sequence[str]] | None = None):
         self.env_id = env_id
         self.copies = [make() for _ in range(num_envs)]
         first = self.copies[0]
         self.agents: list[str] = list(first.possible_agents)
         if not self.agents:
             raise ValueError(f"env.id: {env_id}: possible_agents is empty")
-        obs0, mask0 = _split_space(first.observation_space(self.agents[0]))
-        act0 = first.action_space(self.agents[0])
-        for agent in self.agents[1:]:
+        self.grouped = policies is not None
+        groups = map_agents(policies, self.agents, "", env_id) if policies else {"": list(range(len(self.agents)))}
+        self.groups = [self._group(first, name, [self.agents[j] for j in members]) for name, members in groups.items()]
+        self._where: dict[str, tuple[SlotGroup, int]] = {   # agent -> (its group, its place in the group)
+            agent: (g, j) for g in self.groups for j, agent in enumerate(g.agents)}
+        whole = self.groups[0]
+        self.single_observation_space, self.single_action_space = whole.observation_space, whole.action_space
+        self.masked = whole.mask_space is not None
+        self.slots = len(self.agents)
+        self.num_envs = num_envs * self.slots
+        for g in self.groups:
+            g.allocate(num_envs)
+
+    def _group(self, first: Any, name: str, agents: list[str]) -> SlotGroup:
+        """A group's slots; ValueError naming env.id and the agent when its agents' spaces differ."""
+        obs0, mask0 = _split_space(first.observation_space(agents[0]))
+        act0 = first.action_space(agents[0])
+        share = (f"they are policy {name!r}'s agents, so their spaces must be the same" if self.grouped
+                 else "the agents share one policy, so their spaces must be the same")
+        for agent in agents[1:]:
             obs, mask = _split_space(first.observation_space(agent))
             act = first.action_space(agent)
             for what, mine, theirs in (("observation", obs, obs0), ("action", act, act0)):
                 if mine != theirs:
-                    raise ValueError(
-                        f"env.id: {env_id}: agent {agent!r} has {what} space {mine}, agent {self.agents[0]!r} "
-                        f"{theirs}; the agents share one policy, so their spaces must be the same")
+                    raise ValueError(f"env.id: {self.env_id}: agent {agent!r} has {what} space {mine}, agent "
+                                     f"{agents[0]!r} {theirs}; {share}")
             if (mask is None) != (mask0 is None):
-                raise ValueError(f"env.id: {env_id}: agent {agent!r} has an action mask and agent "
-                                 f"{self.agents[0]!r} does not (or the other way round)")
-        self.single_observation_space, self.single_action_space = obs0, act0
-        self.masked = mask0 is not None
-        self.slots = len(self.agents)
-        self.num_envs = num_envs * self.slots
-        shape, dtype = obs0.shape, obs0.dtype
-        self._obs = np.zeros((self.num_envs, *shape), dtype)
-        self._last = np.zeros((self.num_envs, *shape), dtype)   # each slot's last observation
-        self._present = np.zeros(self.num_envs, bool)
-        self._mask: np.ndarray | None = None
-        if mask0 is not None:
-            self._mask = np.ones((self.num_envs, int(getattr(mask0, "n", 0) or np.prod(mask0.shape))), dtype=np.bool_)
+                raise ValueError(f"env.id: {self.env_id}: agent {agent!r} has an action mask and agent "
+                                 f"{agents[0]!r} does not (or the other way round)")
+        return SlotGroup(name, agents, obs0, act0, mask0)
 
-    def _col(self, k: int, agent: str) -> int:
+    def spaces(self, name: str) -> tuple[Any, Any]:
+        """(observation space, action space) of group `name`'s agents."""
+        g = next(g for g in self.groups if g.name == name)
+        return g.observation_space, g.action_space
+
+    def slot(self, k: int, agent: str) -> tuple[SlotGroup, int]:
         try:
-            return k * self.slots + self.agents.index(agent)
-        except ValueError:
+            g, j = self._where[agent]
+        except KeyError:
             raise ValueError(f"env.id: {self.env_id}: agent {agent!r} is not in possible_agents "
                              f"{self.agents}") from None
+        return g, k * len(g.agents) + j
+
+    def _col(self, k: int, agent: str) -> int:
+        """(Ungrouped) an agent's slot in copy k."""
+        return self.slot(k, agent)[1]
 
     def _take(self, k: int, observations: dict[str, Any]) -> None:
         """Copy k's observations of its live agents into their slots (zeros for the others)."""
-        base = k * self.slots
-        self._present[base:base + self.slots] = False
-        self._obs[base:base + self.slots] = 0
+        for g in self.groups:
+            block = slice(k * len(g.agents), (k + 1) * len(g.agents))
+            g.present[block] = False
+            g.obs[block] = 0
         for agent in self.copies[k].agents:
             if agent not in observations:
                 raise ValueError(f"env.id: {self.env_id}: agent {agent!r} is live but has no observation")
-            n = self._col(k, agent)
-            self._obs[n] = self._unpack(n, observations[agent])
-            self._present[n] = True
-        self._last[base:base + self.slots] = self._obs[base:base + self.slots]
+            g, n = self.slot(k, agent)
+            g.obs[n] = self._unpack(g, n, observations[agent])
+            g.present[n] = True
+        for g in self.groups:
+            block = slice(k * len(g.agents), (k + 1) * len(g.agents))
+            g.last[block] = g.obs[block]
 
-    def _unpack(self, n: int, observation: Any) -> np.ndarray:
-        if self._mask is not None:
-            self._mask[n] = np.asarray(observation["action_mask"], bool).reshape(-1)
+    @staticmethod
+    def _unpack(g: SlotGroup, n: int, observation: Any) -> np.ndarray:
+        if g.mask is not None:
+            g.mask[n] = np.asarray(observation["action_mask"], bool).reshape(-1)
             observation = observation["observation"]
         return np.asarray(observation)
 
-    def _info(self, final_obs: np.ndarray | None = None, over: np.ndarray | None = None) -> dict[str, Any]:
-        info: dict[str, Any] = {"present": self._present.copy()}
+    def _out(self, arrays: dict[str, Any]) -> Any:
+        """Per group: a dict by name (grouped), else the one group's."""
+        return arrays if self.grouped else arrays[""]
+
+    def _info(self, final_obs: dict[str, np.ndarray] | None = None, over: np.ndarray | None = None) -> dict[str, Any]:
+        info: dict[str, Any] = {"present": self._out({g.name: g.present.copy() for g in self.groups})}
         if final_obs is not None:
-            info["final_obs"], info["episode_over"] = final_obs, over
-        if self._mask is not None:
-            info["action_mask"] = self._mask.copy()
+            info["final_obs"], info["episode_over"] = self._out(final_obs), over
+        masks = {g.name: g.mask.copy() for g in self.groups if g.mask is not None}
+        if masks:
+            info["action_mask"] = self._out(masks)
         return info
 
-    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(self, seed: int | None = None) -> tuple[Any, dict[str, Any]]:
         for k, env in enumerate(self.copies):
             observations, _ = env.reset(seed=None if seed is None else seed + k)
             self._take(k, observations)
-        return self._obs.copy(), self._info()
+        return self._out({g.name: g.obs.copy() for g in self.groups}), self._info()
 
-    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        n_all = self.num_envs
-        rewards = np.zeros(n_all, np.float32)
-        terminated, truncated = np.zeros(n_all, bool), np.zeros(n_all, bool)
-        final_obs = np.zeros_like(self._obs)
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        acts = actions if self.grouped else {"": actions}
+        rewards = {g.name: np.zeros(len(g.obs), np.float32) for g in self.groups}
+        terminated = {g.name: np.zeros(len(g.obs), bool) for g in self.groups}
+        truncated = {g.name: np.zeros(len(g.obs), bool) for g in self.groups}
+        final_obs = {g.name: np.zeros_like(g.obs) for g in self.groups}
         over = np.zeros(len(self.copies), bool)
         for k, env in enumerate(self.copies):
             acting = list(env.agents)
-            observations, rew, term, trunc, _ = env.step({a: actions[self._col(k, a)] for a in acting})
+            slots = {agent: self.slot(k, agent) for agent in acting}
+            observations, rew, term, trunc, _ = env.step({a: acts[g.name][n] for a, (g, n) in slots.items()})
             live = set(env.agents)
-            for agent in acting:
-                n = self._col(k, agent)
-                rewards[n] = float(rew.get(agent, 0.0))
-                terminated[n] = bool(term.get(agent, False))
+            for agent, (g, n) in slots.items():
+                rewards[g.name][n] = float(rew.get(agent, 0.0))
+                ended = terminated[g.name][n] = bool(term.get(agent, False))
                 # An agent that leaves the env's agents without terminating is cut short.
-                truncated[n] = not terminated[n] and (bool(trunc.get(agent, False)) or agent not in live)
-                if terminated[n] or truncated[n]:
-                    final_obs[n] = self._unpack(n, observations[agent]) if agent in observations else self._last[n]
+                cut = truncated[g.name][n] = not ended and (bool(trunc.get(agent, False)) or agent not in live)
+                if ended or cut:
+                    final_obs[g.name][n] = (self._unpack(g, n, observations[agent]) if agent in observations
+                                            else g.last[n])
             if not env.agents:   # every agent ended: the copy starts its next episode now
                 observations, _ = env.reset()
                 over[k] = True
             self._take(k, observations)
-        return self._obs.copy(), rewards, terminated, truncated, self._info(final_obs, over)
+        return (self._out({g.name: g.obs.copy() for g in self.groups}), self._out(rewards), self._out(terminated),
+                self._out(truncated), self._info(final_obs, over))
 
     def close(self) -> None:
         for env in self.copies:

@@ -16,13 +16,14 @@ Imports gymnasium and ale-py (lazily): only actors and learners may import this 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from services.common.agents import ParallelVectorEnv, is_pettingzoo, make_parallel
-from services.common.config import EnvConfig, is_atari
+from services.common.config import CommonConfig, EnvConfig, is_atari
 from services.common.settings import ConfigError
 from services.common.protocol.spaces import EnvSpec as EnvSpec  # also re-exported
 from services.common.protocol.spaces import Discrete, dict_layout, from_gymnasium
@@ -46,13 +47,14 @@ def _import_ale() -> ModuleType:
     return ale_py
 
 
-def make_vector_env(cfg: EnvConfig, num_envs: int | None = None,
-                    render_mode: str | None = None) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
+def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: str | None = None,
+                    policies: Mapping[str, Sequence[str]] | None = None) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
     """A vector env of `num_envs` (default cfg.num_envs) copies, SAME_STEP autoreset. Blocking.
 
     `render_mode` (e.g. "rgb_array", for `kuberl eval --video`) is passed to every copy; Atari games
     then need env.atari.backend "gymnasium" (ale-py's vector env does not render).
-    Raises ValueError naming `env.id` for an unknown game.
+    Raises ValueError naming `env.id` for an unknown game. `policies` (name -> agent patterns): a
+    PettingZoo env's agents split among a run's several policies (services/common/agents.py).
     """
     import gymnasium as gym
 
@@ -60,7 +62,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None,
     if is_pettingzoo(cfg.id):   # several agents per copy: one slot each (services/common/agents.py)
         return ParallelVectorEnv(make_parallel(cfg.id, {**cfg.kwargs, **({} if render_mode is None else
                                                                            {"render_mode": render_mode})}),
-                                 n, cfg.id)  # type: ignore[return-value]
+                                 n, cfg.id, policies)  # type: ignore[return-value]
     render = {} if render_mode is None else {"render_mode": render_mode}
     if not is_atari(cfg.id):
         # gymnasium types `wrappers` as returning a Wrapper; make_vec applies them, any Env will do.
@@ -166,6 +168,30 @@ def spec_of(cfg: EnvConfig) -> EnvSpec:
     """The policy's spaces: declared ones (external simulators), else the local env's."""
     declared = cfg.declared_spec
     return env_spec(cfg) if declared is None else declared
+
+
+def policy_specs(cfg: CommonConfig) -> dict[str, EnvSpec]:
+    """Each policy's spaces, by name (a run of one policy: `spec_of`, under its name): in a run of several
+    (config `policies`), the spaces of each policy's agents. Blocking (the env is made once). ValueError
+    naming the key where the agents do not map onto the policies or a group's agents' spaces differ."""
+    if len(cfg.policy_names) == 1:
+        return {cfg.policy_names[0]: spec_of(cfg.env)}
+    agents = ParallelVectorEnv(make_parallel(cfg.env.id, cfg.env.kwargs), 1, cfg.env.id,
+                               {name: p.agents for name, p in cfg.policies.items()})
+    try:
+        return group_specs(agents)
+    finally:
+        agents.close()
+
+
+def group_specs(agents: ParallelVectorEnv) -> dict[str, EnvSpec]:
+    """The spaces of each group of a PettingZoo vector env's agents, by policy name."""
+    return {g.name: _spec_of_spaces(agents.env_id, g.observation_space, g.action_space) for g in agents.groups}
+
+
+def policy_spec(cfg: CommonConfig, policy: str) -> EnvSpec:
+    """The spaces of one policy's agents (`policy_specs`)."""
+    return spec_of(cfg.env) if len(cfg.policy_names) == 1 else policy_specs(cfg)[policy]
 
 
 def made_spec(cfg: EnvConfig) -> EnvSpec:

@@ -55,7 +55,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         membership.rendezvous.device = resolve_device(cfg.learner.device)
 
     def build(sync: GradientSync | None) -> Trainer:
-        return Trainer(cfg, metrics, checkpoint_dir, sync)
+        return Trainer(cfg, metrics, checkpoint_dir, sync, policy)
 
     current = Generation(await join(membership, build, metrics, stop))
     hub = WeightsHub()

@@ -20,7 +20,7 @@ from kuberl.v1 import common_pb2 as pb
 from services import algorithms
 from services.config import ExperimentConfig
 from services.common.protocol.fragments import batch_samples
-from services.common.models.nets import is_image, spec_of, to_numpy
+from services.common.models.nets import is_image, policy_spec, to_numpy
 from services.common.stats import Metrics
 from services.common.protocol.tensors import NonFiniteError
 from services.common.protocol.weights import encode_weights
@@ -32,11 +32,13 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, metrics: Metrics, checkpoint_dir: str | Path,
-                 sync: GradientSync | None = None):
+                 sync: GradientSync | None = None, policy: str | None = None):
         """`sync`: this learner's membership of a group of learners (None: it trains alone). Rank 0
-        restores the latest checkpoint and broadcasts its state, so the group starts equal."""
+        restores the latest checkpoint and broadcasts its state, so the group starts equal. `policy`:
+        the one it trains, of a run of several (config `policies`): its agents' spaces."""
         self.cfg, self.metrics, self.checkpoint_dir, self.sync = cfg, metrics, Path(checkpoint_dir), sync
-        self.spec = spec_of(cfg.env)
+        self.policy = cfg.policy(policy)
+        self.spec = policy_spec(cfg, self.policy)
         self.algorithm = algorithms.get(cfg.algorithm)
         self.algo = self._new_algo()
         if self.algo.device.type == "cuda" and not is_image(self.spec):
@@ -168,7 +170,8 @@ class Trainer:
         with self.write_lock:
             with self.lock:  # a copy of the state between two updates; the disk write runs without the lock
                 version, state = self.version, checkpoint.snapshot({"algo": self.algo.state_dict(),
-                                                                    "config": self.cfg.to_dict()})
+                                                                    "config": self.cfg.to_dict(),
+                                                                    "policy": self.policy})
             if (bad := checkpoint.nonfinite(state["algo"], "algo")) is not None:  # a restart must never resume it
                 self.metrics.inc("learner/checkpoints_refused_nonfinite_total")
                 log.error("not checkpointing version %d: %s holds NaN or infinity; the last checkpoint stands",

@@ -111,3 +111,39 @@ async def test_each_policys_fragments_reach_its_learner_and_its_weights_come_bac
     assert done.returncode == 0, done.stderr
     assert sorted(f.name.split("-v")[0] for f in (tmp_path / "exported").iterdir()) == ["first", "rest"]
     assert done.stdout.count("checked: torch.jit.load gives the torch policy's actions") == 2
+
+
+def test_kuberl_up_trains_predators_and_prey_each_with_its_own_spaces(tmp_path):
+    """simple_tag's two agent groups see different observations (adversaries 12 numbers, the prey 10):
+    `kuberl up` trains a policy for each, and evaluates and exports each with its own spaces."""
+    pytest.importorskip("mpe2", reason="mpe2 is in the mpe extra (and dev)")
+    import yaml
+
+    from tests.helpers import run_logs, write_config
+
+    cfg = yaml.safe_load((ROOT / "configs" / "simple_tag_ppo.yaml").read_text())
+    cfg["env"]["num_envs"] = 4
+    cfg["ppo"] = {"rollout_steps": 32, "batch_steps": 256, "hidden_sizes": [32]}
+    cfg["run"] = {"max_env_steps": 8000, "poll_interval_s": 0.5}
+    cfg["evaluation"] = {"episodes": 9, "num_envs": 3}
+    path = write_config(tmp_path / "tag.yaml", cfg)
+    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
+                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "run"
+    assert proc.returncode == 0, proc.stdout + proc.stderr + run_logs(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["reason"] == "max_env_steps" and all(code == 0 for code in summary["exit_codes"].values()), summary
+    assert set(summary["exit_codes"]) == {"buffer-0", "learner-predator-0", "learner-prey-0", "actor-0"}
+    assert summary["samples_lost"]["total"] == 0
+    for name in ("predator", "prey"):
+        assert summary["policies"][name]["policy_version"] >= 1 and summary["policies"][name]["return_window"] > 0
+    evaluation = summary["evaluation"]["policies"]
+    assert evaluation["predator"]["agents"] == ["adversary_0", "adversary_1"] and evaluation["prey"]["agents"] == ["agent_0"]
+    assert evaluation["predator"]["episodes"] + evaluation["prey"]["episodes"] == 9
+    # episodes.csv says which policy played each episode.
+    rows = (run / "episodes.csv").read_text().splitlines()
+    assert rows[0].endswith(",policy") and {r.rsplit(",", 1)[1] for r in rows[1:]} == {"predator", "prey"}
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "export", str(run), "-o", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "input  obs     float32 [batch, 12]" in done.stdout and "input  obs     float32 [batch, 10]" in done.stdout

@@ -20,6 +20,7 @@ from services.common.config import EnvConfig
 from services.common.protocol.spaces import ActionSpace, Box
 from services.common.envs import EnvSpec as EnvSpec  # re-exported: the networks' view of an env
 from services.common.envs import spec_of as spec_of
+from services.common.envs import policy_spec as policy_spec
 
 
 def env_spec(env_id: str, max_episode_steps: int | None = None) -> EnvSpec:

@@ -3,6 +3,7 @@ share of a rollout (its slots, weights, version and fragment seqs), and the conf
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from services.actor.rollout import Rollout
@@ -12,7 +13,7 @@ from services.common.protocol.fragments import RawFragment, decode_fragment
 from services.common.stats import Metrics
 from services.config import ConfigError, config_from_dict
 from tests.helpers import TINY_PPO
-from tests.unit.actor.test_agents import COPIES, RELAY, collect_all, logged, steps_of
+from tests.unit.actor.test_agents import COPIES, RELAY, collect_all, steps_of
 from tests.unit.actor.test_selfplay import weights_preferring
 
 pytest.importorskip("pettingzoo", reason="PettingZoo is in the actor extra")
@@ -37,6 +38,17 @@ def test_agents_go_to_the_first_policy_whose_pattern_matches():
         map_agents({"red": ["red_*"], "blue": ["red_1"], "rest": ["*"]}, agents, "default")
 
 
+def logged_by_policy(envs) -> dict[str, dict[int, list[tuple]]]:
+    """Each policy's slots' steps as the env copies logged them (`logged`, per group of a grouped env)."""
+    out: dict[str, dict[int, list[tuple]]] = {}
+    for k, env in enumerate(envs.copies):
+        for agent, _, obs, action, reward, term, trunc, after in env.log:
+            g, n = envs.slot(k, agent)
+            out.setdefault(g.name, {}).setdefault(n, []).append(
+                (obs.tolist(), action, reward, term, trunc, after.tolist()))
+    return out
+
+
 def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
     rollout = Rollout(config(), "ma", 0, Metrics("actor"))
     try:
@@ -46,23 +58,25 @@ def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
         for policy, version, preferred in ((first, 3, 2), (rest, 7, 0)):
             policy.offer_weights(version, weights_preferring(rollout, preferred))
         msgs = collect_all(rollout, 6)
-        ref = logged(rollout.envs)
+        ref = logged_by_policy(rollout.envs)
     finally:
         rollout.close()
     frags = {name: [decode_fragment(RawFragment(m.payload)) for m in msgs if m.policy == name]
              for name in ("first", "rest")}
     assert len(msgs) == len(frags["first"]) + len(frags["rest"])
-    slots_a = {k * 3 for k in range(COPIES)}   # agent a of each copy
-    for name, version, action, slots in (("first", 3, 2, slots_a), ("rest", 7, 0, set(range(COPIES * 3)) - slots_a)):
+    # Each policy's slots are its agents' of every copy: `first` a's (COPIES), `rest` b's and c's.
+    for name, version, action, slots in (("first", 3, 2, COPIES), ("rest", 7, 0, 2 * COPIES)):
         assert [f.seq for f in frags[name]] == list(range(len(frags[name])))   # each table sees its own seqs
         assert all(f.policy_version == version for f in frags[name])
         got = steps_of(frags[name])
-        assert set(got) == slots
-        for slot in slots:   # every step of its agents, as the env logged it, and nothing of the others
-            assert got[slot] == ref[slot], f"{name}: slot {slot}"
+        assert sorted(got) == sorted(ref[name]) == list(range(slots))
+        for slot in ref[name]:   # every step of its agents, as the env logged it, and nothing of the others
+            assert got[slot] == ref[name][slot], f"{name}: slot {slot}"
             assert {step[1] for step in got[slot]} == {action}
     assert rollout.metrics.gauges["actor/policies/first/policy_version"] == 3
     assert rollout.metrics.gauges["actor/policies/rest/policy_version"] == 7
+    total = sum(len(steps) for by_slot in ref.values() for steps in by_slot.values())
+    assert rollout.metrics.counters["actor/env_steps_total"] == total
     policies = {ep.policy for ep in rollout.episodes.episodes}
     assert policies == {"first", "rest"}
     assert "actor/policies/first/episode_return_mean" in rollout.metrics.snapshot()
@@ -103,3 +117,84 @@ def test_an_actor_is_given_a_learner_per_policy():
 def test_an_agent_no_policy_plays_is_refused_at_start():
     with pytest.raises(ValueError, match=r"agent 'b' of pettingzoo:kuberl_envs.relay matches no policy's agents"):
         Rollout(config({"first": {"agents": ["a"]}, "third": {"agents": ["c"]}}), "ma", 0, Metrics("actor"))
+
+
+class Uneven:
+    """relay whose agent c sees 4 numbers and has 2 actions (a and b: 3 and 3): two agent groups."""
+
+    @staticmethod
+    def parallel_env(**kwargs):
+        from gymnasium import spaces
+
+        from kuberl_envs.relay import Relay
+
+        class UnevenRelay(Relay):
+            def observation_space(self, agent):
+                return spaces.Box(-np.inf, np.inf, (4 if agent == "c" else 3,), np.float32)
+
+            def action_space(self, agent):
+                return spaces.Discrete(2 if agent == "c" else 3)
+
+            def _obs(self, agent):
+                obs = super()._obs(agent)
+                return np.append(obs, 7.0).astype(np.float32) if agent == "c" else obs
+
+        return UnevenRelay(**kwargs)
+
+
+@pytest.fixture
+def uneven(monkeypatch):
+    import sys
+    import types
+
+    module = types.ModuleType("uneven_relay")
+    module.parallel_env = Uneven.parallel_env
+    monkeypatch.setitem(sys.modules, "uneven_relay", module)
+    return config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:uneven_relay", "num_envs": COPIES},
+                             "planner": {"enabled": False}, "ppo": {**TINY_PPO["ppo"], "rollout_steps": 5},
+                             "policies": {"ab": {"agents": ["a", "b"]}, "c": {"agents": ["c"]}}})
+
+
+def test_agent_groups_with_spaces_of_their_own_train_each_on_its_own(uneven, tmp_path):
+    """Groups whose spaces differ: each policy's network, fragments and learner take its own spaces."""
+    from services.buffer.store import Store
+    from services.common.envs import policy_specs
+    from services.learner.trainer import Trainer
+
+    specs = policy_specs(uneven)
+    assert (specs["ab"].obs_shape, specs["ab"].action.n) == ((3,), 3)
+    assert (specs["c"].obs_shape, specs["c"].action.n) == ((4,), 2)
+    rollout = Rollout(uneven, "ma", 0, Metrics("actor"))
+    try:
+        msgs = collect_all(rollout, 8)
+        ref = logged_by_policy(rollout.envs)
+    finally:
+        rollout.close()
+    for name, width in (("ab", 3), ("c", 4)):
+        frags = [decode_fragment(RawFragment(m.payload)) for m in msgs if m.policy == name]
+        assert frags and all(f.obs.shape[2:] == (width,) for f in frags)
+        got = steps_of(frags)
+        assert got == {slot: ref[name][slot] for slot in got} and sorted(got) == sorted(ref[name])
+        # Its learner, built for its spaces, trains on its table's batches.
+        cfg = uneven
+        store = Store(cfg, Metrics("buffer"))
+        for m in msgs:
+            if m.policy == name:
+                store.insert(RawFragment(m.payload))
+        trainer = Trainer(cfg, Metrics("learner"), tmp_path / name, policy=name)
+        assert trainer.spec == specs[name]
+        batch = store.next_batch(8, "learner")
+        assert batch is not None
+        trainer.train(batch)
+        assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0
+
+
+def test_agents_of_one_policy_must_still_share_their_spaces(uneven):
+    import dataclasses
+
+    from services.common.config import PolicyConfig
+    from services.common.envs import policy_specs
+
+    mixed = dataclasses.replace(uneven, policies={"ac": PolicyConfig(("a", "c")), "b": PolicyConfig(("b",))})
+    with pytest.raises(ValueError, match=r"agent 'c' has observation space Box.*they are policy 'ac''s agents"):
+        policy_specs(mixed)
