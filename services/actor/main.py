@@ -80,7 +80,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
     # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py); one per
     # policy's table where there are several.
-    gates = {name if several else "": InsertGate(metrics) for name in learners}
+    gates = {name if several else "": InsertGate(metrics, name if several else "") for name in learners}
     links = {name: ShardLink(cfg, actor_id, incarnation, gate, metrics, shards, shard, given_index, max_bytes,
                              policy=name) for name, gate in gates.items()}
     gate = gates[next(iter(gates))]   # (the one policy's, where there is one)

@@ -19,7 +19,7 @@ A session of several agents (hello.agent_ids) gives each agent a slot. A step na
 on it (`EnvStep.agents`); the outcomes it carries are those of the agents that acted on the step before.
 An agent that acted and did not end must act again; one that ended acts on with its next episode or
 leaves, and comes back only through `EnvStep.joined`. Its transitions are recorded only at the steps it
-acted, and a window is cut into one fragment per run of steps of a set of agents (rollout.py's
+acted, and a window is cut into one fragment per run of steps of a set of agents (windows.py's
 `split_runs`, as for PettingZoo envs), so no agent's step is lost or recorded twice.
 
 A hub without `on_fragment` (`kuberl serve`: inference only) checks everything exactly as a training
@@ -40,7 +40,7 @@ from kuberl.v1 import actor_pb2
 from services.actor.encoder import FragmentEncoder
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import FINITE, Check
-from services.actor.rollout import window_groups
+from services.actor.windows import window_groups
 from services.config import ExperimentConfig
 from services import algorithms
 from services.common.protocol.fragments import MAX_ID_LEN, EncodedFragment, encode_fragment
@@ -553,7 +553,7 @@ class SessionHub:
 
     def _emit(self, s: Session, t: int, last: bool = False) -> None:
         """Cut the session's first t transitions as a fragment (a session of several agents: one per run
-        of steps of a set of its agents, rollout.py's `window_groups`) and start anew (not if `last`)."""
+        of steps of a set of its agents, windows.py's `window_groups`) and start anew (not if `last`)."""
         b, N = s.buffers, s.num_envs
         common = dict(actor_id=self.actor_id, incarnation=self.incarnation, policy_version=min(s.versions[:t]),
                       algorithm=self.algorithm.code)

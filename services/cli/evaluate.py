@@ -331,7 +331,8 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
     cfg = first.cfg
     envs = make_vector_env(cfg.env, min(num_envs, episodes), policies={k: v.agents for k, v in cfg.policies.items()})
     n = envs.num_envs
-    order = [(g.name, i) for g in envs.groups for i in range(len(g.obs))]   # every slot, for the shares
+    # Every slot, copy by copy in the env's agent order, for the shares: each policy's agents get theirs.
+    order = [(g.name, i) for k in range(len(envs.copies)) for g, i in (envs.slot(k, a) for a in envs.agents)]
     share = {slot: (episodes + k) // n for k, slot in enumerate(order)}
     acts = {g.name: act_fn(trained[g.name], deterministic, len(g.obs)) for g in envs.groups}
     done = dict.fromkeys(order, 0)

@@ -30,8 +30,9 @@ class HeldShare:
         return min(1.0, max(0.0, (held_s - last[1]) / ((now - last[0]) * actors)))
 
 
-def progress_line(row: dict, window: int) -> str:
-    """The console line of a metrics.csv row; `window`: the episodes the mean return is over."""
+def progress_line(row: dict, window: int, policies: tuple[str, ...] = ()) -> str:
+    """The console line of a metrics.csv row; `window`: the episodes the mean return is over; `policies`:
+    a run's several, each shown with its return and version."""
     def f(v, spec=",.0f"):
         return "-" if v is None else format(v, spec)
     skipped = f" ({row['episodes_skipped']:,} skipped)" if row["episodes_skipped"] else ""
@@ -47,4 +48,7 @@ def progress_line(row: dict, window: int) -> str:
             f" {f(row['learner_updates_per_s'], ',.1f')} upd/s {f(row['learner_samples_per_s'])} smp/s"
             f" lag {f(row['learner_policy_lag_mean'], '.1f')} | buffer {f(row['buffer_size_samples'])}"
             f"{ratio}{held}"
-            f" | lost {fmt_losses({r: row[f'samples_lost_{r}'] for r in LOSS_REASONS})}")
+            f" | lost {fmt_losses({r: row[f'samples_lost_{r}'] for r in LOSS_REASONS})}"
+            + ("" if len(policies) < 2 else " | " + ", ".join(
+                f"{name} {fmt_return(row.get(f'return_mean_{name}'))} v{f(row.get(f'policy_version_{name}'))}"
+                for name in policies)))

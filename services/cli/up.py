@@ -42,6 +42,13 @@ log = logging.getLogger("kuberl.up")
 SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate"]   # (with selfplay.enabled: the actors' mean)
 
 
+def policy_columns(cfg: ExperimentConfig) -> list[str]:
+    """metrics.csv's columns of a run of several policies: each one's mean return and version."""
+    if len(cfg.policy_names) < 2:
+        return []
+    return [f"{column}_{name}" for name in cfg.policy_names for column in ("return_mean", "policy_version")]
+
+
 def _new_dir(root: Path, name: str) -> Path:
     """`root/name`, or `root/name-2`, `-3`... if taken: runs started in the same second never share a
     directory (their logs, ready files and checkpoints would mix)."""
@@ -158,7 +165,13 @@ class LocalRun:
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
             "process_restarts": sum(self.fleet.restarts.values()),
             **(self._selfplay() if self.cfg.selfplay.enabled else {}),
+            **(self._policies() if len(self.cfg.policy_names) > 1 else {}),
         }
+
+    def _policies(self) -> dict[str, float | None]:
+        """A run of several policies: each one's mean return (its agents' last episodes) and version."""
+        return {f"{column}_{name}": value for name, p in self.policies_summary().items()
+                for column, value in (("return_mean", p["mean_return"]), ("policy_version", p["policy_version"]))}
 
     def _selfplay(self) -> dict:
         """Self-play's Elo and win rate against the pool, each the mean over the actors reporting it."""
@@ -241,7 +254,7 @@ class LocalRun:
         try:
             csv_file = files.enter_context(open(self.dir / "metrics.csv", "w", newline=""))
             writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS + (SELFPLAY_COLUMNS if self.cfg.selfplay.enabled
-                                                                        else []))
+                                                                        else []) + policy_columns(self.cfg))
             writer.writeheader()
             episodes_file = files.enter_context(open(self.dir / "episodes.csv", "w", newline=""))
             self.episode_rows = csv.writer(episodes_file)
@@ -283,7 +296,7 @@ class LocalRun:
                     for d in self.fleet.new_decisions():
                         self.tracker.decision(decision_event(d), self.env_steps)
                 if self.progress:
-                    print(progress_line(row, len(self.returns)), flush=True)
+                    print(progress_line(row, len(self.returns), self.cfg.policy_names), flush=True)
                 if (reason := self.stop_reason()) is not None:
                     break
         except KeyboardInterrupt:

@@ -140,7 +140,9 @@ def test_kuberl_up_trains_predators_and_prey_each_with_its_own_spaces(tmp_path):
     evaluation = summary["evaluation"]["policies"]
     assert evaluation["predator"]["agents"] == ["adversary_0", "adversary_1"] and evaluation["prey"]["agents"] == ["agent_0"]
     assert evaluation["predator"]["episodes"] + evaluation["prey"]["episodes"] == 9
-    # episodes.csv says which policy played each episode.
+    # metrics.csv has each policy's return and version; episodes.csv says which policy played each episode.
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"return_mean_predator", "policy_version_predator", "return_mean_prey", "policy_version_prey"} <= set(header)
     rows = (run / "episodes.csv").read_text().splitlines()
     assert rows[0].endswith(",policy") and {r.rsplit(",", 1)[1] for r in rows[1:]} == {"predator", "prey"}
     done = subprocess.run([sys.executable, "-m", "services.cli.main", "export", str(run), "-o", str(tmp_path / "out")],

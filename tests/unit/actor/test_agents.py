@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.actor.rollout import Rollout, split_runs
+from services.actor.rollout import Rollout
+from services.actor.windows import split_runs
 from services.buffer.store import Store
 from services.common.agents import ParallelVectorEnv, make_parallel
 from services.common.protocol.fragments import RawFragment, decode_fragment
