@@ -5,6 +5,15 @@ them). Assertions are on returns, win rates and env steps (agent steps recorded)
   a mean per-agent return of -21 or better over the last 100 agent episodes within 1,500,000 agent
   steps. A uniform random policy scores -27.1 (600 agent episodes, sd 7.9). Measured on the development
   machine (2 cores): seed 0 -22.8 at 600k; seed 1 crossed -21 at about 500k and was at -17.5 at 1.5M.
+- **Cooperative with two policies: simple_spread**, configs/simple_spread_two_policies_ppo.yaml: `lead`
+  plays agent_0 and `team` the two others, each with its own learner, weights and buffer table; for
+  1,000,000 agent steps, then each policy's mean return over its agents' last 200 episodes must be -24.5
+  or better (random: -27.1), and `kuberl up`'s evaluation of both final checkpoints together (60
+  agent episodes, deterministic) -26 or better for each. Measured (2 cores, 2026-11-27), last 100
+  episodes at 1M / 1.5M steps: seed 0 lead -23.0 / -21.8, team -23.0 / -21.6; seed 1 lead -21.9 /
+  -22.1, team -22.1 / -22.0 (the shared policy above learns faster: each of these policies sees only
+  its agents' samples); the greedy evaluation of seed 0's final checkpoints over 300 agent episodes
+  -23.2 (lead) and -23.1 (team).
 - **Competitive, by self-play: tron** (kuberl_envs.tron, 8x8), configs/tron_selfplay_ppo.yaml, for
   1,500,000 steps; then the final checkpoint plays 400 games against a uniform random player. (The
   scripted player, kuberl_envs/tron.py, goes straight on until blocked, then to a free side: it wins
@@ -40,6 +49,29 @@ def test_a_shared_policy_learns_simple_spread(tmp_path):
     cfg = yaml.safe_load((ROOT / "configs" / "simple_spread_ppo.yaml").read_text())
     summary = up_to_target(tmp_path, "simple_spread_ppo", cfg, target=-21.0, budget=1_500_000)
     assert summary["samples_lost"]["total"] == 0
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(900)
+def test_two_policies_learn_simple_spread_side_by_side(tmp_path):
+    cfg = yaml.safe_load((ROOT / "configs" / "simple_spread_two_policies_ppo.yaml").read_text())
+    cfg["run"] = {"max_env_steps": 1_000_000, "return_window": 200, "poll_interval_s": 0.5}
+    cfg["evaluation"] = {"episodes": 60, "num_envs": 10, "max_seconds": 0}
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
+                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=880)
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary["reason"] == "max_env_steps" and summary["samples_lost"]["total"] == 0, summary
+    failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
+    assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(run, failed)}"
+    for name in ("lead", "team"):
+        policy = summary["policies"][name]
+        assert policy["return_window"] == 200 and policy["mean_return"] >= -24.5, summary["policies"]
+        evaluated = summary["evaluation"]["policies"][name]
+        assert evaluated["episodes"] >= 20 and evaluated["return"]["mean"] >= -26.0, summary["evaluation"]["policies"]
 
 
 def _eval_against(run, against: str, games: int) -> dict:
