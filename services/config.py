@@ -56,6 +56,9 @@ class ExperimentConfig(CommonConfig):
         if (declared := self.env.declared_spec) is not None:
             check_algorithm_takes(self, declared, *self.env.declared_sources)
         super().__post_init__()
+        if len(self.policies) > 1 and getattr(self.section(self.algorithm), "recurrent", None):
+            raise ConfigError(f"{self.algorithm}.recurrent", "several policies in one run act with feed-forward "
+                              "policies so far (docs/multi-agent.md, \"Several policies\")")
         if (shards := self.topology.buffers) > 1:
             table = algorithms.get(self.algorithm).table(self)
             if isinstance(table, algorithms.ReplayTable):

@@ -150,7 +150,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             queue; sessions: refuse new ones, flush every open one's fragment."""
             if worker is not None:
                 worker.stop_event.set()
-                gate.clear()
+                for each in gates.values():
+                    each.clear()
             await watch
             if hub is not None:
                 hub.close_all()
@@ -165,7 +166,10 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
             stopping.set()
             try:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):
-                    await asyncio.shield(asyncio.gather(*pushes))
+                    # (every link's push is waited for, whichever ends first or fails: a failure is raised after)
+                    for ended in await asyncio.shield(asyncio.gather(*pushes, return_exceptions=True)):
+                        if isinstance(ended, BaseException):
+                            raise ended
             except TimeoutError:
                 for push in pushes:
                     push.cancel()

@@ -146,8 +146,6 @@ class Rollout:
                 len(self.obs[name]) if several else n,
                 mask=self._mask_of(masks[name], spec, len(self.obs[name]))
                 if name in masks and self.algorithm.uses_masks(spec.action) else None))
-        if several and self.groups[0].policy.state_size:
-            raise ValueError("ppo.recurrent: several policies in one run act with feed-forward policies so far")
         self.policies = {g.name: g.policy for g in self.groups}
         self.policy = self.groups[0].policy   # (the run's policy, where it has one)
         # Self-play: one learning agent per copy, the others played by snapshots (selfplay.py).

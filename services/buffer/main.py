@@ -86,6 +86,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         if len(tables) > 1:   # (the buffer's own metrics tick with the lifecycle; each table's here)
             for t in tables:
                 lc.task(tick_forever(t.servicer.metrics), f"stats-{t.name}")
+            lc.task(router.refresh_forever(), "stats-merge")
         lc.on_stop(router.close)               # refuse new pushes, ack open ones, end batch streams
         lc.on_stop(lc.stop_server(grace=2.0))  # let in-flight calls finish
         # A last checkpoint of each table's final contents, after the deadline: a large ring takes longer

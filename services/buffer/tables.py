@@ -6,12 +6,13 @@ BufferServicer over them), with its own counters. `TableRouter` is the gRPC serv
 `kuberl-policy` metadata (services/common/net/policy.py) names its table; a call without it goes to the
 only table, and a buffer of several refuses it, naming them. SetTopology goes to every table (the
 shards are shared: a shard drains when every table is drained). GetStats without a policy answers for
-the whole buffer: every counter and rate summed over the tables, the live actors (each watches every
-table) once, and each table's figures under `buffer/policies/<policy>/...`; naming a policy, that
-table's own."""
+the whole buffer (`merged_metrics`, each table read on its store's owner): counters, rates and sizes
+summed over the tables, the replay ratio over all, the live actors (each watches every table) once,
+and each table's figures under `buffer/policies/<policy>/...`; naming a policy, that table's own."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer.servicer import BufferServicer
 from services.common.net.policy import METADATA_KEY, requested
+from services.common.net.shards import combined_samples_per_insert
 from services.common.stats import Metrics
 
 PROCESS_WIDE = ("buffer/uptime_s", "buffer/cpu_seconds_total")   # (a table's snapshot has them too: once)
@@ -30,18 +32,25 @@ def summed(name: str) -> bool:
     return name.endswith(("_total", "_per_s")) and name not in PROCESS_WIDE
 
 
-def merged_metrics(tables: dict[str, Metrics]) -> dict[str, float]:
-    """Every table's counters and rates summed, and each table's figures under buffer/policies/<name>/."""
+SUMMED_GAUGES = ("buffer/size_samples", "buffer/samples_produced")   # (what the tables hold and made)
+
+
+def merged_metrics(snapshots: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The tables' snapshots as the whole buffer's: counters, rates, what they hold and produced summed;
+    the replay ratio held over all of them (`combined_samples_per_insert`); the live actors once; and
+    each table's figures under buffer/policies/<name>/."""
     out: dict[str, float] = {}
-    for name, metrics in tables.items():
-        for key, value in metrics.snapshot().items():
+    for name, snapshot in snapshots.items():
+        for key, value in snapshot.items():
             if key in PROCESS_WIDE:
                 continue
             out[f"buffer/policies/{name}/{key.removeprefix('buffer/')}"] = value
-            if summed(key):
+            if summed(key) or key in SUMMED_GAUGES:
                 out[key] = out.get(key, 0.0) + value
             elif key == "buffer/actors_live":   # (an actor watches each table it pushes to: counted once)
                 out[key] = max(out.get(key, 0.0), value)
+    if (ratio := combined_samples_per_insert(snapshots.values())) is not None:
+        out["buffer/samples_per_insert"] = ratio
     return out
 
 
@@ -59,8 +68,20 @@ class TableRouter(buffer_pb2_grpc.BufferServicer):
 
     def __init__(self, tables: dict[str, BufferServicer], metrics: Metrics):
         self.tables, self.metrics = tables, metrics
+        self._merged: dict[str, float] = {}   # the tables' figures as of the last `refresh`
         if len(tables) > 1:
-            metrics.add_gauges(lambda: merged_metrics({name: t.metrics for name, t in tables.items()}))
+            metrics.add_gauges(lambda: self._merged)
+
+    async def refresh(self) -> None:
+        """Read every table's figures, each on its store's owner (between its calls), and merge them."""
+        self._merged = merged_metrics({name: await t.run(t.metrics.snapshot, urgent=True)
+                                       for name, t in self.tables.items()})
+
+    async def refresh_forever(self, period_s: float = 1.0) -> None:
+        """Keep the merged figures fresh for the metrics endpoint (a buffer of several tables' task)."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(period_s)
 
     async def _table(self, context, rpc: str) -> BufferServicer:
         name = requested(context)
@@ -99,4 +120,5 @@ class TableRouter(buffer_pb2_grpc.BufferServicer):
         if len(self.tables) == 1 or requested(context) is not None:
             table = await self._table(context, "GetStats")
             return await table.GetStats(request, context)
+        await self.refresh()
         return self.metrics.response()

@@ -137,7 +137,9 @@ class LocalRun:
         return sum(self.returns) / len(self.returns) if self.returns else None
 
     def row(self) -> dict:
-        learner = self.fleet.role("learner")[0].stats if self.fleet.role("learner") else {}
+        # (Several policies: no one learner speaks for the run; each policy's version has its own column.)
+        learner = self.fleet.role("learner")[0].stats if self.fleet.role("learner") and len(self.cfg.policy_names) == 1 \
+            else {}
         buffers = [m.stats for m in self.fleet.role("buffer")]
         buffer = buffers[0] if buffers else {}
         planner = self.fleet.role("planner")[0].stats if self.fleet.role("planner") else {}

@@ -156,7 +156,7 @@ class ParallelVectorEnv:
         self.agents: list[str] = list(first.possible_agents)
         if not self.agents:
             raise ValueError(f"env.id: {env_id}: possible_agents is empty")
-        self.grouped = policies is not None
+        self.grouped = bool(policies)
         groups = map_agents(policies, self.agents, "", env_id) if policies else {"": list(range(len(self.agents)))}
         self.groups = [self._group(first, name, [self.agents[j] for j in members]) for name, members in groups.items()]
         self._where: dict[str, tuple[SlotGroup, int]] = {   # agent -> (its group, its place in the group)
@@ -173,18 +173,20 @@ class ParallelVectorEnv:
         """A group's slots; ValueError naming env.id and the agent when its agents' spaces differ."""
         obs0, mask0 = _split_space(first.observation_space(agents[0]))
         act0 = first.action_space(agents[0])
-        share = (f"they are policy {name!r}'s agents, so their spaces must be the same" if self.grouped
-                 else "the agents share one policy, so their spaces must be the same")
+        # (A group of a run of several policies: the key to change is the policy's agents.)
+        key, share = ((f"policies.{name}.agents: {self.env_id}", f"they are policy {name!r}'s agents, so their "
+                       f"spaces must be the same") if self.grouped
+                      else (f"env.id: {self.env_id}", "the agents share one policy, so their spaces must be the same"))
         for agent in agents[1:]:
             obs, mask = _split_space(first.observation_space(agent))
             act = first.action_space(agent)
             for what, mine, theirs in (("observation", obs, obs0), ("action", act, act0)):
                 if mine != theirs:
-                    raise ValueError(f"env.id: {self.env_id}: agent {agent!r} has {what} space {mine}, agent "
-                                     f"{agents[0]!r} {theirs}; {share}")
+                    raise ValueError(f"{key}: agent {agent!r} has {what} space {mine}, agent {agents[0]!r} "
+                                     f"{theirs}; {share}")
             if (mask is None) != (mask0 is None):
-                raise ValueError(f"env.id: {self.env_id}: agent {agent!r} has an action mask and agent "
-                                 f"{agents[0]!r} does not (or the other way round)")
+                raise ValueError(f"{key}: agent {agent!r} has an action mask and agent {agents[0]!r} does not "
+                                 f"(or the other way round)")
         return SlotGroup(name, agents, obs0, act0, mask0)
 
     def spaces(self, name: str) -> tuple[Any, Any]:

@@ -708,7 +708,9 @@ class CommonConfig:
         for name in self.policies:
             if problem := name_problem(name):
                 raise ConfigError(f"policies.{name}", problem)
-        if len(self.policies) < 2:
+        require(len(self.policies) != 1, "policies", list(self.policies),
+                "name two or more policies, each with its agents (without `policies`, one policy plays every agent)")
+        if not self.policies:
             return
         why = "several policies (a policy per agent group) are trained "
         require(self.env.id.startswith("pettingzoo:"), "policies", list(self.policies),

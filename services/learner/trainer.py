@@ -80,6 +80,9 @@ class Trainer:
     def _apply_checkpoint(self, state: dict) -> None:
         """Load a checkpoint's state; if it does not fit (another model, missing keys), the algorithm
         may be half-loaded, so it is rebuilt fresh before the error goes on to the next fallback."""
+        held = state.get("policy")
+        if held is not None and held != self.policy:   # (a checkpoint of another policy of the run)
+            raise ValueError(f"it holds policy {held!r}, this learner trains {self.policy!r}")
         try:
             self.algo.load_state_dict(state["algo"])
         except BaseException:

@@ -87,7 +87,9 @@ def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
     ({"planner": {"enabled": True}}, r"planner.enabled: True is invalid: .*does not yet balance the learners"),
     ({"selfplay": {"enabled": True}}, r"selfplay.enabled: True is invalid: .*without self-play so far"),
     ({"policies": {"Red": {"agents": ["a"]}}}, r"policies.Red: 'Red' is not a policy name"),
-    ({"policies": {"red": {"agents": []}}}, r"policies.red.agents: \[\] is invalid: name the agents"),
+    ({"policies": {"red": {"agents": []}, "blue": {"agents": ["b"]}}}, r"policies.red.agents: \[\] is invalid: name the agents"),
+    ({"policies": {"red": {"agents": ["a"]}}}, r"policies: \['red'\] is invalid: name two or more policies"),
+    ({"ppo": {**TINY_PPO["ppo"], "recurrent": "lstm"}}, r"ppo.recurrent: several policies in one run act with feed-forward"),
 ])
 def test_a_policies_config_is_checked_naming_the_key(more, problem):
     cfg = {**TINY_PPO, "env": {"id": RELAY}, "planner": {"enabled": False}, "policies": TWO, **more}
@@ -196,5 +198,19 @@ def test_agents_of_one_policy_must_still_share_their_spaces(uneven):
     from services.common.envs import policy_specs
 
     mixed = dataclasses.replace(uneven, policies={"ac": PolicyConfig(("a", "c")), "b": PolicyConfig(("b",))})
-    with pytest.raises(ValueError, match=r"agent 'c' has observation space Box.*they are policy 'ac''s agents"):
+    with pytest.raises(ValueError, match=r"policies.ac.agents: pettingzoo:uneven_relay: agent 'c' has observation space "
+                                         r"Box.*they are policy 'ac''s agents"):
         policy_specs(mixed)
+
+
+def test_a_learner_does_not_resume_another_policys_checkpoint(tmp_path):
+    from services.learner.trainer import Trainer
+
+    cfg = config()
+    first = Trainer(cfg, Metrics("learner"), tmp_path, policy="first")
+    first.algo.version = 5
+    assert first.checkpoint() is not None
+    # The same directory given to the other policy's learner (same spaces): refused, it starts afresh.
+    rest = Trainer(cfg, Metrics("learner"), tmp_path, policy="rest")
+    assert rest.version == 0
+    assert Trainer(cfg, Metrics("learner"), tmp_path, policy="first").version == 5
