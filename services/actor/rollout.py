@@ -253,7 +253,9 @@ class Rollout:
         """`collect` for a run of several policies: every policy acts for its agents' slots in one batched
         call, the env steps them all at once, and each policy's steps are recorded and cut apart (a
         feed-forward policy, no self-play, no Atari: the config refuses the rest)."""
-        T, env_id = self.cfg.rollout_steps, self.cfg.env.id
+        T = self.cfg.rollout_steps
+        # (a bad value names the policy whose slots it is in: the index it gives is within them)
+        labels = {g.name: f"{self.cfg.env.id} (policy {g.name}'s agents)" for g in self.groups}
         windows = {g.name: Window.empty(T, g.slots, g.spec, g.mask is not None, self.extras.steps, True)
                    for g in self.groups}
         for g in self.groups:
@@ -264,7 +266,7 @@ class Rollout:
             for g in self.groups:
                 w, obs = windows[g.name], self.obs[g.name]
                 if t == 0 and self.env_steps == 0:  # the first reset's observations
-                    check_env_step(env_id, g.check, self.metrics, obs)
+                    check_env_step(labels[g.name], g.check, self.metrics, obs)
                 w.present[t] = self.present[g.name]
                 a, recorded, _ = g.policy.act(obs, self.env_steps, g.mask)
                 actions[g.name] = g.spec.action.clip(a) if isinstance(g.spec.action, Box) else a
@@ -280,7 +282,7 @@ class Rollout:
                 obs, r, term, trunc = obs_all[g.name], r_all[g.name], term_all[g.name], trunc_all[g.name]
                 ended = term | trunc
                 final = info["final_obs"][g.name]
-                check_env_step(env_id, g.check, self.metrics, obs, r, {"final_obs": final}, ended)
+                check_env_step(labels[g.name], g.check, self.metrics, obs, r, {"final_obs": final}, ended)
                 if g.mask is not None:
                     g.mask = self._mask_of(info["action_mask"][g.name], g.spec, g.slots)
                 w.rewards[t], w.terminated[t], w.truncated[t] = r, term, trunc

@@ -149,3 +149,29 @@ def test_kuberl_up_trains_predators_and_prey_each_with_its_own_spaces(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "input  obs     float32 [batch, 12]" in done.stdout and "input  obs     float32 [batch, 10]" in done.stdout
+
+
+async def test_two_replay_tables_each_held_to_the_replay_ratio(tmp_path):
+    """DQN: each policy's table is a replay of its own, paced by its own rate limiter; the actor, which
+    steps both policies' agents, holds while either table's learner is behind."""
+    from services.config import config_from_dict
+    from tests.helpers import TINY_DQN
+    from tests.unit.actor.test_policies import TWO
+    from tests.unit.actor.test_agents import COPIES, RELAY
+
+    cfg = config_from_dict({**TINY_DQN, "env": {"id": RELAY, "num_envs": COPIES}, "planner": {"enabled": False},
+                            "dqn": {**TINY_DQN["dqn"], "rollout_steps": 4, "replay_ratio": 8.0}, "policies": TWO})
+    async with two_policy_stack(cfg, tmp_path) as (buffer, learners, actor):
+        await _until(lambda: _at_least(actor, actor_pb2_grpc.ActorStub, ["actor/policies/first/policy_version",
+                                                                        "actor/policies/rest/policy_version"], 40),
+                     timeout=120)
+        b = await _stats(buffer, buffer_pb2_grpc.BufferStub)
+        a = await _stats(actor, actor_pb2_grpc.ActorStub)
+    for name in ("first", "rest"):
+        assert b[f"buffer/policies/{name}/replay_ratio_target"] == 8.0
+        # Held to the ratio: samples served per sample produced after the warm-up near 8 (measured 6.6 to 8.0
+        # at 20 versions; a fragment in flight moves it by a tenth at 40).
+        assert 4.0 <= b[f"buffer/policies/{name}/samples_per_insert"] <= 12.0, {
+            k: v for k, v in b.items() if "samples_per_insert" in k}
+    assert a["actor/limiter_waits_total"] > 0   # the actor was held (by one table or the other)
+    assert a["actor/fragments_dropped_total"] == 0

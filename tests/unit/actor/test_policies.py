@@ -214,3 +214,32 @@ def test_a_learner_does_not_resume_another_policys_checkpoint(tmp_path):
     rest = Trainer(cfg, Metrics("learner"), tmp_path, policy="rest")
     assert rest.version == 0
     assert Trainer(cfg, Metrics("learner"), tmp_path, policy="first").version == 5
+
+
+def test_a_non_finite_observation_stops_the_actor_naming_the_policy(monkeypatch):
+    """Bad data never reaches a fragment: as with one policy (finite.py), named by the policy's slots."""
+    import sys
+    import types
+
+    from kuberl_envs.relay import Relay
+    from services.actor.finite import BadEnvStep
+
+    class NanRelay(Relay):
+        def _obs(self, agent):
+            obs = super()._obs(agent)
+            return np.full_like(obs, np.nan) if agent == "c" and self.t == 4 else obs
+
+    module = types.ModuleType("nan_relay")
+    module.parallel_env = lambda **kw: NanRelay(**kw)
+    monkeypatch.setitem(sys.modules, "nan_relay", module)
+    cfg = config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:nan_relay", "num_envs": COPIES},
+                            "planner": {"enabled": False}, "ppo": {**TINY_PPO["ppo"], "rollout_steps": 5},
+                            "policies": {"ab": {"agents": ["a", "b"]}, "c": {"agents": ["c"]}}})
+    rollout = Rollout(cfg, "ma", 0, Metrics("actor"))
+    try:
+        with pytest.raises(BadEnvStep, match=r"env.id: pettingzoo:nan_relay \(policy c's agents\) returned"):
+            collect_all(rollout, 2)
+        assert rollout.metrics.counters["actor/steps_refused_nonfinite_total"] == 1
+        assert rollout.metrics.counters["actor/fragments_total"] == 0   # nothing of that window was cut
+    finally:
+        rollout.close()
