@@ -57,21 +57,28 @@ def test_two_policies_learn_simple_spread_side_by_side(tmp_path):
     cfg = yaml.safe_load((ROOT / "configs" / "simple_spread_two_policies_ppo.yaml").read_text())
     cfg["run"] = {"max_env_steps": 1_000_000, "return_window": 200, "poll_interval_s": 0.5}
     cfg["evaluation"] = {"episodes": 60, "num_envs": 10, "max_seconds": 0}
-    path = tmp_path / "two.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
-                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=880)
-    run = tmp_path / "run"
-    summary = json.loads((run / "summary.json").read_text())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert summary["reason"] == "max_env_steps" and summary["samples_lost"]["total"] == 0, summary
-    failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
-    assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(run, failed)}"
+    _, summary = _up_to_budget(tmp_path, cfg, timeout=880)
+    assert summary["samples_lost"]["total"] == 0, summary
     for name in ("lead", "team"):
         policy = summary["policies"][name]
         assert policy["return_window"] == 200 and policy["mean_return"] >= -24.5, summary["policies"]
         evaluated = summary["evaluation"]["policies"][name]
         assert evaluated["episodes"] >= 20 and evaluated["return"]["mean"] >= -26.0, summary["evaluation"]["policies"]
+
+
+def _up_to_budget(tmp_path, cfg: dict, timeout: float):
+    """`kuberl up` on `cfg` until its run.max_env_steps, every process exiting cleanly: (run dir, summary)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
+                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary["reason"] == "max_env_steps" and summary["env_steps"] >= cfg["run"]["max_env_steps"], summary
+    failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
+    assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(run, failed)}"
+    return run, summary
 
 
 def _eval_against(run, against: str, games: int) -> dict:
@@ -86,16 +93,7 @@ def _eval_against(run, against: str, games: int) -> dict:
 def test_self_play_beats_random_at_tron(tmp_path):
     cfg = yaml.safe_load((ROOT / "configs" / "tron_selfplay_ppo.yaml").read_text())
     cfg["run"] = {**cfg["run"], "max_env_steps": TRON_BUDGET, "poll_interval_s": 0.5}
-    path = tmp_path / "tron.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
-                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=1000)
-    run = tmp_path / "run"
-    summary = json.loads((run / "summary.json").read_text())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert summary["reason"] == "max_env_steps" and summary["env_steps"] >= TRON_BUDGET, summary
-    failed = {n: code for n, code in summary["exit_codes"].items() if code != 0}
-    assert not failed, f"processes that did not exit cleanly: {failed}\n{run_logs(run, failed)}"
+    run, summary = _up_to_budget(tmp_path, cfg, timeout=1000)
     random = _eval_against(run, "random", 400)
     assert random["win_rate"] >= 0.8 and random["losses"] <= 8, random
     # `kuberl up`'s own evaluation of a self-play run: games against random, not the policy against itself.
