@@ -23,11 +23,10 @@ from services.common.stats import Metrics
 
 
 class InsertGate:
-    def __init__(self, metrics: Metrics, policy: str = ""):
-        """`policy`: of a run of several, the one whose buffer table this gate follows: its gauges are
-        `actor/policies/<policy>/limiter_*`."""
+    def __init__(self, metrics: Metrics):
+        """`metrics`: scoped to the policy whose buffer table this gate follows, of a run of several
+        (its gauges are then `actor/policies/<policy>/limiter_*`)."""
         self.metrics = metrics
-        self._prefix = f"actor/policies/{policy}/" if policy else "actor/"
         self._cond = threading.Condition()
         self._limit: int | None = None
         self._inserted = 0
@@ -100,7 +99,7 @@ class InsertGate:
 
     def gauges(self) -> dict[str, float]:
         with self._cond:
-            out = {f"{self._prefix}limiter_unstored_samples": float(self._unstored_samples)}
+            out = {self.metrics.scope_name("actor/limiter_unstored_samples"): float(self._unstored_samples)}
             if self._limit is not None:
-                out[f"{self._prefix}limiter_room_samples"] = float(self._limit - self._inserted - self._unstored_samples)
+                out[self.metrics.scope_name("actor/limiter_room_samples")] = float(self._limit - self._inserted - self._unstored_samples)
             return out

@@ -75,14 +75,17 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         learners = learner_addresses(learner, cfg.policy_names)
     except ValueError as err:
         raise ConfigError("--learner", str(err).removeprefix("--learner: ")) from None
-    several = len(learners) > 1   # several policies (config `policies`): each its learner and buffer tables
-    learner_chs = {name: make_channel(address, max_bytes, tls=cfg.tls) for name, address in learners.items()}
+    # Each policy's parts are keyed by its tag: its name where the run trains several (config `policies`:
+    # each with its learner and buffer tables, fragments carrying it), else "".
+    several = len(learners) > 1
+    learner_chs = {(name if several else ""): make_channel(address, max_bytes, tls=cfg.tls)
+                   for name, address in learners.items()}
     # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
     # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py); one per
-    # policy's table where there are several.
-    gates = {name if several else "": InsertGate(metrics, name if several else "") for name in learners}
-    links = {name: ShardLink(cfg, actor_id, incarnation, gate, metrics, shards, shard, given_index, max_bytes,
-                             policy=name) for name, gate in gates.items()}
+    # policy's table where there are several, its gauges (and its link's) scoped to the policy.
+    gates = {tag: InsertGate(metrics.scoped(tag)) for tag in learner_chs}
+    links = {tag: ShardLink(cfg, actor_id, incarnation, gate, metrics.scoped(tag), shards, shard, given_index,
+                            max_bytes, policy=tag) for tag, gate in gates.items()}
     gate = gates[next(iter(gates))]   # (the one policy's, where there is one)
 
     def enqueue(frag: EncodedFragment) -> None:  # the sessions' encoder thread (counted by the gate when cut)
@@ -134,11 +137,11 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
              cfg.env.id, "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm,
              shards[shard], shard, len(shards), learner)
     async with lc.running():
-        pushes = [lc.task(each.run(stopping), f"push {name}".rstrip(), keep=True)   # (with the insert-limit stream)
-                  for name, each in links.items()]
-        for name, ch in learner_chs.items():
-            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), actor_id, policies[name if several else ""],
-                                      metrics), f"weights {name}" if several else "weights")
+        pushes = [lc.task(each.run(stopping), f"push {tag}".rstrip(), keep=True)   # (with the insert-limit stream)
+                  for tag, each in links.items()]
+        for tag, ch in learner_chs.items():
+            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), actor_id, policies[tag], metrics),
+                    f"weights {tag}".rstrip())
         if inference is not None:
             lc.task(inference.run(), "inference")
         watch = lc.task(_watch(worker_done), "rollout-watch", keep=True)

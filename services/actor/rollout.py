@@ -109,7 +109,7 @@ class Rollout:
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
         self.algorithm = algorithms.get(cfg.algorithm)
-        several = len(cfg.policy_names) > 1
+        several = cfg.several_policies
         # Several policies: the env's agents in a group per policy, observed and stepped per group.
         self.envs = make_vector_env(cfg.env, policies={k: v.agents for k, v in cfg.policies.items()}
                                     if several else None)

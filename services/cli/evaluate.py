@@ -450,7 +450,7 @@ def evaluate_after_training(cfg: ExperimentConfig, run_dir: str | Path) -> dict 
     torch.set_num_threads(cfg.actor.torch_threads)
     started = time.monotonic()
     try:
-        if len(cfg.policy_names) > 1:   # every policy plays its agents
+        if cfg.several_policies:   # every policy plays its agents
             result = evaluate_policies(load_policies(run_dir, seed=e.seed), e.episodes, e.num_envs, e.seed,
                                        deadline=started + e.max_seconds if e.max_seconds else None)
             result["wall_s"] = round(time.monotonic() - started, 3)

@@ -177,7 +177,7 @@ class Fleet:
                 "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
             return
         # Each policy's learners (one policy: `learner-<rank>`); rank 0 serves the weights actors take.
-        several = len(self.cfg.policy_names) > 1
+        several = self.cfg.several_policies
         learners = {name: f"127.0.0.1:{self._free_port()}" for name in self.cfg.policy_names}
         n = self.cfg.topology.learners
         for name, address in learners.items():

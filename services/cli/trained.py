@@ -156,4 +156,4 @@ def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metri
     policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy)
     policy.offer_weights(learner.version, to_numpy(learner.policy))
     policy.swap()
-    return Trained(cfg, ckpt, learner.version, spec, policy, name if len(cfg.policy_names) > 1 else "")
+    return Trained(cfg, ckpt, learner.version, spec, policy, name if cfg.several_policies else "")

@@ -44,7 +44,7 @@ SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate"]   # (with selfplay.enab
 
 def policy_columns(cfg: ExperimentConfig) -> list[str]:
     """metrics.csv's columns of a run of several policies: each one's mean return and version."""
-    if len(cfg.policy_names) < 2:
+    if not cfg.several_policies:
         return []
     return [f"{column}_{name}" for name in cfg.policy_names for column in ("return_mean", "policy_version")]
 
@@ -125,7 +125,7 @@ class LocalRun:
             self.tb.add_scalar("charts/episodic_length", ep.length, self.env_steps)
             if self.episode_rows is not None:  # env_steps and wall_s: the run's when the episode was read
                 self.episode_rows.writerow([wall, self.env_steps, ep.episode_return, ep.length, ep.policy_version,
-                                            *([ep.policy] if len(self.cfg.policy_names) > 1 else [])])
+                                            *([ep.policy] if self.cfg.several_policies else [])])
         if self.tracker is not None and finished:
             self.tracker.episodes([(ep.episode_return, ep.length) for ep in finished], self.env_steps)
 
@@ -138,7 +138,7 @@ class LocalRun:
 
     def row(self) -> dict:
         # (Several policies: no one learner speaks for the run; each policy's version has its own column.)
-        learner = self.fleet.role("learner")[0].stats if self.fleet.role("learner") and len(self.cfg.policy_names) == 1 \
+        learner = self.fleet.role("learner")[0].stats if self.fleet.role("learner") and not self.cfg.several_policies \
             else {}
         buffers = [m.stats for m in self.fleet.role("buffer")]
         buffer = buffers[0] if buffers else {}
@@ -167,7 +167,7 @@ class LocalRun:
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
             "process_restarts": sum(self.fleet.restarts.values()),
             **(self._selfplay() if self.cfg.selfplay.enabled else {}),
-            **(self._policies() if len(self.cfg.policy_names) > 1 else {}),
+            **(self._policies() if self.cfg.several_policies else {}),
         }
 
     def _policies(self) -> dict[str, float | None]:
@@ -260,7 +260,7 @@ class LocalRun:
             writer.writeheader()
             episodes_file = files.enter_context(open(self.dir / "episodes.csv", "w", newline=""))
             self.episode_rows = csv.writer(episodes_file)
-            self.episode_rows.writerow(EPISODE_COLUMNS + (["policy"] if len(self.cfg.policy_names) > 1 else []))
+            self.episode_rows.writerow(EPISODE_COLUMNS + (["policy"] if self.cfg.several_policies else []))
             self.fleet.start_all()
             from tensorboardX import SummaryWriter  # a 1 s import: paid while the services start
 
@@ -324,7 +324,7 @@ class LocalRun:
                    "samples_lost": {"total": sum(losses.values()), **losses},
                    "process_restarts": dict(self.fleet.restarts),
                    "policy_version": learner.get("learner/policy_version"),
-                   **({"policies": self.policies_summary()} if len(self.cfg.policy_names) > 1 else {}),
+                   **({"policies": self.policies_summary()} if self.cfg.several_policies else {}),
                    "exit_codes": self.fleet.exit_codes(), "run_dir": str(self.dir),
                    "last_stats": {p.name: p.stats for p in self.fleet.members + self.fleet.retired
                                   if p.role != "planner"},
@@ -359,7 +359,7 @@ def checked_spec(cfg: ExperimentConfig):
     `env.id` when the env cannot be made here."""
     from services.common.envs import made_spec   # gymnasium: imported when a run starts, not by `kuberl --help`
 
-    if len(cfg.policy_names) > 1:   # each policy's agents: mapped, sharing their spaces, and trainable
+    if cfg.several_policies:   # each policy's agents: mapped, sharing their spaces, and trainable
         from services.common.envs import policy_specs
         try:
             specs = policy_specs(cfg)

@@ -692,6 +692,11 @@ class CommonConfig:
         """The run's policies in config order (`default` when the config names none)."""
         return tuple(self.policies) or (DEFAULT_POLICY,)
 
+    @property
+    def several_policies(self) -> bool:
+        """Whether the run trains several policies (config `policies`), each with its own learners and table."""
+        return len(self.policy_names) > 1
+
     def policy(self, name: str | None) -> str:
         """The policy a learner given `name` (its --policy; None: not given) trains; ConfigError naming
         `--policy` where the run has no such policy, or several and `name` picks none."""

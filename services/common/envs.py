@@ -174,7 +174,7 @@ def policy_specs(cfg: CommonConfig) -> dict[str, EnvSpec]:
     """Each policy's spaces, by name (a run of one policy: `spec_of`, under its name): in a run of several
     (config `policies`), the spaces of each policy's agents. Blocking (the env is made once). ValueError
     naming the key where the agents do not map onto the policies or a group's agents' spaces differ."""
-    if len(cfg.policy_names) == 1:
+    if not cfg.several_policies:
         return {cfg.policy_names[0]: spec_of(cfg.env)}
     agents = ParallelVectorEnv(make_parallel(cfg.env.id, cfg.env.kwargs), 1, cfg.env.id,
                                {name: p.agents for name, p in cfg.policies.items()})
@@ -191,7 +191,7 @@ def group_specs(agents: ParallelVectorEnv) -> dict[str, EnvSpec]:
 
 def policy_spec(cfg: CommonConfig, policy: str) -> EnvSpec:
     """The spaces of one policy's agents (`policy_specs`)."""
-    return spec_of(cfg.env) if len(cfg.policy_names) == 1 else policy_specs(cfg)[policy]
+    return spec_of(cfg.env) if not cfg.several_policies else policy_specs(cfg)[policy]
 
 
 def made_spec(cfg: EnvConfig) -> EnvSpec:

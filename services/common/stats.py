@@ -8,6 +8,7 @@ event loop reads snapshots; each counter has a single writer.
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import os
 import socket
@@ -147,15 +148,32 @@ class Metrics:
         self._gauge_providers: list[Callable[[], Mapping[str, float]]] = []
         self._labelled_providers: list[Callable[[], Iterable[tuple[str, Mapping[str, str], float]]]] = []
         self._inc_lock = threading.Lock()
+        self._scope = ""
+
+    def scoped(self, scope: str) -> Metrics:
+        """A view of these metrics (the same counters, gauges and rates) whose gauges and rolling
+        figures go under `<role>/policies/<scope>/`: what each of several policies' parts of a process
+        reports apart (its insert gate, push queue, shard). Counters stay shared: they add up over the
+        process. An empty `scope` is these metrics themselves."""
+        if not scope:
+            return self
+        view = copy.copy(self)   # shares every dict and the lock
+        view._scope = f"{self.role}/policies/{scope}/"
+        return view
+
+    def scope_name(self, name: str) -> str:
+        """`name` (`<role>/...`) as this view reports a gauge: under its scope, if it has one."""
+        return self._scope + name.removeprefix(f"{self.role}/") if self._scope else name
 
     def inc(self, name: str, n: float = 1) -> None:
         with self._inc_lock:   # (threads count too: a buffer's store owner, an actor's rollout thread)
             self.counters[name] += n
 
     def set(self, name: str, value: float) -> None:
-        self.gauges[name] = float(value)
+        self.gauges[self.scope_name(name)] = float(value)
 
     def rolling(self, name: str, size: int = 4096) -> Rolling:
+        name = self.scope_name(name)
         if name not in self.rollings:
             self.rollings[name] = Rolling(size)
         return self.rollings[name]

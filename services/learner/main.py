@@ -74,7 +74,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 
     def open_channel(address: str):
         return make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls,
-                            policy=policy if len(cfg.policy_names) > 1 else None)
+                            policy=policy if cfg.several_policies else None)
 
     def start(shard: Shard) -> tuple[asyncio.Task, asyncio.Task]:
         return (lc.task(fetch_batches(shard, request, inbox, metrics), f"fetch-{shard.address}"),
@@ -89,7 +89,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     request = batch_request(cfg, learner_id)
     progressed = Notifier()
     log.info("learner %s: %s on %s%s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
-             f", policy {policy!r}" if len(cfg.policy_names) > 1 else "", current.trainer.version, buffer)
+             f", policy {policy!r}" if cfg.several_policies else "", current.trainer.version, buffer)
     async with lc.running():
         shards.begin()
         stopping = asyncio.Event()

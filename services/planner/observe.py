@@ -135,8 +135,12 @@ class Observer:
         if role == "actor":
             if (dropped := m.get("actor/samples_dropped_total")) is not None:
                 self.dropped.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, dropped)
-            if (fill := m.get("actor/push_queue_fill")) is not None:   # against the actor's own bounds
-                self.queue_fill[name] = (now, fill)
+            # Against the actor's own bounds; of several policies' queues (their gauges scoped to each
+            # policy, services/common/stats.py), the fullest.
+            fills = [v for k, v in m.items() if k == "actor/push_queue_fill"
+                     or k.startswith("actor/policies/") and k.endswith("/push_queue_fill")]
+            if fills:
+                self.queue_fill[name] = (now, max(fills))
             elif (queued := m.get("actor/push_queue_fragments")) is not None:   # an actor from before the gauge
                 self.queue_fill[name] = (now, queued / self.cfg.actor.queue_fragments)
 

@@ -56,3 +56,20 @@ def test_the_fill_gauge_is_the_nearer_of_the_two_bounds():
     for seq in range(3, 10):
         p.enqueue(frag(seq, 1))
     assert len(p.queue) == 10 and metrics.gauges["actor/push_queue_fill"] == 1.0   # fragments now: 10 of 10
+
+
+def test_each_policys_queue_reports_its_own_gauges_and_the_counters_add_up():
+    """Of several policies in one actor (config `policies`), each link's send queue gauges go under
+    `actor/policies/<policy>/`, so one never overwrites the other; drops still add up in one counter."""
+    metrics = Metrics("actor")
+    lead = Pusher(NoChannel(), capacity=2, ack_interval_s=1.0, metrics=metrics.scoped("lead"), max_bytes=1 << 20)
+    team = Pusher(NoChannel(), capacity=4, ack_interval_s=1.0, metrics=metrics.scoped("team"), max_bytes=1 << 20)
+    for seq in range(3):
+        lead.enqueue(frag(seq, 10))     # the third drops one
+    team.enqueue(frag(0, 10))
+    g = metrics.gauges
+    assert (g["actor/policies/lead/push_queue_fill"], g["actor/policies/team/push_queue_fill"]) == (1.0, 0.25)
+    assert (g["actor/policies/lead/push_queue_fragments"], g["actor/policies/team/push_queue_fragments"]) == (2, 1)
+    assert "actor/push_queue_fill" not in g
+    assert metrics.counters["actor/fragments_dropped_total"] == 1
+    assert metrics.scoped("") is metrics

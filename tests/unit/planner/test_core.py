@@ -289,3 +289,34 @@ async def test_the_planner_reads_transport_from_stats_and_adds_no_actors_while_t
     assert planner.metrics.gauges["planner/bottleneck_sampling"] == 1.0
     assert planner.metrics.gauges["planner/bottleneck_communication"] == 0.0
     await planner.close()
+
+
+class FixedStats:
+    """Every actor answers the same metrics: its counters, and what `gauges` holds."""
+
+    def __init__(self, gauges: dict[str, float]):
+        self.gauges = gauges
+
+    async def get_stats(self, role, name, address, request):
+        return pb.GetStatsResponse(role=role, metrics={"actor/env_steps_total": 1.0, "actor/pace_wait_seconds_total": 0.0,
+                                                       "learner/samples_total": 1.0, "learner/starved_seconds_total": 0.0,
+                                                       **self.gauges})
+
+    async def forget(self, addresses):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def test_an_actor_of_several_policies_is_judged_by_its_fullest_send_queue():
+    """Each policy's send queue reports under `actor/policies/<policy>/` (services/common/stats.py
+    `Metrics.scoped`); the planner's communication evidence is the fullest of them."""
+    cfg = config_from_dict(TINY_PPO)
+    stats = FixedStats({"actor/policies/lead/push_queue_fill": 0.2, "actor/policies/team/push_queue_fill": 0.9,
+                        "actor/policies/team/push_queue_fragments": 30.0})
+    planner = Planner(cfg, WireBackend(actors=1), clock=lambda: 1.0, stats=stats)
+    await planner.observer.measure()
+    transport = planner.observer.transport(1.0)
+    assert (transport.busiest_queue, transport.queue_fill) == ("actor-0", 0.9)
+    await planner.close()
