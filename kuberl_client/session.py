@@ -20,6 +20,16 @@ as PettingZoo's parallel API has them: `reset` and `step` take and return dicts 
                               terminated={"car-0": False, "car-1": True}, truncated={...},
                               final_observations={"car-1": last1}, joined=[])
 
+A run of several policies (config `policies`; docs/multi-agent.md, "Several policies over EnvSession"):
+one session per policy, each naming it (`policy="..."`) with that policy's spaces and agents; the
+simulator steps them together, each with its own agents' data.
+
+    with EnvSessionClient(address, session_id="game-1/red", policy="red", agent_ids=["red-0", "red-1"],
+                          obs_shape=(8,), num_actions=5) as red, \
+         EnvSessionClient(address, session_id="game-1/blue", policy="blue", agent_ids=["blue-0"],
+                          obs_shape=(12,), num_actions=3) as blue:
+        red_actions, blue_actions = red.reset(red_obs), blue.reset(blue_obs)
+
 An agent that acted and did not end must act again; one that ended acts on (its next episode) or
 leaves, and comes back only when listed in `joined`. The client checks this before sending, as the
 actor does (INVALID_ARGUMENT naming the agent and the field).
@@ -174,7 +184,7 @@ class EnvSessionClient:
                  wait_for_ready: bool = True, channel_options: list | None = None, ca_file: str | None = None,
                  cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None,
                  tls: bool | None = None, token: str | None = None, token_file: str | None = None,
-                 agent_ids: list[str] | None = None):
+                 agent_ids: list[str] | None = None, policy: str = ""):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if (num_actions is None) == (action_space is None):
@@ -192,6 +202,7 @@ class EnvSessionClient:
         self.obs_shape = tuple(int(d) for d in obs_shape)
         self.obs_dtype = np.dtype(obs_dtype)
         self.agent_ids = [str(a) for a in agent_ids or ()]
+        self.policy = str(policy)
         if self.agent_ids:
             if len(set(self.agent_ids)) != len(self.agent_ids):
                 raise ValueError("agent_ids: each id once")
@@ -248,7 +259,7 @@ class EnvSessionClient:
         self._call = stub.EnvSession(self._request_iter(), wait_for_ready=self.wait_for_ready,
                                      metadata=bearer_metadata(self._token, self.tls.enabled) or None)
         hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator,
-                                   agent_ids=self.agent_ids)
+                                   agent_ids=self.agent_ids, policy=self.policy)
         if self.obs_keys is None:
             hello.observation_space.box.shape[:] = self.obs_shape
             hello.observation_space.box.dtype = self._obs_code

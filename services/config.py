@@ -54,7 +54,10 @@ class ExperimentConfig(CommonConfig):
         # Declared spaces (env.mode: external) are checked against the algorithm here, so no process
         # starts to crash on them; an env id's are checked by `kuberl up` (services/cli/up.py: checked_spec), which makes it.
         if (declared := self.env.declared_spec) is not None:
-            check_algorithm_takes(self, declared, *self.env.declared_sources)
+            check_algorithm_takes(self, declared, *self.env.declared_sources("env"))
+        for name, policy in self.policies.items():
+            if (declared := policy.declared_spec) is not None:
+                check_algorithm_takes(self, declared, *policy.declared_sources(f"policies.{name}"))
         super().__post_init__()
         if len(self.policies) > 1 and getattr(self.section(self.algorithm), "recurrent", None):
             raise ConfigError(f"{self.algorithm}.recurrent", "several policies in one run act with feed-forward "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -21,13 +23,14 @@ from services.actor.limiter import InsertGate
 from services.actor.policy import Policy
 from services.actor.rollout import Rollout, RolloutWorker
 from services.actor.servicer import ActorServicer
+from services.actor.episodes import EpisodeLog
 from services.actor.sessions import SessionHub, register_session_metrics
 from services.actor.shardlink import ShardLink, least_loaded_shard
 from services.actor.subscribe import subscribe_weights
 from services.common.protocol.fragments import EncodedFragment, new_incarnation
 from services.common.net.grpcutil import MiB, add_servicer, make_channel
 from services.common.service.lifecycle import Lifecycle
-from services.common.models.nets import spec_of
+from services.common.envs import policy_specs
 from services.common.net.shards import buffer_addresses, shard_of
 from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
@@ -91,21 +94,33 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     def enqueue(frag: EncodedFragment) -> None:  # the sessions' encoder thread (counted by the gate when cut)
         loop.call_soon_threadsafe(links[frag.policy].enqueue, frag)
 
-    rollout = hub = inference = worker = None
+    def enqueue_as(tag: str, frag: EncodedFragment) -> None:   # (the fragment of one of several policies' hubs)
+        enqueue(dataclasses.replace(frag, policy=tag))
+
+    rollout = worker = None
+    seats: dict[str, BatchedInference] = {}
     if external:  # simulators connect over EnvSession and step themselves
-        spec = spec_of(cfg.env)
-        policy = Policy(cfg, spec, cfg.env.seed + 1000 * actor_index, metrics)
+        episodes = EpisodeLog(metrics)
+        specs = policy_specs(cfg)
         # Fragments are cut on the event loop and encoded off it, in seq order, on the encoder's thread.
-        hub = SessionHub(cfg, spec, actor_id, metrics, on_fragment=enqueue, incarnation=incarnation,
-                         on_cut=gate.cut, encoder=FragmentEncoder(metrics=metrics), state_size=policy.state_size)
-        inference = BatchedInference(policy, hub, metrics, gate=gate)
-        episodes = hub.episodes
+        encoder = FragmentEncoder(metrics=metrics)
+        for k, (tag, gate) in enumerate(gates.items()):   # a hub per policy, with its spaces
+            scoped = metrics.scoped(tag)
+            policy = Policy(cfg, specs[tag or cfg.policy_names[0]], cfg.env.seed + 1000 * actor_index + k, metrics,
+                            name=tag)
+            hub = SessionHub(cfg, policy.spec, actor_id, scoped, incarnation=incarnation, on_cut=gate.cut,
+                             on_fragment=enqueue if not tag else functools.partial(enqueue_as, tag),
+                             encoder=encoder, state_size=policy.state_size, policy=tag, episodes=episodes)
+            seats[tag] = BatchedInference(policy, hub, scoped, gate=gate)
+        policies = {tag: seat.policy for tag, seat in seats.items()}
+        if several:   # (each hub reports its own sessions_active, under its policy)
+            metrics.add_gauges(lambda: {"actor/sessions_active": float(sum(len(seat.hub.sessions)
+                                                                           for seat in seats.values()))})
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
         rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gates if several else gate)
-        policy, episodes = rollout.policy, rollout.episodes
-    policies = rollout.policies if rollout is not None else {"": policy}
-    servicer = ActorServicer(metrics, episodes, hub, inference, cfg.actor.session_timeout_s)
+        episodes, policies = rollout.episodes, rollout.policies
+    servicer = ActorServicer(metrics, episodes, seats, cfg.actor.session_timeout_s)
     lc = Lifecycle("actor", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
     lc.on_close(rollout.close if rollout is not None else lambda: None)   # release envs
     for ch in learner_chs.values():
@@ -142,8 +157,8 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         for tag, ch in learner_chs.items():
             lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), actor_id, policies[tag], metrics),
                     f"weights {tag}".rstrip())
-        if inference is not None:
-            lc.task(inference.run(), "inference")
+        for tag, seat in seats.items():
+            lc.task(seat.run(), f"inference {tag}".rstrip())
         watch = lc.task(_watch(worker_done), "rollout-watch", keep=True)
         if worker is not None:
             worker.start()
@@ -156,16 +171,16 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                 for each in gates.values():
                     each.clear()
             await watch
-            if hub is not None:
-                hub.close_all()
+            for seat in seats.values():
+                seat.hub.close_all()
             await asyncio.sleep(0)   # (let the enqueue callbacks run)
 
         async def drain() -> None:
             """Push what is queued and get it acked; what the buffer cannot take in time is counted dropped.
             The sessions' fragments still being encoded are waited for first: the encoder hands each to the
             loop before the flush returns, so all of them are queued by the time this goes on."""
-            if hub is not None:
-                await asyncio.to_thread(hub.flush)
+            for seat in seats.values():
+                await asyncio.to_thread(seat.hub.flush)
             stopping.set()
             try:
                 async with asyncio.timeout(SHUTDOWN_DEADLINE_S / 2):

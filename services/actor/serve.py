@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import numpy as np
 
 from kuberl.v1 import actor_pb2, learner_pb2_grpc
+from services.actor.episodes import EpisodeLog
 from services.actor.inference import BatchedInference
 from services.actor.policy import Policy
 from services.actor.servicer import ActorServicer
 from services.actor.sessions import SessionHub
 from services.actor.subscribe import subscribe_weights
 from services.common.net.grpcutil import MiB, add_servicer, make_channel
+from services.common.net.policy import learner_addresses
 from services.common.service.lifecycle import Lifecycle
 from services.common.service.runtime import Endpoints
 from services.common.stats import Metrics
@@ -98,34 +100,51 @@ class FittingWeights:
 
 
 @asynccontextmanager
-async def serving(policy: Policy, cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
+async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
                   metrics_listen: str | None = None, follow_learner: str | None = None, accept_older: bool = False,
                   serve_id: str = "serve") -> AsyncIterator[Endpoints]:
-    """Serve `policy` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
-    Leaving the context runs the shutdown sequence (nothing to flush: no fragments)."""
-    hub = SessionHub(cfg, policy.spec, serve_id, metrics, on_fragment=None,  # no sink: nothing recorded
-                     state_size=policy.state_size)
-    inference = BatchedInference(policy, hub, metrics)
-    servicer = ActorServicer(metrics, hub.episodes, hub, inference, cfg.actor.session_timeout_s)
+    """Serve `policies` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
+    One policy, or a run's several by name (config `policies`): each then answers the sessions whose
+    hello names it (`EnvHello.policy`), with its own hub (its spaces) and batched inference, its gauges
+    under actor/policies/<name>/; `follow_learner` is then `name=host:port` for each. Leaving the
+    context runs the shutdown sequence (nothing to flush: no fragments)."""
+    several = not isinstance(policies, Policy)
+    named = dict(policies) if not isinstance(policies, Policy) else {"": policies}
+    learners = {"": follow_learner} if follow_learner and not several else {}
+    if follow_learner and several:
+        learners = learner_addresses(follow_learner, tuple(named))   # ValueError naming what is wrong
+    episodes = EpisodeLog(metrics)
+    seats = {}
+    for tag, policy in named.items():
+        policy.name = tag   # (its version gauge: actor/policies/<name>/policy_version)
+        hub = SessionHub(cfg, policy.spec, serve_id, metrics.scoped(tag), on_fragment=None,  # no sink: nothing recorded
+                         state_size=policy.state_size, policy=tag, episodes=episodes)
+        seats[tag] = BatchedInference(policy, hub, metrics.scoped(tag))
+    if several:   # (each hub reports its own sessions_active, under its policy)
+        metrics.add_gauges(lambda: {"actor/sessions_active": float(sum(len(s.hub.sessions) for s in seats.values()))})
+    servicer = ActorServicer(metrics, episodes, seats, cfg.actor.session_timeout_s)
     max_bytes = cfg.buffer.max_message_mb * MiB
     lc = Lifecycle("serve", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
     service = actor_pb2.DESCRIPTOR.services_by_name["Actor"]
     await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name], max_message_bytes=max_bytes,
                    metrics_listen=metrics_listen, max_connection_age_s=None,   # long sessions
                    tls=cfg.tls, auth=cfg.auth)
-    learner_ch = make_channel(follow_learner, max_bytes, tls=cfg.tls) if follow_learner else None
-    if learner_ch is not None:
-        lc.on_close(learner_ch.close)
+    learner_chs = {tag: make_channel(address, max_bytes, tls=cfg.tls) for tag, address in learners.items()}
+    for ch in learner_chs.values():
+        lc.on_close(ch.close)
     async with lc.running():
-        lc.task(inference.run(), "inference")
-        if learner_ch is not None:
-            weights = FittingWeights(policy, follow_learner or "", metrics, accept_older)
-            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(learner_ch), serve_id, weights, metrics), "weights")
+        for tag, seat in seats.items():
+            lc.task(seat.run(), f"inference {tag}".rstrip())
+        for tag, ch in learner_chs.items():
+            weights = FittingWeights(named[tag], learners[tag], metrics, accept_older)
+            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), serve_id, weights, metrics),
+                    f"weights {tag}".rstrip())
 
         def stopped() -> None:
             log.info("serve stopped: %d sessions, %d env steps served", metrics.counters["actor/sessions_total"],
                      metrics.counters["actor/env_steps_total"])
-        lc.on_stop(hub.close_all)                # refuse new sessions (UNAVAILABLE), end open ones
+        for seat in seats.values():
+            lc.on_stop(seat.hub.close_all)       # refuse new sessions (UNAVAILABLE), end open ones
         lc.on_stop(lc.stop_server(grace=1.0))    # streams see their end; then stop serving
         lc.on_stop(stopped)
         await lc.ready()

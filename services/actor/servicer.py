@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import grpc
 
@@ -11,7 +12,7 @@ from kuberl.v1 import actor_pb2, actor_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.actor.episodes import EpisodeLog
 from services.actor.inference import BatchedInference
-from services.actor.sessions import SessionError, SessionHub
+from services.actor.sessions import SessionError
 from services.common.stats import Metrics
 from services.common.protocol.tensors import encode
 
@@ -19,10 +20,27 @@ log = logging.getLogger(__name__)
 
 
 class ActorServicer(actor_pb2_grpc.ActorServicer):
-    def __init__(self, metrics: Metrics, episodes: EpisodeLog, hub: SessionHub | None = None,
-                 inference: BatchedInference | None = None, session_timeout_s: float = 30.0):
+    def __init__(self, metrics: Metrics, episodes: EpisodeLog, seats: Mapping[str, BatchedInference] | None = None,
+                 session_timeout_s: float = 30.0):
+        """`seats`: where simulators' sessions are played (none: this actor steps local envs), by policy
+        tag: "" for a run's one policy, else each of several policies' name (config `policies`), each
+        its own hub and batched inference. A hello names its seat with `EnvHello.policy`."""
         self.metrics, self.episodes = metrics, episodes
-        self.hub, self.inference, self.timeout_s = hub, inference, session_timeout_s
+        self.seats, self.timeout_s = dict(seats or {}), session_timeout_s
+
+    def _seat(self, hello: actor_pb2.EnvHello) -> BatchedInference:
+        """The seat `hello.policy` names (SessionError naming the field where it names none of them)."""
+        if (seat := self.seats.get(hello.policy)) is not None:
+            return seat
+        several = "" not in self.seats
+        if not several and hello.policy == next(iter(self.seats.values())).policy.cfg.policy_names[0]:
+            return self.seats[""]   # the run's one policy by its name
+        self.metrics.inc("actor/sessions_refused_total")
+        names = ", ".join(self.seats) if several else "its one policy; leave policy empty"
+        raise SessionError("INVALID_ARGUMENT",
+                           f"policy: {hello.policy!r} is not one of this actor's policies ({names})" if hello.policy
+                           else f"policy: this run trains several policies ({names}): name the one that plays "
+                                f"this session's agents (one session per policy)")
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         """Stats and one page of finished episodes after the request's cursor (see GetStatsRequest)."""
@@ -32,35 +50,38 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
 
     async def EnvSession(self, request_iterator, context):
         """One simulator's session; the protocol is documented on the RPC in actor.proto."""
-        if self.hub is None:
+        if not self.seats:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this actor steps local envs; start one with env.mode: external for simulators")
-        session = first = None
+        session = first = hub = None
         try:
             first = await self._read(context)
             if first is None:
                 return
             if first.WhichOneof("kind") != "hello":
                 raise SessionError("FAILED_PRECONDITION", "a session starts with hello")
-            session, resumed = self.hub.open(first.hello)
-            log.info("session %s (%s, %d envs) %s", session.session_id, first.hello.simulator[:128],
-                     session.num_envs, "resumed" if resumed else "opened")
+            inference = self._seat(first.hello)
+            hub = inference.hub
+            session, resumed = hub.open(first.hello)
+            log.info("session %s (%s, %d envs%s) %s", session.session_id, first.hello.simulator[:128],
+                     session.num_envs, f", policy {hub.policy}" if hub.policy else "",
+                     "resumed" if resumed else "opened")
             await context.write(actor_pb2.ActorMessage(accepted=actor_pb2.SessionAccepted(
-                session_id=session.session_id, resumed=resumed, policy_version=self.inference.policy.version or 0,
+                session_id=session.session_id, resumed=resumed, policy_version=inference.policy.version or 0,
                 session_timeout_ms=int(self.timeout_s * 1000))))
             while (msg := await self._read(context)) is not None:
                 if msg.WhichOneof("kind") != "step":
                     raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
-                obs = self.hub.observe(session, msg.step)
+                obs = hub.observe(session, msg.step)
                 held = session.held_s
-                actions, extras, version, state = await self.inference.act(obs, session.mask, session.episodes.state)
-                self.hub.record_actions(session, actions, extras, version, state)
+                actions, extras, version, state = await inference.act(obs, session.mask, session.episodes.state)
+                hub.record_actions(session, actions, extras, version, state)
                 await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
-                    step_id=msg.step.step_id, actions=encode(self.hub.to_send(actions)), policy_version=version,
+                    step_id=msg.step.step_id, actions=encode(hub.to_send(actions)), policy_version=version,
                     held_ms=min(int((session.held_s - held) * 1000), 2**32 - 1))))
         except SessionError as err:
-            if session is not None:
-                self.hub.close(session, "timeout" if err.code == "DEADLINE_EXCEEDED" else "error")
+            if session is not None and hub is not None:
+                hub.close(session, "timeout" if err.code == "DEADLINE_EXCEEDED" else "error")
             if session is None and first is not None and first.WhichOneof("kind") == "hello":
                 # Counted too (actor/sessions_refused_total); the log says who and why.
                 log.warning("refused a hello from %r (session %r): %s %s", first.hello.simulator[:128],
@@ -71,8 +92,8 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                          session.held_s if session else 0.0)
             await context.abort(getattr(grpc.StatusCode, err.code), str(err))
         finally:
-            if session is not None:
-                self.hub.close(session, "closed")  # no-op if already closed; flushes data otherwise
+            if session is not None and hub is not None:
+                hub.close(session, "closed")  # no-op if already closed; flushes data otherwise
 
     async def _read(self, context):
         """The next message, None at half-close; SessionError after session_timeout_s of silence."""

@@ -41,6 +41,7 @@ from services.actor.encoder import FragmentEncoder
 from services.actor.episodes import EpisodeLog
 from services.actor.finite import FINITE, Check
 from services.actor.windows import window_groups
+from services.common.agents import policy_of
 from services.config import ExperimentConfig
 from services import algorithms
 from services.common.protocol.fragments import MAX_ID_LEN, EncodedFragment, encode_fragment
@@ -140,11 +141,16 @@ class SessionHub:
     def __init__(self, cfg: ExperimentConfig, spec: EnvSpec, actor_id: str, metrics: Metrics,
                  on_fragment: Callable[[EncodedFragment], None] | None, incarnation: int = 0, *,
                  on_cut: Callable[[int, int], None] | None = None, encoder: FragmentEncoder | None = None,
-                 state_size: int = 0):
+                 state_size: int = 0, policy: str = "", episodes: EpisodeLog | None = None):
         """`on_fragment` receives every fragment's payload, in seq order: on `encoder`'s thread if given
         (then it must be thread-safe), else inline. `on_cut(seq, samples)` is called as each is cut.
-        `state_size`: floats of recurrent state per env copy the policy keeps (`Policy.state_size`)."""
+        `state_size`: floats of recurrent state per env copy the policy keeps (`Policy.state_size`).
+
+        `policy`: of a run of several policies (config `policies`), the one this hub's sessions are
+        played by: one hub per policy, each with that policy's spaces, `metrics` scoped to it
+        (`Metrics.scoped`: its gauges under actor/policies/<policy>/), and `episodes` shared by all."""
         self.cfg, self.spec, self.actor_id, self.metrics, self.incarnation = cfg, spec, actor_id, metrics, incarnation
+        self.policy = policy
         self.on_fragment, self.on_cut, self.encoder = on_fragment, on_cut, encoder
         self.records = on_fragment is not None  # False: serving only, no transitions kept
         self.algorithm = algorithms.get(cfg.algorithm)
@@ -158,7 +164,7 @@ class SessionHub:
         self.closing = False
         self.seq = 0
         self.env_steps = 0
-        self.episodes = EpisodeLog(metrics)
+        self.episodes = episodes if episodes is not None else EpisodeLog(metrics)
         register_session_metrics(metrics)
         metrics.add_labelled(self.session_figures)
         metrics.track_rate("actor/env_steps_per_s", "actor/env_steps_total")
@@ -171,7 +177,7 @@ class SessionHub:
         last RECENT_RETURNS episodes. Called from the exporter's thread: reads a copy of the table."""
         out: list[tuple[str, dict[str, str], float]] = []
         for s in list(self.sessions.values()):
-            labels, ep = {"session": s.session_id}, s.episodes
+            labels, ep = {"session": s.session_id, **({"policy": self.policy} if self.policy else {})}, s.episodes
             out += [("actor/session_env_steps_total", labels, float(ep.env_steps)),
                     ("actor/session_episodes_total", labels, float(ep.finished)),
                     ("actor/session_held_seconds_total", labels, s.held_s),
@@ -243,7 +249,7 @@ class SessionHub:
             raise SessionError("INVALID_ARGUMENT", str(err)) from None
 
     def _check_agent_ids(self, hello: actor_pb2.EnvHello) -> None:
-        ids = hello.agent_ids
+        ids, patterns = hello.agent_ids, {name: p.agents for name, p in self.cfg.policies.items()}
         if len(ids) > MAX_ENVS:
             raise SessionError("INVALID_ARGUMENT", f"agent_ids: {len(ids)} agents, more than {MAX_ENVS}")
         first: dict[str, int] = {}
@@ -253,6 +259,11 @@ class SessionHub:
             if agent in first:
                 raise SessionError("INVALID_ARGUMENT", f"agent_ids[{i}]: {agent!r} is agent_ids[{first[agent]}] too")
             first[agent] = i
+            if self.policy and (owner := policy_of(patterns, agent)) != self.policy:
+                raise SessionError("INVALID_ARGUMENT", f"agent_ids[{i}]: {agent!r} is played by "
+                                   + (f"policy {owner!r} (policies.{owner}.agents)" if owner else
+                                      "no policy (it matches no policies.<name>.agents pattern)")
+                                   + f", not this session's policy {self.policy!r}: open a session per policy")
         if hello.num_envs not in (0, len(ids)):
             raise SessionError("INVALID_ARGUMENT", f"num_envs: {hello.num_envs}, but agent_ids names {len(ids)} "
                                                    f"agents (0, or their count)")
@@ -546,7 +557,8 @@ class SessionHub:
 
     def _finish_episode(self, ep: _Episodes, i: int) -> None:
         self.episodes.finish(ep.returns[i], ep.lengths[i], self.env_steps,
-                             int(self.metrics.gauges.get("actor/policy_version", 0)))
+                             int(self.metrics.gauges.get(self.metrics.scope_name("actor/policy_version"), 0)),
+                             policy=self.policy)
         ep.finished += 1
         ep.recent.append(float(ep.returns[i]))
         ep.returns[i], ep.lengths[i] = 0.0, 0

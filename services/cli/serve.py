@@ -14,6 +14,9 @@ actors do and swaps each new version in between two batches; a version older tha
 (a learner restored from an earlier checkpoint) is refused unless `--accept-older`. Without it the
 checkpoint's weights stay.
 
+Given the run directory of several policies (config `policies`), each policy's newest checkpoint is
+served, each answering the sessions whose hello names it (`EnvHello.policy`; services/actor/serve.py).
+
 The policy comes from the checkpoint (algorithm, spaces, network); `--config` contributes only what
 belongs to the serving process: its `tls` and `auth` sections (tokens, session caps) and its `actor`
 section's session settings (`max_sessions`, `session_timeout_s`, `session_resume_s`, `check_obs_bounds`,
@@ -57,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sample independently)")
     p.add_argument("--follow-learner", default=None, metavar="ADDR",
                    help="subscribe to this learner's weights stream and serve each new version (default: the "
-                        "checkpoint's weights stay)")
+                        "checkpoint's weights stay); a run of several policies: policy=host:port for each, "
+                        "separated by commas")
     p.add_argument("--accept-older", action="store_true",
                    help="with --follow-learner, serve a version older than the newest served too (default: refused "
                         "and counted, so a learner restored from an earlier checkpoint does not roll serving back)")
@@ -68,18 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace, stop: asyncio.Event, policy: Policy, metrics: Metrics,
+async def serve(args: argparse.Namespace, stop: asyncio.Event, policies: Policy | dict[str, Policy], metrics: Metrics,
                 serve_id: str, description: str) -> None:
-    cfg = serving_config(policy.cfg, load_role_config(args))  # ConfigError, TlsError: exit code 2
+    first = policies if isinstance(policies, Policy) else next(iter(policies.values()))
+    cfg = serving_config(first.cfg, load_role_config(args))  # ConfigError, TlsError: exit code 2
     import torch
 
     torch.set_num_threads(cfg.actor.torch_threads)
-    async with serving(policy, cfg, metrics, listen=args.listen, metrics_listen=args.metrics_listen or None,
+    async with serving(policies, cfg, metrics, listen=args.listen, metrics_listen=args.metrics_listen or None,
                        follow_learner=args.follow_learner, accept_older=args.accept_older,
                        serve_id=serve_id) as endpoints:
         write_ready_file(args.ready_file, endpoints)
         log.info("serving %s, %s actions, on %s (metrics on %s)%s", description,
-                 "deterministic" if policy.greedy is not None else f"stochastic (seed {args.seed})",
+                 "deterministic" if first.greedy is not None else f"stochastic (seed {args.seed})",
                  endpoints.grpc, endpoints.metrics,
                  f", following the learner at {args.follow_learner}" if args.follow_learner else "")
         await stop.wait()
@@ -89,16 +94,27 @@ def main(argv=None) -> int:
     """Run until SIGTERM/SIGINT (exit 0); a checkpoint that cannot be served is one line and exit 2."""
     args = parse_args(argv)
     configure_logging(args.log_level, "serve")
-    from services.cli.trained import TrainedPolicyError, load_trained
+    from services.cli.trained import TrainedPolicyError, load_policies, load_trained, policy_checkpoint_dirs
+    from services.common.net.policy import learner_addresses
 
     serve_id = f"serve-{socket.gethostname()}-{os.getpid()}"
     metrics = Metrics("actor", instance_id=serve_id)
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little") >> 1
     try:
-        trained = load_trained(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
+        if policy_checkpoint_dirs(args.checkpoint) is not None:   # a run of several policies: each answers its sessions
+            trained = load_policies(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
+            if args.follow_learner:
+                learner_addresses(args.follow_learner, tuple(trained))
+            policies: Policy | dict[str, Policy] = {name: t.policy for name, t in trained.items()}
+            description = "; ".join(f"{name}: {t.description}" for name, t in trained.items())
+        else:
+            one = load_trained(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
+            policies, description = one.policy, one.description
     except TrainedPolicyError as err:
         print(f"kuberl serve: {err}", file=sys.stderr)
         return 2
-    return run_service("serve", args, lambda a, stop: serve(a, stop, trained.policy, metrics, serve_id,
-                                                              trained.description))
+    except ValueError as err:   # --follow-learner, for several policies
+        print(f"kuberl serve: {str(err).replace('--learner', '--follow-learner')}", file=sys.stderr)
+        return 2
+    return run_service("serve", args, lambda a, stop: serve(a, stop, policies, metrics, serve_id, description))

@@ -88,11 +88,13 @@ def policy_checkpoint_dirs(path: str | Path) -> dict[str, Path] | None:
     return found or None
 
 
-def load_policies(path: str | Path, seed: int = 0, *, metrics: Metrics | None = None) -> dict[str, Trained]:
+def load_policies(path: str | Path, seed: int = 0, *, greedy: bool = False,
+                  metrics: Metrics | None = None) -> dict[str, Trained]:
     """Every policy of a run of several (`policy_checkpoint_dirs`), each its newest checkpoint, in the
-    config's order. TrainedPolicyError naming the path when one of the run's policies has none."""
+    config's order (`greedy`, `metrics`: as `load_trained`). TrainedPolicyError naming the path when one
+    of the run's policies has none."""
     dirs = policy_checkpoint_dirs(path) or {}
-    trained = {name: load_trained(d, seed, metrics=metrics) for name, d in dirs.items()}
+    trained = {name: load_trained(d, seed, greedy=greedy, metrics=metrics) for name, d in dirs.items()}
     names = next(iter(trained.values())).cfg.policy_names if trained else ()
     missing = [name for name in names if name not in trained]
     if not trained or missing:

@@ -75,6 +75,13 @@ def _parallelizable(module_name: str, kwargs: tuple[tuple[str, Any], ...]) -> bo
         probe.close()
 
 
+def policy_of(policies: Mapping[str, Sequence[str]], agent: str) -> str | None:
+    """The policy that plays `agent`: the first, in config order, with a pattern (`fnmatch`, case-sensitive)
+    that matches its id; None where none does."""
+    return next((name for name, patterns in policies.items() if any(fnmatch.fnmatchcase(agent, p) for p in patterns)),
+                None)
+
+
 def map_agents(policies: Mapping[str, Sequence[str]], agents: Sequence[str], default: str,
                env_id: str = "the env") -> dict[str, list[int]]:
     """Each policy's agents, as indices into `agents` (an env's possible_agents), in config order: an agent
@@ -85,9 +92,7 @@ def map_agents(policies: Mapping[str, Sequence[str]], agents: Sequence[str], def
         return {default: list(range(len(agents)))}
     out: dict[str, list[int]] = {name: [] for name in policies}
     for i, agent in enumerate(agents):
-        owner = next((name for name, patterns in policies.items()
-                      if any(fnmatch.fnmatchcase(agent, p) for p in patterns)), None)
-        if owner is None:
+        if (owner := policy_of(policies, agent)) is None:
             raise ValueError(f"policies: agent {agent!r} of {env_id} matches no policy's agents "
                              f"({'; '.join(f'{n}: {list(p)}' for n, p in policies.items())})")
         out[owner].append(i)

@@ -115,43 +115,23 @@ class ActionSpaceConfig:
                                             self.high if self.high else inf))
 
 
-@dataclass(frozen=True)
-class EnvConfig:
-    """Which environment actors step and how many copies each actor runs.
-
-    mode "local": each actor steps `num_envs` copies of the gymnasium env `id`.
-    mode "external": simulators connect to the actor over EnvSession and step themselves; the policy's
-    spaces are the declared ones when given (an observation Box or Dict, and an action space), else
-    those of the gymnasium env `id` (e.g. CartPole-v1 for a CartPole written in another language).
-    """
-    id: str = "CartPole-v1"           # gymnasium id
-    num_envs: int = 8                 # env copies per actor (one vector env); local mode
-    seed: int = 0                     # base seed; actor i uses seed + 1000 * i
-    max_episode_steps: int | None = None  # override the env's time limit
-    mode: str = "local"               # "local" or "external"
-    # External envs not in gymnasium declare the spaces: an observation Box (observation_shape and
-    # observation_dtype) or Dict (observation_keys: each key's shape; flattened into float32, keys
-    # sorted), and the action space (action_space, or num_actions as shorthand for a Discrete one).
+@dataclass(frozen=True, kw_only=True)
+class DeclaredSpaces:
+    """Spaces declared in the config, for external simulators not in gymnasium (`env.*`, and each of
+    several policies' own, `policies.<name>.*`): an observation Box (observation_shape and
+    observation_dtype) or Dict (observation_keys: each key's shape; flattened into float32, keys
+    sorted), and the action space (action_space, or num_actions as shorthand for a Discrete one)."""
     observation_shape: tuple[int, ...] | None = None
     observation_dtype: str = "float32"
     observation_keys: dict[str, tuple[int, ...]] | None = None
     num_actions: int | None = None
     action_space: ActionSpaceConfig | None = None
-    atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
-    # Keyword arguments for the env's constructor: gymnasium.make's, or a PettingZoo module's
-    # parallel_env()/env() (e.g. {N: 3, max_cycles: 25, continuous_actions: false} for simple_spread).
-    kwargs: dict[str, int | float | str | bool] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",
-                self.id, "Atari ids are ALE/<Game>-v5, e.g. ALE/Pong-v5")
-        require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
-        require(not self.id.startswith("pettingzoo:") or self.mode == "local", "mode", self.mode,
-                "PettingZoo envs are local envs (EnvSession for several agents per env is not there yet)")
-        require(not self.id.startswith("pettingzoo:") or self.max_episode_steps is None, "max_episode_steps",
-                self.max_episode_steps, "PettingZoo envs take their own limit in env.kwargs (e.g. max_cycles)")
-        require(not self.id.startswith("pettingzoo:") or re.fullmatch(r"pettingzoo:[A-Za-z_][\w.]*", self.id)
-                is not None, "id", self.id, "PettingZoo ids are pettingzoo:<module>, e.g. pettingzoo:mpe2.simple_spread_v3")
+    @property
+    def declares(self) -> bool:
+        return self.observation_shape is not None or self.observation_keys is not None
+
+    def _check_declared(self) -> None:
         require(self.num_actions is None or self.action_space is None, "num_actions", self.num_actions,
                 "give num_actions (a Discrete space) or action_space, not both")
         require(self.observation_shape is None or self.observation_keys is None, "observation_keys",
@@ -162,8 +142,6 @@ class EnvConfig:
                 self.observation_shape if declared_act else self.action_space,
                 "declare the observation space (observation_shape or observation_keys) and the action "
                 "space (action_space or num_actions) together, or neither")
-        require(not declared_obs or self.mode == "external", "observation_shape", self.observation_shape,
-                "declared spaces are for env.mode: external; local envs have their own")
         require(self.observation_shape is None or all(d >= 1 for d in self.observation_shape),
                 "observation_shape", self.observation_shape, "every dimension must be >= 1")
         for key, shape in (self.observation_keys or {}).items():
@@ -181,10 +159,6 @@ class EnvConfig:
                 self.observation_dtype, "must be float32, float64, uint8, int32 or int64")
         require(self.observation_keys is None or self.observation_dtype == "float32", "observation_dtype",
                 self.observation_dtype, "a Dict observation is flattened into float32")
-        require(bool(self.id), "id", self.id, "an env id is required")
-        require(1 <= self.num_envs <= 4096, "num_envs", self.num_envs, "must be 1..4096")
-        require(self.max_episode_steps is None or self.max_episode_steps > 0, "max_episode_steps",
-                self.max_episode_steps, "must be positive")
 
     @property
     def declared_action_space(self) -> spaces.ActionSpace | None:
@@ -205,14 +179,52 @@ class EnvConfig:
         assert self.observation_shape is not None   # declared with the action space (__post_init__)
         return spaces.EnvSpec(tuple(self.observation_shape), np.dtype(self.observation_dtype), action)
 
-    @property
-    def declared_sources(self) -> tuple[str, str]:
-        """The keys that declare the action and observation spaces, as `Algorithm.check_spec` names them."""
-        action = "env.num_actions" if self.num_actions is not None else "env.action_space"
-        obs = ("the declared observations (env.observation_keys)" if self.observation_keys is not None
-               else "the declared observations (env.observation_shape, env.observation_dtype)")
+    def declared_sources(self, section: str) -> tuple[str, str]:
+        """The keys under `section` (`env`, `policies.<name>`) that declare the action and observation
+        spaces, as `Algorithm.check_spec` names them."""
+        action = f"{section}.num_actions" if self.num_actions is not None else f"{section}.action_space"
+        obs = (f"the declared observations ({section}.observation_keys)" if self.observation_keys is not None
+               else f"the declared observations ({section}.observation_shape, {section}.observation_dtype)")
         return action, obs
 
+
+@dataclass(frozen=True)
+class EnvConfig(DeclaredSpaces):
+    """Which environment actors step and how many copies each actor runs.
+
+    mode "local": each actor steps `num_envs` copies of the gymnasium env `id`.
+    mode "external": simulators connect to the actor over EnvSession and step themselves; the policy's
+    spaces are the declared ones when given (an observation Box or Dict, and an action space), else
+    those of the gymnasium env `id` (e.g. CartPole-v1 for a CartPole written in another language).
+    """
+    id: str = "CartPole-v1"           # gymnasium id
+    num_envs: int = 8                 # env copies per actor (one vector env); local mode
+    seed: int = 0                     # base seed; actor i uses seed + 1000 * i
+    max_episode_steps: int | None = None  # override the env's time limit
+    mode: str = "local"               # "local" or "external"
+    atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
+    # Keyword arguments for the env's constructor: gymnasium.make's, or a PettingZoo module's
+    # parallel_env()/env() (e.g. {N: 3, max_cycles: 25, continuous_actions: false} for simple_spread).
+    kwargs: dict[str, int | float | str | bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",
+                self.id, "Atari ids are ALE/<Game>-v5, e.g. ALE/Pong-v5")
+        require(self.mode in ("local", "external"), "mode", self.mode, "must be 'local' or 'external'")
+        require(not self.id.startswith("pettingzoo:") or self.mode == "local", "mode", self.mode,
+                "PettingZoo envs are local envs (a simulator of several agents connects over EnvSession with "
+                "env.mode: external and a gymnasium id or declared spaces)")
+        require(not self.id.startswith("pettingzoo:") or self.max_episode_steps is None, "max_episode_steps",
+                self.max_episode_steps, "PettingZoo envs take their own limit in env.kwargs (e.g. max_cycles)")
+        require(not self.id.startswith("pettingzoo:") or re.fullmatch(r"pettingzoo:[A-Za-z_][\w.]*", self.id)
+                is not None, "id", self.id, "PettingZoo ids are pettingzoo:<module>, e.g. pettingzoo:mpe2.simple_spread_v3")
+        self._check_declared()
+        require(not self.declares or self.mode == "external", "observation_shape", self.observation_shape,
+                "declared spaces are for env.mode: external; local envs have their own")
+        require(bool(self.id), "id", self.id, "an env id is required")
+        require(1 <= self.num_envs <= 4096, "num_envs", self.num_envs, "must be 1..4096")
+        require(self.max_episode_steps is None or self.max_episode_steps > 0, "max_episode_steps",
+                self.max_episode_steps, "must be positive")
 
 @dataclass(frozen=True)
 class TopologyConfig:
@@ -312,13 +324,16 @@ class SelfPlayConfig:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
+class PolicyConfig(DeclaredSpaces):
     """One policy of several in a run (config `policies`, docs/multi-agent.md "Several policies"): the
     agents it plays, as shell-style patterns of agent ids (`fnmatch`: `red_*`, `player_[02]`); an agent
-    goes to the first policy, in config order, with a pattern that matches it."""
+    goes to the first policy, in config order, with a pattern that matches it. With env.mode: external,
+    the policy's own spaces may be declared here as `env.*` declares them (DeclaredSpaces); undeclared,
+    they are the env's."""
     agents: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_declared()
         require(len(self.agents) >= 1 and all(self.agents), "agents", list(self.agents),
                 "name the agents this policy plays: one or more patterns of agent ids (e.g. [red_*])")
 
@@ -718,8 +733,13 @@ class CommonConfig:
         if not self.policies:
             return
         why = "several policies (a policy per agent group) are trained "
-        require(self.env.id.startswith("pettingzoo:"), "policies", list(self.policies),
-                why + f"in envs of several agents (env.id pettingzoo:<module>), not {self.env.id!r}")
+        require(self.env.id.startswith("pettingzoo:") or self.env.mode == "external", "policies",
+                list(self.policies), why + f"in envs of several agents (env.id pettingzoo:<module>, or simulators "
+                f"over EnvSession with env.mode: external), not {self.env.id!r}")
+        for name, policy in self.policies.items():
+            require(not policy.declares or self.env.mode == "external", f"policies.{name}.observation_shape",
+                    policy.observation_shape or policy.observation_keys,
+                    "a policy declares its spaces for env.mode: external; a local env's agents have their own")
         require(not self.selfplay.enabled, "selfplay.enabled", True,
                 why + "without self-play so far: self-play trains one policy against its own snapshots")
         require(not self.planner.enabled, "planner.enabled", True,

@@ -172,10 +172,13 @@ def spec_of(cfg: EnvConfig) -> EnvSpec:
 
 def policy_specs(cfg: CommonConfig) -> dict[str, EnvSpec]:
     """Each policy's spaces, by name (a run of one policy: `spec_of`, under its name): in a run of several
-    (config `policies`), the spaces of each policy's agents. Blocking (the env is made once). ValueError
+    (config `policies`), the spaces of each policy's agents (external simulators: each policy's declared
+    ones, else the env's). Blocking (the env is made once). ValueError
     naming the key where the agents do not map onto the policies or a group's agents' spaces differ."""
     if not cfg.several_policies:
         return {cfg.policy_names[0]: spec_of(cfg.env)}
+    if cfg.env.mode == "external":   # each policy's declared spaces, else the env's
+        return {name: p.declared_spec or spec_of(cfg.env) for name, p in cfg.policies.items()}
     agents = ParallelVectorEnv(make_parallel(cfg.env.id, cfg.env.kwargs), 1, cfg.env.id,
                                {name: p.agents for name, p in cfg.policies.items()})
     try:

@@ -57,20 +57,22 @@ class Space(_message.Message):
     def __init__(self, box: _Optional[_Union[BoxSpace, _Mapping]] = ..., discrete: _Optional[_Union[DiscreteSpace, _Mapping]] = ..., multi_discrete: _Optional[_Union[MultiDiscreteSpace, _Mapping]] = ..., dict: _Optional[_Union[DictSpace, _Mapping]] = ...) -> None: ...
 
 class EnvHello(_message.Message):
-    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "simulator", "agent_ids")
+    __slots__ = ("session_id", "observation_space", "action_space", "num_envs", "simulator", "agent_ids", "policy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     SIMULATOR_FIELD_NUMBER: _ClassVar[int]
     AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     observation_space: Space
     action_space: Space
     num_envs: int
     simulator: str
     agent_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ..., agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    policy: str
+    def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ..., agent_ids: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class EnvStep(_message.Message):
     __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations", "action_masks", "agents", "joined")
