@@ -742,9 +742,6 @@ class CommonConfig:
                     "a policy declares its spaces for env.mode: external; a local env's agents have their own")
         require(not self.selfplay.enabled, "selfplay.enabled", True,
                 why + "without self-play so far: self-play trains one policy against its own snapshots")
-        require(not self.planner.enabled, "planner.enabled", True,
-                why + "with a fixed topology so far (planner.enabled: false): the planner does not yet "
-                "balance the learners of several policies")
 
     def __post_init__(self) -> None:
         self._check_policies()

@@ -30,6 +30,7 @@ class Replica:
     name: str
     address: str          # host:port of its gRPC server ("" while it is not serving yet)
     ready: bool = True
+    policy: str = ""      # a learner of a run of several policies (config `policies`): the one it trains
 
 
 @dataclass

@@ -180,6 +180,9 @@ class Planner:
                     self.track_learner_scale_up(inp)
                     inp = replace(inp, ceilings=self._ceilings(), learner_scale_up=self.learner_scale_up)
                 d = decide(self.policy, inp)
+                if self.cfg.several_policies and self.observer.tightest and inp.learner.rate is not None:
+                    d = replace(d, reason=f"{d.reason}; learner rate: what the actors can be fed at, policy "
+                                          f"{self.observer.tightest}'s learners taking its share (the tightest)")
                 if d.action != "scale":
                     break
                 if not self.backend.leader:
@@ -307,6 +310,9 @@ class Planner:
             return
         if role not in ROLES:
             raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join((*ROLES, SHARDS))}")
+        if role == "learner" and self.cfg.several_policies:
+            raise ValueError(f"role: learner is not scaled in a run of several policies "
+                             f"({', '.join(self.cfg.policy_names)}): each policy's learners stay at topology.learners")
         b = self.policy.bounds(role)
         if not b.min <= replicas <= b.max:
             raise ValueError(f"replicas: {replicas} is outside planner.{role}.min..max ({b.min}..{b.max})")

@@ -184,13 +184,20 @@ class Decision:
 
 
 def solve(policy: Policy, actor_rate: float, learner_rate: float,
-          inp: Inputs | None = None) -> tuple[dict[str, int], float]:
+          inp: Inputs | None = None, fixed: dict[str, int] | None = None) -> tuple[dict[str, int], float]:
     """The (n_actors, n_learners) maximising min(n_A*a, n_L*l/R) within bounds and budget (replica
-    costs measured in `inp` where the policy says so)."""
+    costs measured in `inp` where the policy says so); the roles in `fixed` at their counts there."""
     a, c = actor_rate, learner_rate / policy.replay_ratio
+    fixed = fixed or {}
+
+    def counts_of(role: str) -> range:
+        if role in fixed:
+            return range(fixed[role], fixed[role] + 1)
+        return range(policy.bounds(role).min, policy.max_count(role, inp) + 1)
+
     plans = []
-    for na in range(policy.actor.min, policy.max_count("actor", inp) + 1):
-        for nl in range(policy.learner.min, policy.max_count("learner", inp) + 1):
+    for na in counts_of("actor"):
+        for nl in counts_of("learner"):
             counts = {"actor": na, "learner": nl}
             if not policy.fits(counts, inp):
                 continue
@@ -198,7 +205,7 @@ def solve(policy: Policy, actor_rate: float, learner_rate: float,
             imbalance = abs(math.log(max(na * a, 1e-12) / max(nl * c, 1e-12)))
             plans.append((thr, policy.cost(counts, inp), imbalance, counts))
     if not plans:  # config validation guarantees the minimums fit; guard anyway
-        counts = {"actor": policy.actor.min, "learner": policy.learner.min}
+        counts = {"actor": fixed.get("actor", policy.actor.min), "learner": fixed.get("learner", policy.learner.min)}
         return counts, min(counts["actor"] * a, counts["learner"] * c)
     best = max(p[0] for p in plans)
     near = [p for p in plans if p[0] >= NEAR_BEST * best]
@@ -252,6 +259,11 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     consumption = current["learner"] * l / policy.replay_ratio
     ratio = production / consumption
     proposed, thr = solve(policy, a, l, inp)
+    # A role the backend will not scale stays where it is: the others are planned around its count
+    # (`proposed` still says what the blocked role would be given).
+    if fixed := {r: current[r] for r in ROLES if inp.role(r).blocked}:
+        plan, thr = solve(policy, a, l, inp, fixed)
+        proposed = {r: proposed[r] if r in fixed else plan[r] for r in ROLES}
     rates = dict(production=production, consumption=consumption, ratio=ratio, planned_throughput=thr)
     band = f"production/consumption {ratio:.2f} (band {1 - policy.tolerance:.2f}..{1 + policy.tolerance:.2f})"
 

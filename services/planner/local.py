@@ -12,6 +12,11 @@ Buffer shards: `kuberl up` starts the first `topology.buffers`; the planner may 
 `shard-<i>`) and stops once drained. A drained shard of `kuberl up`'s own is left running, idle and
 out of the shard list, until `kuberl up` stops it; a later scale-up takes it back first.
 
+A run of several policies (config `policies`) runs a learner group per policy, each of
+`topology.learners`, which the planner does not change (the role is reported blocked, saying why): it
+scales the actors they share (services/planner/observe.py weighs each policy's learners by its share of
+the samples).
+
 Learners run as one group (services/learner/distributed.py): n processes, ranks 0..n-1, averaging
 gradients. A group cannot change size in place, so a new learner count stops the whole group (rank 0
 writes a checkpoint as it stops) and starts a new one of the new size, which resumes from that
@@ -33,9 +38,11 @@ from services.common.stats import Metrics
 from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                        learner_specs, stop_procs, wait_or_kill)
 from services.common.net.shards import buffer_addresses
-from services.planner.backend import ROLES, ApplyResult, Replica, RoleState
+from services.planner.backend import ROLES, ApplyResult, Refused, Replica, RoleState
 
 log = logging.getLogger(__name__)
+SEVERAL_POLICIES = ("several policies (config `policies`): each policy's learners stay at topology.learners; "
+                    "the planner scales the actors they share")
 
 
 class LocalBackend:
@@ -60,8 +67,13 @@ class LocalBackend:
         self.names: dict[str, dict[int, str]] = {r: {} for r in ROLES}  # role -> index -> process name
         self.draining: set[asyncio.Task] = set()
         self._free_port = PortPicker(avoid={int(a.rsplit(":", 1)[1]) for a in self.shards})
-        # Rank 0 listens on a port picked here, so actors can be told its address before it serves.
-        self.learner_address = f"127.0.0.1:{self._free_port()}"
+        # Rank 0 listens on a port picked here, so actors can be told its address before it serves. A run
+        # of several policies (config `policies`) runs a learner group per policy, each with its rank 0.
+        self.several = cfg.several_policies
+        self.learner_addresses = {name: f"127.0.0.1:{self._free_port()}" for name in cfg.policy_names}
+        self.learner_address = (",".join(f"{name}={a}" for name, a in self.learner_addresses.items()) if self.several
+                                else self.learner_addresses[cfg.policy_names[0]])   # (an actor's --learner)
+        self.learner_policy: dict[str, str] = {}   # learner process name -> its policy (several policies)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
         self.metrics.inc("planner/replicas_drained_total", 0)
@@ -82,10 +94,16 @@ class LocalBackend:
                                                                     learner=self.learner_address, index=index))))
 
     def _form_group(self, n: int) -> None:
-        """Start n learners as one group (one learner alone is restarted alone)."""
-        procs = self.sup.start_group(LEARNERS, n, learner_specs(self.run_dir, n, buffer=self.buffer,
-                                                                listen=self.learner_address), port=self._free_port)
-        self.names["learner"] = {rank: p.name for rank, p in enumerate(procs)}
+        """Start n learners as one group (one learner alone is restarted alone); a group of n per policy
+        where the run has several."""
+        procs = []
+        for name, address in self.learner_addresses.items():
+            tag = name if self.several else ""
+            group = self.sup.start_group(f"{tag} {LEARNERS}".lstrip(), n, learner_specs(
+                self.run_dir, n, buffer=self.buffer, listen=address, policy=tag), port=self._free_port)
+            self.learner_policy.update({p.name: tag for p in group})
+            procs += group
+        self.names["learner"] = {i: p.name for i, p in enumerate(procs)}
         self.metrics.set("planner/learner_group_size", n)
 
     async def _stop(self, names) -> None:
@@ -113,8 +131,10 @@ class LocalBackend:
             replicas = []
             for proc in self.procs[role].values():
                 ready = proc.alive and proc.poll_ready()
-                replicas.append(Replica(proc.name, proc.address if ready else "", ready))
-            states[role] = RoleState(desired=len(self.names[role]), replicas=replicas)
+                replicas.append(Replica(proc.name, proc.address if ready else "", ready,
+                                        policy=self.learner_policy.get(proc.name, "")))
+            states[role] = RoleState(desired=len(self.names[role]), replicas=replicas,
+                                     blocked=SEVERAL_POLICIES if role == "learner" and self.several else "")
         return states
 
     async def buffers(self) -> list[Replica]:
@@ -163,6 +183,8 @@ class LocalBackend:
         for role, n in targets.items():
             if role not in ROLES or n < 0 or (role == "learner" and n < 1):
                 raise ValueError(f"cannot set {role} to {n}")
+        if self.several and targets.get("learner", len(self.names["learner"])) != len(self.names["learner"]):
+            raise Refused(SEVERAL_POLICIES)
         if dry_run:
             return ApplyResult(dict(targets), dry_run=True, detail="local backend: nothing started or stopped")
         detail = []

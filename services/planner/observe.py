@@ -108,8 +108,11 @@ class Observer:
         self.dropped: dict[str, CounterRate] = {}
         self.queue_fill: dict[str, tuple[float, float]] = {}   # actor -> (when read, share of its bound)
         self.buffer_cpu: dict[str, CounterRate] = {}
+        # A run of several policies: each buffer table's samples received, (buffer, policy) -> rate.
+        self.table_received: dict[tuple[str, str], CounterRate] = {}
         self.states: dict[str, RoleState] = {}
         self.buffers: list[Replica] = []   # the buffer shards at the last measurement
+        self.tightest = ""                 # several policies: the one whose learners limit the actors
 
     async def _read_buffer(self, name: str, address: str) -> None:
         resp = await self.stats.get_stats("buffer", name, address, pb.GetStatsRequest())
@@ -119,6 +122,10 @@ class Observer:
         self.buffer_stats[name] = (now, {k: resp.metrics[k] for k in BUFFER_READ if k in resp.metrics})
         if (cpu := resp.metrics.get("buffer/cpu_seconds_total")) is not None:
             self.buffer_cpu.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, cpu)
+        for policy in self.cfg.policy_names if self.cfg.several_policies else ():
+            if (got := resp.metrics.get(f"buffer/policies/{policy}/samples_received_total")) is not None:
+                self.table_received.setdefault((name, policy), CounterRate(self.cfg.planner.rate_halflife_s)) \
+                    .update(now, got)
 
     async def _read(self, role: str, name: str, address: str, tracker: ReplicaRate) -> None:
         resp = await self.stats.get_stats(role, name, address, pb.GetStatsRequest(episodes_after=2**63))
@@ -170,6 +177,8 @@ class Observer:
         for gone in set(self.buffer_stats) - {b.name for b in buffers}:
             del self.buffer_stats[gone]
             self.buffer_cpu.pop(gone, None)
+            for policy in self.cfg.policy_names:
+                self.table_received.pop((gone, policy), None)
         reads += [self._read_buffer(b.name, b.address) for b in buffers if b.ready and b.address]
         await asyncio.gather(*reads)
         await self.stats.forget({rep.address for s in self.states.values() for rep in s.replicas}
@@ -196,10 +205,39 @@ class Observer:
         usable = [t for t in trackers if t.usable(now, p.stale_after_s)]
         stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
         cores = [t.cores for t in usable if t.cores is not None]
-        return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable),
-                          rate=(sum(t.rate for t in usable) / len(usable)) if usable else None,
+        rate = (sum(t.rate for t in usable) / len(usable)) if usable else None
+        if role == "learner" and self.cfg.several_policies:
+            rate = self.policies_rate(now, state)
+        return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable), rate=rate,
                           cores=(sum(cores) / len(cores)) if cores else None,
                           stale=stale, blocked=state.blocked, override=override)
+
+    def policies_rate(self, now: float, state: RoleState) -> float | None:
+        """A run of several policies: the learners' rate per replica as the balance model takes it, so
+        that n_L * rate is the samples/s of the actors' output (every policy's agents together) the
+        learners can take. The actors make each policy's share s_p of their samples (measured: what
+        each table received), and an actor holds while any policy's table is behind, so they can be
+        fed only as fast as the tightest policy takes its share: min over policies of C_p / s_p, where
+        C_p is what policy p's learners consume (their rates summed). None until every policy that
+        gets samples has a learner with a usable rate and the tables' shares are measured."""
+        p = self.cfg.planner
+        received = {policy: sum(r for (_, q), c in self.table_received.items()
+                                if q == policy and (r := c.fresh(now, p.stale_after_s)) is not None)
+                    for policy in self.cfg.policy_names}
+        total = sum(received.values())
+        if total <= 0 or not state.desired:
+            return None
+        capacity: dict[str, float] = {}
+        for rep in state.replicas:
+            tracker = self.rates["learner"].get(rep.name)
+            if tracker is not None and tracker.usable(now, p.stale_after_s):
+                capacity[rep.policy] = capacity.get(rep.policy, 0.0) + (tracker.rate or 0.0)
+        feeds = {policy: capacity[policy] / (got / total) for policy, got in received.items()
+                 if got > 0 and policy in capacity}
+        if len(feeds) < sum(1 for got in received.values() if got > 0):
+            return None   # a policy that gets samples has no learner rate yet
+        self.tightest = min(feeds, key=lambda q: feeds[q])
+        return feeds[self.tightest] / state.desired
 
     def transport(self, now: float) -> Transport:
         """Actors' send queues and the buffers' CPU, from fresh metrics only (planner.stale_after_s)."""

@@ -117,22 +117,8 @@ def test_kuberl_up_trains_predators_and_prey_each_with_its_own_spaces(tmp_path):
     """simple_tag's two agent groups see different observations (adversaries 12 numbers, the prey 10):
     `kuberl up` trains a policy for each, and evaluates and exports each with its own spaces."""
     pytest.importorskip("mpe2", reason="mpe2 is in the mpe extra (and dev)")
-    import yaml
-
-    from tests.helpers import run_logs, write_config
-
-    cfg = yaml.safe_load((ROOT / "configs" / "simple_tag_ppo.yaml").read_text())
-    cfg["env"]["num_envs"] = 4
-    cfg["ppo"] = {"rollout_steps": 32, "batch_steps": 256, "hidden_sizes": [32]}
-    cfg["run"] = {"max_env_steps": 8000, "poll_interval_s": 0.5}
-    cfg["evaluation"] = {"episodes": 9, "num_envs": 3}
-    path = write_config(tmp_path / "tag.yaml", cfg)
-    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
-                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    run = tmp_path / "run"
-    assert proc.returncode == 0, proc.stdout + proc.stderr + run_logs(run)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["reason"] == "max_env_steps" and all(code == 0 for code in summary["exit_codes"].values()), summary
+    run, summary = _up_small(tmp_path, "simple_tag_ppo", run={"max_env_steps": 8000, "poll_interval_s": 0.5},
+                             evaluation={"episodes": 9, "num_envs": 3})
     assert set(summary["exit_codes"]) == {"buffer-0", "learner-predator-0", "learner-prey-0", "actor-0"}
     assert summary["samples_lost"]["total"] == 0
     for name in ("predator", "prey"):
@@ -175,3 +161,44 @@ async def test_two_replay_tables_each_held_to_the_replay_ratio(tmp_path):
             k: v for k, v in b.items() if "samples_per_insert" in k}
     assert a["actor/limiter_waits_total"] > 0   # the actor was held (by one table or the other)
     assert a["actor/fragments_dropped_total"] == 0
+
+
+def test_the_planner_scales_the_actors_two_policies_share_and_keeps_each_policys_learners(tmp_path):
+    """`kuberl up` with the planner on a run of two policies: its local backend runs a learner group per
+    policy (checkpoints in checkpoints/<policy>), reports the learners blocked, and decides the actors
+    from the tightest policy's learners, each taking its share of the samples."""
+    pytest.importorskip("mpe2", reason="mpe2 is in the mpe extra (and dev)")
+    run, summary = _up_small(tmp_path, "simple_spread_two_policies_ppo", run={"max_env_steps": 40000, "poll_interval_s": 0.5},
+                             evaluation={"after_training": False},
+                             planner={"enabled": True, "interval_s": 1, "warmup_s": 1, "cooldown_s": 2,
+                                      "rate_halflife_s": 1, "actor": {"max": 2}})
+    assert {"planner-0", "buffer-0", "actor-0", "learner-lead-0", "learner-team-0"} <= set(summary["exit_codes"])
+    assert not any(name.startswith("learner-") and name[-1] != "0" for name in summary["exit_codes"])
+    assert summary["samples_lost"]["total"] == 0
+    for name in ("lead", "team"):
+        assert summary["policies"][name]["policy_version"] >= 1
+        assert list((run / "checkpoints" / name).glob("ckpt-*.pt"))
+    decisions = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
+    weighed = [d["reason"] for d in decisions if "learners taking its share (the tightest)" in d["reason"]]
+    assert weighed, [d["reason"] for d in decisions]
+    assert all("learner left at" not in r or "several policies (config `policies`)" in r for r in weighed)
+
+
+def _up_small(tmp_path: Path, config: str, **sections) -> tuple[Path, dict]:
+    """`kuberl up configs/<config>.yaml` scaled down (4 env copies, small PPO batches and network), with
+    `sections` replacing the config's; the run directory and its summary, once it ended well."""
+    import yaml
+
+    from tests.helpers import run_logs, write_config
+
+    cfg = yaml.safe_load((ROOT / "configs" / f"{config}.yaml").read_text())
+    cfg["env"]["num_envs"] = 4
+    cfg["ppo"] = {"rollout_steps": 32, "batch_steps": 256, "hidden_sizes": [32]}
+    path = write_config(tmp_path / "config.yaml", {**cfg, **sections})
+    proc = subprocess.run([sys.executable, "-m", "services.cli.main", "up", str(path), "--run-dir", str(tmp_path),
+                           "--name", "run", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "run"
+    assert proc.returncode == 0, proc.stdout + proc.stderr + run_logs(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["reason"] == "max_env_steps" and all(code == 0 for code in summary["exit_codes"].values()), summary
+    return run, summary

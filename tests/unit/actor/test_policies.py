@@ -84,7 +84,10 @@ def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
 
 @pytest.mark.parametrize("more,problem", [
     ({"env": {"id": "CartPole-v1"}}, r"policies: \['first', 'rest'\] is invalid: .* envs of several agents"),
-    ({"planner": {"enabled": True}}, r"planner.enabled: True is invalid: .*does not yet balance the learners"),
+    ({"env": {"id": RELAY, "num_actions": 2, "observation_shape": [3]}},
+     r"env.observation_shape: \(3,\) is invalid: declared spaces are for env.mode: external"),
+    ({"policies": {"first": {"agents": ["a"], "num_actions": 2, "observation_shape": [3]}, "rest": {"agents": ["*"]}}},
+     r"policies.first.observation_shape: \(3,\) is invalid: a policy declares its spaces for env.mode: external"),
     ({"selfplay": {"enabled": True}}, r"selfplay.enabled: True is invalid: .*without self-play so far"),
     ({"policies": {"Red": {"agents": ["a"]}}}, r"policies.Red: 'Red' is not a policy name"),
     ({"policies": {"red": {"agents": []}, "blue": {"agents": ["b"]}}}, r"policies.red.agents: \[\] is invalid: name the agents"),

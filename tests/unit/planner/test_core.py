@@ -6,6 +6,8 @@ backends, a real 409 included, are exercised in tests/integration)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kuberl.v1 import common_pb2 as pb
 from kuberl.v1 import planner_pb2 as ppb
 from services.config import config_from_dict
@@ -319,4 +321,71 @@ async def test_an_actor_of_several_policies_is_judged_by_its_fullest_send_queue(
     await planner.observer.measure()
     transport = planner.observer.transport(1.0)
     assert (transport.busiest_queue, transport.queue_fill) == ("actor-0", 0.9)
+    await planner.close()
+
+
+class PoliciesBackend(MemoryBackend):
+    """Actors, and a learner per policy of two (red, blue) that the backend will not scale, as the local
+    backend runs a run of several policies; one buffer shard."""
+
+    async def observe(self) -> dict[str, RoleState]:
+        learners = [Replica("learner-red-0", "fake:red", policy="red"), Replica("learner-blue-0", "fake:blue", policy="blue")]
+        return {"actor": RoleState(desired=self.desired["actor"], replicas=[
+                    Replica(f"actor-{i}", f"fake:actor-{i}") for i in range(self.desired["actor"])]),
+                "learner": RoleState(desired=2, replicas=learners, blocked="several policies")}
+
+    async def buffers(self) -> list[Replica]:
+        return [Replica("buffer-0", "fake:buffer-0")]
+
+
+class PoliciesStats:
+    """Each actor makes 100 agent samples/s, 3 of 4 for red's agents; red's learner can take 300
+    samples/s, blue's 60: blue's learners are the tightest (60 / (1/4) = 240 samples/s of the actors'
+    output, against red's 300 / (3/4) = 400)."""
+
+    def __init__(self, backend: PoliciesBackend, clock):
+        self.backend, self.clock = backend, clock
+
+    async def get_stats(self, role, name, address, request):
+        t = self.clock()
+        actors = self.backend.desired["actor"]
+        per_s = {"actor": {"actor/env_steps_total": 100.0, "actor/pace_wait_seconds_total": 0.0},
+                 "learner": {"learner/samples_total": 300.0 if "red" in name else 60.0,
+                             "learner/starved_seconds_total": 0.0},
+                 "buffer": {"buffer/policies/red/samples_received_total": 75.0 * actors,
+                            "buffer/policies/blue/samples_received_total": 25.0 * actors}}[role]
+        return pb.GetStatsResponse(metrics={k: 1.0 + v * t for k, v in per_s.items()})
+
+    async def forget(self, live):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def test_several_policies_scale_the_actors_to_what_the_tightest_policys_learners_take():
+    """The actors feed every policy; the learners of each policy take only that policy's share. The
+    balance is kept against the policy that can take least of the actors' output (blue: 240 samples/s),
+    with the learners held where they are (the backend does not scale them) and the plan made around them."""
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"id": "pettingzoo:mpe2.simple_spread_v3"},
+                            "policies": {"red": {"agents": ["agent_0"]}, "blue": {"agents": ["agent_*"]}},
+                            "planner": {"interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1,
+                                        "tolerance": 0.1, "actor": {"max": 8}}})
+    backend, clock = PoliciesBackend(actors=1), [0.0]
+    planner = Planner(cfg, backend, clock=lambda: clock[0], stats=PoliciesStats(backend, lambda: clock[0]))
+    for _ in range(8):
+        clock[0] += 1.0
+        d = await planner.step()
+        if d.applied:
+            break
+    assert d.applied and backend.applied[0] == {"actor": 3}, d.reason
+    assert d.consumption == pytest.approx(240.0) and d.production == pytest.approx(100.0)
+    assert "policy blue's learners taking its share (the tightest)" in d.reason
+    assert "learner left at 2: several policies" in d.reason
+    # Two more actors make 300 samples/s: blue's learners still take only 240; no further actor pays.
+    for _ in range(12):
+        clock[0] += 1.0
+        d = await planner.step()
+    assert backend.applied == [{"actor": 3}], d.reason
+    assert "production/consumption 1.25" in d.reason and "learner left at 2: several policies" in d.reason
     await planner.close()

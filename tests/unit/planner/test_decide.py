@@ -176,6 +176,15 @@ def test_blocked_role_is_left_alone():
     assert d.targets["actor"] == 1 and "HPA" in d.reason and d.action == "suppressed"
 
 
+def test_the_other_role_is_planned_around_a_blocked_ones_count():
+    """Three learners the backend will not scale (outside the planner's 1..1): the actors are planned to
+    feed all three (600 samples/s: 6 actors), not the one learner the bounds would allow."""
+    d = decide(POLICY, inputs(1, 3, 100, 200, learner_blocked="several policies"))
+    assert d.proposed == {"actor": 6, "learner": 1} and d.targets == {"actor": 3, "learner": 3}, d.reason
+    assert "learner left at 3: several policies" in d.reason
+    assert d.planned_throughput == pytest.approx(600)
+
+
 def test_override_wins_even_without_rates():
     d = decide(POLICY, inputs(1, 1, None, None, actor_override=5))
     assert d.action == "scale" and d.targets["actor"] == 5 and "override" in d.reason
