@@ -75,9 +75,15 @@ def external_stack(tmp_path, config_name: str):
     try:
         procs["buffer"] = Service("buffer", tmp_path, config)
         buffer = procs["buffer"].wait_ready()
-        procs["learner"] = Service("learner", tmp_path, config, "--buffer", buffer,
-                                   "--checkpoint-dir", str(tmp_path / "ck"))
-        learner = procs["learner"].wait_ready()
+        if policies := list(cfg.get("policies", {})):   # several: a learner each (its checkpoints in ck/<policy>)
+            for name in policies:
+                procs[f"learner-{name}"] = Service("learner", tmp_path, config, "--buffer", buffer, "--policy", name,
+                                                   "--checkpoint-dir", str(tmp_path / "ck" / name))
+            learner = ",".join(f"{name}={procs[f'learner-{name}'].wait_ready()}" for name in policies)
+        else:
+            procs["learner"] = Service("learner", tmp_path, config, "--buffer", buffer,
+                                       "--checkpoint-dir", str(tmp_path / "ck"))
+            learner = procs["learner"].wait_ready()
         procs["actor"] = Service("actor", tmp_path, config, "--buffer", buffer, "--learner", learner)
         procs["actor"].wait_ready()
         yield procs
@@ -289,3 +295,42 @@ def test_node_crossing_cars_come_and_go_as_agents_and_learn_to_take_turns(tmp_pa
         assert a["actor/env_steps_total"] == result["agent_steps"], (a, result)
         assert a["actor/episodes_total"] == result["cars"], (a, result)
         _assert_buffer_got_every_step(procs, result["agent_steps"])
+
+
+BUSES_STEPS = 6_000
+
+
+def test_node_crossing_cars_and_buses_are_two_policies_each_with_its_own_spaces(tmp_path):
+    """examples/node-crossing --buses: the cars and the buses are two policies (configs/
+    crossing_buses_external.yaml), each with spaces of its own (4 and 5 floats): the simulator opens a
+    session per policy (hello.policy) and steps them together. Each policy's agent steps reach its own
+    buffer table exactly, and each learns apart. Measured (2 cores, seed 0, BUSES_STEPS steps): see
+    docs/multi-agent.md, "Several policies over EnvSession"."""
+    node = node_example("node-crossing")
+    with external_stack(tmp_path, "crossing_buses_external") as procs:
+        run = _simulate(node, procs["actor"].address, "--steps", str(BUSES_STEPS), "--buses", "3", "--session", "x",
+                        timeout=WAIT_S * 4, script="node-crossing/crossing.js")
+        logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
+        assert run.returncode == 0, logs
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        car, bus = result["policies"]["car"], result["policies"]["bus"]
+        assert result["steps"] == BUSES_STEPS and result["agent_steps"] == car["agent_steps"] + bus["agent_steps"]
+        assert car["cars"] == car["passed"] + car["crashed"] + car["gave_up"] and car["joined"] > 100, result
+        assert bus["vehicles"] == bus["passed"] + bus["crashed"] + bus["gave_up"] and bus["joined"] > 100, result
+        # Each learned: best possible just under 1 a car, 2 a bus.
+        assert car["mean_return_last_100"] >= 0.5 and car["mean_return_last_100"] > car["mean_return_first_100"], logs
+        assert bus["mean_return_last_100"] >= 1.0 and bus["mean_return_last_100"] > bus["mean_return_first_100"], logs
+        for one in (car, bus):
+            assert one["policy_version_last"] > one["policy_version_first"], result
+        wait_for(lambda: stats(procs["actor"].address, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
+                 timeout=WAIT_S, what="both sessions to close after the half-close")
+        a = stats(procs["actor"].address, actor_pb2_grpc.ActorStub)
+        assert a["actor/env_steps_total"] == result["agent_steps"], (a, result)
+        assert a["actor/episodes_total"] == car["cars"] + bus["vehicles"], (a, result)
+        _assert_buffer_got_every_step(procs, result["agent_steps"])
+        b = stats(procs["buffer"].address, buffer_pb2_grpc.BufferStub)
+        assert b["buffer/policies/car/samples_received_total"] == car["agent_steps"], b
+        assert b["buffer/policies/bus/samples_received_total"] == bus["agent_steps"], b
+        for name in ("car", "bus"):
+            trained = stats(procs[f"learner-{name}"].address, learner_pb2_grpc.LearnerStub)
+            assert trained["learner/samples_total"] <= b[f"buffer/policies/{name}/samples_served_total"]
