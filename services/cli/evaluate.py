@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -381,12 +382,14 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
 
 
 def opponent_fn(against: str, space, seed: int):
-    """The opponent `--against` names: "random" (uniform over the action space, seeded), or
-    "module:function", a function of one agent's observation that returns its action. EvalError naming
+    """The opponent `--against` names, as a function of one agent's observation and action mask (None
+    where the env has none) that returns its action: "random" (uniform over the actions the mask allows,
+    seeded), or "module:function", a function of the observation, or of the observation and the mask
+    where it takes two arguments (a turn-based game's opponent must keep to its mask). EvalError naming
     --against otherwise."""
     if against == "random":
         space.seed(seed)
-        return lambda obs: space.sample()
+        return lambda obs, mask: space.sample() if mask is None else space.sample(mask=np.asarray(mask, np.int8))
     module_name, _, name = against.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), name) if name else None
@@ -394,7 +397,11 @@ def opponent_fn(against: str, space, seed: int):
         raise EvalError(f"--against {against}: {err}") from None
     if not callable(fn):
         raise EvalError(f"--against {against}: give 'random' or module:function (a function of an observation)")
-    return fn
+    try:
+        takes_mask = len(inspect.signature(fn).parameters) >= 2
+    except (TypeError, ValueError):   # (a builtin without a signature: the observation alone)
+        takes_mask = False
+    return fn if takes_mask else (lambda obs, mask: fn(obs))
 
 
 def play_against(trained, against: str, games: int, seed: int, deterministic: bool = True) -> dict:
@@ -419,9 +426,10 @@ def play_against(trained, against: str, games: int, seed: int, deterministic: bo
             over = False
             while not over:
                 actions = act(obs, _masks(trained, info, agents))
+                masks = info.get("action_mask")
                 for j in range(agents):
                     if j != mine and info["present"][j]:
-                        actions[j] = opponent(obs[j])
+                        actions[j] = opponent(obs[j], None if masks is None else masks[j])
                 obs, r, term, trunc, info = _step(envs, trained.spec.action, actions)
                 act.ended(term | trunc)
                 returns += r

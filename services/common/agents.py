@@ -3,7 +3,8 @@
 `env.id: pettingzoo:<module>` names a PettingZoo env module (`mpe2.simple_spread_v3`,
 `pettingzoo.butterfly.pistonball_v6`, `kuberl_envs.tron`, or any module of your own that follows the
 API): its `parallel_env(**env.kwargs)`, or its AEC `env(**env.kwargs)` through PettingZoo's
-`aec_to_parallel` where the AEC env says it can be stepped so (turn-based games cannot: refused).
+`aec_to_parallel` where the AEC env says it can be stepped so; a turn-based game (tic-tac-toe, connect
+four) through services/common/turns.py, where the agents off their turn pass.
 
 `ParallelVectorEnv` runs `num_envs` copies and gives each of the env's `possible_agents` a slot per
 copy: N = num_envs * len(possible_agents) columns, agent j of copy k in column k * S + j. Every agent
@@ -29,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import importlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,17 +50,19 @@ def make_parallel(env_id: str, kwargs: dict[str, Any] | None = None) -> Callable
     cannot be imported or makes neither a parallel nor an AEC env."""
     module_name = env_id.removeprefix(PREFIX)
     try:
-        module = importlib.import_module(module_name)
+        with warnings.catch_warnings():
+            # PettingZoo 1.27's own env modules warn on import that their API will move to a registry.
+            warnings.filterwarnings("ignore", "The old environment creation API", DeprecationWarning)
+            module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"env.id: {env_id!r}: module {module_name!r} cannot be imported ({err})") from None
     kw = dict(kwargs or {})
     if callable(getattr(module, "parallel_env", None)):
         return lambda: module.parallel_env(**kw)
     if callable(getattr(module, "env", None)):
-        if not _parallelizable(module_name, tuple(sorted(kw.items()))):
-            raise ValueError(f"env.id: {env_id!r} is a turn-based (AEC) env that PettingZoo cannot step as a "
-                             f"parallel one (its metadata lacks is_parallelizable); turn-based envs are not "
-                             f"supported yet")
+        if not _parallelizable(module_name, tuple(sorted(kw.items()))):   # a turn-based game: turns.py
+            from services.common.turns import TurnBased
+            return lambda: TurnBased(module.env(**kw), env_id)
         from pettingzoo.utils.conversions import aec_to_parallel  # type: ignore[import-untyped]
         return lambda: aec_to_parallel(module.env(**kw))
     raise ValueError(f"env.id: {env_id!r}: module {module_name!r} has no parallel_env() or env()")

@@ -150,22 +150,31 @@ def test_agents_of_one_policy_must_share_their_spaces():
 
 
 
-def test_a_turn_based_env_is_refused_with_the_reason(monkeypatch):
+def test_a_turn_based_env_with_no_discrete_actions_is_refused_with_the_reason(monkeypatch):
     import sys
     import types
 
-    class TurnBased:   # an AEC env, as PettingZoo's classic games are: not steppable in parallel
-        metadata = {"name": "turns_v0"}
+    from gymnasium import spaces
+
+    class Steering:   # an AEC env that is not parallelizable, whose agents act in a Box
+        metadata = {"name": "steering_v0"}
+        possible_agents = ["a", "b"]
+
+        def action_space(self, agent):
+            return spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+        def observation_space(self, agent):
+            return spaces.Box(-1.0, 1.0, (2,), np.float32)
 
         def close(self):
             pass
 
-    turns = types.ModuleType("turn_based_game")
-    turns.env = lambda **kw: TurnBased()
-    monkeypatch.setitem(sys.modules, "turn_based_game", turns)
-    with pytest.raises(ValueError, match=r"env.id: 'pettingzoo:turn_based_game' is a turn-based \(AEC\) env .* "
-                                         r"not supported yet"):
-        make_parallel("pettingzoo:turn_based_game")
+    steering = types.ModuleType("steering_game")
+    steering.env = lambda **kw: Steering()
+    monkeypatch.setitem(sys.modules, "steering_game", steering)
+    with pytest.raises(ValueError, match=r"env.id: 'pettingzoo:steering_game' is turn-based, and agent 'a' acts in "
+                                         r"Box.*turn-based games take Discrete actions"):
+        make_parallel("pettingzoo:steering_game")()
 
 
 def test_an_aec_env_that_can_step_in_parallel_is_wrapped(monkeypatch):

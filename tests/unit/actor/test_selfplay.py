@@ -40,15 +40,21 @@ def weights_preferring(rollout: Rollout, action: int) -> dict[str, np.ndarray]:
     return arrays
 
 
+def collect_versions(rollout: Rollout, versions: int) -> list:
+    """A window's fragments at each of `versions` new versions of the policy (the same weights each time)."""
+    frags = []
+    for version in range(1, versions + 1):
+        rollout.policy.offer_weights(version, to_numpy(rollout.policy.net))
+        frags.append(rollout.collect())
+        while rollout._pending:
+            frags.append(rollout.collect())
+    return frags
+
+
 def test_only_the_learning_agents_are_recorded_and_every_game_is_scored():
     rollout = Rollout(config(snapshot_every=2, pool_size=2), "sp", 0, Metrics("actor"))
     try:
-        frags = []
-        for version in range(1, 7):
-            rollout.policy.offer_weights(version, to_numpy(rollout.policy.net))
-            frags.append(rollout.collect())
-            while rollout._pending:
-                frags.append(rollout.collect())
+        frags = collect_versions(rollout, 6)
         sp = rollout.selfplay
         assert [s.version for s in sp.pool] == [4, 6]                # every 2nd version, the newest 2
         decoded = [decode_fragment(RawFragment(m.payload)) for m in frags]
