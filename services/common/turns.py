@@ -10,8 +10,13 @@ learning: under a mask of one action the policy's choice has probability 1 (noth
 its value sees the whole game. Agents that the game ends early (a player out of a game of more) leave
 at that step; AEC's rule that a finished agent be stepped with None is kept here.
 
-A game's observation may be PettingZoo's classic dict of `observation` and `action_mask`, or a plain
-observation (every move then legal on its turn). Only Discrete action spaces take turns this way.
+Each player's observation also says whether it is that player's turn (one more channel of an image
+observation, [H, W, C + 1], else one more value of the flattened observation: 1 on its turn, else 0).
+The game's own observation is meant for the player to move; off its turn the same board can mean the
+other is to move, and a value function that cannot tell the two apart learns neither (measured: without
+the flag, tic-tac-toe self-play lost to a blocking opponent every game). A game's observation may be
+PettingZoo's classic dict of `observation` and `action_mask`, or a plain Box (every move then legal on
+its turn). Only Discrete action spaces take turns this way.
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ class TurnBased:
             obs = aec.observation_space(agent)
             if isinstance(obs, spaces.Dict) and set(obs.spaces) == {"observation", "action_mask"}:
                 obs = obs["observation"]
-            self._spaces[agent] = (spaces.Dict({"observation": obs,
+            if not isinstance(obs, spaces.Box):
+                raise ValueError(f"env.id: {env_id!r} is turn-based, and agent {agent!r} observes {obs}: turn-based "
+                                 f"games take Box observations (a to-move flag is added to each)")
+            self._spaces[agent] = (spaces.Dict({"observation": _with_flag(obs),
                                                 "action_mask": spaces.Box(0, 1, (n + 1,), np.int8)}),
                                    spaces.Discrete(n + 1))
 
@@ -60,11 +68,12 @@ class TurnBased:
         else:
             obs, legal = raw, np.ones(n, np.int8)
         mask = np.zeros(n + 1, np.int8)
-        if agent == self.aec.agent_selection:
+        turn = agent == self.aec.agent_selection
+        if turn:
             mask[:n] = legal
         else:
             mask[n] = 1
-        return {"observation": np.asarray(obs), "action_mask": mask}
+        return {"observation": _flagged(np.asarray(obs), turn), "action_mask": mask}
 
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         self.aec.reset(seed=seed, options=options)
@@ -99,3 +108,24 @@ class TurnBased:
 
     def close(self) -> None:
         self.aec.close()
+
+
+def _with_flag(space: Any) -> Any:
+    """`space` with room for the to-move flag: one more channel of an image ([H, W, C] -> [H, W, C + 1]),
+    else one more value of the flattened observation."""
+    from gymnasium import spaces
+
+    low, high = np.asarray(space.low, space.dtype), np.asarray(space.high, space.dtype)
+    if len(space.shape) == 3:
+        pad = [(0, 0), (0, 0), (0, 1)]
+        return spaces.Box(np.pad(low, pad, constant_values=0), np.pad(high, pad, constant_values=1), dtype=space.dtype)
+    flag = np.zeros(1, space.dtype)
+    return spaces.Box(np.concatenate([low.reshape(-1), flag]), np.concatenate([high.reshape(-1), flag + 1]),
+                      dtype=space.dtype)
+
+
+def _flagged(obs: np.ndarray, turn: bool) -> np.ndarray:
+    """`obs` with the to-move flag (1 on the player's turn), laid out as `_with_flag` says."""
+    if obs.ndim == 3:
+        return np.concatenate([obs, np.full((*obs.shape[:2], 1), int(turn), obs.dtype)], axis=2)
+    return np.append(obs.reshape(-1), np.asarray(int(turn), obs.dtype))

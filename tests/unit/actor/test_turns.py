@@ -29,9 +29,24 @@ def test_only_the_player_to_move_chooses_and_the_win_reaches_both_at_the_last_mo
             assert rewards == {"player_1": 0.0, "player_2": 0.0} and not any(terminated.values())
     assert rewards == {"player_1": 1.0, "player_2": -1.0}
     assert terminated == {"player_1": True, "player_2": True} and env.agents == []
-    # The board each player saw last: its own marks first.
+    # The board each player saw last: its own marks first, then the other's, then whether it is to move.
     assert obs["player_1"]["observation"][0, :, 0].tolist() == [1, 1, 1]
     assert obs["player_2"]["observation"][0, :, 1].tolist() == [1, 1, 1]
+    assert env.observation_space("player_1")["observation"].shape == (3, 3, 3)
+
+
+def test_each_player_sees_whether_it_is_to_move():
+    """The same board off one's turn and on it differ by the to-move flag (a last value of a flat
+    observation; a last channel of an image)."""
+    env = make_parallel(TICTACTOE)()
+    obs, _ = env.reset(seed=0)
+    assert (obs["player_1"]["observation"][:, :, 2] == 1).all() and (obs["player_2"]["observation"][:, :, 2] == 0).all()
+    obs, *_ = env.step({"player_1": 4, "player_2": 9})
+    assert (obs["player_1"]["observation"][:, :, 2] == 0).all() and (obs["player_2"]["observation"][:, :, 2] == 1).all()
+    flat = TurnBased(Elimination(), "pettingzoo:elimination")
+    assert flat.observation_space("a")["observation"].shape == (2,)
+    obs, _ = flat.reset()
+    assert obs["a"]["observation"].tolist() == [0.0, 1.0] and obs["b"]["observation"].tolist() == [0.0, 0.0]
 
 
 def test_passing_on_its_turn_is_refused_naming_the_player():
@@ -117,7 +132,7 @@ def test_a_player_out_early_leaves_at_that_step_and_the_others_play_on():
 def test_a_turn_based_game_runs_as_a_vector_env_of_slots():
     envs = ParallelVectorEnv(make_parallel(TICTACTOE), 2, TICTACTOE)
     obs, info = envs.reset(seed=0)
-    assert obs.shape == (4, 3, 3, 2) and info["action_mask"].shape == (4, 10)
+    assert obs.shape == (4, 3, 3, 3) and info["action_mask"].shape == (4, 10)   # (the to-move flag's channel)
     rng = np.random.default_rng(0)
     games = 0
     for _ in range(60):
