@@ -20,12 +20,13 @@ _rng = np.random.default_rng(0)
 
 
 def scripted(obs: np.ndarray, mask: np.ndarray | None = None) -> int:
-    """The opponent's move at `obs` ([3, 3, 2]: its own marks, then the other's), within `mask` (10
+    """The opponent's move at `obs` ([3, 3, 2] or [3, 3, 3]: its own marks, the other's, and whether it
+    is to move), within `mask` (10
     actions: the 9 squares, then pass; only pass off its turn)."""
     allowed = np.ones(PASS + 1, bool) if mask is None else np.asarray(mask, bool)
     if not allowed[:PASS].any():
         return PASS
-    board = np.asarray(obs).reshape(9, 2)
+    board = np.asarray(obs).reshape(9, -1)[:, :2]   # (a third channel, kuberl's to-move flag, is not needed)
     mine, theirs = board[:, 0] > 0, board[:, 1] > 0
     free = allowed[:PASS] & ~mine & ~theirs
     for own in (mine, theirs):   # win, else block
