@@ -113,9 +113,6 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
                              encoder=encoder, state_size=policy.state_size, policy=tag, episodes=episodes)
             seats[tag] = BatchedInference(policy, hub, scoped, gate=gate)
         policies = {tag: seat.policy for tag, seat in seats.items()}
-        if several:   # (each hub reports its own sessions_active, under its policy)
-            metrics.add_gauges(lambda: {"actor/sessions_active": float(sum(len(seat.hub.sessions)
-                                                                           for seat in seats.values()))})
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
         rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gates if several else gate)

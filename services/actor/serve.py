@@ -120,8 +120,6 @@ async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig
         hub = SessionHub(cfg, policy.spec, serve_id, metrics.scoped(tag), on_fragment=None,  # no sink: nothing recorded
                          state_size=policy.state_size, policy=tag, episodes=episodes)
         seats[tag] = BatchedInference(policy, hub, metrics.scoped(tag))
-    if several:   # (each hub reports its own sessions_active, under its policy)
-        metrics.add_gauges(lambda: {"actor/sessions_active": float(sum(len(s.hub.sessions) for s in seats.values()))})
     servicer = ActorServicer(metrics, episodes, seats, cfg.actor.session_timeout_s)
     max_bytes = cfg.buffer.max_message_mb * MiB
     lc = Lifecycle("serve", metrics, deadline_s=SHUTDOWN_DEADLINE_S)

@@ -27,6 +27,9 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         its own hub and batched inference. A hello names its seat with `EnvHello.policy`."""
         self.metrics, self.episodes = metrics, episodes
         self.seats, self.timeout_s = dict(seats or {}), session_timeout_s
+        if self.seats and "" not in self.seats:   # several policies: each hub reports its own, under its policy
+            metrics.add_gauges(lambda: {"actor/sessions_active": float(sum(len(seat.hub.sessions)
+                                                                           for seat in self.seats.values()))})
 
     def _seat(self, hello: actor_pb2.EnvHello) -> BatchedInference:
         """The seat `hello.policy` names (SessionError naming the field where it names none of them)."""

@@ -226,6 +226,7 @@ class EnvConfig(DeclaredSpaces):
         require(self.max_episode_steps is None or self.max_episode_steps > 0, "max_episode_steps",
                 self.max_episode_steps, "must be positive")
 
+
 @dataclass(frozen=True)
 class TopologyConfig:
     """How many processes of each role `kuberl up` starts."""

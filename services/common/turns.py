@@ -90,17 +90,18 @@ class TurnBased:
         rewards = {a: float(self.aec.rewards.get(a, 0.0)) for a in acting}
         terminated = {a: bool(self.aec.terminations.get(a, False)) for a in acting}
         truncated = {a: bool(self.aec.truncations.get(a, False)) for a in acting}
-        observations = {a: self._observe(a) for a in acting}
-        # AEC's rule: an agent whose game ended is stepped with None when it is selected, until a live
-        # agent is (none, once the whole game is over: the parallel episode then ends here).
+        self.agents = [a for a in acting if not (terminated[a] or truncated[a])]
+        # The last observations of those whose game ended, before AEC lets them go.
+        observations = {a: self._observe(a) for a in acting if a not in self.agents}
+
         def over(a: str) -> bool:
             return bool(self.aec.terminations.get(a, False) or self.aec.truncations.get(a, False))
 
+        # AEC's rule: an agent whose game ended is stepped with None when it is selected, until a live
+        # agent is (none, once the whole game is over: the parallel episode then ends here).
         while self.aec.agents and not all(over(a) for a in self.aec.agents) and over(self.aec.agent_selection):
             self.aec.step(None)
-        self.agents = [a for a in acting if not (terminated[a] or truncated[a])]
-        if self.agents:   # the masks of those playing on, now the turn has moved
-            observations.update({a: self._observe(a) for a in self.agents})
+        observations.update({a: self._observe(a) for a in self.agents})   # (whose turn it is now)
         return observations, rewards, terminated, truncated, {a: {} for a in acting}
 
     def render(self) -> Any:
