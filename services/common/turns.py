@@ -13,8 +13,7 @@ at that step; AEC's rule that a finished agent be stepped with None is kept here
 Each player's observation also says whether it is that player's turn (one more channel of an image
 observation, [H, W, C + 1], else one more value of the flattened observation: 1 on its turn, else 0).
 The game's own observation is meant for the player to move; off its turn the same board can mean the
-other is to move, and a value function that cannot tell the two apart learns neither (measured: without
-the flag, tic-tac-toe self-play lost to a blocking opponent every game). A game's observation may be
+other is to move, and whose move it is decides the board's value. A game's observation may be
 PettingZoo's classic dict of `observation` and `action_mask`, or a plain Box (every move then legal on
 its turn). Only Discrete action spaces take turns this way.
 """
