@@ -6,10 +6,12 @@
 #   WHEELS= PYTHON=.venv/bin/python bash bench/gpu_check.sh   # here: the venv has every package already
 #
 # Wheels: the packages kuberl's actor, learner, buffer and `kuberl up` need beyond an image that holds
-# torch and numpy, as cp312 manylinux / py3-none-any wheels in .whl/ (installed with --no-deps into
+# torch and numpy (pygame too, which PettingZoo's tic-tac-toe imports), as cp312 manylinux / py3-none-any wheels in .whl/ (installed with --no-deps into
 # $SITE, put first on PYTHONPATH). Every step runs under `timeout`, and the steps together within
 # $BUDGET seconds (default 400). Writes to $OUT (default /tmp/gpu_check): env.txt, pytest.log,
-# learner_device.log and learner_device.json. Exits non-zero if a step failed.
+# learner_device.log and learner_device.json, then a `kuberl up` of two policies whose learners share the
+# GPU (policies.log, policies_summary.json, gpu_apps.txt). UNITS=0 skips the broad unit suites,
+# BENCH=0 the learner benchmark, POLICIES_STEPS=0 the two-policy run. Exits non-zero if a step failed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -82,14 +84,42 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_t
     # (a) device placement: the cuda tests must pass here, not skip.
     step "pytest: device tests" 150 "${PYTEST[@]}" -v tests/unit/learner/test_device.py
     # The learner, actor and buffer units on this image's torch and Python (cpu: learner.device defaults to cpu).
-    step "pytest: learner, actor, buffer units" 150 "${PYTEST[@]}" -q tests/unit/learner tests/unit/actor \
-        tests/unit/buffer tests/unit/common/test_config.py tests/unit/test_algorithm_seam.py
+    if [[ ${UNITS:-1} != 0 ]]; then
+        step "pytest: learner, actor, buffer units" 150 "${PYTEST[@]}" -q tests/unit/learner tests/unit/actor \
+            tests/unit/buffer tests/unit/common/test_config.py tests/unit/test_algorithm_seam.py
+    fi
 } 2>&1 | tee "$OUT/pytest.log"
 
 # (b) the learner on cpu and cuda; the JSON is written after each algorithm, so a cut-off run keeps the rest.
 # shellcheck disable=SC2086
-step "bench.learner_device" 300 "$PY" -m bench.learner_device --out "$OUT/learner_device.json" $BENCH_ARGS \
-    2>&1 | tee "$OUT/learner_device.log"
+if [[ ${BENCH:-1} != 0 ]]; then
+    step "bench.learner_device" 300 "$PY" -m bench.learner_device --out "$OUT/learner_device.json" $BENCH_ARGS \
+        2>&1 | tee "$OUT/learner_device.log"
+fi
+
+# (c) two policies' learners on one GPU through the whole stack: tic-tac-toe, player_1 and player_2 each
+# a policy with its own learner process (two CUDA contexts on the one device), `kuberl up` without the planner.
+if [[ ${POLICIES_STEPS:-200000} != 0 ]]; then
+    RUNS=$(mktemp -d)
+    cat >"$RUNS/two_policies.yaml" <<EOF2
+algorithm: ppo
+seed: 0
+env: {id: "pettingzoo:pettingzoo.classic.tictactoe_v3", num_envs: 16}
+policies: {x: {agents: [player_1]}, o: {agents: [player_2]}}
+planner: {enabled: false}
+learner: {device: cuda}
+ppo: {rollout_steps: 32, batch_steps: 1024}
+run: {return_window: 200, max_env_steps: ${POLICIES_STEPS:-200000}}
+EOF2
+    (for _ in $(seq 60); do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; sleep 3; done) \
+        >"$OUT/gpu_apps.txt" 2>&1 &
+    SMI=$!
+    step "kuberl up: two policies' learners on one GPU" 240 "$PY" -m services.cli.main up "$RUNS/two_policies.yaml" \
+        --run-dir "$RUNS" --name policies 2>&1 | tail -n 12 | tee "$OUT/policies.log"
+    kill "$SMI" 2>/dev/null
+    cp "$RUNS/policies/summary.json" "$OUT/policies_summary.json" 2>/dev/null
+    grep -h "training on\|restored\|Error\|error" "$RUNS"/policies/logs/learner-*.log | head -n 20 | tee -a "$OUT/policies.log"
+fi
 
 echo "=== done in $((SECONDS - START)) s; failed: $(cat "$FAILED")"
 [[ ! -s "$FAILED" ]]
