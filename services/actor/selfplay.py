@@ -18,14 +18,21 @@ single-agent env.
   `sampling: uniform`, each alike; `sampling: prioritized` (prioritized fictitious self-play, as
   AlphaStar's league), snapshot i with probability proportional to (1 - s_i)^2, where
   s_i = (points + 1) / (games + 2) is the learning policy's mean score against it so far (a win 1, a
-  draw 1/2), so the opponents it still loses to are met most.
+  draw 1/2), so the opponents it still loses to are met most. With `random_probability` r, the
+  episodes not against the newest weights are against a uniformly random player with probability r
+  (its moves uniform over those the mask allows; a Box uniform within its bounds), else against a
+  snapshot as above.
+- **What is recorded:** the learning agent's steps; with `record_latest`, every agent's steps in the
+  copies whose opponents are the newest weights (every side there is the policy that trains, and its
+  actions are computed in the one call either way), the game seen from each side.
 - **Results.** When a copy's episode ends, the learning agent *won* if its return is above every
   other agent's, *lost* if below any, else drew. Games against a snapshot update the learning
   policy's Elo rating (starting at 1000) against the snapshot's (the rating the policy had when the
   snapshot was taken, then fixed): R += K * (score - 1 / (1 + 10 ** ((R_s - R) / 400))), score 1, 0
   or 1/2. Metrics: `actor/selfplay_games_total`, `..._wins_total`, `..._losses_total`,
   `..._draws_total` (every game), `actor/selfplay_win_rate` (the last 100 games against snapshots),
-  `actor/selfplay_elo` and `actor/selfplay_pool_size`.
+  `actor/selfplay_elo` and `actor/selfplay_pool_size`; games against the random player count as
+  games, not in the rating, and `actor/selfplay_random_win_rate` is the last 100 of them won.
 """
 
 from __future__ import annotations
@@ -41,10 +48,12 @@ from services import algorithms
 from services.actor.policy import Policy
 from services.common.agents import OUTCOMES, game_score
 from services.common.models.nets import load_numpy, to_numpy
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 
 LATEST = None   # an episode's opponent: the newest weights (the policy that trains)
+RANDOM = "random"   # ... or a uniformly random player (`random_probability`)
 START_ELO = 1000.0
 
 
@@ -74,10 +83,15 @@ class SelfPlay:
         self._older_max, self._left = older, 0              # (and how many have left it)
         self.learning = np.zeros(copies, np.int64)          # each copy's learning agent (index in possible_agents)
         self._recorded = np.zeros(copies * agents, bool)    # the learning agents' slots
-        self.opponent: list[Snapshot | None] = [LATEST] * copies
+        self.opponent: list[Snapshot | str | None] = [LATEST] * copies
         self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
         self.rating = START_ELO
         self.recent: deque[float] = deque(maxlen=100)       # scores of the last games against snapshots
+        self.recent_random: deque[float] = deque(maxlen=100)  # ... and against the random player
+        space = policy.spec.action
+        if self.sp.random_probability and isinstance(space, Box) and not space.bounded:
+            raise ValueError(f"selfplay.random_probability: the random player acts uniformly within the action "
+                             f"space's bounds, and {space} has none")
         self._seen: int | None = None                       # the last policy version looked at
         for name in ("games", "wins", "losses", "draws"):
             metrics.inc(f"actor/selfplay_{name}_total", 0)
@@ -95,18 +109,27 @@ class SelfPlay:
         return self._recorded
 
     def new_episode(self, k: int) -> None:
-        self._recorded[k * self.agents + self.learning[k]] = False
+        slots = slice(k * self.agents, (k + 1) * self.agents)
+        self._recorded[slots] = False
         self.learning[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
-        self._recorded[k * self.agents + self.learning[k]] = True
         pool = self.pool
-        if pool and self.rng.random() >= self.sp.latest_probability:
-            if self.sp.sampling == "prioritized":
+        chance = self.sp.random_probability
+        if (pool or chance) and self.rng.random() >= self.sp.latest_probability:
+            if chance and self.rng.random() < chance:
+                self.opponent[k] = RANDOM
+            elif not pool:
+                self.opponent[k] = LATEST
+            elif self.sp.sampling == "prioritized":
                 weights = np.array([snap.hardness() for snap in pool])
                 self.opponent[k] = pool[int(self.rng.choice(len(pool), p=weights / weights.sum()))]
             else:
                 self.opponent[k] = pool[int(self.rng.integers(len(pool)))]
         else:
             self.opponent[k] = LATEST
+        if self.opponent[k] is LATEST and self.sp.record_latest:
+            self._recorded[slots] = True       # every side is the policy that trains
+        else:
+            self._recorded[k * self.agents + self.learning[k]] = True
 
     def swapped(self) -> None:
         """After the policy swapped weights in: every `snapshot_every`-th version joins the pool."""
@@ -151,7 +174,7 @@ class SelfPlay:
             for name, values in extras.items():
                 recorded[name] = np.zeros(len(obs), np.float32)
                 recorded[name][rows] = values
-        by_snapshot: dict[int, tuple[Snapshot, list[int]]] = {}
+        by_snapshot: dict[int, tuple[Snapshot | str, list[int]]] = {}
         for k, opponent in enumerate(self.opponent):
             if opponent is not None:
                 cols = [n for n in range(k * self.agents, (k + 1) * self.agents)
@@ -159,6 +182,9 @@ class SelfPlay:
                 by_snapshot.setdefault(id(opponent), (opponent, []))[1].extend(cols)
         for snapshot, cols in by_snapshot.values():
             if not cols:
+                continue
+            if isinstance(snapshot, str):   # (RANDOM)
+                out[cols] = random_actions(space, len(cols), None if mask is None else mask[cols], self.rng)
                 continue
             x = torch.from_numpy(np.ascontiguousarray(obs[cols]))
             if mask is None:
@@ -178,6 +204,10 @@ class SelfPlay:
             self.metrics.inc("actor/selfplay_games_total")
             self.metrics.inc(f"actor/selfplay_{OUTCOMES[score]}_total")
             opponent = self.opponent[k]
+            if opponent is RANDOM:
+                self.recent_random.append(score)
+                self.metrics.set("actor/selfplay_random_win_rate",
+                                 sum(s == 1.0 for s in self.recent_random) / len(self.recent_random))
             if isinstance(opponent, Snapshot):
                 opponent.games += 1
                 opponent.points += score
@@ -188,3 +218,22 @@ class SelfPlay:
                 self.metrics.set("actor/selfplay_win_rate", sum(s == 1.0 for s in self.recent) / len(self.recent))
             self.returns[k * self.agents:(k + 1) * self.agents] = 0.0
             self.new_episode(k)
+
+
+def random_actions(space: Discrete | MultiDiscrete | Box, n: int, mask: np.ndarray | None,
+                   rng: np.random.Generator) -> np.ndarray:
+    """`n` uniformly random actions: each choice uniform over what its row of `mask` allows ([n, mask
+    width] bool; None: every action), a Box uniform within its bounds (`n` rows of the space's shape)."""
+    if isinstance(space, Box):
+        return rng.uniform(space.low_array, space.high_array, (n, *space.shape)).astype(np.float32)
+    nvec = space.nvec if isinstance(space, MultiDiscrete) else (space.n,)
+    out = np.empty((n, len(nvec)), np.int64)
+    start = 0
+    for i, width in enumerate(nvec):
+        allowed = np.ones((n, width), bool) if mask is None else mask[:, start:start + width]
+        # uniform over the allowed choices: the first allowed index past a uniform draw of their count
+        counts = allowed.sum(axis=1)
+        pick = (rng.random(n) * counts).astype(np.int64)
+        out[:, i] = np.argmax(np.cumsum(allowed, axis=1) > pick[:, None], axis=1)
+        start += width
+    return out if isinstance(space, MultiDiscrete) else out[:, 0]

@@ -39,7 +39,7 @@ from services.common.net.shards import combined_samples_per_insert
 from services.common.net.tls import TlsError, check_role
 
 log = logging.getLogger("kuberl.up")
-SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate"]   # (with selfplay.enabled: the actors' mean)
+SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate", "selfplay_random_win_rate"]   # (selfplay.enabled: the actors' mean)
 
 
 def policy_columns(cfg: ExperimentConfig) -> list[str]:
@@ -176,7 +176,8 @@ class LocalRun:
                 for column, value in (("return_mean", p["mean_return"]), ("policy_version", p["policy_version"]))}
 
     def _selfplay(self) -> dict:
-        """Self-play's Elo and win rate against the pool, each the mean over the actors reporting it."""
+        """Self-play's Elo and win rate against the pool (and against the random player), each the mean
+        over the actors reporting it."""
         out: dict = {}
         for key in SELFPLAY_COLUMNS:
             name = "actor/" + key

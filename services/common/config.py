@@ -301,9 +301,16 @@ class SelfPlayConfig:
     # At each episode of an env copy the opponents are the newest weights with this probability, else
     # a snapshot drawn from the pool (by `sampling`; the newest weights always while the pool is empty).
     latest_probability: float = 0.2
+    # Of the episodes not against the newest weights, this share is against a uniformly random player
+    # (the legal moves alike, where the env masks actions) instead of a snapshot: a fixed floor the
+    # policy must keep beating, as RLlib's self-play examples start their league from a random policy.
+    random_probability: float = 0.0
     # The agent that trains is drawn uniformly from possible_agents at each episode; false: always the
     # first (for envs that draw the sides themselves).
     swap_sides: bool = True
+    # Where a copy's opponents are the newest weights, every side is the policy that trains: record them
+    # all (the game from each side), not the learning agent's alone. The actions are computed either way.
+    record_latest: bool = False
     elo_k: float = 16.0             # the Elo update's K; ratings start at 1000
     # Which snapshots the pool keeps: "newest" (the newest pool_size) or "history" (the newest half,
     # and half a uniform sample of all older ones); and how an opponent is drawn from it: "uniform",
@@ -315,6 +322,8 @@ class SelfPlayConfig:
         require(self.pool_size >= 1, "pool_size", self.pool_size, "must be >= 1")
         require(self.snapshot_every >= 1, "snapshot_every", self.snapshot_every, "must be >= 1")
         require(0.0 <= self.latest_probability <= 1.0, "latest_probability", self.latest_probability,
+                "must be within 0..1")
+        require(0.0 <= self.random_probability <= 1.0, "random_probability", self.random_probability,
                 "must be within 0..1")
         require(self.elo_k > 0, "elo_k", self.elo_k, "must be > 0")
         require(self.keep in ("newest", "history"), "keep", self.keep,

@@ -5,13 +5,16 @@ Elo moves by the formula."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from services.actor.rollout import Rollout
-from services.actor.selfplay import LATEST, START_ELO, Snapshot
+from services.actor.selfplay import LATEST, RANDOM, START_ELO, Snapshot, random_actions
 from services.common.models.nets import to_numpy
 from services.common.protocol.fragments import RawFragment, decode_fragment
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 from services.common.stats import Metrics
 from services.config import ConfigError, config_from_dict
 from tests.helpers import TINY_PPO
@@ -73,6 +76,32 @@ def test_only_the_learning_agents_are_recorded_and_every_game_is_scored():
     assert rollout.metrics.gauges["actor/selfplay_pool_size"] == 2
 
 
+def test_record_latest_records_every_side_of_the_games_against_the_newest_weights():
+    rollout = Rollout(config(record_latest=True, latest_probability=1.0), "sp", 0, Metrics("actor"))
+    try:
+        decoded = [decode_fragment(RawFragment(m.payload)) for m in collect_versions(rollout, 3)]
+    finally:
+        rollout.close()
+    # Every copy faces the newest weights (an empty pool too): both agents of every copy are recorded.
+    steps = 3 * TINY_PPO["ppo"]["rollout_steps"]
+    assert sum(f.num_samples for f in decoded) == steps * COPIES * 2
+    c = rollout.metrics.counters
+    assert c["actor/episodes_total"] == 2 * c["actor/selfplay_games_total"] > 0   # one per side and game
+    assert all(f.extras["behaviour_logprob"].min() < 0 for f in decoded)   # the policy's own log-probs, not 0s
+
+    # Against a snapshot only the learning agent is recorded, and the draw decides at each episode.
+    sp = rollout.selfplay
+    sp.sp = dataclasses.replace(sp.sp, latest_probability=0.5)
+    sp.add(Snapshot(10, START_ELO, None))
+    for _ in range(200):
+        sp.new_episode(1)
+        recorded = sp.recorded()[2:4]
+        if sp.opponent[1] is LATEST:
+            assert recorded.all()
+        else:
+            assert list(np.flatnonzero(recorded)) == [sp.learning[1]]
+
+
 def test_opponents_are_drawn_by_the_documented_rule():
     rollout = Rollout(config(latest_probability=0.2), "sp", 0, Metrics("actor"))
     rollout.close()
@@ -93,6 +122,54 @@ def test_opponents_are_drawn_by_the_documented_rule():
     assert abs(latest / draws - 0.2) < 0.03
     assert all(abs(n / draws - 0.8 / 3) < 0.035 for n in versions.values()), versions
     assert abs(sides[0] / draws - 0.5) < 0.04
+
+
+def test_random_probability_puts_a_uniformly_random_player_in_that_share_of_the_other_episodes():
+    rollout = Rollout(config(latest_probability=0.2, random_probability=0.5), "sp", 0, Metrics("actor"))
+    rollout.close()
+    sp = rollout.selfplay
+    draws, counts = 4000, {"latest": 0, "random": 0, "snapshot": 0}
+    for pool in ([], [Snapshot(10, START_ELO, None)]):
+        for s in pool:
+            sp.add(s)
+        counts = dict.fromkeys(counts, 0)
+        for _ in range(draws):
+            sp.new_episode(0)
+            o = sp.opponent[0]
+            counts["latest" if o is LATEST else "random" if o is RANDOM else "snapshot"] += 1
+        # 0.2 the newest weights; of the other 0.8, half random and half a snapshot (the newest weights
+        # while the pool is empty). Binomial sd <= 0.008: 4 sd.
+        assert abs(counts["random"] / draws - 0.4) < 0.035, counts
+        assert abs(counts["snapshot"] / draws - (0.4 if pool else 0.0)) < 0.035, counts
+    assert set(counts) == {"latest", "random", "snapshot"}
+
+    # The random player keeps to the mask and plays uniformly; games against it are scored apart.
+    mask = np.zeros((30000, 5), bool)
+    mask[:, [0, 3]] = True
+    mask[:10000, 3] = False
+    actions = random_actions(Discrete(5), len(mask), mask, np.random.default_rng(0))
+    assert (actions[:10000] == 0).all()
+    assert set(actions[10000:]) == {0, 3} and abs((actions[10000:] == 3).mean() - 0.5) < 0.02
+    multi = random_actions(MultiDiscrete((2, 3)), 4, np.array([[1, 0, 0, 0, 1]] * 4, bool), np.random.default_rng(0))
+    assert multi.tolist() == [[0, 2]] * 4
+    box = random_actions(Box.of((2,), [-1, 0], [1, 5]), 1000, None, np.random.default_rng(0))
+    assert box.shape == (1000, 2) and box.min(0).tolist() >= [-1, 0] and box.max(0).tolist() <= [1, 5]
+
+
+def test_games_against_the_random_player_are_scored_apart_and_not_rated():
+    rollout = Rollout(config(latest_probability=0.0, random_probability=1.0), "sp", 0, Metrics("actor"))
+    try:
+        collect_versions(rollout, 3)
+    finally:
+        rollout.close()
+    c, g = rollout.metrics.counters, rollout.metrics.gauges
+    assert c["actor/selfplay_games_total"] > 0 and len(rollout.selfplay.recent_random) == min(
+        100, c["actor/selfplay_games_total"])
+    assert g["actor/selfplay_random_win_rate"] == sum(s == 1.0 for s in rollout.selfplay.recent_random) / len(
+        rollout.selfplay.recent_random)
+    assert g["actor/selfplay_elo"] == START_ELO        # random games are not rated
+    with pytest.raises(ConfigError, match=r"^selfplay.random_probability: 1.5 is invalid"):
+        config(random_probability=1.5)
 
 
 def test_keep_history_holds_the_newest_half_and_a_uniform_sample_of_the_older():
