@@ -101,17 +101,21 @@ class FittingWeights:
 
 @asynccontextmanager
 async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
-                  metrics_listen: str | None = None, follow_learner: str | None = None, accept_older: bool = False,
+                  metrics_listen: str | None = None, follow_learner: str | Mapping[str, str] | None = None,
+                  accept_older: bool = False,
                   serve_id: str = "serve") -> AsyncIterator[Endpoints]:
     """Serve `policies` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
     One policy, or a run's several by name (config `policies`): each then answers the sessions whose
     hello names it (`EnvHello.policy`), with its own hub (its spaces) and batched inference, its gauges
-    under actor/policies/<name>/; `follow_learner` is then `name=host:port` for each. Leaving the
-    context runs the shutdown sequence (nothing to flush: no fragments)."""
+    under actor/policies/<name>/; `follow_learner` is then `name=host:port` for each (or that map, as
+    `learner_addresses` parses it). Leaving the context runs the shutdown sequence (nothing to flush:
+    no fragments)."""
     several = not isinstance(policies, Policy)
     named = dict(policies) if not isinstance(policies, Policy) else {"": policies}
-    learners = {"": follow_learner} if follow_learner and not several else {}
-    if follow_learner and several:
+    learners = {"": follow_learner} if isinstance(follow_learner, str) and not several else {}
+    if isinstance(follow_learner, Mapping):
+        learners = dict(follow_learner)
+    elif follow_learner and several:
         learners = learner_addresses(follow_learner, tuple(named))   # ValueError naming what is wrong
     episodes = EpisodeLog(metrics)
     seats = {}

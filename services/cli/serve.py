@@ -86,8 +86,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, policies: Policy 
         log.info("serving %s, %s actions, on %s (metrics on %s)%s", description,
                  "deterministic" if first.greedy is not None else f"stochastic (seed {args.seed})",
                  endpoints.grpc, endpoints.metrics,
-                 f", following the learner at {args.follow_learner}" if args.follow_learner else "")
+                 f", following the learner{'s' if isinstance(args.follow_learner, dict) else ''} at "
+                 f"{_addresses(args.follow_learner)}" if args.follow_learner else "")
         await stop.wait()
+
+
+def _addresses(follow: str | dict[str, str]) -> str:
+    return follow if isinstance(follow, str) else ", ".join(f"{p}={a}" for p, a in follow.items())
 
 
 def main(argv=None) -> int:
@@ -104,8 +109,8 @@ def main(argv=None) -> int:
     try:
         if policy_checkpoint_dirs(args.checkpoint) is not None:   # a run of several policies: each answers its sessions
             trained = load_policies(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
-            if args.follow_learner:
-                learner_addresses(args.follow_learner, tuple(trained))
+            if args.follow_learner:   # (parsed here, to refuse a bad one before serving)
+                args.follow_learner = learner_addresses(args.follow_learner, tuple(trained))
             policies: Policy | dict[str, Policy] = {name: t.policy for name, t in trained.items()}
             description = "; ".join(f"{name}: {t.description}" for name, t in trained.items())
         else:

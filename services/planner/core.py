@@ -180,9 +180,9 @@ class Planner:
                     self.track_learner_scale_up(inp)
                     inp = replace(inp, ceilings=self._ceilings(), learner_scale_up=self.learner_scale_up)
                 d = decide(self.policy, inp)
-                if self.cfg.several_policies and self.observer.tightest and inp.learner.rate is not None:
+                if inp.learner.bound_by and inp.learner.rate is not None:
                     d = replace(d, reason=f"{d.reason}; learner rate: what the actors can be fed at, policy "
-                                          f"{self.observer.tightest}'s learners taking its share (the tightest)")
+                                          f"{inp.learner.bound_by}'s learners taking its share (the tightest)")
                 if d.action != "scale":
                     break
                 if not self.backend.leader:

@@ -89,6 +89,7 @@ class RoleInputs:
     blocked: str = ""            # the backend will not scale this role, and why
     override: int | None = None  # a manual replica count in force
     cores: float | None = None   # EWMA CPU cores per replica (measured cost); None = unknown
+    bound_by: str = ""           # several policies' learners: the policy whose learners set `rate`
 
     def __post_init__(self):
         if self.ready < 0:

@@ -112,7 +112,6 @@ class Observer:
         self.table_received: dict[tuple[str, str], CounterRate] = {}
         self.states: dict[str, RoleState] = {}
         self.buffers: list[Replica] = []   # the buffer shards at the last measurement
-        self.tightest = ""                 # several policies: the one whose learners limit the actors
 
     async def _read_buffer(self, name: str, address: str) -> None:
         resp = await self.stats.get_stats("buffer", name, address, pb.GetStatsRequest())
@@ -206,20 +205,22 @@ class Observer:
         stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
         cores = [t.cores for t in usable if t.cores is not None]
         rate = (sum(t.rate for t in usable) / len(usable)) if usable else None
+        bound_by = ""
         if role == "learner" and self.cfg.several_policies:
-            rate = self.policies_rate(now, state)
+            rate, bound_by = self.policies_rate(now, state) or (None, "")
         return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable), rate=rate,
                           cores=(sum(cores) / len(cores)) if cores else None,
-                          stale=stale, blocked=state.blocked, override=override)
+                          stale=stale, blocked=state.blocked, override=override, bound_by=bound_by)
 
-    def policies_rate(self, now: float, state: RoleState) -> float | None:
+    def policies_rate(self, now: float, state: RoleState) -> tuple[float, str] | None:
         """A run of several policies: the learners' rate per replica as the balance model takes it, so
         that n_L * rate is the samples/s of the actors' output (every policy's agents together) the
         learners can take. The actors make each policy's share s_p of their samples (measured: what
         each table received), and an actor holds while any policy's table is behind, so they can be
         fed only as fast as the tightest policy takes its share: min over policies of C_p / s_p, where
         C_p is what policy p's learners consume (their rates summed). None until every policy that
-        gets samples has a learner with a usable rate and the tables' shares are measured."""
+        gets samples has a learner with a usable rate and the tables' shares are measured; else the rate
+        and the tightest policy."""
         p = self.cfg.planner
         received = {policy: sum(r for (_, q), c in self.table_received.items()
                                 if q == policy and (r := c.fresh(now, p.stale_after_s)) is not None)
@@ -236,8 +237,8 @@ class Observer:
                  if got > 0 and policy in capacity}
         if len(feeds) < sum(1 for got in received.values() if got > 0):
             return None   # a policy that gets samples has no learner rate yet
-        self.tightest = min(feeds, key=lambda q: feeds[q])
-        return feeds[self.tightest] / state.desired
+        tightest = min(feeds, key=lambda q: feeds[q])
+        return feeds[tightest] / state.desired, tightest
 
     def transport(self, now: float) -> Transport:
         """Actors' send queues and the buffers' CPU, from fresh metrics only (planner.stale_after_s)."""

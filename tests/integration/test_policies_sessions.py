@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -23,7 +25,7 @@ from services.actor import main as actor_main
 from services.buffer import main as buffer_main
 from services.config import config_from_dict
 from services.learner import main as learner_main
-from tests.helpers import TINY_PPO, Service, stats, write_config
+from tests.helpers import ROOT, TINY_PPO, Service, stats, write_config
 from tests.integration.test_pipeline import _stats, _until
 
 WAIT_S = 120.0
@@ -150,6 +152,12 @@ async def test_each_policys_session_steps_reach_its_learner_and_misuse_is_refuse
         assert served["actor/env_steps_total"] == 12 * (len(RED) + len(BLUE))
     finally:
         serve.kill()
+    # A learner to follow for each policy, or a clear refusal before serving.
+    bad = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli.main", "serve", str(tmp_path),
+                                                   "--follow-learner", "red=127.0.0.1:1"],
+                                  capture_output=True, text=True, timeout=WAIT_S, cwd=ROOT)
+    assert bad.returncode == 2, bad
+    assert "kuberl serve: --follow-learner: names red; this run's policies are red, blue" in bad.stderr, bad.stderr
 
 
 async def _received(buffer: str, want: dict[str, int]):
