@@ -112,11 +112,12 @@ async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig
     no fragments)."""
     several = not isinstance(policies, Policy)
     named = dict(policies) if not isinstance(policies, Policy) else {"": policies}
-    learners = {"": follow_learner} if isinstance(follow_learner, str) and not several else {}
     if isinstance(follow_learner, Mapping):
         learners = dict(follow_learner)
-    elif follow_learner and several:
-        learners = learner_addresses(follow_learner, tuple(named))   # ValueError naming what is wrong
+    elif follow_learner:   # (several: ValueError naming what is wrong)
+        learners = learner_addresses(follow_learner, tuple(named)) if several else {"": follow_learner}
+    else:
+        learners = {}
     episodes = EpisodeLog(metrics)
     seats = {}
     for tag, policy in named.items():

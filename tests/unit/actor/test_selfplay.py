@@ -6,12 +6,13 @@ Elo moves by the formula."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from services.actor.rollout import Rollout
-from services.actor.selfplay import LATEST, RANDOM, START_ELO, Snapshot, random_actions
+from services.actor.selfplay import LATEST, RANDOM, START_ELO, SelfPlay, Snapshot, random_actions
 from services.common.models.nets import to_numpy
 from services.common.protocol.fragments import RawFragment, decode_fragment
 from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
@@ -170,6 +171,10 @@ def test_games_against_the_random_player_are_scored_apart_and_not_rated():
     assert g["actor/selfplay_elo"] == START_ELO        # random games are not rated
     with pytest.raises(ConfigError, match=r"^selfplay.random_probability: 1.5 is invalid"):
         config(random_probability=1.5)
+    unbounded = SimpleNamespace(spec=SimpleNamespace(action=Box.of((1,), [-np.inf], [np.inf])))
+    with pytest.raises(ValueError, match=r"^selfplay.random_probability: the random player acts uniformly within "
+                                         r"the action space's bounds, and Box"):
+        SelfPlay(config(random_probability=0.5), unbounded, 1, 2, Metrics("actor"), np.random.default_rng(0))
 
 
 def test_keep_history_holds_the_newest_half_and_a_uniform_sample_of_the_older():
