@@ -17,6 +17,14 @@ by patching it down by one (a StatefulSet removes its highest ordinal: the last 
 drained), through the same checks (HPA, pause annotation, resourceVersion). One planner writes at a time: a coordination.k8s.io/v1 Lease (lease.py).
 Every API call goes through `KubeApi.call` (kubeapi.py: RBAC-checked, rate-limited, retried, errors
 naming the call).
+
+A run of several policies (config `policies`, `policies=` here) has a learner StatefulSet per policy,
+`<learner_statefulset>-<policy>`, behind the headless Service `<learner_service>-<policy>` (as the Helm
+chart names them). The learner role is then every policy's learners: its replicas are each Service's
+Endpoints, each carrying its policy (services/planner/observe.py weighs each policy's learners by its
+share of the samples), its desired count the sum of the StatefulSets' scales. The planner does not scale
+them (the role is reported blocked, saying why; `apply` refuses a learner count), as the local backend:
+it scales the actors they share.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from services.common.config import KubernetesPlannerConfig
 from services.planner.backend import ROLES, ApplyResult, Conflict, Refused, Replica, RoleState
 from services.planner.kubeapi import ApiError, KubeApi, load_client
 from services.planner.lease import LeaderLease
+from services.planner.rbac import policy_learners
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,9 @@ STATEFULSET = Kind("StatefulSet", "statefulsets", "stateful_set")
 # reads the StatefulSet's scale to know the group's size (services/learner/membership.py).
 WORKLOADS = {"actor": DEPLOYMENT, "learner": STATEFULSET}
 SHARDS = "buffer"   # the buffer StatefulSet, scaled one shard at a time (add_buffer/remove_buffer)
+SEVERAL_POLICIES = ("several policies (config `policies`): each policy's learners stay at the replicas of its "
+                    "StatefulSet ({names}; the chart sets them from topology.learners); the planner scales the "
+                    "actors they share")
 
 
 @dataclass(frozen=True)
@@ -75,14 +87,15 @@ class KubernetesBackend:
 
     `namespace` overrides cfg.namespace; `kubeconfig` is a file to load (default: in-cluster service-account
     auth, else ~/.kube/config); `api_client` (tests) is used as given and not closed. `identity` names this
-    planner in the Lease (default: hostname + a random suffix). All methods are coroutines that never block
-    the event loop; API failures raise ApiError."""
+    planner in the Lease (default: hostname + a random suffix). `policies`: the policies of a run of
+    several (config `policies`; see the module docstring), else empty. All methods are coroutines that
+    never block the event loop; API failures raise ApiError."""
 
     name = "kubernetes"
 
     def __init__(self, cfg: KubernetesPlannerConfig, *, namespace: str | None = None, kubeconfig: str | None = None,
                  api_client: client.ApiClient | None = None, identity: str | None = None,
-                 request_timeout_s: float = 15.0):
+                 request_timeout_s: float = 15.0, policies: tuple[str, ...] = ()):
         self.cfg = cfg
         self.namespace = namespace or cfg.namespace
         self.identity = identity or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -97,6 +110,13 @@ class KubernetesBackend:
         if cfg.buffer_address:   # (services/planner/shards.py; rbac.BUFFER_RESOURCES)
             self._workloads[SHARDS] = Workload(STATEFULSET, cfg.buffer_statefulset)
         self._services = {"actor": cfg.actor_service, "learner": cfg.learner_service, "buffer": cfg.buffer_service}
+        # Several policies: "learner" is then every policy's learners, read as "learner/<policy>" each.
+        self.policies = tuple(policies)
+        for policy, (statefulset, service) in policy_learners(cfg, self.policies).items():
+            self._workloads[f"learner/{policy}"] = Workload(STATEFULSET, statefulset)
+            self._services[f"learner/{policy}"] = service
+        if self.policies:
+            del self._workloads["learner"], self._services["learner"]
         self._read: dict[str, tuple[str, str]] = {}    # role -> (resourceVersion, pause reason) as last read
         self._task: asyncio.Task | None = None
 
@@ -144,9 +164,12 @@ class KubernetesBackend:
     # ---- observe -------------------------------------------------------------------------------------
     async def observe(self) -> dict[str, RoleState]:
         hpas = await self._hpa_targets()
-        return {role: await self._observe_role(role, hpas) for role in ROLES}
+        states = {role: await self._observe_role(role, hpas) for role in ROLES if role in self._workloads}
+        if self.policies:
+            states["learner"] = await self._observe_policies(hpas)
+        return states
 
-    async def _observe_role(self, role: str, hpas: dict[tuple[str, str], str]) -> RoleState:
+    async def _observe_role(self, role: str, hpas: dict[tuple[str, str], str], policy: str = "") -> RoleState:
         w = self._workloads[role]
         try:
             desired, _, paused = await self._read_workload(role)
@@ -156,7 +179,20 @@ class KubernetesBackend:
             self._read.pop(role, None)
             return RoleState(desired=0, blocked=f"{w} not found in namespace {self.namespace!r}")
         blocked = self._hpa_reason(w, hpas) or paused
-        return RoleState(desired=desired, replicas=await self._replicas(role), blocked=blocked)
+        return RoleState(desired=desired, replicas=await self._replicas(role, policy), blocked=blocked)
+
+    async def _observe_policies(self, hpas: dict[tuple[str, str], str]) -> RoleState:
+        """The learner role of a run of several policies: every policy's StatefulSet together, blocked (the
+        planner does not scale them) with the first policy's own reason (not found, HPA, paused) if any."""
+        states = {p: await self._observe_role(f"learner/{p}", hpas, policy=p) for p in self.policies}
+        own = [f"{p}: {s.blocked}" for p, s in states.items() if s.blocked]
+        return RoleState(desired=sum(s.desired for s in states.values()),
+                         replicas=[r for s in states.values() for r in s.replicas],
+                         blocked="; ".join(own) or self.several_policies_reason)
+
+    @property
+    def several_policies_reason(self) -> str:
+        return SEVERAL_POLICIES.format(names=", ".join(sorted(n for n, _ in policy_learners(self.cfg, self.policies).values())))
 
     async def _read_workload(self, role: str) -> tuple[int, str, str]:
         """(desired replicas from the scale subresource, resourceVersion, pause reason or "")."""
@@ -246,9 +282,10 @@ class KubernetesBackend:
         await self.apply({SHARDS: n})
         return n
 
-    async def _replicas(self, role: str) -> list[Replica]:
+    async def _replicas(self, role: str, policy: str = "") -> list[Replica]:
         """The replicas in the Endpoints of the role's headless Service (ready and not ready), addressed at
-        the port named cfg.grpc_port_name ("" where the Service has no such port)."""
+        the port named cfg.grpc_port_name ("" where the Service has no such port); `policy`: the one they
+        train (a learner role of a run of several policies)."""
         svc = self._services[role]
         try:
             ep = await self._call("get", "", "endpoints", svc, self._core.read_namespaced_endpoints, svc, self.namespace)
@@ -263,7 +300,8 @@ class KubernetesBackend:
                 for a in addresses or []:
                     host = f"[{a.ip}]" if ":" in a.ip else a.ip
                     name = a.target_ref.name if a.target_ref is not None and a.target_ref.name else (a.hostname or a.ip)
-                    replicas.append(Replica(name=name, address=f"{host}:{port}" if port else "", ready=ready))
+                    replicas.append(Replica(name=name, address=f"{host}:{port}" if port else "", ready=ready,
+                                            policy=policy))
         return replicas
 
     # ---- apply ---------------------------------------------------------------------------------------
@@ -272,9 +310,12 @@ class KubernetesBackend:
         read by the last observe(); raises Conflict (409: changed since), Refused (an HPA targets it, it is
         paused, or this planner is not the leader) before writing anything, ValueError for an unknown role or
         a negative count. dry_run: the API server validates and nothing is stored (dryRun=All)."""
+        if self.policies and "learner" in targets:
+            raise Refused(f"learner: {self.several_policies_reason}")
         for role, n in targets.items():
-            if role not in self._workloads:
-                raise ValueError(f"unknown role {role!r}: the planner scales {tuple(self._workloads)}")
+            if role not in self._workloads or "/" in role:
+                raise ValueError(f"unknown role {role!r}: the planner scales "
+                                 f"{tuple(r for r in self._workloads if '/' not in r)}")
             if n < 0:
                 raise ValueError(f"{role}: replica count {n} must be >= 0")
         if not dry_run and not self.leader:

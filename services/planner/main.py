@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kuberl.v1 import planner_pb2
-from services.config import ConfigError, ExperimentConfig, dump_config, load_config, load_role_config
+from services.config import ExperimentConfig, dump_config, load_config, load_role_config
 from services.common.net.grpcutil import MiB, add_servicer
 from services.common.service.lifecycle import Lifecycle
 from services.common.service.runtime import base_parser, run_service, write_ready_file
@@ -63,12 +63,9 @@ def make_backend(cfg: ExperimentConfig, args: argparse.Namespace, metrics: Metri
     if kind == "kubernetes" or (kind == "dry-run" and (in_cluster or args.kubeconfig)):
         from services.planner.kube import KubernetesBackend
 
-        if cfg.several_policies:   # (the chart and manifests deploy one learner StatefulSet)
-            raise ConfigError("planner.backend", f"{kind!r}: a run of several policies ({', '.join(cfg.policy_names)}) "
-                              "is planned by the local backend (kuberl up) so far: the Kubernetes manifests deploy "
-                              "one policy's learners")
-
-        inner = KubernetesBackend(cfg.planner.kubernetes, namespace=args.namespace, kubeconfig=args.kubeconfig)
+        # Several policies: a learner StatefulSet per policy (services/planner/kube.py; the Helm chart).
+        inner = KubernetesBackend(cfg.planner.kubernetes, namespace=args.namespace, kubeconfig=args.kubeconfig,
+                                  policies=cfg.policy_names if cfg.several_policies else ())
     else:
         if args.config is None:
             raise SystemExit("the local backend starts processes with the same config: pass --config FILE")

@@ -25,9 +25,17 @@ RESOURCE_NAMES: dict[str, str] = {"statefulsets": "learner_statefulset", "statef
 SHARD_RESOURCE_NAMES: dict[str, str] = {"statefulsets": "buffer_statefulset", "statefulsets/scale": "buffer_statefulset"}
 
 
-def resource_names(k8s) -> dict[str, tuple[str, ...]]:
-    """resource -> the objects the manifests grant it on, for a planner.kubernetes config `k8s`."""
-    out = {r: (getattr(k8s, key),) for r, key in RESOURCE_NAMES.items()}
+def policy_learners(k8s, policies: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """policy -> (its learner StatefulSet, its learners' headless Service) in a run of several policies
+    (services/planner/kube.py): `<learner_statefulset>-<policy>` and `<learner_service>-<policy>`."""
+    return {p: (f"{k8s.learner_statefulset}-{p}", f"{k8s.learner_service}-{p}") for p in policies}
+
+
+def resource_names(k8s, policies: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """resource -> the objects the manifests grant it on, for a planner.kubernetes config `k8s` (and the
+    policies of a run of several: each policy's learner StatefulSet in place of the one)."""
+    learners = tuple(s for s, _ in policy_learners(k8s, policies).values()) or (k8s.learner_statefulset,)
+    out = {r: learners for r in RESOURCE_NAMES}
     if k8s.buffer_address:
         for r, key in SHARD_RESOURCE_NAMES.items():
             out[r] += (getattr(k8s, key),)

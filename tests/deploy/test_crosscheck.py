@@ -28,7 +28,7 @@ from services.common.service.prometheus import PROBE_TIMEOUT_S, PROBES
 from services.planner.kube import WORKLOADS
 from services.planner.rbac import RULES, resource_names
 from tests.deploy.render import (HELM_SECURE, ROLES, ROOT, container, expand_vars, helm_template, index, kustomize, of_kind,
-                                 pod_env, role_of, workloads)
+                                 pod_env, role_of, validate, workloads)
 
 API_ROLES = ("learner", "planner")   # the roles whose pods call the Kubernetes API (and so get a token)
 HEALTH_NAMES = {"actor": "kuberl.v1.Actor", "buffer": "kuberl.v1.Buffer", "learner": "kuberl.v1.Learner",
@@ -390,11 +390,16 @@ def _allowed(policies: list[dict], target: dict, direction: str, peer: dict, dst
 
 def test_network_policies_allow_exactly_the_design_flows(render, request):
     let_in = request.node.callspec.params["render"] in SIMULATORS_LET_IN   # from anything outside the pod network
+    if not of_kind(render, "NetworkPolicy"):
+        pytest.skip("this render turns NetworkPolicies off (networkPolicy.enabled=false)")
+    assert_design_flows(render, workloads(render), let_in)
+
+
+def assert_design_flows(render, ws: dict[str, dict], let_in: bool) -> None:
+    """The flows the render's NetworkPolicies allow between the workloads `ws` (role -> one workload) and
+    OTHERS are exactly EXPECTED_FLOWS (and external simulators -> actors where `let_in`)."""
     expected = EXPECTED_FLOWS | {(other, "actor", "grpc") for other, e in OTHERS.items() if let_in and e["namespace"] is None}
     policies = of_kind(render, "NetworkPolicy")
-    if not policies:
-        pytest.skip("this render turns NetworkPolicies off (networkPolicy.enabled=false)")
-    ws = workloads(render)
     entities = dict(OTHERS)
     for role, w in ws.items():
         c = container(w)
@@ -405,6 +410,117 @@ def test_network_policies_allow_exactly_the_design_flows(render, request):
              if _allowed(policies, src, "egress", dst, dst, port) and _allowed(policies, dst, "ingress", src, dst, port)}
     assert flows == expected, (f"allowed but not in docs/architecture.md: {sorted(flows - expected)}; "
                                f"in docs/architecture.md but blocked: {sorted(expected - flows)}")
+
+
+# ---- A run of several policies (config.policies): a learner StatefulSet per policy -----------------------------
+SEVERAL_CONFIG = {   # configs/simple_tag_ppo.yaml's policies, with two learners each
+    "algorithm": "ppo", "env": {"id": "pettingzoo:mpe2.simple_tag_v3", "num_envs": 4},
+    "policies": {"predator": {"agents": ["adversary_*"]}, "prey": {"agents": ["agent_*"]}},
+    "topology": {"actors": 1, "learners": 2}}
+
+
+@pytest.fixture(scope="module")
+def several(tmp_path_factory):
+    """The chart with two policies, mutual TLS, tokens and simulators let in; (objects, loaded config)."""
+    tmp = tmp_path_factory.mktemp("several")
+    (tmp / "values.yaml").write_text(yaml.safe_dump({"config": SEVERAL_CONFIG}))
+    render = helm_template("-f", str(tmp / "values.yaml"), *HELM_SECURE)
+    cfg, _ = config_of(render, tmp)
+    return render, cfg
+
+
+def learner_sets(render) -> dict[str, dict]:
+    """policy -> its learner StatefulSet (by the label it selects on)."""
+    return {w["spec"]["selector"]["matchLabels"]["kuberl.io/policy"]: w for w in of_kind(render, "StatefulSet")
+            if role_of(w) == "learner"}
+
+
+def test_several_policies_render_a_learner_group_per_policy(several):
+    """Each policy's learners: a StatefulSet of topology.learners pods named as the planner's backend finds
+    it (rbac.policy_learners), selecting its own pods only, whose learners train that policy (--policy, as
+    the config reads it) and meet at rank 0 of their own StatefulSet under its own governing Service."""
+    from services.learner.membership import split_ordinal
+    from services.planner.rbac import policy_learners
+    render, cfg = several
+    assert not validate(render)
+    sets = learner_sets(render)
+    names = policy_learners(cfg.planner.kubernetes, cfg.policy_names)
+    assert sorted(sets) == sorted(cfg.policy_names) == ["predator", "prey"]
+    services = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}
+    for policy, w in sets.items():
+        statefulset, service = names[policy]
+        spec = w["spec"]
+        assert w["metadata"]["name"] == statefulset and spec["replicas"] == cfg.topology.learners == 2
+        for other, v in sets.items():
+            assert selects(spec["selector"]["matchLabels"], pod_labels(v)) == (other == policy)
+            assert selects(services[service]["spec"]["selector"], pod_labels(v)) == (other == policy)
+        args = parsed_args(w)
+        assert cfg.policy(args.policy) == policy
+        assert args.membership == "statefulset" and split_ordinal(f"{statefulset}-1") == (statefulset, 1)
+        host, port = args.group.rsplit(":", 1)
+        assert host == f"{statefulset}-0.{spec['serviceName']}" and int(port) == named_port(container(w), "rendezvous")
+        group = services[spec["serviceName"]]["spec"]
+        assert group["publishNotReadyAddresses"] is True and group["clusterIP"] == "None"
+        assert [v for v in sets.values() if selects(group["selector"], pod_labels(v))] == [w]
+        assert [t["metadata"]["name"] for t in spec["volumeClaimTemplates"]] == ["checkpoints"]
+    # No Service of the one-policy learners' name: nothing to dial that would mix the policies' weights.
+    assert cfg.planner.kubernetes.learner_service not in services
+    for name, svc in services.items():   # every Service selects the pods of exactly one workload
+        assert len([w for w in of_kind(render, "StatefulSet") + of_kind(render, "Deployment")
+                    if selects(svc["spec"]["selector"], pod_labels(w))]) == 1, name
+
+
+def test_several_policies_actors_reach_each_policys_learners(several):
+    """The actors' --learner names every policy's Service (the actor's own parser of it), and that Service
+    selects that policy's learner pods at their gRPC port."""
+    from services.common.net.policy import learner_addresses
+    render, cfg = several
+    actor = workloads(render)["actor"]
+    addresses = learner_addresses(parsed_args(actor).learner, cfg.policy_names)
+    services = {s["metadata"]["name"]: s for s in of_kind(render, "Service")}
+    for policy, w in learner_sets(render).items():
+        target = addresses[policy]
+        assert target.startswith("dns:///")
+        host, port = urlparse(target).path.lstrip("/").rsplit(":", 1)
+        assert selects(services[host]["spec"]["selector"], pod_labels(w))
+        (grpc,) = [p for p in services[host]["spec"]["ports"] if p["name"] == "grpc"]
+        assert grpc["port"] == int(port) == named_port(container(w), "grpc")
+
+
+def test_several_policies_roles_budgets_certificates_and_network(several):
+    """The planner's Role names every policy's learner StatefulSet (rbac.resource_names), the learners' Role
+    those alone; each learner StatefulSet has its own disruption budget; the learners' certificate names
+    each policy's Service; and each policy's learners have exactly the design's flows."""
+    from services.learner.membership import RBAC_RULES
+    render, cfg = several
+    sets = learner_sets(render)
+    statefulsets = tuple(sorted(w["metadata"]["name"] for w in sets.values()))
+    planner = {r: names for _, r, _, names in role_rules(render, "planner")}
+    assert planner == {r: resource_names(cfg.planner.kubernetes, cfg.policy_names).get(r, ()) for _, r, _ in RULES}
+    assert tuple(sorted(planner["statefulsets/scale"])) == statefulsets
+    learner = role_rules(render, "learner")
+    assert sorted((g, r, verbs) for g, r, verbs, _ in learner) == sorted(RBAC_RULES)
+    assert {tuple(sorted(names)) for *_, names in learner} == {statefulsets}
+    pdbs = of_kind(render, "PodDisruptionBudget")
+    for w in sets.values():
+        assert len([p for p in pdbs if selects(p["spec"]["selector"]["matchLabels"], pod_labels(w))]) == 1
+    (cert,) = [c for c in of_kind(render, "Certificate") if role_of(c) == "learner"]
+    assert {s["metadata"]["name"] for s in of_kind(render, "Service") if role_of(s) == "learner"
+            and not s["metadata"]["name"].endswith("-group")} <= set(cert["spec"]["dnsNames"])
+    for w in sets.values():
+        assert_design_flows(render, {**workloads(render), "learner": w}, let_in=True)
+
+
+@pytest.mark.parametrize("policies, message", [
+    ({"solo": {"agents": ["*"]}}, "config.policies: Must have at least 2 properties"),
+    ({"Red": {"agents": ["r*"]}, "blue": {"agents": ["b*"]}}, "config.policies: Does not match pattern"),
+    ({"a-policy-name-of-thirty-letters": {"agents": ["r*"]}, "b": {"agents": ["b*"]}}, "Kubernetes allows 52"),
+])
+def test_several_policies_bad_names_are_refused_by_the_chart(tmp_path, policies, message):
+    from tests.deploy.render import RenderError
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"config": {**SEVERAL_CONFIG, "policies": policies}}))
+    with pytest.raises(RenderError, match=message):
+        helm_template("-f", str(tmp_path / "values.yaml"), "--set", "nameOverride=a-long-release-prefix")
 
 
 # ---- Dockerfiles and `make images` ---------------------------------------------------------------------------

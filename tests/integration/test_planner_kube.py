@@ -75,12 +75,13 @@ async def backends(k8s_cluster):
     services/planner/rbac.RULES grants."""
     made, clients = [], []
 
-    async def make(ns, *, api=None, kubeconfig=None, identity=None, **overrides) -> KubernetesBackend:
+    async def make(ns, *, api=None, kubeconfig=None, identity=None, policies=(), **overrides) -> KubernetesBackend:
         cfg = KubernetesPlannerConfig(**{"leader_election": False, "qps": 100.0, "burst": 100, **overrides})
         if api is None and kubeconfig is None:
             api = k8s_cluster.admin()
             clients.append(api)
-        b = KubernetesBackend(cfg, namespace=ns, api_client=api, kubeconfig=kubeconfig, identity=identity)
+        b = KubernetesBackend(cfg, namespace=ns, api_client=api, kubeconfig=kubeconfig, identity=identity,
+                              policies=policies)
         made.append(b)
         await b.start()
         return b
@@ -187,6 +188,60 @@ async def test_minimal_role_scales_its_workloads_and_is_forbidden_everything_els
             assert e.value.status == 403, what
     assert (spec_replicas(k8s_admin, ns), spec_replicas(k8s_admin, ns, LEARNER)) == (2, 2)
     assert client.AppsV1Api(k8s_admin).read_namespaced_stateful_set("other", ns).spec.replicas == 1
+
+
+async def test_several_policies_observe_every_policys_learners_and_scale_the_actors(k8s_cluster, k8s_admin, k8s_namespace,
+                                                                                     backends, tmp_path):
+    """A run of several policies (services/planner/kube.py): each policy's learners are a StatefulSet
+    `<learner_statefulset>-<policy>` behind the Service `<learner_service>-<policy>` (the Helm chart's names).
+    The learner role is all of them: replicas from each Service's Endpoints carrying their policy, desired
+    the sum, blocked saying why (the planner does not scale them); a learner count is refused before any
+    write, the actors are scaled; all under the Role the chart grants (rbac.resource_names with the policies)."""
+    ns, policies = k8s_namespace, ("red", "blue")
+    apps, core = client.AppsV1Api(k8s_admin), client.CoreV1Api(k8s_admin)
+    apps.create_namespaced_deployment(ns, workload(DEPLOYMENT, ACTOR, 1))
+    for i, (policy, n) in enumerate((("red", 2), ("blue", 1))):
+        name = f"{LEARNER}-{policy}"
+        apps.create_namespaced_stateful_set(ns, workload(STATEFULSET, name, n))
+        core.create_namespaced_service(ns, {"metadata": {"name": name}, "spec": {
+            "clusterIP": "None", "selector": {"app": name}, "ports": [{"name": "grpc", "port": 50052}]}})
+        core.create_namespaced_endpoints(ns, {"metadata": {"name": name}, "subsets": [{
+            "addresses": [{"ip": f"10.2.{i}.{r}", "targetRef": {"kind": "Pod", "name": f"{name}-{r}", "namespace": ns}}
+                          for r in range(n)], "ports": [{"name": "grpc", "port": 50052}]}]})
+    cfg = KubernetesPlannerConfig()
+    names = {r: list(v) for r, v in rbac.resource_names(cfg, policies).items()}
+    assert names["statefulsets/scale"] == [f"{LEARNER}-red", f"{LEARNER}-blue"]
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner", resource_names=names)
+    kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "planner.kubeconfig", user="kuberl-planner", namespace=ns)
+    b = await backends(None, kubeconfig=str(kubeconfig), policies=policies)
+
+    state = await b.observe()
+    learner = sorted((r.name, r.address, r.policy) for r in state["learner"].replicas)
+    assert learner == [(f"{LEARNER}-blue-0", "10.2.1.0:50052", "blue"), (f"{LEARNER}-red-0", "10.2.0.0:50052", "red"),
+                       (f"{LEARNER}-red-1", "10.2.0.1:50052", "red")]
+    assert state["learner"].desired == 3 and state["learner"].ready == 3
+    assert state["learner"].blocked.startswith("several policies (config `policies`)")
+    assert f"{LEARNER}-blue, {LEARNER}-red" in state["learner"].blocked
+    assert state["actor"].desired == 1 and not state["actor"].blocked
+
+    with pytest.raises(Refused, match="learner: several policies"):
+        await b.apply({"actor": 3, "learner": 2})
+    assert spec_replicas(k8s_admin, ns) == 1                        # nothing written, not even the actors
+    assert (await b.apply({"actor": 3})).applied == {"actor": 3}
+    assert spec_replicas(k8s_admin, ns) == 3
+    assert [apps.read_namespaced_stateful_set(f"{LEARNER}-{p}", ns).spec.replicas for p in policies] == [2, 1]
+    with pytest.raises(ValueError, match="unknown role 'learner/red'"):
+        await b.apply({"learner/red": 3})
+
+    # One policy's own reason comes first: its StatefulSet paused by hand, another's missing.
+    apps.patch_namespaced_stateful_set(f"{LEARNER}-red", ns, {"metadata": {"annotations": {cfg.pause_annotation: "true"}}},
+                                       _content_type=MERGE)
+    apps.delete_namespaced_stateful_set(f"{LEARNER}-blue", ns)
+    state = await b.observe()
+    assert state["learner"].blocked.startswith(f"red: StatefulSet '{LEARNER}-red' is annotated")
+    assert f"; blue: StatefulSet '{LEARNER}-blue' not found in namespace '{ns}'" in state["learner"].blocked
+    assert state["learner"].desired == 2
+    assert {c for c in b.calls if c[2] not in ("get", "list", "watch")} == {("apps", "deployments/scale", "patch")}
 
 
 @pytest.mark.parametrize("role", ["actor", "learner"])

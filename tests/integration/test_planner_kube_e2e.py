@@ -20,7 +20,9 @@ from kuberl.v1 import planner_pb2 as ppb
 from kuberl.v1 import planner_pb2_grpc
 from services.planner import rbac
 from tests.helpers import TINY_DQN, Service, wait_for, write_config
-from tests.integration.test_planner_kube import ACTOR, LEARNER, RESOURCE_NAMES, make_roles, spec_replicas
+from services.common.config import KubernetesPlannerConfig
+from services.planner.kube import DEPLOYMENT, STATEFULSET
+from tests.integration.test_planner_kube import ACTOR, LEARNER, spec_replicas, workload
 from tests.k8s.cluster import grant
 
 
@@ -44,17 +46,24 @@ def endpoints(core, ns: str, name: str, ip: str, port: int, pod: str) -> None:
 
 
 @contextlib.contextmanager
-def planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns: str, config: dict):
+def planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns: str, config: dict, policies: tuple[str, ...] = ()):
     """A real buffer, learner and actor on this machine, found through the Endpoints of Services named as
     in a cluster (the learner as StatefulSet pod kuberl-learner-0); the actor Deployment and learner
     StatefulSet at one replica; and the planner process as a token user bound to the planner's Role.
-    Yields (planner Service, PlannerStub) once the planner holds the Lease."""
+    With `policies` (a run of several), a learner StatefulSet, Service and process per policy, as the Helm
+    chart names them (kuberl-learner-<policy>, its pod kuberl-learner-<policy>-0), and the Role narrowed
+    to them. Yields (planner Service, PlannerStub) once the planner holds the Lease."""
     ip = host_ip()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address here: Kubernetes Endpoints cannot point at loopback")
     config = write_config(tmp_path / "c.yaml", config)
-    make_roles(k8s_admin, ns, actors=1, learners=1)
-    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner", resource_names=RESOURCE_NAMES)
+    apps = client.AppsV1Api(k8s_admin)
+    apps.create_namespaced_deployment(ns, workload(DEPLOYMENT, ACTOR, 1))
+    learner_sets = {p: f"{LEARNER}-{p}" for p in policies} or {"": LEARNER}
+    for name in learner_sets.values():
+        apps.create_namespaced_stateful_set(ns, workload(STATEFULSET, name, 1))
+    names = {r: list(v) for r, v in rbac.resource_names(KubernetesPlannerConfig(), policies).items()}
+    grant(k8s_admin, ns, "kuberl-planner", rbac.RULES, user="kuberl-planner", resource_names=names)
     kubeconfig = k8s_cluster.write_kubeconfig(tmp_path / "kubeconfig", user="kuberl-planner", namespace=ns)
 
     procs = []
@@ -62,16 +71,21 @@ def planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns: str, config: dic
         buffer = Service("buffer", tmp_path, config, listen="0.0.0.0:0")
         procs.append(buffer)
         baddr = buffer.wait_ready()
-        learner = Service("learner", tmp_path, config, "--buffer", baddr, "--checkpoint-dir", str(tmp_path / "ck"),
-                          listen="0.0.0.0:0")
-        procs.append(learner)
-        laddr = learner.wait_ready()
+        learners = {}
+        for policy in learner_sets:
+            learner = Service("learner", tmp_path, config, "--buffer", baddr, "--checkpoint-dir",
+                              str(tmp_path / "ck" / policy), *(["--policy", policy] if policy else []),
+                              listen="0.0.0.0:0")
+            procs.append(learner)
+            learners[policy] = learner.wait_ready()
+        laddr = ",".join(f"{p}={a}" for p, a in learners.items()) if policies else learners[""]
         actor = Service("actor", tmp_path, config, "--buffer", baddr, "--learner", laddr, listen="0.0.0.0:0")
         procs.append(actor)
         aaddr = actor.wait_ready()
         core = client.CoreV1Api(k8s_admin)
         endpoints(core, ns, ACTOR, ip, int(aaddr.rsplit(":", 1)[1]), "actor-pod-0")
-        endpoints(core, ns, LEARNER, ip, int(laddr.rsplit(":", 1)[1]), f"{LEARNER}-0")
+        for policy, name in learner_sets.items():
+            endpoints(core, ns, name, ip, int(learners[policy].rsplit(":", 1)[1]), f"{name}-0")
         endpoints(core, ns, "kuberl-buffer", ip, int(baddr.rsplit(":", 1)[1]), "kuberl-buffer-0")
 
         planner = Service("planner", tmp_path, config, "--kubeconfig", str(kubeconfig), "--journal",
@@ -185,3 +199,32 @@ def test_planner_scales_the_learner_statefulset_when_the_learners_are_the_bottle
         d = set_replicas_as_leader(stub, "learner", 1)
         assert d.applied and not d.error, d
         assert spec_replicas(k8s_admin, ns, LEARNER) == 1
+
+
+def test_planner_scales_the_actors_two_policies_share_and_leaves_each_policys_learner_statefulset(
+        tmp_path, k8s_cluster, k8s_admin, k8s_namespace):
+    """A run of two policies on Kubernetes, as the Helm chart deploys it: a learner StatefulSet per policy
+    (kuberl-learner-first, kuberl-learner-rest) behind its own Service, each learner training its policy
+    (--policy), and the actors told each policy's address. The planner process, under the Role the chart
+    grants (rbac.resource_names with the policies), reads each policy's learners through its Service, weighs
+    them by the policy's share of the samples, and scales the actor Deployment (capped at 50 steps/s, they
+    are the bottleneck); it leaves the learner StatefulSets as they are and says why."""
+    from tests.unit.actor.test_agents import COPIES, RELAY
+    from tests.unit.actor.test_policies import TWO
+    ns, policies = k8s_namespace, tuple(TWO)
+    config = {**TINY_DQN, "env": {"id": RELAY, "num_envs": COPIES}, "policies": TWO,
+              "dqn": {**TINY_DQN["dqn"], "replay_ratio": 8.0}, "actor": {**TINY_DQN["actor"], "max_env_steps_per_s": 50},
+              "planner": {"backend": "kubernetes", "interval_s": 1, "warmup_s": 1, "cooldown_s": 3,
+                          "actor": {"max": 4, "max_step_up": 2}, "kubernetes": {"namespace": ns, "lease_duration_s": 30}}}
+    with planner_on_kubernetes(tmp_path, k8s_cluster, k8s_admin, ns, config, policies) as (planner, stub):
+        wait_for(lambda: spec_replicas(k8s_admin, ns) > 1, timeout=120, interval=0.5,
+                 what=f"the actor Deployment scaled up; planner log:\n{planner.output()[-3000:]}")
+        assert spec_replicas(k8s_admin, ns) == 3                      # one step of +2
+        (scaled,) = applied_decisions(tmp_path)
+        assert scaled["backend"] == "kubernetes" and scaled["ratio"] < 0.85
+        assert "learners taking its share (the tightest)" in scaled["reason"]
+        learner = {r["role"]: r for r in scaled["roles"]}["learner"]
+        assert learner["current"] == 2 and learner["rate_per_replica"] > 0   # both policies' learners, measured
+        assert learner["blocked"].startswith("several policies (config `policies`)")
+        apps = client.AppsV1Api(k8s_admin)
+        assert [apps.read_namespaced_stateful_set(f"{LEARNER}-{p}", ns).spec.replicas for p in policies] == [1, 1]

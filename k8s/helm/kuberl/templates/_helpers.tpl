@@ -16,11 +16,47 @@ planner: {port: 50054, service: kuberl.v1.Planner}
 {{/* Where rank 0 of the learner group hosts its rendezvous (the learner container's port "rendezvous"). */}}
 {{- define "kuberl.rendezvousPort" -}}29500{{- end -}}
 
-{{/* Labels of one role's objects; the selector is the first two. Call with (dict "ctx" $ "role" "actor"). */}}
+{{/* Labels of one role's objects; the selector is the first three. Call with (dict "ctx" $ "role" "actor");
+one policy's learners of a run of several add "policy" (and select by it). */}}
 {{- define "kuberl.selectorLabels" -}}
 app.kubernetes.io/name: kuberl
 app.kubernetes.io/component: {{ .role }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .policy }}
+kuberl.io/policy: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* The learner groups, as JSON: [{"policy": "", "name": "<name>-learner"}] for a run of one policy; for a
+run of several (config.policies) one per policy, in name order, {"policy": P, "name": "<name>-learner-P"}:
+each its own StatefulSet, headless Services <name>-learner-P and <name>-learner-P-group, Role and
+disruption budget (services/planner/kube.py finds them by these names). */}}
+{{- define "kuberl.learnerGroups" -}}
+{{- $name := include "kuberl.name" . -}}
+{{- $policies := get .Values.config "policies" | default dict -}}
+{{- if eq (len $policies) 1 -}}
+{{- fail (printf "config.policies: name two or more policies, each with its agents (without `policies`, one policy plays every agent); got only %s" (keys $policies | first)) -}}
+{{- end -}}
+{{- $groups := list -}}
+{{- range $policy := keys $policies | sortAlpha -}}
+{{- $group := printf "%s-learner-%s" $name $policy -}}
+{{- /* A StatefulSet's pods carry controller-revision-hash: <statefulset>-<10 characters>, a label value of 63 at most. */ -}}
+{{- if gt (len $group) 52 -}}
+{{- fail (printf "config.policies.%s: the learner StatefulSet %s would be %d characters long; Kubernetes allows 52 (a shorter nameOverride or policy name)" $policy $group (len $group)) -}}
+{{- end -}}
+{{- $groups = append $groups (dict "policy" $policy "name" $group) -}}
+{{- end -}}
+{{- toJson ($groups | default (list (dict "policy" "" "name" (printf "%s-learner" $name)))) -}}
+{{- end -}}
+
+{{/* The actors' --learner: the learner Service; for several policies POLICY=ADDRESS for each. */}}
+{{- define "kuberl.learnerAddresses" -}}
+{{- $out := list -}}
+{{- range $g := include "kuberl.learnerGroups" . | fromJsonArray -}}
+{{- $address := printf "dns:///%s:50052" $g.name -}}
+{{- $out = append $out (ternary (printf "%s=%s" $g.policy $address) $address (ne $g.policy "")) -}}
+{{- end -}}
+{{- join "," $out -}}
 {{- end -}}
 
 {{- define "kuberl.labels" -}}
