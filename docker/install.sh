@@ -6,7 +6,7 @@
 #   sh docker/install.sh ROLE SRC VENV
 #
 # ROLE   actor | buffer | learner | planner: the pyproject extra to install (kuberl[ROLE])
-# SRC    the source tree (pyproject.toml, README.md, protos/, services/, kuberl_client/, docker/)
+# SRC    the source tree (pyproject.toml, README.md, protos/, services/, kuberl_client/, kuberl_envs/, docker/)
 # VENV   where the virtual environment goes (/opt/kuberl in the images)
 # $PYTHON           the interpreter that creates the venv (default python3)
 # $TORCH_INDEX_URL  optional extra package index for torch (actor, learner): the Dockerfiles default to

@@ -19,6 +19,8 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY services services
 COPY kuberl_client kuberl_client
+# The example envs (pettingzoo:kuberl_envs.tron, ...): what the example configs name.
+COPY kuberl_envs kuberl_envs
 COPY docker docker
 RUN sh docker/install.sh learner /src /opt/kuberl
 

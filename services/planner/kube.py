@@ -183,7 +183,8 @@ class KubernetesBackend:
 
     async def _observe_policies(self, hpas: dict[tuple[str, str], str]) -> RoleState:
         """The learner role of a run of several policies: every policy's StatefulSet together, blocked (the
-        planner does not scale them) with the first policy's own reason (not found, HPA, paused) if any."""
+        planner does not scale them) with each policy's own reason (not found, HPA, paused) where one has
+        one, else with the several-policies reason."""
         states = {p: await self._observe_role(f"learner/{p}", hpas, policy=p) for p in self.policies}
         own = [f"{p}: {s.blocked}" for p, s in states.items() if s.blocked]
         return RoleState(desired=sum(s.desired for s in states.values()),
@@ -192,7 +193,8 @@ class KubernetesBackend:
 
     @property
     def several_policies_reason(self) -> str:
-        return SEVERAL_POLICIES.format(names=", ".join(sorted(n for n, _ in policy_learners(self.cfg, self.policies).values())))
+        statefulsets = sorted(name for name, _ in policy_learners(self.cfg, self.policies).values())
+        return SEVERAL_POLICIES.format(names=", ".join(statefulsets))
 
     async def _read_workload(self, role: str) -> tuple[int, str, str]:
         """(desired replicas from the scale subresource, resourceVersion, pause reason or "")."""
