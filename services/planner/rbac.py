@@ -17,12 +17,13 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("coordination.k8s.io", "leases", ("get", "create", "update")),  # leader election: one active planner
 )
 
-# The manifests narrow these rules to one object each (resourceNames): resource -> the planner.kubernetes
-# config key naming that object. The buffer is a StatefulSet too, and must stay out of the planner's reach.
-RESOURCE_NAMES: dict[str, str] = {"statefulsets": "learner_statefulset", "statefulsets/scale": "learner_statefulset"}
+# The manifests narrow the rules on these resources to the learner StatefulSet(s) (resourceNames:
+# planner.kubernetes.learner_statefulset, or each policy's, `resource_names`). The buffer is a StatefulSet
+# too, and must stay out of the planner's reach ...
+RESOURCE_NAMES: tuple[str, ...] = ("statefulsets", "statefulsets/scale")
 # ... unless the planner scales the buffer shards (planner.kubernetes.buffer_address set, which the chart does
-# with planner.buffer): then the same rules name the buffer StatefulSet too.
-SHARD_RESOURCE_NAMES: dict[str, str] = {"statefulsets": "buffer_statefulset", "statefulsets/scale": "buffer_statefulset"}
+# with planner.buffer): then the same rules name the buffer StatefulSet (planner.kubernetes.buffer_statefulset) too.
+SHARD_RESOURCE_NAMES: tuple[str, ...] = RESOURCE_NAMES
 
 
 def policy_learners(k8s, policies: tuple[str, ...]) -> dict[str, tuple[str, str]]:
@@ -37,8 +38,8 @@ def resource_names(k8s, policies: tuple[str, ...] = ()) -> dict[str, tuple[str, 
     learners = tuple(s for s, _ in policy_learners(k8s, policies).values()) or (k8s.learner_statefulset,)
     out = {r: learners for r in RESOURCE_NAMES}
     if k8s.buffer_address:
-        for r, key in SHARD_RESOURCE_NAMES.items():
-            out[r] += (getattr(k8s, key),)
+        for r in SHARD_RESOURCE_NAMES:
+            out[r] += (k8s.buffer_statefulset,)
     return out
 
 
