@@ -48,7 +48,7 @@ from services import algorithms
 from services.actor.policy import Policy
 from services.common.agents import OUTCOMES, game_score
 from services.common.models.nets import load_numpy, to_numpy
-from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
+from services.common.protocol.spaces import Box, random_actions
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 
@@ -218,22 +218,3 @@ class SelfPlay:
                 self.metrics.set("actor/selfplay_win_rate", sum(s == 1.0 for s in self.recent) / len(self.recent))
             self.returns[k * self.agents:(k + 1) * self.agents] = 0.0
             self.new_episode(k)
-
-
-def random_actions(space: Discrete | MultiDiscrete | Box, n: int, mask: np.ndarray | None,
-                   rng: np.random.Generator) -> np.ndarray:
-    """`n` uniformly random actions: each choice uniform over what its row of `mask` allows ([n, mask
-    width] bool; None: every action), a Box uniform within its bounds (`n` rows of the space's shape)."""
-    if isinstance(space, Box):
-        return rng.uniform(space.low_array, space.high_array, (n, *space.shape)).astype(np.float32)
-    nvec = space.nvec if isinstance(space, MultiDiscrete) else (space.n,)
-    out = np.empty((n, len(nvec)), np.int64)
-    start = 0
-    for i, width in enumerate(nvec):
-        allowed = np.ones((n, width), bool) if mask is None else mask[:, start:start + width]
-        # uniform over the allowed choices: the first allowed index past a uniform draw of their count
-        counts = allowed.sum(axis=1)
-        pick = (rng.random(n) * counts).astype(np.int64)
-        out[:, i] = np.argmax(np.cumsum(allowed, axis=1) > pick[:, None], axis=1)
-        start += width
-    return out if isinstance(space, MultiDiscrete) else out[:, 0]

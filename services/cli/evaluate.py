@@ -383,13 +383,20 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
 
 def opponent_fn(against: str, space, seed: int):
     """The opponent `--against` names, as a function of one agent's observation and action mask (None
-    where the env has none) that returns its action: "random" (uniform over the actions the mask allows,
-    seeded), or "module:function", a function of the observation, or of the observation and the mask
-    where it takes two arguments (a turn-based game's opponent must keep to its mask). EvalError naming
-    --against otherwise."""
+    where the env has none) that returns its action in the layout of `space` (the policy's action space,
+    services/common/protocol/spaces.py): "random" (the random player of self-play, `random_actions`:
+    uniform over the actions the mask allows, a Box uniform within its bounds; seeded), or
+    "module:function", a function of the observation, or of the observation and the mask where it takes
+    two arguments (a turn-based game's opponent must keep to its mask). EvalError naming --against
+    otherwise."""
+    from services.common.protocol.spaces import Box, random_actions
+
     if against == "random":
-        space.seed(seed)
-        return lambda obs, mask: space.sample() if mask is None else space.sample(mask=np.asarray(mask, np.int8))
+        if isinstance(space, Box) and not space.bounded:
+            raise EvalError("--against random: the action space is a Box without finite bounds, where no "
+                            "uniform random player exists; name a module:function opponent")
+        rng = np.random.default_rng(seed)
+        return lambda obs, mask: random_actions(space, 1, None if mask is None else np.asarray(mask, bool)[None], rng)[0]
     module_name, _, name = against.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), name) if name else None
@@ -416,7 +423,7 @@ def play_against(trained, against: str, games: int, seed: int, deterministic: bo
     envs = _make_envs(trained.cfg.env, 1)
     agents = envs.num_envs
     act = act_fn(trained, deterministic, agents)
-    opponent = opponent_fn(against, envs.single_action_space, seed)
+    opponent = opponent_fn(against, trained.spec.action, seed)
     results = {"wins": 0, "losses": 0, "draws": 0}
     try:
         obs, info = envs.reset(seed=seed)

@@ -117,6 +117,25 @@ class Box:
 ActionSpace = Discrete | MultiDiscrete | Box
 
 
+def random_actions(space: ActionSpace, n: int, mask: np.ndarray | None,
+                   rng: np.random.Generator) -> np.ndarray:
+    """`n` uniformly random actions: each choice uniform over what its row of `mask` allows ([n, mask
+    width] bool; None: every action), a Box uniform within its bounds (`n` rows of the space's shape)."""
+    if isinstance(space, Box):
+        return rng.uniform(space.low_array, space.high_array, (n, *space.shape)).astype(np.float32)
+    nvec = space.nvec if isinstance(space, MultiDiscrete) else (space.n,)
+    out = np.empty((n, len(nvec)), np.int64)
+    start = 0
+    for i, width in enumerate(nvec):
+        allowed = np.ones((n, width), bool) if mask is None else mask[:, start:start + width]
+        # uniform over the allowed choices: the first allowed index past a uniform draw of their count
+        counts = allowed.sum(axis=1)
+        pick = (rng.random(n) * counts).astype(np.int64)
+        out[:, i] = np.argmax(np.cumsum(allowed, axis=1) > pick[:, None], axis=1)
+        start += width
+    return out if isinstance(space, MultiDiscrete) else out[:, 0]
+
+
 def check_actions(space: ActionSpace, actions: np.ndarray, lead: tuple[int, ...], field: str = "actions") -> None:
     """Raise TensorError naming `field` unless `actions` is `lead` + the space's shape, of its dtype,
     with every discrete value in range and every continuous one finite."""

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from services.actor.rollout import Rollout
-from services.actor.selfplay import LATEST, RANDOM, START_ELO, SelfPlay, Snapshot, random_actions
+from services.actor.selfplay import LATEST, RANDOM, START_ELO, SelfPlay, Snapshot
 from services.common.models.nets import to_numpy
 from services.common.protocol.fragments import RawFragment, decode_fragment
-from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
+from services.common.protocol.spaces import Box, Discrete, MultiDiscrete, random_actions
 from services.common.stats import Metrics
 from services.config import ConfigError, config_from_dict
 from tests.helpers import TINY_PPO
