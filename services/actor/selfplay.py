@@ -21,7 +21,8 @@ single-agent env.
   draw 1/2), so the opponents it still loses to are met most. With `random_probability` r, the
   episodes not against the newest weights are against a uniformly random player with probability r
   (its moves uniform over those the mask allows; a Box uniform within its bounds), else against a
-  snapshot as above.
+  snapshot as above. With `opponent_epsilon` e, each move of an opponent that is the policy (a
+  snapshot, or the newest weights on a side not recorded) is a uniformly random one with probability e.
 - **What is recorded:** the learning agent's steps; with `record_latest`, every agent's steps in the
   copies whose opponents are the newest weights (every side there is the policy that trains, and its
   actions are computed in the one call either way), the game seen from each side.
@@ -89,8 +90,9 @@ class SelfPlay:
         self.recent: deque[float] = deque(maxlen=100)       # scores of the last games against snapshots
         self.recent_random: deque[float] = deque(maxlen=100)  # ... and against the random player
         space = policy.spec.action
-        if self.sp.random_probability and isinstance(space, Box) and not space.bounded:
-            raise ValueError(f"selfplay.random_probability: the random player acts uniformly within the action "
+        if (self.sp.random_probability or self.sp.opponent_epsilon) and isinstance(space, Box) and not space.bounded:
+            key = "random_probability" if self.sp.random_probability else "opponent_epsilon"
+            raise ValueError(f"selfplay.{key}: the random player acts uniformly within the action "
                              f"space's bounds, and {space} has none")
         self._seen: int | None = None                       # the last policy version looked at
         for name in ("games", "wins", "losses", "draws"):
@@ -192,6 +194,12 @@ class SelfPlay:
             else:
                 out[cols] = snapshot.acting.act(x, snapshot.version, env_steps,
                                                 mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
+        if self.sp.opponent_epsilon:   # the policy's opponents' moves (not the random player's), some at random
+            policy_side = np.repeat([o is not RANDOM for o in self.opponent], self.agents)
+            noisy = np.flatnonzero(present & ~self._recorded & policy_side
+                                   & (self.rng.random(len(obs)) < self.sp.opponent_epsilon))
+            if len(noisy):
+                out[noisy] = random_actions(space, len(noisy), None if mask is None else mask[noisy], self.rng)
         return out, recorded
 
     def stepped(self, rewards: np.ndarray, over: np.ndarray | None) -> None:

@@ -305,6 +305,10 @@ class SelfPlayConfig:
     # (the legal moves alike, where the env masks actions) instead of a snapshot: a fixed floor the
     # policy must keep beating, as RLlib's self-play examples start their league from a random policy.
     random_probability: float = 0.0
+    # Each move of an opponent that is the policy (a snapshot, or the newest weights where that side is
+    # not recorded) is, with this probability, a uniformly random one instead (the legal ones alike): the
+    # policy meets moves its own play would not make, as it will against other players.
+    opponent_epsilon: float = 0.0
     # The agent that trains is drawn uniformly from possible_agents at each episode; false: always the
     # first (for envs that draw the sides themselves).
     swap_sides: bool = True
@@ -324,6 +328,8 @@ class SelfPlayConfig:
         require(0.0 <= self.latest_probability <= 1.0, "latest_probability", self.latest_probability,
                 "must be within 0..1")
         require(0.0 <= self.random_probability <= 1.0, "random_probability", self.random_probability,
+                "must be within 0..1")
+        require(0.0 <= self.opponent_epsilon <= 1.0, "opponent_epsilon", self.opponent_epsilon,
                 "must be within 0..1")
         require(self.elo_k > 0, "elo_k", self.elo_k, "must be > 0")
         require(self.keep in ("newest", "history"), "keep", self.keep,

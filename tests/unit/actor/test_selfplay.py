@@ -55,6 +55,20 @@ def collect_versions(rollout: Rollout, versions: int) -> list:
     return frags
 
 
+def snapshot_playing_2_policy_1(**selfplay) -> tuple[Rollout, Snapshot]:
+    """A closed rollout (swap_sides false: slot 2k is copy k's learning agent) whose pool holds one
+    snapshot, of weights that play 2, and whose training policy now plays 1."""
+    rollout = Rollout(config(snapshot_every=1, swap_sides=False, **selfplay), "sp", 0, Metrics("actor"))
+    rollout.close()
+    rollout.policy.offer_weights(1, weights_preferring(rollout, 2))
+    rollout.policy.swap()
+    rollout.selfplay.swapped()
+    (snapshot,) = rollout.selfplay.pool
+    rollout.policy.offer_weights(2, weights_preferring(rollout, 1))
+    rollout.policy.swap()
+    return rollout, snapshot
+
+
 def test_only_the_learning_agents_are_recorded_and_every_game_is_scored():
     rollout = Rollout(config(snapshot_every=2, pool_size=2), "sp", 0, Metrics("actor"))
     try:
@@ -222,18 +236,11 @@ def test_prioritized_sampling_meets_the_snapshots_it_loses_to_most():
 
 
 def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_formula():
-    rollout = Rollout(config(snapshot_every=1, swap_sides=False), "sp", 0, Metrics("actor"))
-    rollout.close()
+    rollout, snapshot = snapshot_playing_2_policy_1()
     sp = rollout.selfplay
-    rollout.policy.offer_weights(1, weights_preferring(rollout, 2))
-    rollout.policy.swap()
-    sp.swapped()
-    (snapshot,) = sp.pool
     sp.opponent = [snapshot, LATEST, snapshot, LATEST]
     n = COPIES * 2
     obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
-    rollout.policy.offer_weights(2, weights_preferring(rollout, 1))   # the training policy now plays 1
-    rollout.policy.swap()
     calls = []
     act = rollout.policy.act
     rollout.policy.act = lambda x, *args: calls.append(len(x)) or act(x, *args)
@@ -256,6 +263,38 @@ def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_f
     sp.stepped(np.array([0, 0, -1.0, 1.0, 0, 0, 0, 0]), np.array([False, True, False, False]))   # copy 1: lost, to the newest
     assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))   # (no rating change against itself)
     assert rollout.metrics.counters["actor/selfplay_losses_total"] == 1
+
+
+def test_opponent_epsilon_makes_that_share_of_the_policy_opponents_moves_random():
+    """Each move of an opponent that is the policy (a snapshot, or the newest weights on a side not
+    recorded) is uniformly random with probability opponent_epsilon; the learning agents' moves, the
+    sides record_latest records, and the random player's are left alone."""
+    rollout, snapshot = snapshot_playing_2_policy_1(opponent_epsilon=0.3)
+    sp = rollout.selfplay
+    sp.opponent = [snapshot, LATEST, RANDOM, LATEST]
+    n = COPIES * 2
+    obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
+    rows = np.array([sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)[0] for _ in range(3000)])
+    assert (rows[:, [0, 2, 4, 6]] == 1).all()                   # the learning agents: the policy's own move
+    for slot, own in ((1, 2), (3, 1), (7, 1)):                  # the snapshot's side, the newest weights' sides
+        # with probability 0.3 uniform over 3 moves: the policy's own 0.8, each other 0.1 (sd 0.0055: 4 sd)
+        shares = np.bincount(rows[:, slot], minlength=3) / len(rows)
+        assert abs(shares[own] - 0.8) < 0.025 and all(abs(shares[a] - 0.1) < 0.025 for a in range(3) if a != own), (slot, shares)
+    assert abs(np.bincount(rows[:, 5], minlength=3) / len(rows) - 1 / 3).max() < 0.03   # the random player: uniform
+
+    # record_latest, every copy against the newest weights: every side is recorded, so none is random.
+    recording = Rollout(config(latest_probability=1.0, record_latest=True, opponent_epsilon=1.0), "sp", 0,
+                        Metrics("actor"))
+    recording.close()
+    recording.policy.offer_weights(1, weights_preferring(recording, 1))
+    recording.policy.swap()
+    assert recording.selfplay.recorded().all()
+    assert (recording.selfplay.act(recording.policy, obs, np.ones(n, bool), None, 0)[0] == 1).all()
+    with pytest.raises(ConfigError, match=r"^selfplay.opponent_epsilon: -0.1 is invalid"):
+        config(opponent_epsilon=-0.1)
+    unbounded = SimpleNamespace(spec=SimpleNamespace(action=Box.of((1,), [-np.inf], [np.inf])))
+    with pytest.raises(ValueError, match=r"^selfplay.opponent_epsilon: the random player acts uniformly within"):
+        SelfPlay(config(opponent_epsilon=0.1), unbounded, 1, 2, Metrics("actor"), np.random.default_rng(0))
 
 
 def test_selfplay_needs_an_env_with_several_agents_and_a_feed_forward_policy():
