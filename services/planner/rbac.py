@@ -18,12 +18,11 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 # The manifests narrow the rules on these resources to the learner StatefulSet(s) (resourceNames:
-# planner.kubernetes.learner_statefulset, or each policy's, `resource_names`). The buffer is a StatefulSet
-# too, and must stay out of the planner's reach ...
+# planner.kubernetes.learner_statefulset, or each policy's; `resource_names`). The buffer is a StatefulSet
+# too, and must stay out of the planner's reach, unless the planner scales the buffer shards
+# (planner.kubernetes.buffer_address set, which the chart does with planner.buffer): then the same rules
+# name the buffer StatefulSet (planner.kubernetes.buffer_statefulset) too.
 RESOURCE_NAMES: tuple[str, ...] = ("statefulsets", "statefulsets/scale")
-# ... unless the planner scales the buffer shards (planner.kubernetes.buffer_address set, which the chart does
-# with planner.buffer): then the same rules name the buffer StatefulSet (planner.kubernetes.buffer_statefulset) too.
-SHARD_RESOURCE_NAMES: tuple[str, ...] = RESOURCE_NAMES
 
 
 def policy_learners(k8s, policies: tuple[str, ...]) -> dict[str, tuple[str, str]]:
@@ -35,12 +34,10 @@ def policy_learners(k8s, policies: tuple[str, ...]) -> dict[str, tuple[str, str]
 def resource_names(k8s, policies: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
     """resource -> the objects the manifests grant it on, for a planner.kubernetes config `k8s` (and the
     policies of a run of several: each policy's learner StatefulSet in place of the one)."""
-    learners = tuple(s for s, _ in policy_learners(k8s, policies).values()) or (k8s.learner_statefulset,)
-    out = {r: learners for r in RESOURCE_NAMES}
+    names = tuple(s for s, _ in policy_learners(k8s, policies).values()) or (k8s.learner_statefulset,)
     if k8s.buffer_address:
-        for r in SHARD_RESOURCE_NAMES:
-            out[r] += (k8s.buffer_statefulset,)
-    return out
+        names += (k8s.buffer_statefulset,)
+    return dict.fromkeys(RESOURCE_NAMES, names)
 
 
 def allowed(group: str, resource: str, verb: str) -> bool:

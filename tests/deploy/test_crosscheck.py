@@ -138,8 +138,8 @@ def test_planner_role_grants_exactly_the_rbac_rules(render, tmp_path):
     cfg, _ = config_of(render, tmp_path)
     rules = role_rules(render, "planner")
     assert sorted((g, r, verbs) for g, r, verbs, _ in rules) == sorted(RULES)
-    # Narrowed to the objects rbac.RESOURCE_NAMES names (the learner StatefulSet), and the buffer's only
-    # where the planner scales the shards (rbac.SHARD_RESOURCE_NAMES).
+    # Narrowed to the objects rbac.resource_names names: the learner StatefulSet, and the buffer's only
+    # where the planner scales the shards.
     names = {r: names for _, r, _, names in rules}
     narrowed = resource_names(cfg.planner.kubernetes)
     assert names == {r: narrowed.get(r, ()) for _, r, _ in RULES}
