@@ -108,7 +108,7 @@ def test_self_play_beats_random_at_tron(tmp_path):
     assert random["win_rate"] >= 0.9 and random["losses"] <= 8, random
     # `kuberl up`'s own evaluation of a self-play run: games against random, not the policy against itself.
     evaluation = summary["evaluation"]
-    # (10 games: the 400 above won 96-99% and lost under 1%, so 6 wins and at most 1 loss leave room)
+    # (10 games: the 400 above won 94-99% and lost under 1%, so 6 wins and at most 1 loss leave room)
     assert evaluation["against"] == "random" and evaluation["games"] == 10, evaluation
     assert evaluation["wins"] >= 6 and evaluation["losses"] <= 1, evaluation
     # The games self-play scored: the rating against the pool rose from its start.
