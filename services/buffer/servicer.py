@@ -179,13 +179,13 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             try:
                 await context.write(batch)
             except (asyncio.CancelledError, Exception) as err:
-                # The learner went away with this batch unsent: its samples are gone, so count them.
+                # The learner went away with this batch unsent: a FIFO's samples are gone, so count them.
                 # (Any exception: what grpcio raises for a write to a call that its peer already
                 # ended, UsageError or ExecuteBatchError, has no public type; whatever the cause,
                 # the batch was not delivered.)
                 self.run.post(self._lost, batch, request.learner_id)
-                log.info("learner %s went away (%r); %d samples of batch %d were not delivered",
-                         request.learner_id, err, batch_samples(batch), sent)
+                log.info("learner %s went away (%r); batch %d (%d samples) was not delivered",
+                         request.learner_id, err, sent, batch_samples(batch))
                 if isinstance(err, asyncio.CancelledError):
                     raise
                 return
@@ -197,11 +197,11 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return batch, "" if batch is not None else self.store.wait_reason
 
     def _lost(self, batch: pb.TrainingBatch | None, learner_id: str) -> None:
-        """A batch cut for a learner that went away before it was sent: its samples are gone, so count
-        them. On the store's owner."""
+        """A batch cut for a learner that went away before it was sent. On the store's owner: a FIFO's
+        samples are gone and counted (buffer/samples_lost_in_transit_total); a replay still holds
+        its rows (Store.unserve)."""
         if batch is not None:
-            self.metrics.inc("buffer/samples_lost_in_transit_total", batch_samples(batch))
-            self.store.unserve(learner_id)
+            self.store.unserve(learner_id, batch_samples(batch))
 
     async def ReportProgress(self, request: buffer_pb2.LearnerProgress, context) -> buffer_pb2.ProgressAck:
         if not 0 < len(request.learner_id) <= MAX_ID_LEN:

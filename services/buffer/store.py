@@ -165,6 +165,7 @@ class Store:
         metrics.inc("buffer/samples_dropped_stale_total", 0)
         metrics.inc("buffer/paced_seconds_total", 0)
         metrics.inc("buffer/samples_lost_in_transit_total", 0)
+        metrics.inc("buffer/batches_unsent_total", 0)
         metrics.inc("buffer/samples_evicted_early_total", 0)
         metrics.inc("buffer/samples_evicted_total", 0)   # (a replay overwrites its oldest: not an eviction)
 
@@ -229,9 +230,18 @@ class Store:
         """Batches served to live learners that they have not reported consuming yet."""
         return sum(self.in_flight(lid) for lid in self._live_learners())
 
-    def unserve(self, learner_id: str) -> None:
-        """A batch served to `learner_id` never left (its stream broke): it is not in flight."""
+    def unserve(self, learner_id: str, samples: int) -> int:
+        """A batch of `samples` served to `learner_id` never left (its stream broke): it is not in
+        flight. Returns the samples lost with it. A FIFO's batch took its fragments out, so all of
+        them are lost; a replay's batch only drew rows the replay still holds, so nothing is, and the
+        rate limiter takes the draw back (it was never trained on)."""
         self._served_to[learner_id] = max(0, self._served_to.get(learner_id, 0) - 1)
+        self.metrics.inc("buffer/batches_unsent_total")
+        if self.replay is not None:
+            self.served_samples = max(0, self.served_samples - samples)
+            return 0
+        self.metrics.inc("buffer/samples_lost_in_transit_total", samples)
+        return samples
 
     def high_water(self, actor_id: str, incarnation: int) -> int | None:
         """The newest seq stored from this incarnation of `actor_id`, or None if none is."""

@@ -45,7 +45,8 @@ def loss_counters(metrics: dict[str, float]) -> dict[str, float]:
     - rejected: the buffer refused them as malformed;
     - evicted: pushed out of a full PPO FIFO before being served;
     - stale: PPO fragments older than ppo.max_policy_lag, dropped by the buffer or the learner;
-    - in_transit: in a batch whose learner went away before it was sent.
+    - in_transit: in a PPO batch whose learner went away before it was sent (a replay keeps a
+      batch's rows, so a DQN or SAC buffer loses nothing there).
 
     Actors count dropped and rejected fragments, not samples (unless they report
     `actor/samples_{dropped,rejected}_total`): those are converted at the actor's own samples per

@@ -322,6 +322,37 @@ def test_ppo_fifo_eviction_is_counted():
     assert store.inserted_samples == store.served_samples + store.size + counter(store, "samples_evicted_total")
 
 
+def test_an_unsent_ppo_batch_is_counted_lost_in_transit():
+    """A FIFO's batch took its fragments out: if its learner went away before it was sent, they are
+    gone, and every sample accepted is still stored, trained on, or counted."""
+    store = ppo_store()
+    for seq in range(3):
+        store.insert(ppo_msg(seq))
+    batch = store.next_batch(16)
+    assert store.unserve("l", batch_samples(batch)) == 16
+    assert counter(store, "samples_lost_in_transit_total") == 16
+    assert counter(store, "batches_unsent_total") == 1
+    assert store.inserted_samples == (store.size + counter(store, "samples_lost_in_transit_total")
+                                      + counter(store, "samples_evicted_total"))
+    assert served_seqs(store.next_batch(8)) == [2]   # the next batch goes on from what is left
+
+
+def test_an_unsent_replay_batch_loses_nothing_and_its_draw_is_taken_back():
+    """A replay's batch only drew rows the replay still holds: nothing is lost, and the rate limiter
+    may serve the draw again (it was never trained on), so the replay ratio holds."""
+    store = dqn_store(replay_ratio=1.0)
+    for seq in range(3):   # 16 to warm up, 8 produced: one batch of 8 at ratio 1
+        store.insert(dqn_msg(seq))
+    batch = store.next_batch(8)
+    assert store.next_batch(8) is None and store.wait_reason == "paced"
+    assert store.unserve("l", batch_samples(batch)) == 0
+    assert counter(store, "samples_lost_in_transit_total") == 0
+    assert counter(store, "batches_unsent_total") == 1
+    assert store.size == 24 and store.served_samples == 0
+    assert store.next_batch(8) is not None   # the draw taken back is served again
+    assert store.next_batch(8) is None and store.wait_reason == "paced"
+
+
 def test_gauges():
     store = dqn_store(replay_ratio=0.0, learning_starts=8)
     assert store.gauges()["buffer/samples_per_insert"] == 0.0
