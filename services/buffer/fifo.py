@@ -25,6 +25,17 @@ class RolloutFifo(Generic[Item]):
         """Append an item holding `steps` steps; return the items evicted to stay within capacity."""
         self._items.append((item, steps))
         self.steps += steps
+        return self._evict()
+
+    def put_back(self, items: list[tuple[Item, int]]) -> list[Item]:
+        """Return items taken by `take` (oldest first, with their steps) to the front, where they came
+        from; return the items evicted to stay within capacity (the oldest: these, if the FIFO filled
+        meanwhile)."""
+        self._items.extendleft(reversed(items))
+        self.steps += sum(n for _, n in items)
+        return self._evict()
+
+    def _evict(self) -> list[Item]:
         evicted = []
         while self.steps > self.capacity_steps and len(self._items) > 1:
             old, n = self._items.popleft()

@@ -28,8 +28,8 @@ MAX_BATCH_SIZE = 1 << 20
 # A StreamBatches stream ends itself (OK, after every batch written) once it has served this long,
 # and the learner opens the next at once. The server's max connection age (services/common/net/grpcutil.py:
 # 300 s, then 30 s of grace) would otherwise cancel a long-lived stream mid-write every few minutes,
-# losing the batch on the wire (counted in buffer/samples_lost_in_transit_total) and any it had
-# written that the learner had not read yet. Well inside the grace, so a stream never outlives it.
+# sending the batch on the wire again (buffer/batches_unsent_total) and losing any it had written
+# that the learner had not read yet. Well inside the grace, so a stream never outlives it.
 BATCH_STREAM_S = 20.0
 # WatchInsertLimit sends at most one InsertLimit per this interval per actor, and re-reads the limit
 # at least this often (LIMIT_RECHECK_S) when nothing wakes it (a learner's report expiring moves it).
@@ -165,7 +165,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             if sent and time.monotonic() >= ends:
                 return   # a clean end: the learner reads what was written, then opens the next stream
             batch, why = await self.run(self._cut, request.batch_size, request.learner_id, urgent=True,
-                                        orphan=lambda cut: self._lost(cut[0], request.learner_id))
+                                        orphan=lambda cut: self._unsent(cut[0], request.learner_id))
             if batch is None:
                 if time.monotonic() >= ends:
                     return
@@ -179,11 +179,11 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             try:
                 await context.write(batch)
             except (asyncio.CancelledError, Exception) as err:
-                # The learner went away with this batch unsent: a FIFO's samples are gone, so count them.
+                # The learner went away with this batch unsent: the store takes it back.
                 # (Any exception: what grpcio raises for a write to a call that its peer already
                 # ended, UsageError or ExecuteBatchError, has no public type; whatever the cause,
                 # the batch was not delivered.)
-                self.run.post(self._lost, batch, request.learner_id)
+                self.run.post(self._unsent, batch, request.learner_id)
                 log.info("learner %s went away (%r); batch %d (%d samples) was not delivered",
                          request.learner_id, err, sent, batch_samples(batch))
                 if isinstance(err, asyncio.CancelledError):
@@ -196,12 +196,11 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         batch = self.store.next_batch(batch_size, learner_id)
         return batch, "" if batch is not None else self.store.wait_reason
 
-    def _lost(self, batch: pb.TrainingBatch | None, learner_id: str) -> None:
-        """A batch cut for a learner that went away before it was sent. On the store's owner: a FIFO's
-        samples are gone and counted (buffer/samples_lost_in_transit_total); a replay still holds
-        its rows (Store.unserve)."""
+    def _unsent(self, batch: pb.TrainingBatch | None, learner_id: str) -> None:
+        """A batch cut for a learner that went away before it was sent: nothing of it is lost
+        (Store.unserve). On the store's owner."""
         if batch is not None:
-            self.store.unserve(learner_id, batch_samples(batch))
+            self.store.unserve(learner_id, batch)
 
     async def ReportProgress(self, request: buffer_pb2.LearnerProgress, context) -> buffer_pb2.ProgressAck:
         if not 0 < len(request.learner_id) <= MAX_ID_LEN:

@@ -164,7 +164,6 @@ class Store:
         metrics.inc("buffer/dedupe_windows_forgotten_total", 0)
         metrics.inc("buffer/samples_dropped_stale_total", 0)
         metrics.inc("buffer/paced_seconds_total", 0)
-        metrics.inc("buffer/samples_lost_in_transit_total", 0)
         metrics.inc("buffer/batches_unsent_total", 0)
         metrics.inc("buffer/samples_evicted_early_total", 0)
         metrics.inc("buffer/samples_evicted_total", 0)   # (a replay overwrites its oldest: not an eviction)
@@ -230,18 +229,23 @@ class Store:
         """Batches served to live learners that they have not reported consuming yet."""
         return sum(self.in_flight(lid) for lid in self._live_learners())
 
-    def unserve(self, learner_id: str, samples: int) -> int:
-        """A batch of `samples` served to `learner_id` never left (its stream broke): it is not in
-        flight. Returns the samples lost with it. A FIFO's batch took its fragments out, so all of
-        them are lost; a replay's batch only drew rows the replay still holds, so nothing is, and the
-        rate limiter takes the draw back (it was never trained on)."""
+    def unserve(self, learner_id: str, batch: pb.TrainingBatch) -> None:
+        """A batch served to `learner_id` never left (its stream broke, or the learner stopped): it is
+        not in flight, and nothing of it is lost. A replay's batch only drew rows the replay still
+        holds; a FIFO's fragments go back to its front, to be served to the next learner (or dropped
+        as stale, or evicted if the FIFO filled meanwhile, and counted so). Either way the rate
+        limiter takes the draw back: it was never trained on."""
         self._served_to[learner_id] = max(0, self._served_to.get(learner_id, 0) - 1)
+        self.served_samples = max(0, self.served_samples - batch_samples(batch))
         self.metrics.inc("buffer/batches_unsent_total")
-        if self.replay is not None:
-            self.served_samples = max(0, self.served_samples - samples)
-            return 0
-        self.metrics.inc("buffer/samples_lost_in_transit_total", samples)
-        return samples
+        if self.fifo is not None:
+            frags = list(batch.rollouts.fragments)
+            self._count_evicted(self.fifo.put_back([(f, f.num_steps * len(f.env_ids)) for f in frags]))
+
+    def _count_evicted(self, fragments) -> None:
+        for old in fragments:
+            self.metrics.inc("buffer/fragments_evicted_total")
+            self.metrics.inc("buffer/samples_evicted_total", old.num_steps * len(old.env_ids))
 
     def high_water(self, actor_id: str, incarnation: int) -> int | None:
         """The newest seq stored from this incarnation of `actor_id`, or None if none is."""
@@ -287,9 +291,7 @@ class Store:
             self.metrics.inc("buffer/samples_evicted_early_total", self.replay.evicted_early - early)
         else:
             self._check_layout(frag)
-            for old in self.fifo.put(msg, frag.num_samples):
-                self.metrics.inc("buffer/fragments_evicted_total")
-                self.metrics.inc("buffer/samples_evicted_total", old.num_steps * len(old.env_ids))
+            self._count_evicted(self.fifo.put(msg, frag.num_samples))
         self._window(frag.actor_id, frag.incarnation).add(frag.seq)
         self.inserted_samples += frag.num_samples
         self.largest_fragment = max(self.largest_fragment, frag.num_samples)

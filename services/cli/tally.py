@@ -29,9 +29,8 @@ UPTIME_SLACK_S = 1.0
 MAX_PAGES_PER_POLL = 64
 
 # Why samples were lost before training, in the order the progress line lists them.
-LOSS_REASONS = ("dropped", "rejected", "evicted", "stale", "in_transit")
-LOSS_LABELS = {"dropped": "dropped", "rejected": "rejected", "evicted": "evicted", "stale": "stale",
-               "in_transit": "in transit"}
+LOSS_REASONS = ("dropped", "rejected", "evicted", "stale")
+LOSS_LABELS = {"dropped": "dropped", "rejected": "rejected", "evicted": "evicted", "stale": "stale"}
 
 
 def _loss_key(reason: str) -> str:
@@ -44,9 +43,10 @@ def loss_counters(metrics: dict[str, float]) -> dict[str, float]:
     - dropped: the actor's send queue was full (or the buffer unreachable at shutdown);
     - rejected: the buffer refused them as malformed;
     - evicted: pushed out of a full PPO FIFO before being served;
-    - stale: PPO fragments older than ppo.max_policy_lag, dropped by the buffer or the learner;
-    - in_transit: in a PPO batch whose learner went away before it was sent (a replay keeps a
-      batch's rows, so a DQN or SAC buffer loses nothing there).
+    - stale: PPO fragments older than ppo.max_policy_lag, dropped by the buffer or the learner.
+
+    (A batch whose learner went away before it was sent loses nothing: the buffer takes it back,
+    buffer/batches_unsent_total.)
 
     Actors count dropped and rejected fragments, not samples (unless they report
     `actor/samples_{dropped,rejected}_total`): those are converted at the actor's own samples per
@@ -68,7 +68,6 @@ def loss_counters(metrics: dict[str, float]) -> dict[str, float]:
     out[_loss_key("evicted")] += get("buffer/samples_evicted_total", 0.0)
     out[_loss_key("stale")] += (get("buffer/samples_dropped_stale_total", 0.0)
                                 + get("learner/samples_dropped_stale_total", 0.0))
-    out[_loss_key("in_transit")] += get("buffer/samples_lost_in_transit_total", 0.0)
     return out
 
 

@@ -192,7 +192,7 @@ async def test_a_batch_stream_ends_itself_cleanly_after_its_time_and_loses_nothi
         assert await call.code() == grpc.StatusCode.OK
     assert streams == [[[0, 1]], [[2, 3]]]
     s = await _stats(ppo_buffer)
-    assert s["buffer/samples_served_total"] == 32 and s["buffer/samples_lost_in_transit_total"] == 0
+    assert s["buffer/samples_served_total"] == 32 and s["buffer/batches_unsent_total"] == 0
 
 
 async def test_dqn_batches_have_the_requested_rows():

@@ -218,7 +218,7 @@ def test_a_batch_lost_in_transit_is_not_in_flight():
     store = fresh_store()
     store.report_progress("l", 10, 0)
     store.next_batch(BATCH, "l")
-    store.unserve("l", batch_samples(store.next_batch(BATCH, "l")))  # the stream broke before it left
+    store.unserve("l", store.next_batch(BATCH, "l"))  # the stream broke before it left
     assert store.learner_version == 11
 
 

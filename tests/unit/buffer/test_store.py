@@ -83,7 +83,7 @@ def test_seq_window_pruning_keeps_answers_consistent():
 def test_new_store_reports_zero_counters():
     store = dqn_store()
     for name in ("fragments_duplicate_total", "fragments_too_old_total", "fragments_invalid_total",
-                 "fragments_evicted_total", "samples_lost_in_transit_total", "dedupe_windows_forgotten_total"):
+                 "fragments_evicted_total", "batches_unsent_total", "dedupe_windows_forgotten_total"):
         assert store.metrics.snapshot()[f"buffer/{name}"] == 0.0
     assert store.size == 0
     assert store.high_water("actor-0", 0) is None
@@ -322,19 +322,30 @@ def test_ppo_fifo_eviction_is_counted():
     assert store.inserted_samples == store.served_samples + store.size + counter(store, "samples_evicted_total")
 
 
-def test_an_unsent_ppo_batch_is_counted_lost_in_transit():
-    """A FIFO's batch took its fragments out: if its learner went away before it was sent, they are
-    gone, and every sample accepted is still stored, trained on, or counted."""
+def test_an_unsent_ppo_batch_goes_back_to_the_front_of_the_fifo():
+    """A FIFO's batch took its fragments out: if its learner went away before it was sent, they go
+    back where they came from, first for the next learner, and the draw is not counted as served."""
     store = ppo_store()
     for seq in range(3):
         store.insert(ppo_msg(seq))
-    batch = store.next_batch(16)
-    assert store.unserve("l", batch_samples(batch)) == 16
-    assert counter(store, "samples_lost_in_transit_total") == 16
+    store.unserve("l", store.next_batch(16, "l"))
     assert counter(store, "batches_unsent_total") == 1
-    assert store.inserted_samples == (store.size + counter(store, "samples_lost_in_transit_total")
-                                      + counter(store, "samples_evicted_total"))
-    assert served_seqs(store.next_batch(8)) == [2]   # the next batch goes on from what is left
+    assert store.size == 24 and store.served_samples == 0 and store.in_flight("l") == 0
+    assert served_seqs(store.next_batch(24, "m")) == [0, 1, 2]
+    # every sample accepted is stored, served or counted as evicted
+    assert store.inserted_samples == store.served_samples + store.size + counter(store, "samples_evicted_total")
+
+
+def test_an_unsent_ppo_batch_is_evicted_and_counted_if_the_fifo_filled_meanwhile():
+    store = ppo_store(fifo_capacity_steps=16)
+    for seq in range(2):
+        store.insert(ppo_msg(seq))
+    batch = store.next_batch(8)
+    store.insert(ppo_msg(2))           # the FIFO holds 1 and 2: full
+    store.unserve("l", batch)          # 0 goes back in front of them: the oldest, evicted
+    assert counter(store, "samples_evicted_total") == T * N and counter(store, "fragments_evicted_total") == 1
+    assert served_seqs(store.next_batch(16)) == [1, 2]
+    assert store.inserted_samples == store.served_samples + store.size + counter(store, "samples_evicted_total")
 
 
 def test_an_unsent_replay_batch_loses_nothing_and_its_draw_is_taken_back():
@@ -345,8 +356,7 @@ def test_an_unsent_replay_batch_loses_nothing_and_its_draw_is_taken_back():
         store.insert(dqn_msg(seq))
     batch = store.next_batch(8)
     assert store.next_batch(8) is None and store.wait_reason == "paced"
-    assert store.unserve("l", batch_samples(batch)) == 0
-    assert counter(store, "samples_lost_in_transit_total") == 0
+    store.unserve("l", batch)
     assert counter(store, "batches_unsent_total") == 1
     assert store.size == 24 and store.served_samples == 0
     assert store.next_batch(8) is not None   # the draw taken back is served again

@@ -145,14 +145,13 @@ def test_losses_by_reason_in_samples_and_banked_across_restarts():
     actor = {"actor/fragments_dropped_total": 3.0, "actor/fragments_rejected_total": 1.0,
              "actor/fragments_pushed_total": 10.0, "actor/samples_pushed_total": 1280.0}
     buffer = {"buffer/samples_evicted_total": 12_000.0, "buffer/samples_dropped_stale_total": 200.0,
-              "buffer/samples_lost_in_transit_total": 64.0}
+              "buffer/batches_unsent_total": 1.0}   # (taken back: nothing lost)
     learner = {"learner/samples_dropped_stale_total": 45.0}
     tally = Tally(return_window=10)
     for name, m in (("actor-0", actor), ("buffer-0", buffer), ("learner-0", learner)):
         tally.observe(name, m, start=1.0)
-    assert tally.losses() == {"dropped": 384, "rejected": 128, "evicted": 12_000, "stale": 245, "in_transit": 64}
-    assert fmt_losses(tally.losses()) == ("12,821 (dropped 384, rejected 128, evicted 12,000, stale 245, "
-                                          "in transit 64)")
+    assert tally.losses() == {"dropped": 384, "rejected": 128, "evicted": 12_000, "stale": 245}
+    assert fmt_losses(tally.losses()) == "12,757 (dropped 384, rejected 128, evicted 12,000, stale 245)"
     tally.observe("buffer-0", {"buffer/samples_evicted_total": 10.0}, start=2.0)  # the buffer restarted
     assert tally.losses()["evicted"] == 12_010 and tally.losses()["stale"] == 245
 
@@ -166,8 +165,8 @@ def test_actor_losses_before_any_push_use_env_steps_per_fragment_and_exact_sampl
 
 
 def test_lost_shows_zero_only_when_every_reason_is_zero():
-    assert fmt_losses(dict.fromkeys(("dropped", "rejected", "evicted", "stale", "in_transit"), 0.0)) == "0"
-    only_stale = {"dropped": 0.0, "rejected": 0.0, "evicted": 0.0, "stale": 1.0, "in_transit": 0.0}
+    assert fmt_losses(dict.fromkeys(("dropped", "rejected", "evicted", "stale"), 0.0)) == "0"
+    only_stale = {"dropped": 0.0, "rejected": 0.0, "evicted": 0.0, "stale": 1.0}
     assert fmt_losses(only_stale) == "1 (stale 1)"
 
 
