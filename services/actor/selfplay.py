@@ -84,6 +84,8 @@ class SelfPlay:
         self._older_max, self._left = older, 0              # (and how many have left it)
         self.learning = np.zeros(copies, np.int64)          # each copy's learning agent (index in possible_agents)
         self._recorded = np.zeros(copies * agents, bool)    # the learning agents' slots
+        self._latest = np.zeros(copies * agents, bool)      # the slots of copies facing the newest weights
+        self._policy_side = np.zeros(copies * agents, bool)  # unrecorded slots the policy plays (snapshot or newest)
         self.opponent: list[Snapshot | str | None] = [LATEST] * copies
         self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
         self.rating = START_ELO
@@ -111,27 +113,35 @@ class SelfPlay:
         return self._recorded
 
     def new_episode(self, k: int) -> None:
-        slots = slice(k * self.agents, (k + 1) * self.agents)
-        self._recorded[slots] = False
+        """Draw copy k's learning side and its opponent for the episode it starts."""
         self.learning[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
         pool = self.pool
         chance = self.sp.random_probability
+        opponent: Snapshot | str | None = LATEST
         if (pool or chance) and self.rng.random() >= self.sp.latest_probability:
             if chance and self.rng.random() < chance:
-                self.opponent[k] = RANDOM
+                opponent = RANDOM
             elif not pool:
-                self.opponent[k] = LATEST
+                opponent = LATEST
             elif self.sp.sampling == "prioritized":
                 weights = np.array([snap.hardness() for snap in pool])
-                self.opponent[k] = pool[int(self.rng.choice(len(pool), p=weights / weights.sum()))]
+                opponent = pool[int(self.rng.choice(len(pool), p=weights / weights.sum()))]
             else:
-                self.opponent[k] = pool[int(self.rng.integers(len(pool)))]
-        else:
-            self.opponent[k] = LATEST
-        if self.opponent[k] is LATEST and self.sp.record_latest:
+                opponent = pool[int(self.rng.integers(len(pool)))]
+        self.face(k, opponent)
+
+    def face(self, k: int, opponent: Snapshot | str | None) -> None:
+        """Copy k's learning side plays `opponent` (a snapshot, RANDOM or LATEST) from now on: which of
+        its slots are recorded, played by the newest weights, or open to `opponent_epsilon`."""
+        slots = slice(k * self.agents, (k + 1) * self.agents)
+        self.opponent[k] = opponent
+        self._recorded[slots] = False
+        if opponent is LATEST and self.sp.record_latest:
             self._recorded[slots] = True       # every side is the policy that trains
         else:
             self._recorded[k * self.agents + self.learning[k]] = True
+        self._latest[slots] = opponent is LATEST
+        self._policy_side[slots] = ~self._recorded[slots] & (opponent is not RANDOM)
 
     def swapped(self) -> None:
         """After the policy swapped weights in: every `snapshot_every`-th version joins the pool."""
@@ -165,7 +175,7 @@ class SelfPlay:
         for the learning agents and for the copies facing the newest weights, in one call; each
         snapshot in use for the copies facing it, in one call each. (Extras of the slots the policy did
         not play are 0: they are not recorded.)"""
-        played = present & (self._recorded | np.repeat([o is LATEST for o in self.opponent], self.agents))
+        played = present & (self._recorded | self._latest)
         rows = np.flatnonzero(played)
         space = policy.spec.action
         out = np.zeros((len(obs), *space.shape), space.dtype)
@@ -195,9 +205,7 @@ class SelfPlay:
                 out[cols] = snapshot.acting.act(x, snapshot.version, env_steps,
                                                 mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
         if self.sp.opponent_epsilon:   # the policy's opponents' moves (not the random player's), some at random
-            policy_side = np.repeat([o is not RANDOM for o in self.opponent], self.agents)
-            noisy = np.flatnonzero(present & ~self._recorded & policy_side
-                                   & (self.rng.random(len(obs)) < self.sp.opponent_epsilon))
+            noisy = np.flatnonzero(present & self._policy_side & (self.rng.random(len(obs)) < self.sp.opponent_epsilon))
             if len(noisy):
                 out[noisy] = random_actions(space, len(noisy), None if mask is None else mask[noisy], self.rng)
         return out, recorded

@@ -230,7 +230,7 @@ def test_prioritized_sampling_meets_the_snapshots_it_loses_to_most():
     want = weights / weights.sum()   # 0.0001, 0.236, 0.764
     assert all(abs(counts[v + 1] / draws - want[v]) < 0.03 for v in range(3)), counts
     # Games against a snapshot count toward its hardness: copy 0's learning agent (slot 0) wins.
-    sp.opponent[0] = even
+    sp.face(0, even)
     sp.stepped(np.array([1.0, -1.0] + [0.0] * (2 * COPIES - 2)), np.array([True] + [False] * (COPIES - 1)))
     assert (even.games, even.points) == (11, 6.0)
 
@@ -238,7 +238,8 @@ def test_prioritized_sampling_meets_the_snapshots_it_loses_to_most():
 def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_formula():
     rollout, snapshot = snapshot_playing_2_policy_1()
     sp = rollout.selfplay
-    sp.opponent = [snapshot, LATEST, snapshot, LATEST]
+    for k, opponent in enumerate([snapshot, LATEST, snapshot, LATEST]):
+        sp.face(k, opponent)
     n = COPIES * 2
     obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
     calls = []
@@ -259,7 +260,7 @@ def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_f
     sp.stepped(np.array([1.0, -1.0, 0, 0, 0, 0, 0, 0]), np.array([True, False, False, False]))   # copy 0: a win
     assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))
     assert rollout.metrics.gauges["actor/selfplay_win_rate"] == 1.0
-    sp.opponent[1] = LATEST
+    sp.face(1, LATEST)
     sp.stepped(np.array([0, 0, -1.0, 1.0, 0, 0, 0, 0]), np.array([False, True, False, False]))   # copy 1: lost, to the newest
     assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))   # (no rating change against itself)
     assert rollout.metrics.counters["actor/selfplay_losses_total"] == 1
@@ -271,7 +272,8 @@ def test_opponent_epsilon_makes_that_share_of_the_policy_opponents_moves_random(
     sides record_latest records, and the random player's are left alone."""
     rollout, snapshot = snapshot_playing_2_policy_1(opponent_epsilon=0.3)
     sp = rollout.selfplay
-    sp.opponent = [snapshot, LATEST, RANDOM, LATEST]
+    for k, opponent in enumerate([snapshot, LATEST, RANDOM, LATEST]):
+        sp.face(k, opponent)
     n = COPIES * 2
     obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
     rows = np.array([sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)[0] for _ in range(3000)])
