@@ -24,6 +24,13 @@ ACTION = {ppb.DECISION_ACTION_HOLD: "hold", ppb.DECISION_ACTION_SCALE: "scale",
           ppb.DECISION_ACTION_SUPPRESSED: "suppressed"}
 
 
+def _role(value: str) -> str:
+    """A role `kuberl scale` names: the planner checks a policy's name against the run's."""
+    if value in ("actor", "learner", "buffer") or (value.startswith("learner/") and len(value) > len("learner/")):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: expected actor, learner, buffer or learner/POLICY")
+
+
 def describe(d: ppb.Decision) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(d.unix_s))
     roles = ", ".join(f"{r.role} {r.current}->{r.target}" + (f" (best {r.proposed})" if r.proposed != r.target else "")
@@ -63,11 +70,12 @@ def main(command: str, argv=None) -> int:
     if command == "plan":
         p.add_argument("--apply", action="store_true", help="apply the decision (default: preview only)")
     elif command == "scale":
-        p.add_argument("role", choices=("actor", "learner", "buffer"))
+        p.add_argument("role", type=_role, help="actor, learner, buffer, or learner/POLICY (one policy's learners "
+                                                "in a run of several)")
         p.add_argument("replicas", type=int)
         p.add_argument("--ttl", type=float, default=3600.0, help="seconds the override holds (default 3600)")
     elif command == "unscale":
-        p.add_argument("role", choices=("actor", "learner", "buffer"))
+        p.add_argument("role", type=_role, help="actor, learner, buffer or learner/POLICY")
     elif command == "pause":
         p.add_argument("--reason", default="")
     elif command == "decisions":

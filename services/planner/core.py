@@ -90,6 +90,12 @@ class Planner:
         self.metrics.inc("planner/stats_errors_total", 0)
         self.metrics.inc("planner/saturations_total", 0)
 
+    @property
+    def policy_roles(self) -> tuple[str, ...]:
+        """A run of several policies: each policy's learners as a role of their own, `learner/<policy>`,
+        set by hand only (the decisions scale the actors the policies share; docs/planner.md)."""
+        return tuple(f"learner/{p}" for p in self.cfg.policy_names) if self.cfg.several_policies else ()
+
     def inputs(self) -> Inputs:
         now = self.clock()
         wall = self.wall()
@@ -216,11 +222,30 @@ class Planner:
                     self.learner_scale_up = (self.last_change_at, before, after)
             if error:
                 self.metrics.inc("planner/apply_errors_total")
+            if apply and not dry and self.backend.leader:
+                d, error = await self._hold_policy_overrides(d, error)
             shards = await self._shard_step(d, inp, act=apply and not dry and self.backend.leader)
             msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error, shards=shards)
             if apply:
                 self.record(msg, d.action)
             return msg
+
+    async def _hold_policy_overrides(self, d: Decision, error: str) -> tuple[Decision, str]:
+        """Set back each policy's learners held by an override whose count moved (a group re-formed by
+        hand, `kubectl scale`, a `helm upgrade`); the decision's reason says so, or why it failed."""
+        states = self.observer.states
+        moved = {r: o.replicas for r, o in self.overrides.items()
+                 if r in self.policy_roles and r in states and states[r].desired != o.replicas}
+        if not moved:
+            return d, error
+        what = ", ".join(f"{r} {states[r].desired}->{n}" for r, n in moved.items())
+        try:
+            await self.backend.apply(moved)
+        except Exception as err:  # noqa: BLE001 - recorded; the next decision tries again
+            self.metrics.inc("planner/apply_errors_total")
+            failed = f"holding the manual override ({what}) failed: {type(err).__name__}: {err}"
+            return replace(d, reason=f"{d.reason}; {failed}"), f"{error}; {failed}" if error else failed
+        return replace(d, reason=f"{d.reason}; {what} (manual override held)"), error
 
     async def _shard_step(self, d: Decision, inp: Inputs, *, act: bool) -> ShardDecision:
         """The buffer shards' step of a decision (services/planner/shards.py); carried out when `act`."""
@@ -255,6 +280,9 @@ class Planner:
         self.decisions.append(msg)
         self.metrics.inc(f"planner/decisions_{action}_total")
         for role in msg.roles:
+            if role.role in self.policy_roles:   # learner/<policy>: planner/policies/<policy>/learner_replicas
+                self.metrics.set(f"planner/policies/{role.role.split('/', 1)[1]}/learner_replicas", role.target)
+                continue
             self.metrics.set(f"planner/{role.role}_replicas", role.target if msg.applied else role.current)
             self.metrics.set(f"planner/{role.role}_rate_per_replica", role.rate_per_replica)
         if msg.ratio:
@@ -288,6 +316,17 @@ class Planner:
             if r in inp.ceilings:
                 rd.ceiling = inp.ceilings[r]
             roles.append(rd)
+        for r in self.policy_roles:   # each policy's learners: where they are, or the override held
+            state = self.observer.states.get(r)
+            if state is None:
+                continue
+            held = self.overrides.get(r)
+            n = d.targets.get(r, held.replicas if held is not None else state.desired)
+            rd = ppb.RoleDecision(role=r, current=d.current.get(r, state.desired), target=n, proposed=n,
+                                  ready=state.ready, blocked=state.blocked)
+            if held is not None:
+                rd.override = held.replicas
+            roles.append(rd)
         return ppb.Decision(unix_s=self.wall(), action=ACTIONS[d.action], applied=applied, dry_run=dry_run,
                             reason=d.reason, roles=roles, production=d.production or 0.0,
                             consumption=d.consumption or 0.0, ratio=d.ratio or 0.0,
@@ -308,14 +347,17 @@ class Planner:
                                  + ("; planner.buffer is unset, so the shards stay at topology.buffers"
                                     if self.cfg.planner.buffer is None else ""))
             return
-        if role not in ROLES:
-            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join((*ROLES, SHARDS))}")
+        if role not in (*ROLES, *self.policy_roles):
+            raise ValueError(f"role: {role!r} is not scalable; expected one of "
+                             f"{', '.join((*ROLES, *self.policy_roles, SHARDS))}")
         if role == "learner" and self.cfg.several_policies:
             raise ValueError(f"role: learner is not scaled in a run of several policies "
-                             f"({', '.join(self.cfg.policy_names)}): each policy's learners stay at topology.learners")
-        b = self.policy.bounds(role)
+                             f"({', '.join(self.cfg.policy_names)}): set one policy's learners, "
+                             f"{' or '.join(self.policy_roles)}")
+        b = self.policy.bounds(role.split("/", 1)[0])
         if not b.min <= replicas <= b.max:
-            raise ValueError(f"replicas: {replicas} is outside planner.{role}.min..max ({b.min}..{b.max})")
+            raise ValueError(f"replicas: {replicas} is outside planner.{role.split('/', 1)[0]}.min..max "
+                             f"({b.min}..{b.max})")
 
     async def set_override(self, role: str, replicas: int, ttl_s: float) -> ppb.Decision:
         """Hold `role` at `replicas` until the override expires; applied at once (buffer shards: the first
@@ -329,6 +371,8 @@ class Planner:
                 await self.observer.measure()
                 inp = self.inputs()
                 current = {r: inp.role(r).desired for r in ROLES}
+                if role in self.policy_roles:
+                    current[role] = self.observer.states[role].desired
                 targets = {**current, role: replicas}
                 error, applied = "", False
                 if not self.backend.leader:
@@ -356,8 +400,10 @@ class Planner:
             return msg
 
     def clear_override(self, role: str) -> None:
-        if role not in (*ROLES, SHARDS):
-            raise ValueError(f"role: {role!r} is not scalable; expected one of {', '.join((*ROLES, SHARDS))}")
+        """Let the planner take `role` back (a policy's learners then stay where they are)."""
+        if role not in (*ROLES, *self.policy_roles, SHARDS):
+            raise ValueError(f"role: {role!r} is not scalable; expected one of "
+                             f"{', '.join((*ROLES, *self.policy_roles, SHARDS))}")
         self.overrides.pop(role, None)
 
     def status(self) -> ppb.PlannerStatus:
@@ -368,6 +414,8 @@ class Planner:
         if self.decisions:
             st.last_decision.CopyFrom(self.decisions[-1])
         for role, state in self.observer.states.items():
+            if role not in ROLES:
+                continue   # (learner/<policy>: its replicas are the learner role's, listed there)
             for rep in state.replicas:
                 st.replicas.add(role=role, name=rep.name, address=rep.address, ready=rep.ready)
         for rep in self.observer.buffers:   # the buffer shards, as the backend lists them

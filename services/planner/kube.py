@@ -22,9 +22,10 @@ A run of several policies (config `policies`, `policies=` here) has a learner St
 `<learner_statefulset>-<policy>`, behind the headless Service `<learner_service>-<policy>` (as the Helm
 chart names them). The learner role is then every policy's learners: its replicas are each Service's
 Endpoints, each carrying its policy (services/planner/observe.py weighs each policy's learners by its
-share of the samples), its desired count the sum of the StatefulSets' scales. The planner does not scale
-them (the role is reported blocked, saying why; `apply` refuses a learner count), as the local backend:
-it scales the actors they share.
+share of the samples), its desired count the sum of the StatefulSets' scales. The planner's own
+decisions do not scale it (the role is reported blocked, saying why; `apply` refuses a learner count),
+as the local backend: they scale the actors the policies share. Each policy's StatefulSet is the role
+`learner/<policy>` too, observed and scaled through the same checks (`kuberl scale learner/<policy> N`).
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ STATEFULSET = Kind("StatefulSet", "statefulsets", "stateful_set")
 # reads the StatefulSet's scale to know the group's size (services/learner/membership.py).
 WORKLOADS = {"actor": DEPLOYMENT, "learner": STATEFULSET}
 SHARDS = "buffer"   # the buffer StatefulSet, scaled one shard at a time (add_buffer/remove_buffer)
-SEVERAL_POLICIES = ("several policies (config `policies`): each policy's learners stay at the replicas of its "
-                    "StatefulSet ({names}; the chart sets them from topology.learners); the planner scales the "
-                    "actors they share")
+SEVERAL_POLICIES = ("several policies (config `policies`): the planner scales the actors they share; each policy's "
+                    "learners stay at the replicas of its StatefulSet ({names}; the chart sets them from "
+                    "topology.learners; `kuberl scale learner/<policy> N` sets one)")
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class KubernetesBackend:
         hpas = await self._hpa_targets()
         states = {role: await self._observe_role(role, hpas) for role in ROLES if role in self._workloads}
         if self.policies:
-            states["learner"] = await self._observe_policies(hpas)
+            states.update(await self._observe_policies(hpas))
         return states
 
     async def _observe_role(self, role: str, hpas: dict[tuple[str, str], str], policy: str = "") -> RoleState:
@@ -181,15 +182,16 @@ class KubernetesBackend:
         blocked = self._hpa_reason(w, hpas) or paused
         return RoleState(desired=desired, replicas=await self._replicas(role, policy), blocked=blocked)
 
-    async def _observe_policies(self, hpas: dict[tuple[str, str], str]) -> RoleState:
-        """The learner role of a run of several policies: every policy's StatefulSet together, blocked (the
-        planner does not scale them) with each policy's own reason (not found, HPA, paused) where one has
-        one, else with the several-policies reason."""
-        states = {p: await self._observe_role(f"learner/{p}", hpas, policy=p) for p in self.policies}
-        own = [f"{p}: {s.blocked}" for p, s in states.items() if s.blocked]
-        return RoleState(desired=sum(s.desired for s in states.values()),
-                         replicas=[r for s in states.values() for r in s.replicas],
-                         blocked="; ".join(own) or self.several_policies_reason)
+    async def _observe_policies(self, hpas: dict[tuple[str, str], str]) -> dict[str, RoleState]:
+        """A run of several policies: each policy's StatefulSet as the role learner/<policy>, and the
+        learner role, all of them together, blocked (the planner's decisions do not scale it) with each
+        policy's own reason (not found, HPA, paused) where one has one, else with the several-policies
+        reason."""
+        states = {f"learner/{p}": await self._observe_role(f"learner/{p}", hpas, policy=p) for p in self.policies}
+        own = [f"{r.split('/', 1)[1]}: {s.blocked}" for r, s in states.items() if s.blocked]
+        return {**states, "learner": RoleState(desired=sum(s.desired for s in states.values()),
+                                               replicas=[r for s in states.values() for r in s.replicas],
+                                               blocked="; ".join(own) or self.several_policies_reason)}
 
     @property
     def several_policies_reason(self) -> str:
@@ -315,9 +317,8 @@ class KubernetesBackend:
         if self.policies and "learner" in targets:
             raise Refused(f"learner: {self.several_policies_reason}")
         for role, n in targets.items():
-            if role not in self._workloads or "/" in role:
-                raise ValueError(f"unknown role {role!r}: the planner scales "
-                                 f"{tuple(r for r in self._workloads if '/' not in r)}")
+            if role not in self._workloads:
+                raise ValueError(f"unknown role {role!r}: the planner scales {tuple(self._workloads)}")
             if n < 0:
                 raise ValueError(f"{role}: replica count {n} must be >= 0")
         if not dry_run and not self.leader:

@@ -13,9 +13,10 @@ Buffer shards: `kuberl up` starts the first `topology.buffers`; the planner may 
 out of the shard list, until `kuberl up` stops it; a later scale-up takes it back first.
 
 A run of several policies (config `policies`) runs a learner group per policy, each of
-`topology.learners`, which the planner does not change (the role is reported blocked, saying why): it
-scales the actors they share (services/planner/observe.py weighs each policy's learners by its share of
-the samples).
+`topology.learners` at first. The planner's own decisions scale the actors they share
+(services/planner/observe.py weighs each policy's learners by its share of the samples), not the
+learner role as a whole (reported blocked, saying why); each policy's group is the role
+`learner/<policy>`, set by hand (`kuberl scale learner/<policy> N`), which re-forms that group alone.
 
 Learners run as one group (services/learner/distributed.py): n processes, ranks 0..n-1, averaging
 gradients. A group cannot change size in place, so a new learner count stops the whole group (rank 0
@@ -41,8 +42,8 @@ from services.common.net.shards import buffer_addresses
 from services.planner.backend import ROLES, ApplyResult, Refused, Replica, RoleState
 
 log = logging.getLogger(__name__)
-SEVERAL_POLICIES = ("several policies (config `policies`): each policy's learners stay at topology.learners; "
-                    "the planner scales the actors they share")
+SEVERAL_POLICIES = ("several policies (config `policies`): the planner scales the actors they share; each policy's "
+                    "learners stay where they are set (topology.learners, or `kuberl scale learner/<policy> N`)")
 
 
 class LocalBackend:
@@ -74,6 +75,7 @@ class LocalBackend:
         self.learner_address = (",".join(f"{name}={a}" for name, a in self.learner_addresses.items()) if self.several
                                 else self.learner_addresses[cfg.policy_names[0]])   # (an actor's --learner)
         self.learner_policy: dict[str, str] = {}   # learner process name -> its policy (several policies)
+        self.groups: dict[str, list[str]] = {}     # policy -> its learner group's process names, in rank order
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
         self.metrics.inc("planner/replicas_drained_total", 0)
@@ -93,28 +95,35 @@ class LocalBackend:
         self.sup.start(Spec("actor", name, listen, tuple(actor_args(name, self.run_dir.name, buffer=self.buffer,
                                                                     learner=self.learner_address, index=index))))
 
-    def _form_group(self, n: int) -> None:
+    def _form_group(self, n: int, policy: str | None = None) -> None:
         """Start n learners as one group (one learner alone is restarted alone); a group of n per policy
-        where the run has several."""
-        procs = []
+        where the run has several (`policy`: that one's alone)."""
         for name, address in self.learner_addresses.items():
+            if policy is not None and name != policy:
+                continue
             tag = name if self.several else ""
             group = self.sup.start_group(f"{tag} {LEARNERS}".lstrip(), n, learner_specs(
                 self.run_dir, n, buffer=self.buffer, listen=address, policy=tag), port=self._free_port)
             self.learner_policy.update({p.name: tag for p in group})
-            procs += group
-        self.names["learner"] = {i: p.name for i, p in enumerate(procs)}
-        self.metrics.set("planner/learner_group_size", n)
+            self.groups[name] = [p.name for p in group]
+            if self.several:
+                self.metrics.set(f"planner/policies/{name}/learner_group_size", n)
+        self.names["learner"] = dict(enumerate(p for group in self.groups.values() for p in group))
+        if not self.several:
+            self.metrics.set("planner/learner_group_size", n)
 
     async def _stop(self, names) -> None:
         """SIGTERM the named processes together and wait for each (SIGKILL after STOP_TIMEOUT_S)."""
         procs = self.sup.release(names)
         self.sup.exit_codes.update(await asyncio.to_thread(stop_procs, procs, STOP_TIMEOUT_S))
 
-    async def _stop_group(self) -> None:
-        """Stop every learner together (they agree on a round to stop at; rank 0 checkpoints)."""
-        names = list(self.names["learner"].values())
-        self.names["learner"].clear()
+    async def _stop_group(self, policy: str | None = None) -> None:
+        """Stop every learner of a group together (they agree on a round to stop at; rank 0 checkpoints):
+        every group, or `policy`'s."""
+        names = [n for p, group in self.groups.items() if policy is None or p == policy for n in group]
+        for p in [p for p in self.groups if policy is None or p == policy]:
+            del self.groups[p]
+        self.names["learner"] = dict(enumerate(n for group in self.groups.values() for n in group))
         await self._stop(names)
 
     async def start(self) -> None:
@@ -135,6 +144,10 @@ class LocalBackend:
                                         policy=self.learner_policy.get(proc.name, "")))
             states[role] = RoleState(desired=len(self.names[role]), replicas=replicas,
                                      blocked=SEVERAL_POLICIES if role == "learner" and self.several else "")
+        if self.several:   # each policy's group, the role learner/<policy>
+            for policy, group in self.groups.items():
+                states[f"learner/{policy}"] = RoleState(desired=len(group), replicas=[
+                    r for r in states["learner"].replicas if r.policy == policy])
         return states
 
     async def buffers(self) -> list[Replica]:
@@ -180,8 +193,13 @@ class LocalBackend:
         self.buffer = ",".join(active)
 
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
+        """Set the actors, the learner group, or (several policies) one policy's group, `learner/<policy>`."""
+        policy_roles = {f"learner/{p}" for p in self.groups} if self.several else set()
         for role, n in targets.items():
-            if role not in ROLES or n < 0 or (role == "learner" and n < 1):
+            if role not in ROLES and role not in policy_roles:
+                raise ValueError(f"unknown role {role!r}: the local backend scales "
+                                 f"{', '.join((*ROLES, *sorted(policy_roles)))}")
+            if n < 0 or (role.startswith("learner") and n < 1):
                 raise ValueError(f"cannot set {role} to {n}")
         if self.several and targets.get("learner", len(self.names["learner"])) != len(self.names["learner"]):
             raise Refused(SEVERAL_POLICIES)
@@ -195,6 +213,14 @@ class LocalBackend:
             self._form_group(n)
             detail.append(f"re-formed the learner group: {old} -> {n} (resumes from the latest checkpoint)")
             log.info(detail[-1])
+        for role in sorted(policy_roles & set(targets)):
+            policy, old, n = role.split("/", 1)[1], len(self.groups[role.split("/", 1)[1]]), targets[role]
+            if n != old:
+                await self._stop_group(policy)
+                self._form_group(n, policy)
+                detail.append(f"re-formed policy {policy}'s learner group: {old} -> {n} (resumes from its "
+                              f"latest checkpoint)")
+                log.info(detail[-1])
         actors = self.names["actor"]
         n = targets.get("actor", len(actors))
         while len(actors) < n:  # the lowest free index: external simulators find actor i at actor_port + i
@@ -208,7 +234,9 @@ class LocalBackend:
                 self.draining.add(task)
                 task.add_done_callback(self.draining.discard)
             detail.append(f"draining actor-{index}")
-        return ApplyResult({r: len(self.names[r]) for r in ROLES}, detail=", ".join(detail))
+        applied = {r: len(self.names[r]) for r in ROLES}
+        applied.update({f"learner/{p}": len(group) for p, group in self.groups.items() if self.several})
+        return ApplyResult(applied, detail=", ".join(detail))
 
     async def _drain(self, proc: ServiceProcess) -> None:
         """Stop one actor: SIGTERM, then wait while it flushes its fragments to the buffer."""

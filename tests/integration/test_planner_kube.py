@@ -195,8 +195,9 @@ async def test_several_policies_observe_every_policys_learners_and_scale_the_act
     """A run of several policies (services/planner/kube.py): each policy's learners are a StatefulSet
     `<learner_statefulset>-<policy>` behind the Service `<learner_service>-<policy>` (the Helm chart's names).
     The learner role is all of them: replicas from each Service's Endpoints carrying their policy, desired
-    the sum, blocked saying why (the planner does not scale them); a learner count is refused before any
-    write, the actors are scaled; all under the Role the chart grants (rbac.resource_names with the policies)."""
+    the sum, blocked saying why (the planner's decisions do not scale it); a learner count is refused before
+    any write, the actors are scaled, and one policy's StatefulSet is scaled as the role learner/<policy>;
+    all under the Role the chart grants (rbac.resource_names with the policies)."""
     ns, policies = k8s_namespace, ("red", "blue")
     apps, core = client.AppsV1Api(k8s_admin), client.CoreV1Api(k8s_admin)
     apps.create_namespaced_deployment(ns, workload(DEPLOYMENT, ACTOR, 1))
@@ -223,6 +224,9 @@ async def test_several_policies_observe_every_policys_learners_and_scale_the_act
     assert state["learner"].blocked.startswith("several policies (config `policies`)")
     assert f"{LEARNER}-blue, {LEARNER}-red" in state["learner"].blocked
     assert state["actor"].desired == 1 and not state["actor"].blocked
+    assert {p: (state[f"learner/{p}"].desired, [r.name for r in state[f"learner/{p}"].replicas]) for p in policies} == {
+        "red": (2, [f"{LEARNER}-red-0", f"{LEARNER}-red-1"]), "blue": (1, [f"{LEARNER}-blue-0"])}
+    assert not state["learner/red"].blocked
 
     with pytest.raises(Refused, match="learner: several policies"):
         await b.apply({"actor": 3, "learner": 2})
@@ -230,8 +234,10 @@ async def test_several_policies_observe_every_policys_learners_and_scale_the_act
     assert (await b.apply({"actor": 3})).applied == {"actor": 3}
     assert spec_replicas(k8s_admin, ns) == 3
     assert [apps.read_namespaced_stateful_set(f"{LEARNER}-{p}", ns).spec.replicas for p in policies] == [2, 1]
-    with pytest.raises(ValueError, match="unknown role 'learner/red'"):
-        await b.apply({"learner/red": 3})
+    assert (await b.apply({"learner/red": 3})).applied == {"learner/red": 3}
+    assert [apps.read_namespaced_stateful_set(f"{LEARNER}-{p}", ns).spec.replicas for p in policies] == [3, 1]
+    with pytest.raises(ValueError, match="unknown role 'learner/green'"):
+        await b.apply({"learner/green": 3})
 
     # One policy's own reason comes first: its StatefulSet paused by hand, another's missing.
     apps.patch_namespaced_stateful_set(f"{LEARNER}-red", ns, {"metadata": {"annotations": {cfg.pause_annotation: "true"}}},
@@ -240,8 +246,11 @@ async def test_several_policies_observe_every_policys_learners_and_scale_the_act
     state = await b.observe()
     assert state["learner"].blocked.startswith(f"red: StatefulSet '{LEARNER}-red' is annotated")
     assert f"; blue: StatefulSet '{LEARNER}-blue' not found in namespace '{ns}'" in state["learner"].blocked
-    assert state["learner"].desired == 2
-    assert {c for c in b.calls if c[2] not in ("get", "list", "watch")} == {("apps", "deployments/scale", "patch")}
+    assert state["learner"].desired == 3
+    with pytest.raises(Refused, match="learner/red: StatefulSet .* is annotated"):
+        await b.apply({"learner/red": 1})
+    assert {c for c in b.calls if c[2] not in ("get", "list", "watch")} == {("apps", "deployments/scale", "patch"),
+                                                                             ("apps", "statefulsets/scale", "patch")}
 
 
 @pytest.mark.parametrize("role", ["actor", "learner"])

@@ -232,7 +232,8 @@ def test_scaling_learners_re_forms_the_group_from_the_checkpoint(tmp_path, capsy
     assert set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]
 
 
-@pytest.mark.parametrize("bad, message", [(["scale", "robot", "2"], "invalid choice: 'robot'"),
+@pytest.mark.parametrize("bad, message", [(["scale", "robot", "2"], "'robot': expected actor, learner, buffer or learner/POLICY"),
+                                          (["unscale", "learner/"], "'learner/': expected actor, learner, buffer or learner/POLICY"),
                                           (["scale", "actor", "-1"], "replicas: -1 must be >= 0")])
 def test_cli_rejects_bad_arguments_before_calling(bad, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -202,3 +202,69 @@ def _up_small(tmp_path: Path, config: str, **sections) -> tuple[Path, dict]:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["reason"] == "max_env_steps" and all(code == 0 for code in summary["exit_codes"].values()), summary
     return run, summary
+
+
+def test_one_policys_learners_are_scaled_by_hand_and_only_its_group_re_forms(tmp_path, capsys):
+    """`kuberl scale learner/team 2` on a live `kuberl up` of two policies: the local backend re-forms
+    team's group alone (two ranks, resuming from its checkpoint) and leaves lead's learner running; a
+    policy the run does not have is refused, naming the roles there are."""
+    pytest.importorskip("mpe2", reason="mpe2 is in the mpe extra (and dev)")
+    import re
+
+    import yaml
+
+    from services.common.local.procs import free_port
+    from tests.helpers import stats, stop_up, wait_for
+    from tests.integration.test_planner_local import _cli, _up
+
+    cfg = yaml.safe_load((ROOT / "configs" / "simple_spread_two_policies_ppo.yaml").read_text())
+    cfg["env"]["num_envs"] = 4
+    cfg["ppo"] = {"rollout_steps": 32, "batch_steps": 256, "hidden_sizes": [32]}
+    cfg["run"] = {"target_return": None, "poll_interval_s": 0.5}
+    cfg["evaluation"] = {"after_training": False}
+    cfg["planner"] = {"enabled": True, "interval_s": 1, "warmup_s": 1, "cooldown_s": 2, "actor": {"max": 1},
+                      "learner": {"max": 2}}
+    port = free_port()
+    proc = _up(tmp_path, cfg, port)
+    cli = _cli(f"127.0.0.1:{port}", capsys)
+    logs = tmp_path / "run" / "logs"
+
+    def learners() -> dict[str, dict]:
+        code, out, _ = cli("status", "--json")
+        reps = json.loads(out).get("replicas", []) if code == 0 else []
+        try:
+            return {r["name"]: stats(r["address"], learner_pb2_grpc.LearnerStub) for r in reps
+                    if r["role"] == "learner" and r.get("ready") and r.get("address")}
+        except grpc.RpcError:   # a learner of the group being replaced
+            return {}
+
+    try:
+        wait_for(lambda: (lrn := learners()) and all(lrn.get(f"learner-{p}-0", {}).get("learner/policy_version", 0) >= 2
+                                                     for p in ("lead", "team")),
+                 timeout=180, interval=0.5, what="both policies' learners past version 2")
+        code, out, _ = cli("scale", "learner/team", "2", "--ttl", "600", "--json")
+        decision = json.loads(out)
+        assert code == 0 and decision["applied"], decision
+        assert {r["role"]: r.get("target") for r in decision["roles"]}["learner/team"] == 2
+        group = wait_for(lambda: (lrn := learners()) and sorted(lrn) == ["learner-lead-0", "learner-team-0", "learner-team-1"]
+                         and all(lrn[f"learner-team-{r}"]["learner/group_size"] == 2 for r in (0, 1)) and lrn,
+                         timeout=150, interval=0.5, what="team's two learners serving as one group beside lead's")
+        assert group["learner-lead-0"]["learner/group_size"] == 1
+        planner_log = (logs / "planner-0.log").read_text()
+        assert len(re.findall(r"started learner-lead-0 ", planner_log)) == 1   # lead's learner was left alone
+        assert "re-formed policy team's learner group: 1 -> 2" in planner_log
+        restored = re.findall(r"restored \S+ at version (\d+)", (logs / "learner-team-0.log").read_text())
+        assert restored and int(restored[-1]) >= 2   # from team's checkpoint, not from scratch
+        start = int(restored[-1])
+        wait_for(lambda: all(x["learner/policy_version"] >= start + 2 for n, x in learners().items() if "team" in n),
+                 timeout=150, interval=0.5, what="team's group training on")
+        status = json.loads(cli("status", "--json")[1])
+        assert [(o["role"], o["replicas"]) for o in status["overrides"]] == [("learner/team", 2)]
+
+        code, _, err = cli("scale", "learner/green", "2")
+        assert code == 1 and "INVALID_ARGUMENT" in err and "learner/lead, learner/team" in err, err
+    finally:
+        out = stop_up(proc, tmp_path)
+    assert proc.returncode == 0, out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]

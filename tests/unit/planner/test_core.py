@@ -325,14 +325,28 @@ async def test_an_actor_of_several_policies_is_judged_by_its_fullest_send_queue(
 
 
 class PoliciesBackend(MemoryBackend):
-    """Actors, and a learner per policy of two (red, blue) that the backend will not scale, as the local
-    backend runs a run of several policies; one buffer shard."""
+    """Actors, and a learner group per policy of two (red, blue), as the local backend runs a run of
+    several policies: the learner role (all of them) is not scaled, each policy's, learner/<policy>, is;
+    one buffer shard."""
+
+    def __init__(self, actors: int):
+        super().__init__(actors)
+        del self.desired["learner"]
+        self.desired.update({"learner/red": 1, "learner/blue": 1})
 
     async def observe(self) -> dict[str, RoleState]:
-        learners = [Replica("learner-red-0", "fake:red", policy="red"), Replica("learner-blue-0", "fake:blue", policy="blue")]
+        groups = {p: RoleState(desired=self.desired[f"learner/{p}"], replicas=[
+                      Replica(f"learner-{p}-{rank}", f"fake:{p}-{rank}", policy=p) for rank in range(self.desired[f"learner/{p}"])])
+                  for p in ("red", "blue")}
         return {"actor": RoleState(desired=self.desired["actor"], replicas=[
                     Replica(f"actor-{i}", f"fake:actor-{i}") for i in range(self.desired["actor"])]),
-                "learner": RoleState(desired=2, replicas=learners, blocked="several policies")}
+                "learner": RoleState(desired=sum(g.desired for g in groups.values()),
+                                     replicas=[r for g in groups.values() for r in g.replicas], blocked="several policies"),
+                **{f"learner/{p}": g for p, g in groups.items()}}
+
+    async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
+        assert "learner" not in targets, "the learner role of several policies is not scaled as a whole"
+        return await super().apply(targets, dry_run=dry_run)
 
     async def buffers(self) -> list[Replica]:
         return [Replica("buffer-0", "fake:buffer-0")]
@@ -388,4 +402,42 @@ async def test_several_policies_scale_the_actors_to_what_the_tightest_policys_le
         d = await planner.step()
     assert backend.applied == [{"actor": 3}], d.reason
     assert "production/consumption 1.25" in d.reason and "learner left at 2: several policies" in d.reason
+    await planner.close()
+
+
+async def test_one_policys_learners_are_set_by_hand_and_held_there():
+    """`kuberl scale learner/<policy> N` in a run of several policies: applied at once to that policy's
+    group alone, within planner.learner's bounds, shown in every decision and the status, set back
+    when its count moves under the override, and left where it is once the override is cleared."""
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"id": "pettingzoo:mpe2.simple_spread_v3"},
+                            "policies": {"red": {"agents": ["agent_0"]}, "blue": {"agents": ["agent_*"]}},
+                            "planner": {"learner": {"max": 3}}})
+    backend, wall = PoliciesBackend(actors=1), [1000.0]
+    planner = Planner(cfg, backend, wall=lambda: wall[0])
+    for role, n, problem in (("learner/green", 2, "not scalable; expected one of actor, learner, learner/red, "
+                                                  "learner/blue, buffer"),
+                             ("learner", 2, "not scaled in a run of several policies (red, blue): set one "
+                                            "policy's learners, learner/red or learner/blue"),
+                             ("learner/blue", 4, "replicas: 4 is outside planner.learner.min..max (1..3)")):
+        with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+            planner.validate_replicas(role, n)
+    d = await planner.set_override("learner/blue", 2, ttl_s=60)
+    assert d.applied and backend.applied == [{"learner/blue": 2}] and backend.desired["learner/red"] == 1
+    roles = {r.role: r for r in d.roles}
+    assert (roles["learner/blue"].current, roles["learner/blue"].target, roles["learner/blue"].override) == (1, 2, 2)
+    assert (roles["learner/red"].current, roles["learner/red"].target, roles["learner/red"].HasField("override")) == (1, 1, False)
+    assert [(o.role, o.replicas) for o in planner.status().overrides] == [("learner/blue", 2)]
+    await planner.observer.measure()
+    assert sorted(r.name for r in planner.status().replicas if r.role == "learner") == [
+        "learner-blue-0", "learner-blue-1", "learner-red-0"]   # (each once, under the learner role)
+
+    backend.desired["learner/blue"] = 1   # set back under the override (kubectl scale, a helm upgrade)
+    d = await planner.step()
+    assert backend.applied[-1] == {"learner/blue": 2} and "learner/blue 1->2 (manual override held)" in d.reason
+    assert planner.metrics.gauges["planner/policies/blue/learner_replicas"] == 2
+
+    planner.clear_override("learner/blue")
+    backend.desired["learner/blue"] = 1
+    d = await planner.step()
+    assert backend.applied[-1] == {"learner/blue": 2} and {r.role: r.target for r in d.roles}["learner/blue"] == 1
     await planner.close()
