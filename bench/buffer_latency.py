@@ -252,8 +252,7 @@ def run_phase(buffer: BufferProcess, case: str, phase: str, args, pushers: int, 
     if "batch" in results:
         out["batch"] = percentiles(results["batch"])
         out["batches_per_s"] = len(results["batch"]) / args.seconds
-    out["samples_lost_in_transit"] = (after["buffer/samples_lost_in_transit_total"]
-                                      - before["buffer/samples_lost_in_transit_total"])
+    out["batches_unsent"] = after["buffer/batches_unsent_total"] - before["buffer/batches_unsent_total"]
     return out
 
 

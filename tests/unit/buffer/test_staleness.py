@@ -214,7 +214,7 @@ def test_learner_version_follows_each_served_batch():
     assert store.learner_version == 12 + 3
 
 
-def test_a_batch_lost_in_transit_is_not_in_flight():
+def test_a_batch_that_never_left_is_not_in_flight():
     store = fresh_store()
     store.report_progress("l", 10, 0)
     store.next_batch(BATCH, "l")
