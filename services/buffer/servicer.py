@@ -28,8 +28,8 @@ MAX_BATCH_SIZE = 1 << 20
 # A StreamBatches stream ends itself (OK, after every batch written) once it has served this long,
 # and the learner opens the next at once. The server's max connection age (services/common/net/grpcutil.py:
 # 300 s, then 30 s of grace) would otherwise cancel a long-lived stream mid-write every few minutes,
-# sending the batch on the wire again (buffer/batches_unsent_total) and losing any it had written
-# that the learner had not read yet. Well inside the grace, so a stream never outlives it.
+# leaving the batch on the wire unsent (taken back: buffer/batches_unsent_total) and losing any it
+# had written that the learner had not read yet. Well inside the grace, so a stream never outlives it.
 BATCH_STREAM_S = 20.0
 # WatchInsertLimit sends at most one InsertLimit per this interval per actor, and re-reads the limit
 # at least this often (LIMIT_RECHECK_S) when nothing wakes it (a learner's report expiring moves it).

@@ -108,7 +108,7 @@ class LocalBackend:
             self.groups[name] = [p.name for p in group]
             if self.several:
                 self.metrics.set(f"planner/policies/{name}/learner_group_size", n)
-        self.names["learner"] = dict(enumerate(p for group in self.groups.values() for p in group))
+        self._index_learners()
         if not self.several:
             self.metrics.set("planner/learner_group_size", n)
 
@@ -123,8 +123,12 @@ class LocalBackend:
         names = [n for p, group in self.groups.items() if policy is None or p == policy for n in group]
         for p in [p for p in self.groups if policy is None or p == policy]:
             del self.groups[p]
-        self.names["learner"] = dict(enumerate(n for group in self.groups.values() for n in group))
+        self._index_learners()
         await self._stop(names)
+
+    def _index_learners(self) -> None:
+        """The learner role's processes, by index: every group's, in policy order then rank order."""
+        self.names["learner"] = dict(enumerate(n for group in self.groups.values() for n in group))
 
     async def start(self) -> None:
         """Start the learners and topology.actors actors at once (nobody waits for another's imports)."""
@@ -214,7 +218,8 @@ class LocalBackend:
             detail.append(f"re-formed the learner group: {old} -> {n} (resumes from the latest checkpoint)")
             log.info(detail[-1])
         for role in sorted(policy_roles & set(targets)):
-            policy, old, n = role.split("/", 1)[1], len(self.groups[role.split("/", 1)[1]]), targets[role]
+            policy = role.split("/", 1)[1]
+            old, n = len(self.groups[policy]), targets[role]
             if n != old:
                 await self._stop_group(policy)
                 self._form_group(n, policy)
