@@ -768,6 +768,10 @@ class CommonConfig:
                 self.topology.actors, f"must lie within planner.actor.min..max "
                 f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")
         learner = self.planner.learner
+        floor = self.planner.actor.min * self.planner.actor.cost + len(self.policy_names) * learner.min * learner.cost
+        require(self.planner.budget == 0 or self.planner.budget >= floor, "planner.budget", self.planner.budget,
+                f"cannot fit the minimum replicas of every role: {floor:g} (planner.actor.min and, for each of the "
+                f"{len(self.policy_names)} policies, planner.learner.min)")
         require(not self.planner.enabled or learner.min <= self.topology.learners <= learner.max,
                 "topology.learners", self.topology.learners,
                 f"must lie within planner.learner.min..max ({learner.min}..{learner.max}), the planner's bounds")

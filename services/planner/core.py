@@ -93,7 +93,7 @@ class Planner:
     @property
     def policy_roles(self) -> tuple[str, ...]:
         """A run of several policies: each policy's learners as a role of their own, `learner/<policy>`,
-        set by hand only (the decisions scale the actors the policies share; docs/planner.md)."""
+        sized by the decisions with the actors the policies share, or set by hand (docs/planner.md)."""
         return tuple(f"learner/{p}" for p in self.cfg.policy_names) if self.cfg.several_policies else ()
 
     def inputs(self) -> Inputs:
@@ -116,6 +116,7 @@ class Planner:
             return obs.role_inputs(r, now, override.replicas if override else None)
 
         return Inputs(now=now, actor=role("actor"), learner=role("learner"),
+                      learners={r: role(r) for r in self.policy_roles if r in obs.states},
                       paused=self.paused, last_change_at=self.last_change_at,
                       observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
                       policy_lag=obs.policy_lag(now), ceilings=self._ceilings(),
@@ -187,7 +188,7 @@ class Planner:
                     inp = replace(inp, ceilings=self._ceilings(), learner_scale_up=self.learner_scale_up)
                 d = decide(self.policy, inp)
                 if inp.learner.bound_by and inp.learner.rate is not None:
-                    d = replace(d, reason=f"{d.reason}; learner rate: what the actors can be fed at, policy "
+                    d = replace(d, reason=f"{d.reason}; consumption: what the actors can be fed at, policy "
                                           f"{inp.learner.bound_by}'s learners taking its share (the tightest)")
                 if d.action != "scale":
                     break
@@ -217,35 +218,16 @@ class Planner:
             if applied:
                 self.last_change_at = self.clock()
                 self._probe(d, inp)
-                before, after = d.current["learner"], d.targets["learner"]
+                before, after = d.current.get("learner", 0), d.targets.get("learner", 0)
                 if after > before and inp.learner.override is None:
                     self.learner_scale_up = (self.last_change_at, before, after)
             if error:
                 self.metrics.inc("planner/apply_errors_total")
-            if apply and not dry and self.backend.leader:
-                d, error = await self._hold_policy_overrides(d, error)
             shards = await self._shard_step(d, inp, act=apply and not dry and self.backend.leader)
             msg = self.to_proto(d, inp, trigger=trigger, applied=applied, dry_run=dry, error=error, shards=shards)
             if apply:
                 self.record(msg, d.action)
             return msg
-
-    async def _hold_policy_overrides(self, d: Decision, error: str) -> tuple[Decision, str]:
-        """Set back each policy's learners held by an override whose count moved (a group re-formed by
-        hand, `kubectl scale`, a `helm upgrade`); the decision's reason says so, or why it failed."""
-        states = self.observer.states
-        moved = {r: o.replicas for r, o in self.overrides.items()
-                 if r in self.policy_roles and r in states and states[r].desired != o.replicas}
-        if not moved:
-            return d, error
-        what = ", ".join(f"{r} {states[r].desired}->{n}" for r, n in moved.items())
-        try:
-            await self.backend.apply(moved)
-        except Exception as err:  # noqa: BLE001 - recorded; the next decision tries again
-            self.metrics.inc("planner/apply_errors_total")
-            failed = f"holding the manual override ({what}) failed: {type(err).__name__}: {err}"
-            return replace(d, reason=f"{d.reason}; {failed}"), f"{error}; {failed}" if error else failed
-        return replace(d, reason=f"{d.reason}; {what} (manual override held)"), error
 
     async def _shard_step(self, d: Decision, inp: Inputs, *, act: bool) -> ShardDecision:
         """The buffer shards' step of a decision (services/planner/shards.py); carried out when `act`."""
@@ -279,12 +261,10 @@ class Planner:
         self.next_id += 1
         self.decisions.append(msg)
         self.metrics.inc(f"planner/decisions_{action}_total")
-        for role in msg.roles:
-            if role.role in self.policy_roles:   # learner/<policy>: planner/policies/<policy>/learner_replicas
-                self.metrics.set(f"planner/policies/{role.role.split('/', 1)[1]}/learner_replicas", role.target)
-                continue
-            self.metrics.set(f"planner/{role.role}_replicas", role.target if msg.applied else role.current)
-            self.metrics.set(f"planner/{role.role}_rate_per_replica", role.rate_per_replica)
+        for role in msg.roles:   # learner/<policy>: planner/policies/<policy>/learner_replicas, ...
+            name = f"policies/{role.role.split('/', 1)[1]}/learner" if role.role in self.policy_roles else role.role
+            self.metrics.set(f"planner/{name}_replicas", role.target if msg.applied else role.current)
+            self.metrics.set(f"planner/{name}_rate_per_replica", role.rate_per_replica)
         if msg.ratio:
             self.metrics.set("planner/production_consumption_ratio", msg.ratio)
         if msg.HasField("buffer_samples_per_insert"):
@@ -305,9 +285,17 @@ class Planner:
     def to_proto(self, d: Decision, inp: Inputs, *, trigger: str, applied: bool, dry_run: bool,
                  error: str = "", shards: ShardDecision | None = None) -> ppb.Decision:
         roles = []
-        for r in ROLES:
+        # Several policies: the actors, the learners of all policies together (their rate: what the actors
+        # can be fed at, per learner), then each policy's learners, the roles decided.
+        shown = ("actor", "learner", *inp.learners) if inp.learners else inp.roles
+        for r in shown:
             ri = inp.role(r)
-            rd = ppb.RoleDecision(role=r, current=d.current[r], target=d.targets[r], proposed=d.proposed[r],
+            if r == "learner" and inp.learners:
+                current, target, proposed = (sum(counts.get(p, 0) for p in inp.learners)
+                                             for counts in (d.current, d.targets, d.proposed))
+            else:
+                current, target, proposed = d.current[r], d.targets[r], d.proposed[r]
+            rd = ppb.RoleDecision(role=r, current=current, target=target, proposed=proposed,
                                   ready=ri.ready, reporting=ri.reporting, rate_per_replica=ri.rate or 0.0,
                                   stale=ri.stale, blocked=ri.blocked, cores_per_replica=ri.cores or 0.0,
                                   cost_per_replica=self.policy.replica_cost(r, inp))
@@ -315,17 +303,6 @@ class Planner:
                 rd.override = ri.override
             if r in inp.ceilings:
                 rd.ceiling = inp.ceilings[r]
-            roles.append(rd)
-        for r in self.policy_roles:   # each policy's learners: where they are, or the override held
-            state = self.observer.states.get(r)
-            if state is None:
-                continue
-            held = self.overrides.get(r)
-            n = d.targets.get(r, held.replicas if held is not None else state.desired)
-            rd = ppb.RoleDecision(role=r, current=d.current.get(r, state.desired), target=n, proposed=n,
-                                  ready=state.ready, blocked=state.blocked)
-            if held is not None:
-                rd.override = held.replicas
             roles.append(rd)
         return ppb.Decision(unix_s=self.wall(), action=ACTIONS[d.action], applied=applied, dry_run=dry_run,
                             reason=d.reason, roles=roles, production=d.production or 0.0,
@@ -370,9 +347,7 @@ class Planner:
             for attempt in range(CONFLICT_RETRIES + 1):
                 await self.observer.measure()
                 inp = self.inputs()
-                current = {r: inp.role(r).desired for r in ROLES}
-                if role in self.policy_roles:
-                    current[role] = self.observer.states[role].desired
+                current = {r: inp.role(r).desired for r in inp.roles}
                 targets = {**current, role: replicas}
                 error, applied = "", False
                 if not self.backend.leader:
@@ -400,7 +375,7 @@ class Planner:
             return msg
 
     def clear_override(self, role: str) -> None:
-        """Let the planner take `role` back (a policy's learners then stay where they are)."""
+        """Let the planner take `role` back."""
         if role not in (*ROLES, *self.policy_roles, SHARDS):
             raise ValueError(f"role: {role!r} is not scalable; expected one of "
                              f"{', '.join((*ROLES, *self.policy_roles, SHARDS))}")

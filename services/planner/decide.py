@@ -10,6 +10,18 @@ and production/consumption = (n_A * a) / (n_L * l / R) is 1 at balance. `solve` 
 maximise that rate within per-role bounds and the budget (sum of n * cost); among counts within 1% of
 the best it takes the cheapest, then the best balanced.
 
+A run of several policies (config `policies`) has a learner role per policy, `learner/<p>`, each with its
+own bounds (planner.learner's), rate l_p and share s_p of the actors' samples (what its buffer table
+receives). An actor holds while any policy's table is behind, so the actors can be fed only as fast as
+the tightest policy takes its share:
+
+    min(n_A * a, min_p n_p * l_p / (R * s_p))   fresh samples per second,
+
+and `plan` sizes every policy's learners with the actors: for each actor count, the learners are raised
+one at a time where the feed is tightest until they take what the actors make (or a bound or the budget
+stops them), which is the cheapest way to each throughput when learners cost the same. One policy is the
+case p = "learner", s = 1.
+
 `decide` wraps the solve in the rules that keep a controller from flapping: act only outside the
 tolerance band; scale up at once, but down only to the largest target proposed over a trailing window;
 move each role by a bounded step; wait a cooldown (longer than warm-up) after a change; never stack a
@@ -72,7 +84,7 @@ class Policy:
         return measured if measured is not None and measured > 0 else self.bounds(role).cost
 
     def cost(self, counts: dict[str, int], inp: Inputs | None = None) -> float:
-        return sum(counts[r] * self.replica_cost(r, inp) for r in ROLES)
+        return sum(n * self.replica_cost(r, inp) for r, n in counts.items())
 
     def fits(self, counts: dict[str, int], inp: Inputs | None = None) -> bool:
         return self.budget <= 0 or self.cost(counts, inp) <= self.budget + 1e-9
@@ -90,6 +102,7 @@ class RoleInputs:
     override: int | None = None  # a manual replica count in force
     cores: float | None = None   # EWMA CPU cores per replica (measured cost); None = unknown
     bound_by: str = ""           # several policies' learners: the policy whose learners set `rate`
+    share: float | None = None   # learner/<policy>: the policy's share of the actors' samples (None = unknown)
 
     def __post_init__(self):
         if self.ready < 0:
@@ -161,8 +174,18 @@ class Inputs:
     # The planner's last learner scale-up while it has not converged: (applied at, count before, count after).
     learner_scale_up: tuple[float, int, int] | None = None
     transport: Transport | None = None          # actor send queues and buffer CPU (None = unknown)
+    # A run of several policies: each policy's learners, learner/<policy> -> its inputs (rate per replica,
+    # share of the samples). Then these are the learner roles decided, and `learner` (all of them) is not.
+    learners: dict[str, RoleInputs] = field(default_factory=dict)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles decided: the actors and the learners, or with several policies each policy's learners."""
+        return ("actor", *self.learners) if self.learners else ROLES
 
     def role(self, role: str) -> RoleInputs:
+        if role in self.learners:
+            return self.learners[role]
         return self.actor if role == "actor" else self.learner
 
 
@@ -188,26 +211,44 @@ def solve(policy: Policy, actor_rate: float, learner_rate: float,
           inp: Inputs | None = None, fixed: dict[str, int] | None = None) -> tuple[dict[str, int], float]:
     """The (n_actors, n_learners) maximising min(n_A*a, n_L*l/R) within bounds and budget (replica
     costs measured in `inp` where the policy says so); the roles in `fixed` at their counts there."""
-    a, c = actor_rate, learner_rate / policy.replay_ratio
-    fixed = fixed or {}
+    return plan(policy, actor_rate, {"learner": learner_rate / policy.replay_ratio}, inp, fixed)
 
-    def counts_of(role: str) -> range:
-        if role in fixed:
-            return range(fixed[role], fixed[role] + 1)
-        return range(policy.bounds(role).min, policy.max_count(role, inp) + 1)
+
+def plan(policy: Policy, actor_rate: float, feeds: dict[str, float], inp: Inputs | None = None,
+         fixed: dict[str, int] | None = None) -> tuple[dict[str, int], float]:
+    """The actor and learner counts maximising min(n_A*a, min_r n_r*feeds[r]) within bounds and budget,
+    where feeds[r] is the samples/s of the actors' output one replica of learner role r can take
+    (l / R, or with several policies l_p / (R * s_p); math.inf for a policy that gets no samples, which
+    then stays at its minimum). Among plans within 1% of the best throughput: the cheapest, then the best
+    balanced. The roles in `fixed` stay at their counts there."""
+    a, fixed = actor_rate, fixed or {}
+
+    def lo(role: str) -> int:
+        return fixed.get(role, policy.bounds(role).min)
+
+    def hi(role: str) -> int:
+        return fixed.get(role, policy.max_count(role, inp))
+
+    def taken(n: dict[str, int]) -> float:   # what the learners can take of the actors' output
+        return min((n[r] * c for r, c in feeds.items() if not math.isinf(c)), default=math.inf)
 
     plans = []
-    for na in counts_of("actor"):
-        for nl in counts_of("learner"):
-            counts = {"actor": na, "learner": nl}
-            if not policy.fits(counts, inp):
-                continue
-            thr = min(na * a, nl * c)
-            imbalance = abs(math.log(max(na * a, 1e-12) / max(nl * c, 1e-12)))
-            plans.append((thr, policy.cost(counts, inp), imbalance, counts))
+    for na in range(lo("actor"), hi("actor") + 1):
+        n = {r: lo(r) for r in feeds}
+        while policy.fits({"actor": na, **n}, inp):
+            fed = taken(n)
+            thr = min(na * a, fed)
+            imbalance = 0.0 if math.isinf(fed) else abs(math.log(max(na * a, 1e-12) / max(fed, 1e-12)))
+            plans.append((thr, policy.cost({"actor": na, **n}, inp), imbalance, {"actor": na, **n}))
+            if fed >= na * a:
+                break   # more learners would take nothing more
+            tightest = min((r for r in feeds if not math.isinf(feeds[r])), key=lambda r: n[r] * feeds[r])
+            if n[tightest] >= hi(tightest):
+                break   # the tightest is at its bound: no more learners raise the throughput
+            n[tightest] += 1
     if not plans:  # config validation guarantees the minimums fit; guard anyway
-        counts = {"actor": fixed.get("actor", policy.actor.min), "learner": fixed.get("learner", policy.learner.min)}
-        return counts, min(counts["actor"] * a, counts["learner"] * c)
+        counts = {"actor": lo("actor"), **{r: lo(r) for r in feeds}}
+        return counts, min(counts["actor"] * a, taken(counts))
     best = max(p[0] for p in plans)
     near = [p for p in plans if p[0] >= NEAR_BEST * best]
     thr, _, _, counts = min(near, key=lambda p: (p[1], p[2]))
@@ -215,7 +256,8 @@ def solve(policy: Policy, actor_rate: float, learner_rate: float,
 
 
 def decide(policy: Policy, inp: Inputs) -> Decision:
-    current = {r: inp.role(r).desired for r in ROLES}
+    roles = inp.roles
+    current = {r: inp.role(r).desired for r in roles}
 
     necks: dict[float | None, Bottleneck] = {}   # worked out once per decision: gates actor scale-ups, is recorded
 
@@ -231,7 +273,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
                         bottleneck=neck)
 
     # Manual overrides are applied as they are, before anything else (bounds were checked when set).
-    overrides = {r: inp.role(r).override for r in ROLES if inp.role(r).override is not None}
+    overrides = {r: inp.role(r).override for r in roles if inp.role(r).override is not None}
 
     # Learners train as one group, which forms only once every learner runs: a learner scale-up of the
     # planner's whose learners are still not all ready converge_timeout_s later (a pod that cannot be
@@ -239,7 +281,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     # (the removed pods are the ones it added: a StatefulSet removes the highest ordinals). The planner
     # core holds the learners there for saturation_hold_s (Planner.track_learner_scale_up).
     li, su = inp.learner, inp.learner_scale_up
-    if su is not None and "learner" not in overrides and not li.blocked and not inp.paused:
+    if su is not None and "learner" in roles and "learner" not in overrides and not li.blocked and not inp.paused:
         applied_at, before, after = su
         if current["learner"] == after and li.ready < after and inp.now - applied_at >= policy.converge_timeout_s:
             return out("scale", f"learner {after}->{before}: only {li.ready} of {after} learners ready "
@@ -247,24 +289,31 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
                                 f"{policy.converge_timeout_s:.0f}); the learner group cannot form without them",
                        {**current, **overrides, "learner": before})
 
-    a, l = inp.actor.rate, inp.learner.rate
-    if a is None or l is None or a <= 0 or l <= 0:
-        missing = [r for r, v in (("actor", a), ("learner", l)) if v is None or v <= 0]
+    a = inp.actor.rate
+    learners = [r for r in roles if r != "actor"]
+    missing = [r for r in roles if inp.role(r).rate is None or inp.role(r).rate <= 0]
+    if inp.learners:   # several policies: a policy's share of the samples is measured too
+        missing += [f"{r}'s share of the samples" for r in learners if inp.role(r).share is None]
+    if a is None or missing:
         targets = {**current, **overrides}
         if overrides and targets != current:
             return out("scale", f"manual override {overrides}; no usable rates for {', '.join(missing)}", targets)
         return out("suppressed", f"no usable metrics for {', '.join(missing)} (no warmed-up replica has reported a "
                                  "rate): nothing is decided on missing data")
 
+    # What one replica of each learner role can take of the actors' output, samples/s.
+    feeds = {r: inp.role(r).rate / policy.replay_ratio / (inp.role(r).share if inp.learners else 1.0)
+             if not inp.learners or inp.role(r).share > 0 else math.inf for r in learners}
+    fed = {r: current[r] * c for r, c in feeds.items() if not math.isinf(c)}
     production = current["actor"] * a
-    consumption = current["learner"] * l / policy.replay_ratio
-    ratio = production / consumption
-    proposed, thr = solve(policy, a, l, inp)
+    consumption = min(fed.values()) if fed else math.inf
+    ratio = production / consumption if consumption > 0 else math.inf
+    proposed, thr = plan(policy, a, feeds, inp)
     # A role the backend will not scale stays where it is: the others are planned around its count
     # (`proposed` still says what the blocked role would be given).
-    if fixed := {r: current[r] for r in ROLES if inp.role(r).blocked}:
-        plan, thr = solve(policy, a, l, inp, fixed)
-        proposed = {r: proposed[r] if r in fixed else plan[r] for r in ROLES}
+    if fixed := {r: current[r] for r in roles if inp.role(r).blocked}:
+        around, thr = plan(policy, a, feeds, inp, fixed)
+        proposed = {r: proposed[r] if r in fixed else around[r] for r in roles}
     rates = dict(production=production, consumption=consumption, ratio=ratio, planned_throughput=thr)
     band = f"production/consumption {ratio:.2f} (band {1 - policy.tolerance:.2f}..{1 + policy.tolerance:.2f})"
 
@@ -273,7 +322,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
 
     # A change in flight is judged only once every new replica serves and has warmed-up metrics.
     if inp.last_change_at is not None and inp.now - inp.last_change_at < policy.converge_timeout_s:
-        pending = [f"{r} {inp.role(r).reporting}/{current[r]} reporting" for r in ROLES
+        pending = [f"{r} {inp.role(r).reporting}/{current[r]} reporting" for r in roles
                    if inp.role(r).ready != current[r] or inp.role(r).reporting < current[r]]
         if pending:
             return out("suppressed", f"previous change has not converged ({', '.join(pending)}); "
@@ -291,8 +340,8 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     lag_over = (policy.max_policy_lag > 0 and inp.policy_lag is not None and inp.policy_lag > policy.max_policy_lag)
     targets = dict(current)
     notes: list[str] = []
-    any_stale = [r for r in ROLES if inp.role(r).stale]
-    for r in ROLES:
+    any_stale = [r for r in roles if inp.role(r).stale]
+    for r in roles:
         b, cur, want = policy.bounds(r), current[r], proposed[r]
         if r in overrides:
             targets[r] = overrides[r]
@@ -325,7 +374,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
                 notes.append(f"{r} not scaled down to {want}: observed for less than the "
                              f"{policy.scale_down_window_s:.0f} s scale-down window")
                 continue
-            window = [p[r] for t, p in inp.recent_proposals if inp.now - t <= policy.scale_down_window_s]
+            window = [p[r] for t, p in inp.recent_proposals if inp.now - t <= policy.scale_down_window_s and r in p]
             floor = max([want, *window])
             if floor >= cur:
                 notes.append(f"{r} not scaled down to {want}: {floor} was proposed within the last "
@@ -337,7 +386,7 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
 
     # Scale-ups held back elsewhere (a blocked or stale role) must not break the budget.
     while not policy.fits(targets, inp):
-        grown = [r for r in ROLES if targets[r] > current[r] and r not in overrides]
+        grown = [r for r in roles if targets[r] > current[r] and r not in overrides]
         if not grown:
             break
         r = max(grown, key=lambda r: targets[r] - current[r])

@@ -22,10 +22,11 @@ A run of several policies (config `policies`, `policies=` here) has a learner St
 `<learner_statefulset>-<policy>`, behind the headless Service `<learner_service>-<policy>` (as the Helm
 chart names them). The learner role is then every policy's learners: its replicas are each Service's
 Endpoints, each carrying its policy (services/planner/observe.py weighs each policy's learners by its
-share of the samples), its desired count the sum of the StatefulSets' scales. The planner's own
-decisions do not scale it (the role is reported blocked, saying why; `apply` refuses a learner count),
-as the local backend: they scale the actors the policies share. Each policy's StatefulSet is the role
-`learner/<policy>` too, observed and scaled through the same checks (`kuberl scale learner/<policy> N`).
+share of the samples), its desired count the sum of the StatefulSets' scales. It is not scaled as a
+whole (the role is reported blocked, saying why; `apply` refuses a learner count), as in the local
+backend: each policy's StatefulSet is the role `learner/<policy>`, observed and scaled through the same
+checks, sized by the decisions with the actors (services/planner/decide.py) or by hand (`kuberl scale
+learner/<policy> N`).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ STATEFULSET = Kind("StatefulSet", "statefulsets", "stateful_set")
 # reads the StatefulSet's scale to know the group's size (services/learner/membership.py).
 WORKLOADS = {"actor": DEPLOYMENT, "learner": STATEFULSET}
 SHARDS = "buffer"   # the buffer StatefulSet, scaled one shard at a time (add_buffer/remove_buffer)
-SEVERAL_POLICIES = ("several policies (config `policies`): the planner scales the actors they share; each policy's "
-                    "learners stay at the replicas of its StatefulSet ({names}; the chart sets them from "
-                    "topology.learners; `kuberl scale learner/<policy> N` sets one)")
+SEVERAL_POLICIES = ("several policies (config `policies`): the learners are scaled per policy, each policy's "
+                    "StatefulSet ({names}) as the role learner/<policy> (the decisions size them with the "
+                    "actors; `kuberl scale learner/<policy> N` sets one)")
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ class KubernetesBackend:
 
     async def _observe_policies(self, hpas: dict[tuple[str, str], str]) -> dict[str, RoleState]:
         """A run of several policies: each policy's StatefulSet as the role learner/<policy>, and the
-        learner role, all of them together, blocked (the planner's decisions do not scale it) with each
+        learner role, all of them together, blocked (not scaled as a whole) with each
         policy's own reason (not found, HPA, paused) where one has one, else with the several-policies
         reason."""
         states = {f"learner/{p}": await self._observe_role(f"learner/{p}", hpas, policy=p) for p in self.policies}

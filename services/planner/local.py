@@ -13,10 +13,10 @@ Buffer shards: `kuberl up` starts the first `topology.buffers`; the planner may 
 out of the shard list, until `kuberl up` stops it; a later scale-up takes it back first.
 
 A run of several policies (config `policies`) runs a learner group per policy, each of
-`topology.learners` at first. The planner's own decisions scale the actors they share
-(services/planner/observe.py weighs each policy's learners by its share of the samples), not the
-learner role as a whole (reported blocked, saying why); each policy's group is the role
-`learner/<policy>`, set by hand (`kuberl scale learner/<policy> N`), which re-forms that group alone.
+`topology.learners` at first. Each policy's group is the role `learner/<policy>`, sized by the
+decisions with the actors they share (services/planner/decide.py, from each policy's learner rate and
+share of the samples) or by hand (`kuberl scale learner/<policy> N`); a new size re-forms that group
+alone. The learner role as a whole is not scaled (reported blocked, saying why).
 
 Learners run as one group (services/learner/distributed.py): n processes, ranks 0..n-1, averaging
 gradients. A group cannot change size in place, so a new learner count stops the whole group (rank 0
@@ -42,8 +42,9 @@ from services.common.net.shards import buffer_addresses
 from services.planner.backend import ROLES, ApplyResult, Refused, Replica, RoleState
 
 log = logging.getLogger(__name__)
-SEVERAL_POLICIES = ("several policies (config `policies`): the planner scales the actors they share; each policy's "
-                    "learners stay where they are set (topology.learners, or `kuberl scale learner/<policy> N`)")
+SEVERAL_POLICIES = ("several policies (config `policies`): the learners are scaled per policy, each policy's group "
+                    "as the role learner/<policy> (the decisions size them with the actors; `kuberl scale "
+                    "learner/<policy> N` sets one)")
 
 
 class LocalBackend:

@@ -198,19 +198,37 @@ class Observer:
         return out
 
     def role_inputs(self, role: str, now: float, override: int | None) -> RoleInputs:
+        """The inputs of `role`: actor, learner, or (several policies) one policy's learners, learner/<p>,
+        whose replicas are among the learner role's and whose share of the samples its tables measure."""
         state = self.states[role]
         p = self.cfg.planner
-        trackers = [self.rates[role][r.name] for r in state.replicas if r.name in self.rates[role]]
+        known = self.rates[role.split("/", 1)[0]]
+        trackers = [known[r.name] for r in state.replicas if r.name in known]
         usable = [t for t in trackers if t.usable(now, p.stale_after_s)]
         stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
         cores = [t.cores for t in usable if t.cores is not None]
         rate = (sum(t.rate for t in usable) / len(usable)) if usable else None
-        bound_by = ""
+        bound_by, share = "", None
         if role == "learner" and self.cfg.several_policies:
             rate, bound_by = self.policies_rate(now, state) or (None, "")
+        elif role.startswith("learner/"):
+            share = self.shares(now).get(role.split("/", 1)[1])
         return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable), rate=rate,
                           cores=(sum(cores) / len(cores)) if cores else None,
-                          stale=stale, blocked=state.blocked, override=override, bound_by=bound_by)
+                          stale=stale, blocked=state.blocked, override=override, bound_by=bound_by, share=share)
+
+    def received(self, now: float) -> dict[str, float]:
+        """Several policies: the samples/s each policy's tables receive, all buffer shards together (fresh rates)."""
+        stale = self.cfg.planner.stale_after_s
+        return {policy: sum(r for (_, q), c in self.table_received.items()
+                            if q == policy and (r := c.fresh(now, stale)) is not None)
+                for policy in self.cfg.policy_names}
+
+    def shares(self, now: float) -> dict[str, float]:
+        """Each policy's share of the samples the actors make (empty until any table has received some)."""
+        received = self.received(now)
+        total = sum(received.values())
+        return {policy: got / total for policy, got in received.items()} if total > 0 else {}
 
     def policies_rate(self, now: float, state: RoleState) -> tuple[float, str] | None:
         """A run of several policies: the learners' rate per replica as the balance model takes it, so
@@ -222,9 +240,7 @@ class Observer:
         gets samples has a learner with a usable rate and the tables' shares are measured; else the rate
         and the tightest policy."""
         p = self.cfg.planner
-        received = {policy: sum(r for (_, q), c in self.table_received.items()
-                                if q == policy and (r := c.fresh(now, p.stale_after_s)) is not None)
-                    for policy in self.cfg.policy_names}
+        received = self.received(now)
         total = sum(received.values())
         if total <= 0 or not state.desired:
             return None

@@ -195,7 +195,7 @@ async def test_several_policies_observe_every_policys_learners_and_scale_the_act
     """A run of several policies (services/planner/kube.py): each policy's learners are a StatefulSet
     `<learner_statefulset>-<policy>` behind the Service `<learner_service>-<policy>` (the Helm chart's names).
     The learner role is all of them: replicas from each Service's Endpoints carrying their policy, desired
-    the sum, blocked saying why (the planner's decisions do not scale it); a learner count is refused before
+    the sum, blocked saying why (not scaled as a whole); a learner count is refused before
     any write, the actors are scaled, and one policy's StatefulSet is scaled as the role learner/<policy>;
     all under the Role the chart grants (rbac.resource_names with the policies)."""
     ns, policies = k8s_namespace, ("red", "blue")

@@ -380,7 +380,7 @@ class PoliciesStats:
 async def test_several_policies_scale_the_actors_to_what_the_tightest_policys_learners_take():
     """The actors feed every policy; the learners of each policy take only that policy's share. The
     balance is kept against the policy that can take least of the actors' output (blue: 240 samples/s),
-    with the learners held where they are (the backend does not scale them) and the plan made around them."""
+    with each policy's learners at planner.learner.max (1 here) and the plan made around them."""
     cfg = config_from_dict({"algorithm": "ppo", "env": {"id": "pettingzoo:mpe2.simple_spread_v3"},
                             "policies": {"red": {"agents": ["agent_0"]}, "blue": {"agents": ["agent_*"]}},
                             "planner": {"interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1,
@@ -395,13 +395,49 @@ async def test_several_policies_scale_the_actors_to_what_the_tightest_policys_le
     assert d.applied and backend.applied[0] == {"actor": 3}, d.reason
     assert d.consumption == pytest.approx(240.0) and d.production == pytest.approx(100.0)
     assert "policy blue's learners taking its share (the tightest)" in d.reason
-    assert "learner left at 2: several policies" in d.reason
+    roles = {r.role: r for r in d.roles}
+    assert [(r, roles[r].current, roles[r].target) for r in ("learner", "learner/red", "learner/blue")] == [
+        ("learner", 2, 2), ("learner/red", 1, 1), ("learner/blue", 1, 1)]
+    assert roles["learner/blue"].rate_per_replica == pytest.approx(60.0)
     # Two more actors make 300 samples/s: blue's learners still take only 240; no further actor pays.
     for _ in range(12):
         clock[0] += 1.0
         d = await planner.step()
     assert backend.applied == [{"actor": 3}], d.reason
-    assert "production/consumption 1.25" in d.reason and "learner left at 2: several policies" in d.reason
+    assert "production/consumption 1.25" in d.reason and "already the best plan within the bounds" in d.reason
+    await planner.close()
+
+
+async def test_several_policies_learners_are_sized_with_the_actors_where_the_feed_is_tightest():
+    """planner.learner.max 3: each policy's learners are planned with the actors. An actor makes 100
+    samples/s; red takes 3/4 of them and a red learner 300 samples/s (400 of the actors' output), blue
+    takes 1/4 and a blue learner 60 (240). At 8 actors (800 samples/s) the plan is the fewest learners
+    of each policy that take it, with blue held by its bound: red 2 (800), blue 3 (720). The counts move
+    by the step bounds (+2), each policy's group on its own, and stop in the band at 7 actors (700/720)."""
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"id": "pettingzoo:mpe2.simple_spread_v3"},
+                            "policies": {"red": {"agents": ["agent_0"]}, "blue": {"agents": ["agent_*"]}},
+                            "planner": {"interval_s": 1, "warmup_s": 2, "cooldown_s": 3, "rate_halflife_s": 1,
+                                        "tolerance": 0.1, "actor": {"max": 8}, "learner": {"max": 3}}})
+    backend, clock = PoliciesBackend(actors=1), [0.0]
+    planner = Planner(cfg, backend, clock=lambda: clock[0], stats=PoliciesStats(backend, lambda: clock[0]))
+    scaled = []
+    for _ in range(80):
+        clock[0] += 1.0
+        d = await planner.step()
+        if d.applied:
+            scaled.append(d)
+    assert backend.desired == {"actor": 7, "learner/red": 2, "learner/blue": 3}, [d.reason for d in scaled]
+    assert len(scaled) == 3 and d.reason.startswith("in band: production/consumption 0.97")
+    first = {r.role: r for r in scaled[0].roles}
+    assert (first["actor"].target, first["learner/red"].target, first["learner/blue"].target) == (3, 2, 3)
+    assert (first["actor"].proposed, first["learner/red"].proposed, first["learner/blue"].proposed) == (8, 2, 3)
+    assert "learner/blue 1->3 (scale up)" in scaled[0].reason and "actor 1->3 (scale up; step-bounded" in scaled[0].reason
+    assert backend.applied[0] == {"actor": 3, "learner/red": 2, "learner/blue": 3}
+    assert all(set(a) <= {"actor", "learner/red", "learner/blue"} for a in backend.applied)   # never `learner`
+    assert planner.metrics.gauges["planner/policies/blue/learner_replicas"] == 3
+    assert planner.metrics.gauges["planner/policies/blue/learner_rate_per_replica"] == pytest.approx(60.0)
+    assert d.planned_throughput == pytest.approx(720.0) and d.consumption == pytest.approx(720.0)
+    assert {r.role: r.proposed for r in d.roles} == {"actor": 8, "learner": 5, "learner/red": 2, "learner/blue": 3}
     await planner.close()
 
 
@@ -433,7 +469,7 @@ async def test_one_policys_learners_are_set_by_hand_and_held_there():
 
     backend.desired["learner/blue"] = 1   # set back under the override (kubectl scale, a helm upgrade)
     d = await planner.step()
-    assert backend.applied[-1] == {"learner/blue": 2} and "learner/blue 1->2 (manual override held)" in d.reason
+    assert backend.applied[-1] == {"learner/blue": 2} and "manual override {'learner/blue': 2}" in d.reason
     assert planner.metrics.gauges["planner/policies/blue/learner_replicas"] == 2
 
     planner.clear_override("learner/blue")

@@ -1,12 +1,14 @@
 """Decision tables for the planner's pure decision module."""
 
 import dataclasses
+import itertools
 import math
+import random
 
 import pytest
 
 from services.planner.decide import (Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide, judge_scale_up,
-                                     solve)
+                                     plan, solve)
 
 POLICY = Policy(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
                 learner=RoleBounds(min=1, max=1),
@@ -24,6 +26,41 @@ def inputs(na, nl, a, l, **kw):
     learner = RoleInputs(desired=nl, rate=l, **{k[8:]: v for k, v in role_kw.items() if k.startswith("learner_")})
     kw.setdefault("observing_since", LONG_AGO)
     return Inputs(now=0.0, actor=actor, learner=learner, **kw)
+
+
+def _naive_plan(policy: Policy, a: float, feeds: dict[str, float]) -> tuple[float, float]:
+    """Every combination of counts within the bounds and budget: the best throughput, and the least cost
+    among the plans within 1% of it."""
+    roles = ["actor", *feeds]
+    plans = []
+    for counts in itertools.product(*(range(policy.bounds(r).min, policy.bounds(r).max + 1) for r in roles)):
+        n = dict(zip(roles, counts))
+        if policy.fits(n):
+            fed = min((n[r] * c for r, c in feeds.items() if not math.isinf(c)), default=math.inf)
+            plans.append((min(n["actor"] * a, fed), policy.cost(n)))
+    best = max(t for t, _ in plans)
+    return best, min(c for t, c in plans if t >= 0.99 * best)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_of_several_policies_matches_every_combination_tried(seed):
+    """Several policies' learners sized with the actors: plan() finds the best throughput at the least
+    cost that trying every combination of counts finds, over random rates, shares, bounds and budgets
+    (a policy with no samples, math.inf, stays at its minimum)."""
+    rng = random.Random(seed)
+    learner = RoleBounds(min=rng.randint(1, 2), max=rng.randint(2, 4), cost=rng.choice([1.0, 2.0]))
+    actor = RoleBounds(min=1, max=rng.randint(2, 8), cost=rng.choice([0.5, 1.0]))
+    feeds = {f"learner/p{i}": rng.choice([math.inf, *(rng.uniform(20, 400) for _ in range(6))])
+             for i in range(rng.randint(1, 3))}
+    floor = actor.min * actor.cost + len(feeds) * learner.min * learner.cost
+    policy = Policy(actor=actor, learner=learner, budget=rng.choice([0.0, floor + rng.randint(0, 6)]))
+    counts, thr = plan(policy, 100.0, feeds)
+    best, cheapest = _naive_plan(policy, 100.0, feeds)
+    assert set(counts) == {"actor", *feeds} and policy.fits(counts)
+    assert thr >= 0.99 * best and policy.cost(counts) == pytest.approx(cheapest), (counts, thr, best)
+    fed = min((counts[r] * c for r, c in feeds.items() if not math.isinf(c)), default=math.inf)
+    assert thr == pytest.approx(min(counts["actor"] * 100.0, fed))
+    assert all(counts[r] == learner.min for r, c in feeds.items() if math.isinf(c))
 
 
 @pytest.mark.parametrize("policy,a,l,R,expect", [
@@ -319,3 +356,28 @@ def test_a_communication_bound_run_adds_no_actors_and_says_why():
     free = decide(POLICY, inputs(1, 1, 100, 400, transport=Transport(buffer_cores={"buffer-0": 0.3})))
     assert free.action == "scale" and free.targets["actor"] == 3 and free.bottleneck.kind == "sampling"
     assert "bottleneck: sampling" in free.reason
+
+
+def _policies_inputs(blue: RoleInputs, **kw) -> Inputs:
+    """Two policies: 2 actors of 100 samples/s; red takes 3/4 of the samples, a red learner 300/s."""
+    return Inputs(now=0.0, actor=RoleInputs(desired=2, rate=100.0), learner=RoleInputs(desired=2, blocked="several"),
+                  observing_since=LONG_AGO, learners={"learner/red": RoleInputs(desired=1, rate=300.0, share=0.75),
+                                                      "learner/blue": blue}, **kw)
+
+
+def test_several_policies_are_not_decided_before_each_policys_share_of_the_samples_is_measured():
+    d = decide(BUDGETED, _policies_inputs(RoleInputs(desired=1, rate=60.0)))
+    assert d.action == "suppressed" and set(d.current) == {"actor", "learner/red", "learner/blue"}
+    assert "no usable metrics for learner/blue's share of the samples" in d.reason
+
+
+def test_a_policys_learners_the_backend_will_not_scale_are_planned_around():
+    """Blue's learners (1/4 of the samples, 60/s each: 240 of the actors' output) cannot be scaled (an
+    HPA targets them): the actors are planned to what one blue learner takes, red's learners to match."""
+    policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4, max_step_up=2),
+                    tolerance=0.1)
+    d = decide(policy, _policies_inputs(RoleInputs(desired=1, rate=60.0, share=0.25, blocked="an HPA targets it")))
+    assert d.consumption == pytest.approx(240.0) and d.ratio == pytest.approx(200 / 240)
+    assert d.proposed == {"actor": 3, "learner/red": 1, "learner/blue": 4}   # blue: what the best plan (8 actors) gives it
+    assert d.action == "scale" and d.targets == {"actor": 3, "learner/red": 1, "learner/blue": 1}
+    assert "learner/blue left at 1: an HPA targets it" in d.reason
