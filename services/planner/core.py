@@ -74,7 +74,7 @@ class Planner:
         self.overrides: dict[str, OverrideState] = {}
         self.probes: dict[str, ScaleUpProbe] = {}        # applied scale-ups not judged yet
         self.ceilings: dict[str, tuple[int, float]] = {}  # role -> (saturation ceiling, monotonic expiry)
-        self.learner_scale_up: tuple[float, int, int] | None = None  # see track_learner_scale_up
+        self.learner_scale_ups: dict[str, tuple[float, int, int]] = {}  # see track_learner_scale_ups
         self.last_change_at: float | None = None
         self.observing_since = clock()
         self.proposals: deque[tuple[float, dict[str, int]]] = deque()
@@ -120,7 +120,7 @@ class Planner:
                       paused=self.paused, last_change_at=self.last_change_at,
                       observing_since=self.observing_since, recent_proposals=tuple(self.proposals),
                       policy_lag=obs.policy_lag(now), ceilings=self._ceilings(),
-                      learner_scale_up=self.learner_scale_up, transport=obs.transport(now))
+                      learner_scale_ups=dict(self.learner_scale_ups), transport=obs.transport(now))
 
     def _ceilings(self) -> dict[str, int]:
         return {r: n for r, (n, _) in self.ceilings.items()}
@@ -141,29 +141,29 @@ class Planner:
                 changed = True
         return changed
 
-    def track_learner_scale_up(self, inp: Inputs) -> bool:
-        """Follow the planner's last learner scale-up until its learners are all ready. If they are not
-        converge_timeout_s after it, the group cannot form (decide() takes the count back): the learners
-        are held at the count before it for saturation_hold_s, so the planner does not ask again at
-        once. Returns True when that hold was set now."""
-        if self.learner_scale_up is None:
-            return False
-        applied_at, before, after = self.learner_scale_up
-        li = inp.learner
-        if li.desired != after or li.ready >= after:
-            self.learner_scale_up = None   # converged, or the count changed since
-            return False
-        if li.override is not None:   # a person holds the learners: their count, not the planner's
-            self.learner_scale_up = None
-            return False
-        held = self.ceilings.get("learner")
-        if inp.now - applied_at < self.policy.converge_timeout_s or (held is not None and held[0] <= before):
-            return False
-        self.ceilings["learner"] = (before, inp.now + self.policy.saturation_hold_s)
-        self.metrics.inc("planner/saturations_total")
-        log.info("learner scale-up %d->%d: only %d ready after %.0f s; holding the learners at %d for %.0f s",
-                 before, after, li.ready, inp.now - applied_at, before, self.policy.saturation_hold_s)
-        return True
+    def track_learner_scale_ups(self, inp: Inputs) -> bool:
+        """Follow the planner's last scale-up of each learner role (the learners, or with several policies
+        each policy's) until its learners are all ready. If they are not converge_timeout_s after it, the
+        group cannot form (decide() takes the count back): the role is held at the count before it for
+        saturation_hold_s, so the planner does not ask again at once. Returns True when a hold was set now."""
+        held_now = False
+        for role, (applied_at, before, after) in list(self.learner_scale_ups.items()):
+            if role not in inp.roles:
+                del self.learner_scale_ups[role]
+                continue
+            ri = inp.role(role)
+            if ri.desired != after or ri.ready >= after or ri.override is not None:
+                del self.learner_scale_ups[role]   # converged, the count changed since, or a person holds it
+                continue
+            held = self.ceilings.get(role)
+            if inp.now - applied_at < self.policy.converge_timeout_s or (held is not None and held[0] <= before):
+                continue
+            self.ceilings[role] = (before, inp.now + self.policy.saturation_hold_s)
+            self.metrics.inc("planner/saturations_total")
+            log.info("%s scale-up %d->%d: only %d ready after %.0f s; holding it at %d for %.0f s",
+                     role, before, after, ri.ready, inp.now - applied_at, before, self.policy.saturation_hold_s)
+            held_now = True
+        return held_now
 
     def _probe(self, d: Decision, inp: Inputs) -> None:
         """Remember each role the planner just scaled up, to judge later what the new replicas added."""
@@ -184,8 +184,8 @@ class Planner:
                 inp = self.inputs()
                 if apply:  # a scale-up that did not pay, or whose learners never came up, caps its role
                     self._judge(inp)
-                    self.track_learner_scale_up(inp)
-                    inp = replace(inp, ceilings=self._ceilings(), learner_scale_up=self.learner_scale_up)
+                    self.track_learner_scale_ups(inp)
+                    inp = replace(inp, ceilings=self._ceilings(), learner_scale_ups=dict(self.learner_scale_ups))
                 d = decide(self.policy, inp)
                 if inp.learner.bound_by and inp.learner.rate is not None:
                     d = replace(d, reason=f"{d.reason}; consumption: what the actors can be fed at, policy "
@@ -218,9 +218,10 @@ class Planner:
             if applied:
                 self.last_change_at = self.clock()
                 self._probe(d, inp)
-                before, after = d.current.get("learner", 0), d.targets.get("learner", 0)
-                if after > before and inp.learner.override is None:
-                    self.learner_scale_up = (self.last_change_at, before, after)
+                for r in inp.roles:
+                    before, after = d.current[r], d.targets[r]
+                    if r != "actor" and after > before and inp.role(r).override is None:
+                        self.learner_scale_ups[r] = (self.last_change_at, before, after)
             if error:
                 self.metrics.inc("planner/apply_errors_total")
             shards = await self._shard_step(d, inp, act=apply and not dry and self.backend.leader)

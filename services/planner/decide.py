@@ -171,8 +171,9 @@ class Inputs:
     recent_proposals: tuple[tuple[float, dict[str, int]], ...] = ()
     policy_lag: float | None = None            # learners' recent mean policy lag, versions (None = unknown)
     ceilings: dict[str, int] = field(default_factory=dict)  # saturation ceilings in force: role -> max count
-    # The planner's last learner scale-up while it has not converged: (applied at, count before, count after).
-    learner_scale_up: tuple[float, int, int] | None = None
+    # The planner's last scale-up of each learner role (learner, or learner/<policy>) while it has not
+    # converged: role -> (applied at, count before, count after).
+    learner_scale_ups: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     transport: Transport | None = None          # actor send queues and buffer CPU (None = unknown)
     # A run of several policies: each policy's learners, learner/<policy> -> its inputs (rate per replica,
     # share of the samples). Then these are the learner roles decided, and `learner` (all of them) is not.
@@ -279,15 +280,20 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     # planner's whose learners are still not all ready converge_timeout_s later (a pod that cannot be
     # scheduled or fails to start) holds up the whole group, so it is taken back to the count before it
     # (the removed pods are the ones it added: a StatefulSet removes the highest ordinals). The planner
-    # core holds the learners there for saturation_hold_s (Planner.track_learner_scale_up).
-    li, su = inp.learner, inp.learner_scale_up
-    if su is not None and "learner" in roles and "learner" not in overrides and not li.blocked and not inp.paused:
-        applied_at, before, after = su
-        if current["learner"] == after and li.ready < after and inp.now - applied_at >= policy.converge_timeout_s:
-            return out("scale", f"learner {after}->{before}: only {li.ready} of {after} learners ready "
-                                f"{inp.now - applied_at:.0f} s after the scale-up (converge_timeout_s "
-                                f"{policy.converge_timeout_s:.0f}); the learner group cannot form without them",
-                       {**current, **overrides, "learner": before})
+    # core holds the learners there for saturation_hold_s (Planner.track_learner_scale_ups). With several
+    # policies each policy's learners are a group of their own, taken back alone.
+    back, said = {}, []
+    for r, (applied_at, before, after) in inp.learner_scale_ups.items():
+        ri = inp.role(r) if r in roles else None
+        if ri is None or r in overrides or ri.blocked or inp.paused:
+            continue
+        if current[r] == after and ri.ready < after and inp.now - applied_at >= policy.converge_timeout_s:
+            back[r] = before
+            said.append(f"{r} {after}->{before}: only {ri.ready} of {after} learners ready "
+                        f"{inp.now - applied_at:.0f} s after the scale-up (converge_timeout_s "
+                        f"{policy.converge_timeout_s:.0f}); the learner group cannot form without them")
+    if back:
+        return out("scale", "; ".join(said), {**current, **overrides, **back})
 
     a = inp.actor.rate
     learners = [r for r in roles if r != "actor"]

@@ -161,7 +161,7 @@ async def test_learners_that_never_come_up_after_a_scale_up_are_taken_back_and_h
     backend.desired["learner"] = 2
     now = [1000.0]
     planner = Planner(cfg, backend, clock=lambda: now[0])
-    planner.learner_scale_up = (1000.0, 1, 2)   # as applying the planner's own scale-up 1 -> 2 leaves it
+    planner.learner_scale_ups = {"learner": (1000.0, 1, 2)}   # as applying the planner's own scale-up 1 -> 2 leaves it
     planner.last_change_at = 1000.0
 
     now[0] = 1060.0   # still converging: left alone
@@ -169,11 +169,11 @@ async def test_learners_that_never_come_up_after_a_scale_up_are_taken_back_and_h
     assert not d.applied and backend.desired["learner"] == 2
     now[0] = 1121.0   # one learner still not ready: taken back, and held
     d = await planner.step()
-    assert d.applied and backend.applied == [{"learner": 1}] and "only 1 of 2 learners ready" in d.reason
+    assert d.applied and backend.applied == [{"learner": 1}] and "learner 2->1: only 1 of 2 learners ready" in d.reason
     assert planner.ceilings["learner"] == (1, 1121.0 + 300)
     now[0] = 1130.0   # the count changed: nothing followed any more
     await planner.step()
-    assert planner.learner_scale_up is None and backend.applied == [{"learner": 1}]
+    assert planner.learner_scale_ups == {} and backend.applied == [{"learner": 1}]
     await planner.close()
 
 
@@ -183,11 +183,11 @@ async def test_a_learner_override_ends_the_follow_up_of_the_planners_scale_up():
     backend.desired["learner"] = 2
     now = [1000.0]
     planner = Planner(cfg, backend, clock=lambda: now[0], wall=lambda: now[0])
-    planner.learner_scale_up = (1000.0, 1, 2)
+    planner.learner_scale_ups = {"learner": (1000.0, 1, 2)}
     await planner.set_override("learner", 2, ttl_s=3600)   # a person holds the learners at 2
     now[0] = 1200.0
     d = await planner.step()
-    assert backend.desired["learner"] == 2 and "learner" not in planner.ceilings and planner.learner_scale_up is None
+    assert backend.desired["learner"] == 2 and "learner" not in planner.ceilings and planner.learner_scale_ups == {}
     assert "only 1 of 2 learners ready" not in d.reason
     await planner.close()
 
@@ -438,6 +438,37 @@ async def test_several_policies_learners_are_sized_with_the_actors_where_the_fee
     assert planner.metrics.gauges["planner/policies/blue/learner_rate_per_replica"] == pytest.approx(60.0)
     assert d.planned_throughput == pytest.approx(720.0) and d.consumption == pytest.approx(720.0)
     assert {r.role: r.proposed for r in d.roles} == {"actor": 8, "learner": 5, "learner/red": 2, "learner/blue": 3}
+    await planner.close()
+
+
+class BlueNotReady(PoliciesBackend):
+    """Blue's learners beyond rank 0 stay not ready (unschedulable)."""
+
+    async def observe(self) -> dict[str, RoleState]:
+        states = await super().observe()
+        blue = [Replica(r.name, r.address if r.name.endswith("-0") else "", ready=r.name.endswith("-0"), policy="blue")
+                for r in states["learner/blue"].replicas]
+        states["learner/blue"] = RoleState(desired=len(blue), replicas=blue)
+        return states
+
+
+async def test_one_policys_learners_that_never_come_up_are_taken_back_alone_and_held_there():
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"id": "pettingzoo:mpe2.simple_spread_v3"},
+                            "policies": {"red": {"agents": ["agent_0"]}, "blue": {"agents": ["agent_*"]}},
+                            "planner": {"learner": {"max": 3}, "converge_timeout_s": 120, "saturation_hold_s": 300}})
+    backend, now = BlueNotReady(actors=1), [1000.0]
+    backend.desired["learner/blue"] = 2
+    planner = Planner(cfg, backend, clock=lambda: now[0])
+    planner.learner_scale_ups = {"learner/blue": (1000.0, 1, 2)}   # as applying the planner's own scale-up leaves it
+    planner.last_change_at = 1000.0
+    now[0] = 1121.0
+    d = await planner.step()
+    assert d.applied and backend.applied == [{"learner/blue": 1}], d.reason
+    assert "learner/blue 2->1: only 1 of 2 learners ready" in d.reason
+    assert planner.ceilings == {"learner/blue": (1, 1121.0 + 300)}
+    now[0] = 1130.0
+    await planner.step()
+    assert planner.learner_scale_ups == {} and backend.desired["learner/red"] == 1
     await planner.close()
 
 

@@ -289,7 +289,7 @@ GROUPS = Policy(actor=POLICY.actor, learner=RoleBounds(min=1, max=4), tolerance=
 
 
 def scaled_up(inp: Inputs, scale_up: tuple[float, int, int]) -> Inputs:
-    return dataclasses.replace(inp, learner_scale_up=scale_up)
+    return dataclasses.replace(inp, learner_scale_ups={"learner": scale_up})
 
 
 def test_a_learner_scale_up_still_not_ready_after_the_converge_timeout_is_taken_back():
@@ -381,3 +381,18 @@ def test_a_policys_learners_the_backend_will_not_scale_are_planned_around():
     assert d.proposed == {"actor": 3, "learner/red": 1, "learner/blue": 4}   # blue: what the best plan (8 actors) gives it
     assert d.action == "scale" and d.targets == {"actor": 3, "learner/red": 1, "learner/blue": 1}
     assert "learner/blue left at 1: an HPA targets it" in d.reason
+
+
+def test_one_policys_learner_scale_up_still_not_ready_is_taken_back_alone():
+    """Each policy's learners are a group of their own: blue's scale-up 1 -> 2 with one learner still not
+    ready 200 s later (converge_timeout_s 120) goes back to 1; red's learners and the actors stay."""
+    inp = dataclasses.replace(_policies_inputs(RoleInputs(desired=2, ready=1, reporting=1, rate=None)),
+                              learners={"learner/red": RoleInputs(desired=2, rate=300.0, share=0.75),
+                                        "learner/blue": RoleInputs(desired=2, ready=1, reporting=1, rate=None)},
+                              learner_scale_ups={"learner/blue": (-200.0, 1, 2), "learner/red": (-200.0, 1, 2)})
+    d = decide(GROUPS, inp)
+    assert d.action == "scale" and d.targets == {"actor": 2, "learner/red": 2, "learner/blue": 1}
+    assert d.reason.startswith("learner/blue 2->1: only 1 of 2 learners ready 200 s after the scale-up")
+    held = dataclasses.replace(inp, learners={**inp.learners, "learner/blue": dataclasses.replace(
+        inp.learners["learner/blue"], override=2)})
+    assert decide(GROUPS, held).targets["learner/blue"] == 2   # a person holds blue's learners: left there
