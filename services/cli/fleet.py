@@ -136,6 +136,12 @@ class Fleet:
     def role(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role]
 
+    def last_stats(self) -> dict[str, tuple[str, dict]]:
+        """Every process's last stats by name, as (role, stats): a live process's over a retired one of
+        the same name (a learner group the planner re-formed runs under the names of the one it
+        stopped), a later retired one's over an earlier."""
+        return {m.name: (m.role, m.stats) for m in self.retired + self.members}
+
     # -- starting and stopping -------------------------------------------------------------------
     def _spawn(self, role: str, name: str, listen: str, extra: list[str]) -> Member:
         m = Member(role, name, self.sup.start(Spec(role, name, listen, tuple(extra))))

@@ -209,7 +209,7 @@ class LocalRun:
     def policies_summary(self) -> dict[str, dict]:
         """A run of several policies: each policy's version (as its rank-0 learner last said) and mean
         return over its agents' last `run.return_window` episodes."""
-        last = {p.name: p.stats for p in self.fleet.members + self.fleet.retired if p.role == "learner"}
+        last = {name: stats for name, (role, stats) in self.fleet.last_stats().items() if role == "learner"}
         out = {}
         for name in self.cfg.policy_names:
             returns = self.tally.policy_returns.get(name, ())
@@ -327,8 +327,8 @@ class LocalRun:
                    "policy_version": learner.get("learner/policy_version"),
                    **({"policies": self.policies_summary()} if self.cfg.several_policies else {}),
                    "exit_codes": self.fleet.exit_codes(), "run_dir": str(self.dir),
-                   "last_stats": {p.name: p.stats for p in self.fleet.members + self.fleet.retired
-                                  if p.role != "planner"},
+                   "last_stats": {name: stats for name, (role, stats) in self.fleet.last_stats().items()
+                                  if role != "planner"},
                    "decisions": self.fleet.decisions(), "evaluation": evaluation}
         if self.tracker is not None:
             for d in self.fleet.new_decisions():

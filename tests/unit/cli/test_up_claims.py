@@ -88,3 +88,21 @@ def test_a_port_handed_to_one_process_of_a_run_is_never_handed_to_another(tmp_pa
                                  buffer="127.0.0.1:12006")
     assert backend.learner_address == "127.0.0.1:12005"
     assert backend._free_port() == 12007   # (12005 is the learner's, 12006 the buffer's)
+
+
+def test_a_learner_re_formed_under_its_old_name_reports_its_own_stats_not_the_stopped_ones(tmp_path):
+    """The planner re-forms a policy's learner group under the same process names: the run's summary
+    and progress line read the live learner's version, not the one it stopped (a 2026-11-28 run showed
+    team at v16 for two minutes while its learner trained on to v61)."""
+    from services.cli.fleet import Fleet, Member
+    from services.config import config_from_dict
+
+    f = Fleet(config_from_dict({}), tmp_path)
+    f.retired = [Member("learner", "learner-team-0", stats={"learner/policy_version": 4.0}),
+                 Member("learner", "learner-team-0", stats={"learner/policy_version": 16.0}),
+                 Member("actor", "actor-1", stats={"actor/env_steps_total": 10.0})]
+    f.members = [Member("learner", "learner-team-0", stats={"learner/policy_version": 61.0})]
+    assert f.last_stats() == {"learner-team-0": ("learner", {"learner/policy_version": 61.0}),
+                              "actor-1": ("actor", {"actor/env_steps_total": 10.0})}
+    f.members = []
+    assert f.last_stats()["learner-team-0"] == ("learner", {"learner/policy_version": 16.0})
