@@ -25,7 +25,7 @@ from tests.k8s.cluster import CACHE, Unavailable, binaries
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 CHART = K8S / "helm" / "kuberl"
-OVERLAYS = ("base", "overlays/dev", "overlays/gpu", "overlays/secure")
+OVERLAYS = ("base", "overlays/dev", "overlays/gpu", "overlays/secure", "overlays/policies")
 # The chart with mutual TLS (certificates from cert-manager), tokens, simulators without certificates
 # allowed from anywhere: the Helm counterpart of overlays/secure.
 HELM_SECURE = ("--set", "tls.enabled=true", "--set", "tls.certManager.enabled=true",

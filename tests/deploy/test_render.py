@@ -30,8 +30,12 @@ def test_overlay_renders_and_validates_strictly(overlay):
             "PodDisruptionBudget", "NetworkPolicy"} <= kinds
     # The learners' checkpoint claims come from their StatefulSet's volumeClaimTemplates, one per pod.
     assert "PersistentVolumeClaim" not in kinds
-    (learner,) = [o for o in objects if o["metadata"]["name"] == "kuberl-learner" and o["kind"] == "StatefulSet"]
-    assert [t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]] == ["checkpoints"]
+    # One learner group, kuberl-learner; k8s/overlays/policies: one per policy, kuberl-learner-<policy>.
+    learners = [o for o in objects if o["metadata"]["name"].startswith("kuberl-learner") and o["kind"] == "StatefulSet"]
+    assert [o["metadata"]["name"] for o in learners] == (
+        ["kuberl-learner-predator", "kuberl-learner-prey"] if overlay == "overlays/policies" else ["kuberl-learner"])
+    for learner in learners:
+        assert [t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]] == ["checkpoints"]
     assert validate(objects) == []
 
 
