@@ -297,8 +297,11 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
 
     a = inp.actor.rate
     learners = [r for r in roles if r != "actor"]
-    missing = [r for r in roles if inp.role(r).rate is None or inp.role(r).rate <= 0]
-    if inp.learners:   # several policies: a policy's share of the samples is measured too
+    # Several policies: a policy's share of the samples is measured too; one that gets none (its agents
+    # have not come yet) needs no learner rate, and its learners are planned at their minimum.
+    idle = {r for r in learners if inp.learners and inp.role(r).share == 0}
+    missing = [r for r in roles if r not in idle and ((rate := inp.role(r).rate) is None or rate <= 0)]
+    if inp.learners:
         missing += [f"{r}'s share of the samples" for r in learners if inp.role(r).share is None]
     if a is None or missing:
         targets = {**current, **overrides}
@@ -308,8 +311,8 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
                                  "rate): nothing is decided on missing data")
 
     # What one replica of each learner role can take of the actors' output, samples/s.
-    feeds = {r: inp.role(r).rate / policy.replay_ratio / (inp.role(r).share if inp.learners else 1.0)
-             if not inp.learners or inp.role(r).share > 0 else math.inf for r in learners}
+    feeds = {r: math.inf if r in idle else
+             (inp.role(r).rate or 0.0) / policy.replay_ratio / (inp.role(r).share or 1.0) for r in learners}
     fed = {r: current[r] * c for r, c in feeds.items() if not math.isinf(c)}
     production = current["actor"] * a
     consumption = min(fed.values()) if fed else math.inf

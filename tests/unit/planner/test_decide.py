@@ -396,3 +396,11 @@ def test_one_policys_learner_scale_up_still_not_ready_is_taken_back_alone():
     held = dataclasses.replace(inp, learners={**inp.learners, "learner/blue": dataclasses.replace(
         inp.learners["learner/blue"], override=2)})
     assert decide(GROUPS, held).targets["learner/blue"] == 2   # a person holds blue's learners: left there
+
+
+def test_a_policy_that_gets_no_samples_needs_no_learner_rate_and_is_planned_at_its_minimum():
+    """Blue's agents have not come yet (its share 0, its learners starved: no rate): the actors are
+    planned with red's learners alone (8 actors, 800 samples/s: 2 red learners), blue's at planner.learner.min."""
+    policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4), tolerance=0.1)
+    d = decide(policy, _policies_inputs(RoleInputs(desired=2, rate=None, share=0.0)))
+    assert d.consumption == pytest.approx(400.0) and d.proposed == {"actor": 8, "learner/red": 2, "learner/blue": 1}
