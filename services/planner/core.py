@@ -187,9 +187,6 @@ class Planner:
                     self.track_learner_scale_ups(inp)
                     inp = replace(inp, ceilings=self._ceilings(), learner_scale_ups=dict(self.learner_scale_ups))
                 d = decide(self.policy, inp)
-                if inp.learner.bound_by and inp.learner.rate is not None:
-                    d = replace(d, reason=f"{d.reason}; consumption: what the actors can be fed at, policy "
-                                          f"{inp.learner.bound_by}'s learners taking its share (the tightest)")
                 if d.action != "scale":
                     break
                 if not self.backend.leader:

@@ -101,7 +101,6 @@ class RoleInputs:
     blocked: str = ""            # the backend will not scale this role, and why
     override: int | None = None  # a manual replica count in force
     cores: float | None = None   # EWMA CPU cores per replica (measured cost); None = unknown
-    bound_by: str = ""           # several policies' learners: the policy whose learners set `rate`
     share: float | None = None   # learner/<policy>: the policy's share of the actors' samples (None = unknown)
 
     def __post_init__(self):
@@ -267,9 +266,14 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
             necks[ratio] = bottleneck(policy, ratio, inp.transport)
         return necks[ratio]
 
+    tightest = ""   # several policies: the policy whose learners take least of the actors' output
+
     def out(action: str, reason: str, targets=None, proposed=None, **rates) -> Decision:
         neck = neck_at(rates.get("ratio"))
         reason = f"{reason}; bottleneck: {neck.kind} ({neck.evidence})" if neck.evidence else reason
+        if tightest:
+            reason = (f"{reason}; consumption: what the actors can be fed at, policy {tightest.split('/', 1)[1]}'s "
+                      "learners taking its share (the tightest)")
         return Decision(action, reason, current, dict(targets or current), dict(proposed or current), **rates,
                         bottleneck=neck)
 
@@ -314,6 +318,8 @@ def decide(policy: Policy, inp: Inputs) -> Decision:
     feeds = {r: math.inf if r in idle else
              (inp.role(r).rate or 0.0) / policy.replay_ratio / (inp.role(r).share or 1.0) for r in learners}
     fed = {r: current[r] * c for r, c in feeds.items() if not math.isinf(c)}
+    if inp.learners and fed:
+        tightest = min(fed, key=lambda r: fed[r])
     production = current["actor"] * a
     consumption = min(fed.values()) if fed else math.inf
     ratio = production / consumption if consumption > 0 else math.inf

@@ -208,14 +208,14 @@ class Observer:
         stale = len(trackers) < state.desired or any(t.stale(now, p.stale_after_s) for t in trackers)
         cores = [t.cores for t in usable if t.cores is not None]
         rate = (sum(t.rate for t in usable) / len(usable)) if usable else None
-        bound_by, share = "", None
-        if role == "learner" and self.cfg.several_policies:
-            rate, bound_by = self.policies_rate(now, state) or (None, "")
+        share = None
+        if role == "learner" and self.cfg.several_policies:   # (shown in decisions; each policy's is decided)
+            rate = self.policies_rate(now, state)
         elif role.startswith("learner/"):
             share = self.shares(now).get(role.split("/", 1)[1])
         return RoleInputs(desired=state.desired, ready=state.ready, reporting=len(usable), rate=rate,
                           cores=(sum(cores) / len(cores)) if cores else None,
-                          stale=stale, blocked=state.blocked, override=override, bound_by=bound_by, share=share)
+                          stale=stale, blocked=state.blocked, override=override, share=share)
 
     def received(self, now: float) -> dict[str, float]:
         """Several policies: the samples/s each policy's tables receive, all buffer shards together (fresh rates)."""
@@ -230,31 +230,28 @@ class Observer:
         total = sum(received.values())
         return {policy: got / total for policy, got in received.items()} if total > 0 else {}
 
-    def policies_rate(self, now: float, state: RoleState) -> tuple[float, str] | None:
+    def policies_rate(self, now: float, state: RoleState) -> float | None:
         """A run of several policies: the learners' rate per replica as the balance model takes it, so
         that n_L * rate is the samples/s of the actors' output (every policy's agents together) the
-        learners can take. The actors make each policy's share s_p of their samples (measured: what
-        each table received), and an actor holds while any policy's table is behind, so they can be
-        fed only as fast as the tightest policy takes its share: min over policies of C_p / s_p, where
-        C_p is what policy p's learners consume (their rates summed). None until every policy that
-        gets samples has a learner with a usable rate and the tables' shares are measured; else the rate
-        and the tightest policy."""
+        learners can take, as decisions show the learners of all policies together (each policy's are
+        decided from its own rate and share: services/planner/decide.py). The actors make each policy's
+        share s_p of their samples (measured: what each table received), and an actor holds while any
+        policy's table is behind, so they can be fed only as fast as the tightest policy takes its
+        share: min over policies of C_p / s_p, where C_p is what policy p's learners consume (their
+        rates summed). None until every policy that gets samples has a learner with a usable rate."""
         p = self.cfg.planner
-        received = self.received(now)
-        total = sum(received.values())
-        if total <= 0 or not state.desired:
+        shares = self.shares(now)
+        if not shares or not state.desired:
             return None
         capacity: dict[str, float] = {}
         for rep in state.replicas:
             tracker = self.rates["learner"].get(rep.name)
             if tracker is not None and tracker.usable(now, p.stale_after_s):
                 capacity[rep.policy] = capacity.get(rep.policy, 0.0) + (tracker.rate or 0.0)
-        feeds = {policy: capacity[policy] / (got / total) for policy, got in received.items()
-                 if got > 0 and policy in capacity}
-        if len(feeds) < sum(1 for got in received.values() if got > 0):
+        fed = [capacity[policy] / share for policy, share in shares.items() if share > 0 and policy in capacity]
+        if len(fed) < sum(1 for share in shares.values() if share > 0):
             return None   # a policy that gets samples has no learner rate yet
-        tightest = min(feeds, key=lambda q: feeds[q])
-        return feeds[tightest] / state.desired, tightest
+        return min(fed) / state.desired
 
     def transport(self, now: float) -> Transport:
         """Actors' send queues and the buffers' CPU, from fresh metrics only (planner.stale_after_s)."""
