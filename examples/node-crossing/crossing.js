@@ -10,11 +10,13 @@
 // Cars arrive at random (probability 0.3 a step, ids car-0..car-{K-1}; an id whose car left is used
 // again by a later car, which then *joins* the session again). Each waiting car sees 4 floats: whether
 // it is first in line, whether the crossing is taken, the other vehicles waiting / (K + B), its wait /
-// 30. It chooses 0 (wait) or 1 (go). A vehicle that goes alone onto a free crossing passes (a car +1);
-// vehicles that go while it is taken, or two or more at once, crash (-1 each); waiting costs a car 0.02
-// a step, and a vehicle that waited 30 steps gives up (truncated). A vehicle whose episode ended
-// leaves; the crossing is taken for the step after one passed. Going at random crashes most cars; the
-// best rule (the first in line goes when the crossing is free) passes every car. Buses (ids
+// 30. It chooses 0 (wait) or 1 (go). The first in line has the right of way: going onto a free crossing
+// it passes (a car +1), and any other vehicle going with it crashes (-1); when the first in line waits,
+// a vehicle that goes alone passes and two or more at once crash. A vehicle that goes while the crossing
+// is taken crashes. Waiting costs a car 0.02 a step, and a vehicle that waited 30 steps gives up
+// (truncated). A vehicle whose episode ended leaves; the crossing is taken for the step after one
+// passed. Going at random crashes most cars; the best rule (the first in line goes when the crossing is
+// free, the others wait) passes every car, whatever the other vehicles do. Buses (ids
 // bus-0..bus-{B-1}, probability 0.1 a step) carry more: one passing scores +2 and waiting costs it
 // 0.05 a step; each sees a fifth float, the buses waiting / B. Each kind always has one waiting (one
 // arrives when none does), so each session has an agent acting at every step. Run it against `kuberl
@@ -105,12 +107,19 @@ class Crossing {
   // Apply one action per vehicle of `acting` (in that order); the outcome of each, in that order.
   step(acting, actions) {
     const goers = acting.filter((id, k) => actions[k] === 1);
-    const crash = this.taken || goers.length > 1;
-    this.taken = !crash && goers.length === 1;
+    // Who passes, if anyone: none onto a taken crossing; else the first in line where it goes (the right
+    // of way), else the one vehicle going where only one goes. Every other vehicle going crashes.
+    let passer = null;
+    if (!this.taken) {
+      if (goers.includes(this.line[0])) passer = this.line[0];
+      else if (goers.length === 1) passer = goers[0];
+    }
+    this.taken = passer !== null;
     const out = acting.map((id, k) => {
       const kind = KINDS[kindOf(id)];
       if (actions[k] === 1) {
-        return { id, reward: crash ? -1 : kind.pass, terminated: true, truncated: false, kind: crash ? 'crashed' : 'passed' };
+        const passed = id === passer;
+        return { id, reward: passed ? kind.pass : -1, terminated: true, truncated: false, kind: passed ? 'passed' : 'crashed' };
       }
       this.wait.set(id, this.wait.get(id) + 1);
       const gaveUp = this.wait.get(id) >= MAX_WAIT;
