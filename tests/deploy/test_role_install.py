@@ -8,7 +8,9 @@ rather than python:3.11-slim, and TORCH_INDEX_URL is empty (pip's configured ind
 supply torch here; the images default to PyTorch's CPU index).
 
 Then: `python -m services.<role> --help` answers; the buffer's and the planner's environments hold no
-torch (nor gymnasium); and the buffer, learner and actor started from their own environments, with the
+torch (nor gymnasium); the actor's and the learner's make the env of every config that ships (each
+kustomize overlay's and the Helm chart's ConfigMap, configs/*.yaml, which docs/deploy.md gives the chart);
+and the buffer, learner and actor started from their own environments, with the
 args and config the kustomize base renders (the learner alone, `--membership=fixed`: no API server here),
 report SERVING to the images' HEALTHCHECK command, train together, and exit 0 on SIGTERM within their
 pods' terminationGracePeriodSeconds.
@@ -30,7 +32,8 @@ import grpc
 import pytest
 
 from services.cli.stats import get_stats
-from tests.deploy.render import ROLES, ROOT, container, expand_vars, kustomize, of_kind, pod_env, workloads
+from tests.deploy.render import (OVERLAYS, ROLES, ROOT, container, expand_vars, helm_template, kustomize, of_kind,
+                                  pod_env, workloads)
 from tests.deploy.test_crosscheck import dockerfile
 
 INSTALL_TIMEOUT_S = 600
@@ -94,6 +97,43 @@ def test_role_installs_alone_and_answers_help(venvs, role):
     torch_roles = role in ("actor", "learner")
     assert present == {"torch": torch_roles, "gymnasium": torch_roles, "ale_py": torch_roles,
                        "kubernetes": role == "planner"}, f"{role}: {present}"
+
+
+# Each config's policies' spaces, from the env the config names (made once, as the actor and the learner
+# make it); one line per config: "ok NAME" or "FAIL NAME: the error".
+SPACES = """
+import sys
+from services.common.envs import policy_specs
+from services.config import load_config
+for path in sys.argv[1:]:
+    try:
+        specs = policy_specs(load_config(path))
+        print("ok", path, sorted(specs))
+    except Exception as err:
+        print("FAIL", path, f"{type(err).__name__}: {err}")
+"""
+
+
+def shipped_configs(dest: Path) -> list[Path]:
+    """Every experiment config that ships: each overlay's and the chart's kuberl-config, and configs/*.yaml."""
+    rendered = {f"kustomize-{o.replace('/', '-')}": kustomize(o) for o in OVERLAYS} | {"helm": helm_template()}
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    for name, objects in rendered.items():
+        (cm,) = [c for c in of_kind(objects, "ConfigMap") if c["metadata"]["name"].startswith("kuberl-config")]
+        paths.append(dest / f"{name}.yaml")
+        paths[-1].write_text(cm["data"]["config.yaml"])
+    return paths
+
+
+@pytest.mark.parametrize("role", ("actor", "learner"))
+def test_actor_and_learner_environments_make_every_shipped_configs_env(venvs, role, tmp_path):
+    paths = shipped_configs(tmp_path)
+    assert any("mpe2" in p.read_text() for p in paths)   # the several-policies overlay's simple_tag among them
+    out = run_py(venvs[role], "-c", SPACES, *map(str, paths))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    failed = [line for line in lines if not line.startswith("ok ")]
+    assert not failed and len(lines) == len(paths), "\n".join(failed) or out.stdout
 
 
 def _start(venv: Path, workload: dict, overrides: dict[str, str], workdir: Path) -> tuple[subprocess.Popen, str]:
