@@ -121,7 +121,8 @@ async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig
     episodes = EpisodeLog(metrics)
     seats = {}
     for tag, policy in named.items():
-        policy.name = tag   # (its version gauge: actor/policies/<name>/policy_version)
+        if policy.name != tag:   # (its version gauge is actor/policies/<name>/policy_version)
+            raise ValueError(f"the policy named {policy.name!r} is offered as {tag!r}: serve each under its own name")
         hub = SessionHub(cfg, policy.spec, serve_id, metrics.scoped(tag), on_fragment=None,  # no sink: nothing recorded
                          state_size=policy.state_size, policy=tag, episodes=episodes)
         seats[tag] = BatchedInference(policy, hub, metrics.scoped(tag))

@@ -155,7 +155,8 @@ def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metri
     except (KeyError, RuntimeError, ValueError, TypeError) as err:
         raise TrainedPolicyError(f"{ckpt}: its state does not fit the {cfg.algorithm} network of its config "
                                  f"({_first_line(err)})") from None
-    policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy)
+    name = name if cfg.several_policies else ""
+    policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy, name=name)
     policy.offer_weights(learner.version, to_numpy(learner.policy))
     policy.swap()
-    return Trained(cfg, ckpt, learner.version, spec, policy, name if cfg.several_policies else "")
+    return Trained(cfg, ckpt, learner.version, spec, policy, name)

@@ -503,3 +503,18 @@ def test_a_recurrent_policys_state_is_kept_per_env_reset_at_episode_ends_recorde
     assert was and resumed.episodes.state.tolist() == starts[T + 1].tolist() == [[T + 1] * 2] * 2
     fresh, was = h.open(hello(sid="other"))
     assert not was and not fresh.episodes.state.any()
+
+
+async def test_serving_refuses_a_policy_offered_under_another_name():
+    """`kuberl serve` of several policies: each is served under its own name (its version gauge is
+    actor/policies/<name>/policy_version); one offered under another is refused, not renamed."""
+    from services.actor.policy import Policy
+    from services.actor.serve import serving
+    from services.common.envs import spec_of
+
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"id": "CartPole-v1", "mode": "external"}})
+    policy = Policy(cfg, spec_of(cfg.env), 0, Metrics("actor"), name="red")
+    with pytest.raises(ValueError, match="the policy named 'red' is offered as 'blue'"):
+        async with serving({"blue": policy}, cfg, Metrics("actor"), listen="127.0.0.1:0"):
+            pass
+    assert policy.name == "red"
