@@ -212,6 +212,40 @@ def _step(envs, space, actions: np.ndarray):
     return envs.step(space.clip(actions) if isinstance(space, Box) else actions)
 
 
+class Tally:
+    """Whole episodes of n slots (env copies, or agents' slots), slot i finishing `share[i]` of them: their
+    returns and lengths in the order they finished; an episode past a slot's share is not counted."""
+
+    def __init__(self, share: np.ndarray, on_episode=None):
+        self.share, self.on_episode = share, on_episode
+        self.done = np.zeros(len(share), np.int64)
+        self.ret, self.length = np.zeros(len(share)), np.zeros(len(share), np.int64)
+        self.returns: list[float] = []
+        self.lengths: list[int] = []
+
+    @staticmethod
+    def shares(episodes: int, n: int) -> np.ndarray:
+        """`episodes` among n slots: they sum to it, and no slot waits for another."""
+        return np.array([(episodes + i) // n for i in range(n)])
+
+    @property
+    def finished(self) -> bool:
+        return bool((self.done >= self.share).all())
+
+    def step(self, rewards: np.ndarray, present, ended: np.ndarray) -> None:
+        """One step: every slot's reward, whether it acted (`present`; True: all), whether its episode ended."""
+        self.ret += rewards
+        self.length += present
+        for i in np.flatnonzero(ended):
+            if self.done[i] < self.share[i]:
+                self.returns.append(float(self.ret[i]))
+                self.lengths.append(int(self.length[i]))
+                if self.on_episode is not None:
+                    self.on_episode(float(self.ret[i]))
+            self.done[i] += 1
+            self.ret[i], self.length[i] = 0.0, 0
+
+
 def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episode=None,
                  deadline: float | None = None) -> tuple[list[float], list[int]]:
     """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies; returns (returns, lengths)
@@ -221,32 +255,19 @@ def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episo
     # Env copies, or for a PettingZoo env their agents' slots: there an episode is one agent's life.
     n = envs.num_envs
     act.resize(n)
-    share = np.array([(episodes + i) // n for i in range(n)])  # sums to `episodes`, and no copy waits for another
-    done = np.zeros(n, dtype=np.int64)
-    ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
-    returns: list[float] = []
-    lengths: list[int] = []
+    tally = Tally(Tally.shares(episodes, n), on_episode)
     try:
         obs, info = envs.reset(seed=seed)
         mask = _masks(trained, info, n)
-        while (done < share).any() and (deadline is None or time.monotonic() < deadline):
+        while not tally.finished and (deadline is None or time.monotonic() < deadline):
             present = info.get("present", True)   # (slots whose agent acts now)
             obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
             act.ended(term | trunc)
             mask = _masks(trained, info, n)
-            ret += r
-            length += present
-            for i in np.flatnonzero(term | trunc):
-                if done[i] < share[i]:
-                    returns.append(float(ret[i]))
-                    lengths.append(int(length[i]))
-                    if on_episode is not None:
-                        on_episode(float(ret[i]))
-                done[i] += 1
-                ret[i], length[i] = 0.0, 0
+            tally.step(r, present, term | trunc)
     finally:
         envs.close()
-    return returns, lengths
+    return tally.returns, tally.lengths
 
 
 def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: float) -> dict:
@@ -331,19 +352,18 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
     first = next(iter(trained.values()))
     cfg = first.cfg
     envs = make_vector_env(cfg.env, min(num_envs, episodes), policies={k: v.agents for k, v in cfg.policies.items()})
-    n = envs.num_envs
     # Every slot, copy by copy in the env's agent order, for the shares: each policy's agents get theirs.
     order = [(g.name, i) for k in range(len(envs.copies)) for g, i in (envs.slot(k, a) for a in envs.agents)]
-    share = {slot: (episodes + k) // n for k, slot in enumerate(order)}
+    everyone = Tally.shares(episodes, envs.num_envs)
+    share = {g.name: np.zeros(len(g.obs), np.int64) for g in envs.groups}
+    for k, (name, i) in enumerate(order):
+        share[name][i] = everyone[k]
     acts = {g.name: act_fn(trained[g.name], deterministic, len(g.obs)) for g in envs.groups}
-    done = dict.fromkeys(order, 0)
-    ret = {g.name: np.zeros(len(g.obs)) for g in envs.groups}
-    length = {g.name: np.zeros(len(g.obs), np.int64) for g in envs.groups}
-    results: dict[str, tuple[list[float], list[int]]] = {name: ([], []) for name in acts}
     bar = Progress(episodes, "eval", progress)
+    tallies = {name: Tally(share[name], bar.step) for name in acts}
     try:
         obs, info = envs.reset(seed=seed)
-        while any(done[slot] < share[slot] for slot in order) and (deadline is None or time.monotonic() < deadline):
+        while not all(t.finished for t in tallies.values()) and (deadline is None or time.monotonic() < deadline):
             present = info["present"]
             actions = {}
             for name, act in acts.items():
@@ -354,20 +374,12 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
                 actions[name] = space.clip(a) if isinstance(space, Box) else a
             obs, r, term, trunc, info = envs.step(actions)
             for name, act in acts.items():
-                ended = term[name] | trunc[name]
-                act.ended(ended)
-                ret[name] += r[name]
-                length[name] += present[name]
-                for i in np.flatnonzero(ended):
-                    if done[(name, i)] < share[(name, i)]:
-                        results[name][0].append(float(ret[name][i]))
-                        results[name][1].append(int(length[name][i]))
-                        bar.step(float(ret[name][i]))
-                    done[(name, i)] += 1
-                    ret[name][i], length[name][i] = 0.0, 0
+                act.ended(term[name] | trunc[name])
+                tallies[name].step(r[name], present[name], term[name] | trunc[name])
     finally:
         bar.close()
         envs.close()
+    results = {name: (t.returns, t.lengths) for name, t in tallies.items()}
     returns = [x for rets, _ in results.values() for x in rets]
     lengths = [x for _, lens in results.values() for x in lens]
     by_policy = {name: {"checkpoint": str(t.checkpoint), "policy_version": t.version,

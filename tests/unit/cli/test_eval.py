@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -171,3 +172,18 @@ def test_trained_policy_holds_the_checkpoints_weights(tmp_path):
     for name, value in trained.policy.acting.net.state_dict().items():
         torch.testing.assert_close(value, state["algo"]["net"][name])
     assert trained.greedy()(torch.zeros(1, 4)).shape == (1,)
+
+
+def test_tally_counts_each_slots_share_of_episodes_in_the_order_they_end():
+    """`kuberl eval`'s bookkeeping (run_episodes, evaluate_policies): slot i finishes its share, lengths
+    count the steps it acted, and an episode past a slot's share is not counted."""
+    from services.cli.evaluate import Tally
+
+    assert Tally.shares(7, 3).tolist() == [2, 2, 3] and Tally.shares(2, 4).tolist() == [0, 0, 1, 1]
+    seen = []
+    tally = Tally(np.array([1, 2]), seen.append)
+    tally.step(np.array([1.0, 2.0]), np.array([True, False]), np.array([False, True]))   # slot 1: 2.0 in 0 acting steps
+    tally.step(np.array([3.0, 4.0]), True, np.array([True, False]))                      # slot 0: 4.0 in 2
+    assert not tally.finished
+    tally.step(np.array([5.0, 6.0]), True, np.array([True, True]))   # slot 1: 10.0 in 2; slot 0 past its share
+    assert tally.finished and tally.returns == [2.0, 4.0, 10.0] == seen and tally.lengths == [0, 2, 2]
