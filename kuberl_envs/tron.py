@@ -9,7 +9,7 @@ the grid, into any wall, or into the cell the other moves into, crashes. One cra
 Actions are relative (Discrete 3: straight, turn left, turn right), so a player never reverses into
 its own wall. Each player sees the grid from its own head, facing up: [2, 2 * size - 1, 2 * size - 1]
 float32 flattened (walls, with the outside as wall; the other player's head), so one network plays
-either side. `scripted` is the fixed opponent tests measure against.
+either side. `scripted` is the fixed opponent tests measure against; `roomy` another, for self-play's pool.
 """
 
 from __future__ import annotations
@@ -115,6 +115,35 @@ def scripted(obs: np.ndarray) -> int:
         if walls[c + dr, c + dc] < 0.5:
             return action
     return 0
+
+
+def roomy(obs: np.ndarray) -> int:
+    """A fixed player unlike `scripted`: of the free cells it can move to, one the opponent's head cannot
+    also reach next (where there is one), with the most room behind it (the cells reachable from it,
+    by flood fill), straight on between equals. About as strong against random as `scripted`; a player
+    for self-play's pool (`selfplay.fixed_players`), not the one tests measure against."""
+    view = int(round((obs.size / 2) ** 0.5))
+    grid = obs.reshape(2, view, view)
+    walls = grid[0] >= 0.5
+    c = view // 2
+    danger = {(int(r) + dr, int(col) + dc) for r, col in np.argwhere(grid[1] >= 0.5)
+              for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1))}
+    best, best_key = 0, None
+    for action, (dr, dc) in ((0, (-1, 0)), (1, (0, -1)), (2, (0, 1))):
+        start = (c + dr, c + dc)
+        if walls[start]:
+            continue
+        seen, todo = {start}, [start]
+        while todo:
+            r, col = todo.pop()
+            for nr, nc in ((r - 1, col), (r + 1, col), (r, col - 1), (r, col + 1)):
+                if 0 <= nr < view and 0 <= nc < view and not walls[nr, nc] and (nr, nc) not in seen:
+                    seen.add((nr, nc))
+                    todo.append((nr, nc))
+        key = (start not in danger, len(seen))
+        if best_key is None or key > best_key:
+            best, best_key = action, key
+    return best
 
 
 def parallel_env(**kwargs: Any) -> Tron:

@@ -21,7 +21,9 @@ single-agent env.
   draw 1/2), so the opponents it still loses to are met most. With `random_probability` r, the
   episodes not against the newest weights are against a uniformly random player with probability r
   (its moves uniform over those the mask allows; a Box uniform within its bounds), else against a
-  snapshot as above. With `opponent_epsilon` e, each move of an opponent that is the policy (a
+  snapshot as above. With `fixed_players` and `fixed_probability` f, those episodes are first against
+  one of the fixed players (`module:function`, services/common/players.py), drawn uniformly, with
+  probability f; the random player and the snapshots share the rest. With `opponent_epsilon` e, each move of an opponent that is the policy (a
   snapshot, or the newest weights on a side not recorded) is a uniformly random one with probability e.
 - **What is recorded:** the learning agent's steps; with `record_latest`, every agent's steps in the
   copies whose opponents are the newest weights (every side there is the policy that trains, and its
@@ -33,13 +35,15 @@ single-agent env.
   or 1/2. Metrics: `actor/selfplay_games_total`, `..._wins_total`, `..._losses_total`,
   `..._draws_total` (every game), `actor/selfplay_win_rate` (the last 100 games against snapshots),
   `actor/selfplay_elo` and `actor/selfplay_pool_size`; games against the random player count as
-  games, not in the rating, and `actor/selfplay_random_win_rate` is the last 100 of them won.
+  games, not in the rating, and `actor/selfplay_random_win_rate` is the last 100 of them won; so are
+  games against a fixed player, and `actor/selfplay_fixed/<module:function>_win_rate` is each one's
+  last 100 won.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +53,7 @@ from services import algorithms
 from services.actor.policy import Policy
 from services.common.agents import OUTCOMES, game_score
 from services.common.models.nets import load_numpy, to_numpy
+from services.common.players import Player, load_player
 from services.common.protocol.spaces import Box, random_actions
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
@@ -56,6 +61,14 @@ from services.config import ExperimentConfig
 LATEST = None   # an episode's opponent: the newest weights (the policy that trains)
 RANDOM = "random"   # ... or a uniformly random player (`random_probability`)
 START_ELO = 1000.0
+
+
+@dataclass(eq=False)
+class Fixed:
+    """A fixed player (`selfplay.fixed_players`) and the scores of the learning policy's last games against it."""
+    name: str
+    play: Player
+    recent: deque = field(default_factory=lambda: deque(maxlen=100))
 
 
 @dataclass
@@ -86,7 +99,7 @@ class SelfPlay:
         self._recorded = np.zeros(copies * agents, bool)    # the learning agents' slots
         self._latest = np.zeros(copies * agents, bool)      # the slots of copies facing the newest weights
         self._policy_side = np.zeros(copies * agents, bool)  # unrecorded slots the policy plays (snapshot or newest)
-        self.opponent: list[Snapshot | str | None] = [LATEST] * copies
+        self.opponent: list[Snapshot | Fixed | str | None] = [LATEST] * copies
         self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
         self.rating = START_ELO
         self.recent: deque[float] = deque(maxlen=100)       # scores of the last games against snapshots
@@ -96,6 +109,10 @@ class SelfPlay:
             key = "random_probability" if self.sp.random_probability else "opponent_epsilon"
             raise ValueError(f"selfplay.{key}: the random player acts uniformly within the action "
                              f"space's bounds, and {space} has none")
+        try:
+            self.fixed = [Fixed(name, load_player(name)) for name in self.sp.fixed_players]
+        except ValueError as err:
+            raise ValueError(f"selfplay.fixed_players: {err}") from None
         self._seen: int | None = None                       # the last policy version looked at
         for name in ("games", "wins", "losses", "draws"):
             metrics.inc(f"actor/selfplay_{name}_total", 0)
@@ -117,9 +134,11 @@ class SelfPlay:
         self.learning[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
         pool = self.pool
         chance = self.sp.random_probability
-        opponent: Snapshot | str | None = LATEST
-        if (pool or chance) and self.rng.random() >= self.sp.latest_probability:
-            if chance and self.rng.random() < chance:
+        opponent: Snapshot | Fixed | str | None = LATEST
+        if (pool or chance or self.fixed) and self.rng.random() >= self.sp.latest_probability:
+            if self.fixed and self.rng.random() < self.sp.fixed_probability:
+                opponent = self.fixed[int(self.rng.integers(len(self.fixed)))]
+            elif chance and self.rng.random() < chance:
                 opponent = RANDOM
             elif not pool:
                 opponent = LATEST
@@ -130,8 +149,8 @@ class SelfPlay:
                 opponent = pool[int(self.rng.integers(len(pool)))]
         self.face(k, opponent)
 
-    def face(self, k: int, opponent: Snapshot | str | None) -> None:
-        """Copy k's learning side plays `opponent` (a snapshot, RANDOM or LATEST) from now on: which of
+    def face(self, k: int, opponent: Snapshot | Fixed | str | None) -> None:
+        """Copy k's learning side plays `opponent` (a snapshot, a fixed player, RANDOM or LATEST) from now on: which of
         its slots are recorded, played by the newest weights, or open to `opponent_epsilon`."""
         slots = slice(k * self.agents, (k + 1) * self.agents)
         self.opponent[k] = opponent
@@ -141,7 +160,7 @@ class SelfPlay:
         else:
             self._recorded[k * self.agents + self.learning[k]] = True
         self._latest[slots] = opponent is LATEST
-        self._policy_side[slots] = ~self._recorded[slots] & (opponent is not RANDOM)
+        self._policy_side[slots] = ~self._recorded[slots] & (opponent is LATEST or isinstance(opponent, Snapshot))
 
     def swapped(self) -> None:
         """After the policy swapped weights in: every `snapshot_every`-th version joins the pool."""
@@ -186,7 +205,7 @@ class SelfPlay:
             for name, values in extras.items():
                 recorded[name] = np.zeros(len(obs), np.float32)
                 recorded[name][rows] = values
-        by_snapshot: dict[int, tuple[Snapshot | str, list[int]]] = {}
+        by_snapshot: dict[int, tuple[Snapshot | Fixed | str, list[int]]] = {}
         for k, opponent in enumerate(self.opponent):
             if opponent is not None:
                 cols = [n for n in range(k * self.agents, (k + 1) * self.agents)
@@ -197,6 +216,10 @@ class SelfPlay:
                 continue
             if isinstance(snapshot, str):   # (RANDOM)
                 out[cols] = random_actions(space, len(cols), None if mask is None else mask[cols], self.rng)
+                continue
+            if isinstance(snapshot, Fixed):   # one agent's observation (and mask) at a time
+                for n in cols:
+                    out[n] = snapshot.play(obs[n], None if mask is None else mask[n])
                 continue
             x = torch.from_numpy(np.ascontiguousarray(obs[cols]))
             if mask is None:
@@ -224,6 +247,10 @@ class SelfPlay:
                 self.recent_random.append(score)
                 self.metrics.set("actor/selfplay_random_win_rate",
                                  sum(s == 1.0 for s in self.recent_random) / len(self.recent_random))
+            if isinstance(opponent, Fixed):
+                opponent.recent.append(score)
+                self.metrics.set(f"actor/selfplay_fixed/{opponent.name}_win_rate",
+                                 sum(s == 1.0 for s in opponent.recent) / len(opponent.recent))
             if isinstance(opponent, Snapshot):
                 opponent.games += 1
                 opponent.points += score

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 import json
 import logging
 import math
@@ -401,6 +399,7 @@ def opponent_fn(against: str, space, seed: int):
     "module:function", a function of the observation, or of the observation and the mask where it takes
     two arguments (a turn-based game's opponent must keep to its mask). EvalError naming --against
     otherwise."""
+    from services.common.players import load_player
     from services.common.protocol.spaces import Box, random_actions
 
     if against == "random":
@@ -409,18 +408,10 @@ def opponent_fn(against: str, space, seed: int):
                             "uniform random player exists; name a module:function opponent")
         rng = np.random.default_rng(seed)
         return lambda obs, mask: random_actions(space, 1, None if mask is None else np.asarray(mask, bool)[None], rng)[0]
-    module_name, _, name = against.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), name) if name else None
-    except (ImportError, AttributeError) as err:
-        raise EvalError(f"--against {against}: {err}") from None
-    if not callable(fn):
-        raise EvalError(f"--against {against}: give 'random' or module:function (a function of an observation)")
-    try:
-        takes_mask = len(inspect.signature(fn).parameters) >= 2
-    except (TypeError, ValueError):   # (a builtin without a signature: the observation alone)
-        takes_mask = False
-    return fn if takes_mask else (lambda obs, mask: fn(obs))
+        return load_player(against)
+    except ValueError as err:
+        raise EvalError(f"--against {err}; give 'random' or module:function") from None
 
 
 def play_against(trained, against: str, games: int, seed: int, deterministic: bool = True) -> dict:

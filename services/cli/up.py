@@ -42,6 +42,14 @@ log = logging.getLogger("kuberl.up")
 SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate", "selfplay_random_win_rate"]   # (selfplay.enabled: the actors' mean)
 
 
+def selfplay_columns(cfg: ExperimentConfig) -> list[str]:
+    """metrics.csv's self-play columns (none without self-play): SELFPLAY_COLUMNS, then the win rate
+    against each fixed player (selfplay.fixed_players)."""
+    if not cfg.selfplay.enabled:
+        return []
+    return SELFPLAY_COLUMNS + [f"selfplay_fixed/{name}_win_rate" for name in cfg.selfplay.fixed_players]
+
+
 def policy_columns(cfg: ExperimentConfig) -> list[str]:
     """metrics.csv's columns of a run of several policies: each one's mean return and version."""
     if not cfg.several_policies:
@@ -176,10 +184,10 @@ class LocalRun:
                 for column, value in (("return_mean", p["mean_return"]), ("policy_version", p["policy_version"]))}
 
     def _selfplay(self) -> dict:
-        """Self-play's Elo and win rate against the pool (and against the random player), each the mean
-        over the actors reporting it."""
+        """Self-play's Elo and win rate against the pool (and against the random player and each fixed
+        player), each the mean over the actors reporting it."""
         out: dict = {}
-        for key in SELFPLAY_COLUMNS:
+        for key in selfplay_columns(self.cfg):
             name = "actor/" + key
             values = [a.stats[name] for a in self.fleet.role("actor") if name in a.stats]
             out[key] = sum(values) / len(values) if values else None
@@ -256,8 +264,7 @@ class LocalRun:
         files = contextlib.ExitStack()  # closed whatever happens, after every process has stopped
         try:
             csv_file = files.enter_context(open(self.dir / "metrics.csv", "w", newline=""))
-            writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS + (SELFPLAY_COLUMNS if self.cfg.selfplay.enabled
-                                                                        else []) + policy_columns(self.cfg))
+            writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS + selfplay_columns(self.cfg) + policy_columns(self.cfg))
             writer.writeheader()
             episodes_file = files.enter_context(open(self.dir / "episodes.csv", "w", newline=""))
             self.episode_rows = csv.writer(episodes_file)

@@ -305,6 +305,13 @@ class SelfPlayConfig:
     # (the legal moves alike, where the env masks actions) instead of a snapshot: a fixed floor the
     # policy must keep beating, as RLlib's self-play examples start their league from a random policy.
     random_probability: float = 0.0
+    # Fixed players (`module:function`: a function of one agent's observation, or of it and its action
+    # mask, as `kuberl eval --against` takes them) the policy also meets: of the episodes not against
+    # the newest weights, this share is against one of them, drawn uniformly (before the random player
+    # and the snapshots are drawn among the rest). Players unlike the policy itself, as a league's
+    # exploiters are: the policy cannot learn to expect its own play from every opponent.
+    fixed_players: tuple[str, ...] = ()
+    fixed_probability: float = 0.0
     # Each move of an opponent that is the policy (a snapshot, or the newest weights where that side is
     # not recorded) is, with this probability, a uniformly random one instead (the legal ones alike): the
     # policy meets moves its own play would not make, as it will against other players.
@@ -331,6 +338,14 @@ class SelfPlayConfig:
                 "must be within 0..1")
         require(0.0 <= self.opponent_epsilon <= 1.0, "opponent_epsilon", self.opponent_epsilon,
                 "must be within 0..1")
+        require(0.0 <= self.fixed_probability <= 1.0, "fixed_probability", self.fixed_probability,
+                "must be within 0..1")
+        require(not self.fixed_probability or bool(self.fixed_players), "fixed_probability", self.fixed_probability,
+                "needs selfplay.fixed_players (module:function players to draw from)")
+        for name in self.fixed_players:
+            module, sep, attr = name.partition(":")
+            require(bool(sep and module and attr), "fixed_players", name,
+                    "each must be module:function (a function of one agent's observation)")
         require(self.elo_k > 0, "elo_k", self.elo_k, "must be > 0")
         require(self.keep in ("newest", "history"), "keep", self.keep,
                 "must be 'newest' (the newest pool_size snapshots) or 'history' (the newest half and a "

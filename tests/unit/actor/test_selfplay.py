@@ -307,3 +307,59 @@ def test_selfplay_needs_an_env_with_several_agents_and_a_feed_forward_policy():
                           "ppo": {**TINY_PPO["ppo"], "recurrent": "gru"}})
     with pytest.raises(ConfigError, match=r"selfplay.latest_probability: 1.5 is invalid"):
         config(latest_probability=1.5)
+
+
+def plays_2(obs):
+    """A fixed player for the tests below (tests.unit.actor.test_selfplay:plays_2)."""
+    return 2
+
+
+def plays_0_where_allowed(obs, mask):
+    """One that takes the mask (two arguments): the first allowed move."""
+    return 0 if mask is None else int(np.flatnonzero(mask)[0])
+
+
+def test_fixed_players_take_their_share_of_the_other_episodes_and_play_their_copies():
+    """selfplay.fixed_players: of the episodes not against the newest weights, fixed_probability are
+    against one of them (uniformly); each plays its copy's opponent side with its own function, left
+    alone by opponent_epsilon; its games are scored apart (its own win rate) and not rated."""
+    here = "tests.unit.actor.test_selfplay"
+    rollout, snapshot = snapshot_playing_2_policy_1(
+        latest_probability=0.2, fixed_probability=0.5, opponent_epsilon=1.0,
+        fixed_players=[f"{here}:plays_2", f"{here}:plays_0_where_allowed"])
+    sp = rollout.selfplay
+    twos, firsts = sp.fixed
+    assert (twos.name, firsts.name) == (f"{here}:plays_2", f"{here}:plays_0_where_allowed")
+    draws, counts = 6000, {"latest": 0, "snapshot": 0, "twos": 0, "firsts": 0}
+    for _ in range(draws):
+        sp.new_episode(0)
+        o = sp.opponent[0]
+        counts["latest" if o is LATEST else "snapshot" if o is snapshot else "twos" if o is twos else "firsts"] += 1
+    # 0.2 the newest weights; of the other 0.8, half a fixed player (each 0.2) and half the snapshot (sd <= 0.0065: 4 sd)
+    for key, share in (("latest", 0.2), ("snapshot", 0.4), ("twos", 0.2), ("firsts", 0.2)):
+        assert abs(counts[key] / draws - share) < 0.026, counts
+
+    for k, opponent in enumerate([twos, firsts, twos, snapshot]):
+        sp.face(k, opponent)
+    n = COPIES * 2
+    obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
+    rows = np.array([sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)[0] for _ in range(200)])
+    assert (rows[:, [0, 2, 4, 6]] == 1).all()          # the learning agents: the policy's own move
+    assert (rows[:, [1, 5]] == 2).all() and (rows[:, 3] == 0).all()   # the fixed players: theirs, never random
+    assert len(set(rows[:, 7])) == 3                    # the snapshot's side: every move random (epsilon 1)
+
+    # Their games: scored apart, each its own win rate, the rating unmoved.
+    sp.returns[:] = 0.0
+    sp.stepped(np.array([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), np.array([True, True, True, False]))
+    g = rollout.metrics.gauges
+    assert list(twos.recent) == [1.0, 0.5] and list(firsts.recent) == [0.0]
+    assert g[f"actor/selfplay_fixed/{twos.name}_win_rate"] == 0.5
+    assert g[f"actor/selfplay_fixed/{firsts.name}_win_rate"] == 0.0
+    assert g["actor/selfplay_elo"] == START_ELO
+
+    with pytest.raises(ConfigError, match=r"^selfplay.fixed_probability: 0.5 is invalid: needs selfplay.fixed_players"):
+        config(fixed_probability=0.5)
+    with pytest.raises(ConfigError, match=r"^selfplay.fixed_players: 'plays_2' is invalid: each must be module:function"):
+        config(fixed_players=["plays_2"])
+    with pytest.raises(ValueError, match=r"^selfplay.fixed_players: no_such_module:f: No module named 'no_such_module'"):
+        Rollout(config(fixed_players=["no_such_module:f"], fixed_probability=0.1), "sp", 0, Metrics("actor"))

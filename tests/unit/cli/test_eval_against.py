@@ -93,3 +93,31 @@ def test_up_evaluates_a_self_play_run_against_random(tmp_path, monkeypatch):
     result = evaluate.evaluate_after_training(cfg, tmp_path / "run")
     assert calls == [("trained", "random", 6)] and result["win_rate"] == pytest.approx(4 / 6)
     assert evaluate.describe(result) == "against random: 4 wins, 1 losses, 1 draws of 6 games (win rate 0.667)"
+
+
+def test_roomy_keeps_out_of_the_opponents_reach_and_beats_random():
+    """kuberl_envs.tron:roomy, the fixed player for self-play's pool: of its free moves, one the opponent's
+    head cannot also reach next, then the most room; where `scripted` goes straight on, into that reach."""
+    from kuberl_envs.tron import Tron, roomy, scripted
+
+    env = Tron(6)
+    env.reset(seed=0)
+    env.walls[:] = False
+    env.heads, env.headings = [np.array([3, 1]), np.array([2, 2])], [1, 3]   # p0 faces right, p1 beside its path
+    obs = env.observe("p0")
+    # straight (3, 2) and left (2, 1) are next to p1's head (2, 2); right (4, 1) is not
+    assert scripted(obs) == 0 and roomy(obs) == 2
+    env.heads[1] = np.array([0, 5])   # far away: the most room, straight on between equals
+    env.walls[4:, :3] = True          # below-left is walled off: right has no room
+    assert roomy(env.observe("p0")) in (0, 1)
+
+    rng = np.random.default_rng(0)
+    results = []
+    for game in range(100):   # (seeded: the same 100 games every run)
+        obs, _ = env.reset(seed=game)
+        while True:
+            obs, r, term, trunc, _ = env.step({"p0": roomy(obs["p0"]), "p1": int(rng.integers(3))})
+            if term["p0"] or trunc["p0"]:
+                results.append(r["p0"])
+                break
+    assert results.count(1.0) >= 95 and results.count(-1.0) <= 1, (results.count(1.0), results.count(-1.0))

@@ -1,5 +1,6 @@
 """Two `kuberl up` runs started at the same moment never share a run directory or the planner's
-default port (services/cli/up.py `_new_dir`, services/cli/fleet.py `_claim`)."""
+default port (services/cli/up.py `_new_dir`, services/cli/fleet.py `_claim`); and what `kuberl up` shows
+of its runs (the live stats of a re-formed learner, metrics.csv's self-play columns)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,16 @@ def test_a_learner_re_formed_under_its_old_name_reports_its_own_stats_not_the_st
                               "actor-1": ("actor", {"actor/env_steps_total": 10.0})}
     f.members = []
     assert f.last_stats()["learner-team-0"] == ("learner", {"learner/policy_version": 16.0})
+
+
+def test_metrics_csv_has_a_win_rate_column_per_fixed_player():
+    from services.cli.up import SELFPLAY_COLUMNS, selfplay_columns
+    from services.config import config_from_dict
+
+    tron = {"algorithm": "ppo", "env": {"id": "pettingzoo:kuberl_envs.tron"}}
+    assert selfplay_columns(config_from_dict(tron)) == []
+    assert selfplay_columns(config_from_dict({**tron, "selfplay": {"enabled": True}})) == SELFPLAY_COLUMNS
+    fixed = config_from_dict({**tron, "selfplay": {"enabled": True, "fixed_probability": 0.1,
+                                                   "fixed_players": ["kuberl_envs.tron:roomy", "kuberl_envs.tron:scripted"]}})
+    assert selfplay_columns(fixed) == SELFPLAY_COLUMNS + ["selfplay_fixed/kuberl_envs.tron:roomy_win_rate",
+                                                          "selfplay_fixed/kuberl_envs.tron:scripted_win_rate"]
