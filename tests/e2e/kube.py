@@ -308,3 +308,37 @@ class Simulator:
         self.thread.join(60)
         if not self.thread.is_alive():
             self.envs.close()
+
+
+def assert_policies_train_and_actors_scale(node: Node, namespace: str, policies: tuple[str, ...], start: float) -> dict:
+    """A run of several policies applied (a release of the chart, or k8s/overlays/policies) whose actor
+    starts capped: every pod Ready, a learner StatefulSet per policy (kuberl-learner-<policy>, one pod),
+    each policy's version rising; the planner scales the actor Deployment to 2, leaves each policy's
+    learners at 1, and reports both it read (its Role names every policy's StatefulSet). Returns the
+    seconds, from `start`, for the e2e report."""
+    from kubernetes import client
+    ready_s = wait_ready(node, namespace, timeout_s=400)
+    assert sorted(p.metadata.name for p in pods(node, namespace, "learner")) == [
+        f"kuberl-learner-{p}-0" for p in policies]   # (and no one-policy learner group beside them)
+    versions = {}
+    for policy in policies:   # each policy's learner trains on its own agents' samples
+        versions[policy], _ = wait_metric(node, namespace, f"kuberl-learner-{policy}", VERSION_METRIC, above=2)
+    training_s = time.monotonic() - start
+    with node.cluster.admin() as api:
+        apps = client.AppsV1Api(api)
+        scaled_s = wait_until(
+            node, namespace, "the planner scaled the actor Deployment to 2",
+            lambda: (apps.read_namespaced_deployment("kuberl-actor", namespace).spec.replicas or 1) == 2,
+            log_pod="deploy/kuberl-planner")
+        assert [apps.read_namespaced_stateful_set(f"kuberl-learner-{p}", namespace).spec.replicas
+                for p in policies] == [1] * len(policies)
+    log = kubectl(node, "-n", namespace, "logs", "deploy/kuberl-planner")
+    # (Why it scaled, each policy's learners weighed by its share, is in the planner's decisions:
+    # tests/integration/test_planner_kube_e2e.py reads them.)
+    assert f"scaled actor (Deployment {namespace}/kuberl-actor) to 2" in log, log[-3000:]
+    planner = metrics(node, namespace, "kuberl-planner")
+    for policy in policies:
+        assert planner.get(f"kuberl_planner_policies_{policy}_learner_replicas") == 1, planner
+        assert planner.get(f"kuberl_planner_policies_{policy}_learner_rate_per_replica", 0) > 0, planner
+    return {"apply_to_ready_s": round(ready_s, 1), "apply_to_training_s": round(training_s, 1),
+            "policy_versions": versions, "training_to_actors_scaled_s": round(scaled_s, 1)}

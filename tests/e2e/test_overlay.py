@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from tests.e2e.kube import (NODE_LEARNERS, VERSION_METRIC, assert_trains, fit_node, fresh_namespace, kubectl, metrics,
-                             pods, render_overlay, wait_metric, wait_ready, wait_until, with_config)
+from tests.e2e.kube import (NODE_LEARNERS, assert_policies_train_and_actors_scale, assert_trains, fit_node,
+                             fresh_namespace, kubectl, render_overlay, with_config)
 
 NAMESPACE = "kuberl"   # k8s/overlays/dev and k8s/overlays/policies put everything there
 
@@ -54,31 +54,8 @@ def small_run(config: dict) -> None:
 
 
 def test_policies_overlay_trains_each_policy_in_its_own_learner_statefulset(e2e_node, e2e_images, e2e_report):
-    from kubernetes import client
     manifest = small_requests(with_config(render_overlay(e2e_node, "k8s/overlays/policies"), small_run))
     start = time.monotonic()
     with fresh_namespace(e2e_node, NAMESPACE):
         kubectl(e2e_node, "apply", "-f", "-", input=manifest)
-        ready_s = wait_ready(e2e_node, NAMESPACE, timeout_s=400)
-        assert sorted(p.metadata.name for p in pods(e2e_node, NAMESPACE, "learner")) == [
-            f"kuberl-learner-{p}-0" for p in POLICIES]   # the base's one-policy group is gone
-        versions = {}
-        for policy in POLICIES:   # each policy's learner trains on its own agents' samples
-            versions[policy], _ = wait_metric(e2e_node, NAMESPACE, f"kuberl-learner-{policy}", VERSION_METRIC, above=2)
-        training_s = time.monotonic() - start
-        with e2e_node.cluster.admin() as api:
-            apps = client.AppsV1Api(api)
-            scaled_s = wait_until(
-                e2e_node, NAMESPACE, "the planner scaled the actor Deployment to 2",
-                lambda: (apps.read_namespaced_deployment("kuberl-actor", NAMESPACE).spec.replicas or 1) == 2,
-                log_pod="deploy/kuberl-planner")
-            assert [apps.read_namespaced_stateful_set(f"kuberl-learner-{p}", NAMESPACE).spec.replicas
-                    for p in POLICIES] == [1, 1]
-        log = kubectl(e2e_node, "-n", NAMESPACE, "logs", "deploy/kuberl-planner")
-        assert f"scaled actor (Deployment {NAMESPACE}/kuberl-actor) to 2" in log, log[-3000:]
-        planner = metrics(e2e_node, NAMESPACE, "kuberl-planner")
-        for policy in POLICIES:   # it read each policy's StatefulSet (its Role names them) and learners' rate
-            assert planner.get(f"kuberl_planner_policies_{policy}_learner_replicas") == 1, planner
-            assert planner.get(f"kuberl_planner_policies_{policy}_learner_rate_per_replica", 0) > 0, planner
-        e2e_report["policies_overlay"] = {"apply_to_ready_s": round(ready_s, 1), "apply_to_training_s": round(training_s, 1),
-                                          "policy_versions": versions, "training_to_actors_scaled_s": round(scaled_s, 1)}
+        e2e_report["policies_overlay"] = assert_policies_train_and_actors_scale(e2e_node, NAMESPACE, POLICIES, start)

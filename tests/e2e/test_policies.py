@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from tests.e2e.helm import SMALL, release
-from tests.e2e.kube import VERSION_METRIC, fresh_namespace, kubectl, pods, wait_metric, wait_ready, wait_until
+from tests.e2e.kube import assert_policies_train_and_actors_scale, fresh_namespace
 
 NAMESPACE = "kuberl-policies"
 POLICIES = ("first", "rest")
@@ -29,28 +29,7 @@ CONFIG = {
 
 def test_helm_install_of_two_policies_trains_each_in_its_own_learner_statefulset(e2e_node, e2e_images, e2e_report,
                                                                                   tmp_path):
-    from kubernetes import client
     start = time.monotonic()
     values = {**SMALL, "config": CONFIG}
     with fresh_namespace(e2e_node, NAMESPACE), release(e2e_node, tmp_path, NAMESPACE, values):
-        ready_s = wait_ready(e2e_node, NAMESPACE, timeout_s=400)
-        assert sorted(p.metadata.name for p in pods(e2e_node, NAMESPACE, "learner")) == [
-            f"kuberl-learner-{p}-0" for p in POLICIES]
-        versions = {}
-        for policy in POLICIES:   # each policy's learner trains: its own version rises
-            versions[policy], _ = wait_metric(e2e_node, NAMESPACE, f"kuberl-learner-{policy}", VERSION_METRIC, above=2)
-        training_s = time.monotonic() - start
-        with e2e_node.cluster.admin() as api:
-            apps = client.AppsV1Api(api)
-            scaled_s = wait_until(
-                e2e_node, NAMESPACE, "the planner scaled the actor Deployment to 2",
-                lambda: (apps.read_namespaced_deployment("kuberl-actor", NAMESPACE).spec.replicas or 1) == 2,
-                log_pod="deploy/kuberl-planner")
-            assert [apps.read_namespaced_stateful_set(f"kuberl-learner-{p}", NAMESPACE).spec.replicas
-                    for p in POLICIES] == [1, 1]
-        log = kubectl(e2e_node, "-n", NAMESPACE, "logs", "deploy/kuberl-planner")
-        # (Why it scaled, each policy's learners weighed by its share, is in the planner's decisions:
-        # tests/integration/test_planner_kube_e2e.py reads them.)
-        assert f"scaled actor (Deployment {NAMESPACE}/kuberl-actor) to 2" in log, log[-3000:]
-        e2e_report["helm_two_policies"] = {"apply_to_ready_s": round(ready_s, 1), "apply_to_training_s": round(training_s, 1),
-                                           "policy_versions": versions, "training_to_actors_scaled_s": round(scaled_s, 1)}
+        e2e_report["helm_two_policies"] = assert_policies_train_and_actors_scale(e2e_node, NAMESPACE, POLICIES, start)
