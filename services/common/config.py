@@ -684,8 +684,7 @@ class PlannerConfig:
                 "must be in [0, 1] (0 = scale-ups are not checked)")
         require(self.saturation_hold_s > 0, "saturation_hold_s", self.saturation_hold_s, "must be > 0")
         require(self.max_policy_lag >= 0, "max_policy_lag", self.max_policy_lag, "must be >= 0 (0 = no staleness target)")
-        require(self.budget == 0 or self.budget >= self.actor.min * self.actor.cost + self.learner.min * self.learner.cost,
-                "budget", self.budget, "cannot fit the minimum replicas of every role")
+        # (Whether the budget fits every role's minimum is the experiment's check: it knows the policies.)
 
 
 @dataclass(frozen=True)
@@ -784,9 +783,11 @@ class CommonConfig:
                 f"({self.planner.actor.min}..{self.planner.actor.max}), the planner's bounds")
         learner = self.planner.learner
         floor = self.planner.actor.min * self.planner.actor.cost + len(self.policy_names) * learner.min * learner.cost
+        learners = ("planner.learner.min" if len(self.policy_names) == 1 else
+                    f"for each of the {len(self.policy_names)} policies, planner.learner.min")
         require(self.planner.budget == 0 or self.planner.budget >= floor, "planner.budget", self.planner.budget,
-                f"cannot fit the minimum replicas of every role: {floor:g} (planner.actor.min and, for each of the "
-                f"{len(self.policy_names)} policies, planner.learner.min)")
+                f"cannot fit the minimum replicas of every role: {floor:g} (planner.actor.min and {learners}, "
+                f"at their cost)")
         require(not self.planner.enabled or learner.min <= self.topology.learners <= learner.max,
                 "topology.learners", self.topology.learners,
                 f"must lie within planner.learner.min..max ({learner.min}..{learner.max}), the planner's bounds")

@@ -94,8 +94,8 @@ def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
     ({"policies": {"red": {"agents": ["a"]}}}, r"policies: \['red'\] is invalid: name two or more policies"),
     ({"ppo": {**TINY_PPO["ppo"], "recurrent": "lstm"}}, r"ppo.recurrent: several policies in one run act with feed-forward"),
     ({"planner": {"enabled": False, "budget": 2.5}},   # 1 actor + 1 learner each of 2 policies
-     r"planner.budget: 2.5 is invalid: cannot fit the minimum replicas of every role: 3 \(planner.actor.min and, "
-     r"for each of the 2 policies, planner.learner.min\)"),
+     r"planner.budget: 2.5 is invalid: cannot fit the minimum replicas of every role: 3 \(planner.actor.min and "
+     r"for each of the 2 policies, planner.learner.min, at their cost\)"),
 ])
 def test_a_policies_config_is_checked_naming_the_key(more, problem):
     cfg = {**TINY_PPO, "env": {"id": RELAY}, "planner": {"enabled": False}, "policies": TWO, **more}

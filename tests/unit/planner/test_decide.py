@@ -404,3 +404,14 @@ def test_a_policy_that_gets_no_samples_needs_no_learner_rate_and_is_planned_at_i
     policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4), tolerance=0.1)
     d = decide(policy, _policies_inputs(RoleInputs(desired=2, rate=None, share=0.0)))
     assert d.consumption == pytest.approx(400.0) and d.proposed == {"actor": 8, "learner/red": 2, "learner/blue": 1}
+
+
+def test_a_budget_below_every_roles_minimum_is_refused_naming_them():
+    from services.config import ConfigError, config_from_dict
+
+    cfg = {"algorithm": "ppo", "env": {"id": "CartPole-v1"},
+           "planner": {"budget": 2.5, "actor": {"min": 1, "cost": 1.0}, "learner": {"min": 1, "cost": 2.0}}}
+    with pytest.raises(ConfigError, match=r"^planner.budget: 2.5 is invalid: cannot fit the minimum replicas of every "
+                                          r"role: 3 \(planner.actor.min and planner.learner.min, at their cost\)"):
+        config_from_dict(cfg)
+    assert config_from_dict({**cfg, "planner": {**cfg["planner"], "budget": 3.0}}).planner.budget == 3.0
