@@ -23,8 +23,9 @@ single-agent env.
   (its moves uniform over those the mask allows; a Box uniform within its bounds), else against a
   snapshot as above. With `fixed_players` and `fixed_probability` f, those episodes are first against
   one of the fixed players (`module:function`, services/common/players.py), drawn uniformly, with
-  probability f; the random player and the snapshots share the rest. With `opponent_epsilon` e, each move of an opponent that is the policy (a
-  snapshot, or the newest weights on a side not recorded) is a uniformly random one with probability e.
+  probability f; the random player and the snapshots share the rest. With `opponent_epsilon` e, each
+  move of an opponent that is the policy (a snapshot, or the newest weights on a side not recorded) is
+  a uniformly random one with probability e.
 - **What is recorded:** the learning agent's steps; with `record_latest`, every agent's steps in the
   copies whose opponents are the newest weights (every side there is the policy that trains, and its
   actions are computed in the one call either way), the game seen from each side.
