@@ -264,9 +264,8 @@ async def test_the_shutdown_flush_waits_for_every_pending_encode():
     h.close_all()                               # the partial ones are cut: 4 in all
     assert h.seq == 4 and not queued
     flush = asyncio.ensure_future(asyncio.to_thread(h.flush))
-    for _ in range(20):
-        await asyncio.sleep(0.005)
-    assert not flush.done() and not queued      # held up by the encoder
+    assert await asyncio.to_thread(slow.started.wait, WAIT_S)   # the encoder's thread is in the first encode
+    assert h.encoder.pending == 4 and not queued and not flush.done()   # held up there: none handed on
     slow.release.set()
     assert await asyncio.wait_for(flush, WAIT_S)
     assert [f.seq for f in queued] == [0, 1, 2, 3]   # all of them, without another turn of the loop

@@ -76,21 +76,28 @@ def test_the_insert_limit_stream_carries_the_list_once_per_change():
         store = dqn_store()
         s = BufferServicer(store, store.metrics)
         written: list[buffer_pb2.InsertLimit] = []
+        wrote = asyncio.Event()
 
         class Stream(Context):
             async def write(self, msg):
                 written.append(msg)
+                wrote.set()
+
+        async def messages(n: int) -> None:   # the stream has written its n-th message
+            while len(written) < n:
+                wrote.clear()
+                await asyncio.wait_for(wrote.wait(), 5)
         watch = asyncio.create_task(s.WatchInsertLimit(buffer_pb2.InsertLimitRequest(actor_id="a", incarnation=1),
                                                        Stream()))
-        await asyncio.sleep(0.05)
-        assert len(written) == 1 and not written[0].HasField("topology")   # none set: the actor keeps its own
+        await messages(1)
+        assert not written[0].HasField("topology")   # none set: the actor keeps its own
         await s.SetTopology(request([A, B], 2, 10, 0), Context())
-        await asyncio.sleep(0.05)
+        await messages(2)
         store.insert(dqn_msg(0))
         s.changed.notify()
-        await asyncio.sleep(0.05)
+        await messages(3)
         await s.SetTopology(request([A, B], 1, 11, 0), Context())
-        await asyncio.sleep(0.05)
+        await messages(4)
         s.close()
         await asyncio.wait_for(watch, 5)
         assert [m.topology.generation for m in written] == [0, 10, 0, 11], written
