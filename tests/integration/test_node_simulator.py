@@ -18,6 +18,7 @@ actor (stepping and encoding 16 CartPoles takes about 3 us).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import shutil
 import subprocess
@@ -43,12 +44,15 @@ def node_example(name: str) -> str:
         pytest.skip(f"Node.js is not installed (`node` and `npm` must be on PATH) for the examples/{name} "
                     f"simulator; install Node.js >= 18 to run these tests")
     example = EXAMPLES / name
-    installed = all((example / "node_modules" / "@grpc" / pkg / "package.json").exists()
-                    for pkg in ("grpc-js", "proto-loader"))
-    if not installed:
-        out = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=example, capture_output=True, text=True,
-                             timeout=600)
-        assert out.returncode == 0, f"npm ci in {example} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+    # One `npm ci` at a time per example: `make test`'s workers (pytest-xdist) may reach here together.
+    with open(example / "package.json") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        installed = all((example / "node_modules" / "@grpc" / pkg / "package.json").exists()
+                        for pkg in ("grpc-js", "proto-loader"))
+        if not installed:
+            out = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=example, capture_output=True, text=True,
+                                 timeout=600)
+            assert out.returncode == 0, f"npm ci in {example} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
     return node
 
 
