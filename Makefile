@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: run test protos lint-imports clean k8s-testenv images images-cuda e2e e2e-clean
+.PHONY: run test test-learning checks protos lint-imports clean k8s-testenv images images-cuda e2e e2e-clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,17 +24,27 @@ $(STAMP_DEV): pyproject.toml | $(PY)
 run: $(STAMP_RUN)
 	$(VENV)/bin/kuberl up $(CONFIG)
 
+# The suite has two tiers (README "Testing"). `make test` runs every unit, integration and deploy test
+# (-m "not learning") spread over XDIST_WORKERS processes; `make test-learning` runs every test that trains an
+# agent to a return (-m learning), one at a time: each uses the whole machine. CI (.ci/run) runs both.
 # tests/k8s/provision.sh fetches and caches a real kube-apiserver, etcd and Helm (a cold build takes
 # about 12 minutes once per machine); where they cannot be had, the tests that need them skip and say why.
-# The whole suite takes about 45 minutes on 2 cores (2026-11-27). TEST_DEADLINE_S bounds it: a run that hangs (a
-# gRPC object left alive can deadlock pytest's final garbage collection) fails instead of eating CI's time.
-TEST_DEADLINE_S ?= 3900
-test: $(STAMP_DEV)
+# Each tier's deadline bounds it: a run that hangs (a gRPC object left alive can deadlock pytest's final
+# garbage collection) fails instead of eating CI's time.
+TEST_DEADLINE_S ?= 1500
+LEARNING_DEADLINE_S ?= 2400
+XDIST_WORKERS ?= 3
+test: checks
+	timeout --kill-after=30 $(TEST_DEADLINE_S) $(PY) -m pytest -m "not learning" -n $(XDIST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-learning: $(STAMP_DEV)
+	timeout --kill-after=30 $(LEARNING_DEADLINE_S) $(PY) -m pytest -m learning $(PYTEST_ARGS)
+
+checks: $(STAMP_DEV)
 	bash tests/k8s/provision.sh
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check services tests bench kuberl_client kuberl_envs examples docker
 	$(VENV)/bin/mypy
-	timeout --kill-after=30 $(TEST_DEADLINE_S) $(PY) -m pytest $(PYTEST_ARGS)
 
 # Regenerate the committed gRPC stubs (tests/unit/test_protos.py checks they are current).
 protos: $(STAMP_DEV)

@@ -1,8 +1,10 @@
-"""Suite-wide fixtures: fail any test that leaks asyncio tasks; keep torch to one thread."""
+"""Suite-wide fixtures: fail any test that leaks asyncio tasks; keep torch to one thread. And the tiers: what
+`make test` and `make test-learning` each run, and the fast tier's tests that took over 60 s."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,43 @@ def _one_torch_thread():
     except ImportError:
         return
     torch.set_num_threads(1)
+
+
+# -- the two tiers ---------------------------------------------------------------------------------------
+# `make test` runs `-m "not learning"` (every unit, integration and deploy behaviour, in at most 15 minutes
+# of pytest on 2 cores); `make test-learning` runs `-m learning` (every test that trains to a return).
+LEARNING_DIR = Path(__file__).parent / "learning"
+FAST_TIER_LIMIT_S = 60.0
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if LEARNING_DIR in Path(item.path).parents:   # a test that trains to a return is in the learning tier
+            item.add_marker(pytest.mark.learning)
+
+
+_phase_seconds: dict[str, float] = {}
+_learning: set[str] = set()
+_allowed: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    """Add up each test's setup, call and teardown (the controller sees its workers' reports under xdist)."""
+    _phase_seconds[report.nodeid] = _phase_seconds.get(report.nodeid, 0.0) + report.duration
+    if "learning" in report.keywords:
+        _learning.add(report.nodeid)
+    if "over_60s" in report.keywords:
+        _allowed.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name every `make test` test that took longer than 60 s without an `over_60s(reason)` mark: the fast
+    tier's budget is 15 minutes, and one slow test is where it goes first. Reported, never failed: wall
+    time depends on the machine's load."""
+    over = sorted(((s, n) for n, s in _phase_seconds.items()
+                   if s > FAST_TIER_LIMIT_S and n not in _learning and n not in _allowed), reverse=True)
+    if over:
+        terminalreporter.section(f"tests over {FAST_TIER_LIMIT_S:.0f} s without an over_60s mark")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")

@@ -37,6 +37,9 @@ from tests.deploy.render import (OVERLAYS, ROLES, ROOT, container, expand_vars, 
 from tests.deploy.test_crosscheck import dockerfile
 
 INSTALL_TIMEOUT_S = 600
+# The module's first test carries the four installs (its fixture's setup: about 50 s alone, 100-170 s beside
+# the rest of `make test`); they are what an image build does, and nothing cheaper checks it.
+pytestmark = pytest.mark.over_60s("installs the four roles' virtual environments with pip, once for the module")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
 
 

@@ -259,6 +259,8 @@ def _actor_version(actor: Service) -> float:
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.over_60s("nine learner processes started (four, and a killed rank back at each of five sizes) and "
+                      "twelve group formations: 33 s alone, 66 s beside the rest of `make test`")
 def test_a_walk_1_2_3_4_3_2_1_with_a_member_killed_at_each_size_and_the_actor_fed_throughout(tmp_path, api):
     """One running group through every size from 1 to 4 and back, in the same processes for the ranks
     that stay. At each size of 2 or more its highest rank is killed (SIGKILL, a node failure) and comes
