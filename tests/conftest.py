@@ -52,17 +52,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 _phase_seconds: dict[str, float] = {}
-_learning: set[str] = set()
-_allowed: set[str] = set()
+_exempt: set[str] = set()   # learning tests, and those marked over_60s
 
 
 def pytest_runtest_logreport(report):
     """Add up each test's setup, call and teardown (the controller sees its workers' reports under xdist)."""
     _phase_seconds[report.nodeid] = _phase_seconds.get(report.nodeid, 0.0) + report.duration
-    if "learning" in report.keywords:
-        _learning.add(report.nodeid)
-    if "over_60s" in report.keywords:
-        _allowed.add(report.nodeid)
+    if "learning" in report.keywords or "over_60s" in report.keywords:
+        _exempt.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -70,7 +67,7 @@ def pytest_terminal_summary(terminalreporter):
     tier's budget is 15 minutes, and one slow test is where it goes first. Reported, never failed: wall
     time depends on the machine's load."""
     over = sorted(((s, n) for n, s in _phase_seconds.items()
-                   if s > FAST_TIER_LIMIT_S and n not in _learning and n not in _allowed), reverse=True)
+                   if s > FAST_TIER_LIMIT_S and n not in _exempt), reverse=True)
     if over:
         terminalreporter.section(f"tests over {FAST_TIER_LIMIT_S:.0f} s without an over_60s mark")
         for seconds, nodeid in over:
