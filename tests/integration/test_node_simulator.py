@@ -273,32 +273,50 @@ def test_node_cartpole_without_velocities_learns_with_a_recurrent_policy(tmp_pat
 
 
 CROSSING_STEPS = 3_000
+# The mechanism alone (agents coming and going, several policies, every agent step in the buffer) needs
+# no learned policy: `make test` runs these many steps, and the learning tier the full budgets below.
+CROSSING_MECHANISM_STEPS = 800
 
 
-def test_node_crossing_cars_come_and_go_as_agents_and_learn_to_take_turns(tmp_path):
-    """examples/node-crossing: a JavaScript simulator of several agents (docs/multi-agent.md, "Agents over
-    EnvSession"): cars arrive at random, each is an agent of the one session (hello.agent_ids), leaves
-    when it passed, crashed or gave up, and its id comes back with a later car (EnvStep.joined). Every
-    agent step reaches the buffer once. Measured (2 cores, seed 0): the first 100 cars scored 0.12 on
-    average (going at random crashes many), the last 100 0.94 after 3,000 steps (about 4,100 agent
-    steps; best possible just under 1). The assertion: the last 100 at least 0.5, and above the first."""
+def _crossing(tmp_path, steps: int) -> tuple[dict, str]:
+    """examples/node-crossing's cars for `steps` steps: (its summary, its output). Every agent step reached
+    the actor and the buffer once, every car ended as passed, crashed or gave up, and ids came back."""
     node = node_example("node-crossing")
     with external_stack(tmp_path, "crossing_external") as procs:
-        run = _simulate(node, procs["actor"].address, "--steps", str(CROSSING_STEPS), "--session", "crossing",
+        run = _simulate(node, procs["actor"].address, "--steps", str(steps), "--session", "crossing",
                         timeout=WAIT_S * 3, script="node-crossing/crossing.js")
         logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
         assert run.returncode == 0, logs
         result = json.loads(run.stdout.strip().splitlines()[-1])
-        assert result["steps"] == CROSSING_STEPS and result["joined"] > 100, result   # ids really came back
-        assert result["cars"] == result["passed"] + result["crashed"] + result["gave_up"] > 1000, result
-        assert result["mean_return_last_100"] >= 0.5, f"no learning\n{logs}"
-        assert result["mean_return_last_100"] > result["mean_return_first_100"], result
+        assert result["steps"] == steps and result["joined"] > 0, result   # ids really came back
+        assert result["cars"] == result["passed"] + result["crashed"] + result["gave_up"] > 0, result
         wait_for(lambda: stats(procs["actor"].address, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
                  timeout=WAIT_S, what="the session to close after the half-close")
         a = stats(procs["actor"].address, actor_pb2_grpc.ActorStub)
         assert a["actor/env_steps_total"] == result["agent_steps"], (a, result)
         assert a["actor/episodes_total"] == result["cars"], (a, result)
         _assert_buffer_got_every_step(procs, result["agent_steps"])
+    return result, logs
+
+
+def test_node_crossing_cars_come_and_go_as_agents_and_every_agent_step_reaches_the_buffer(tmp_path):
+    """examples/node-crossing: a JavaScript simulator of several agents (docs/multi-agent.md, "Agents over
+    EnvSession"): cars arrive at random, each is an agent of the one session (hello.agent_ids), leaves
+    when it passed, crashed or gave up, and its id comes back with a later car (EnvStep.joined). Every
+    agent step reaches the buffer once."""
+    _crossing(tmp_path, CROSSING_MECHANISM_STEPS)
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(900)
+def test_node_crossing_cars_learn_to_take_turns(tmp_path):
+    """The same cars for CROSSING_STEPS steps. Measured (2 cores, seed 0): the first 100 cars scored 0.12
+    on average (going at random crashes many), the last 100 0.94 after 3,000 steps (about 4,100 agent
+    steps; best possible just under 1). The assertion: the last 100 at least 0.5, and above the first."""
+    result, logs = _crossing(tmp_path, CROSSING_STEPS)
+    assert result["joined"] > 100 and result["cars"] > 1000, result
+    assert result["mean_return_last_100"] >= 0.5, f"no learning\n{logs}"
+    assert result["mean_return_last_100"] > result["mean_return_first_100"], result
 
 
 # 10,000 steps: at 6,000 a clean-clone run on 2026-11-27 ended with the cars' last 100 at 0.10 (car
@@ -309,26 +327,22 @@ def test_node_crossing_cars_come_and_go_as_agents_and_learn_to_take_turns(tmp_pa
 BUSES_STEPS = 10_000
 
 
-def test_node_crossing_cars_and_buses_are_two_policies_each_with_its_own_spaces(tmp_path):
-    """examples/node-crossing --buses: the cars and the buses are two policies (configs/
-    crossing_buses_external.yaml), each with spaces of its own (4 and 5 floats): the simulator opens a
-    session per policy (hello.policy) and steps them together. Each policy's agent steps reach its own
-    buffer table exactly, and each learns apart. Measured (2 cores, seed 0, BUSES_STEPS steps): see
-    docs/multi-agent.md, "Several policies over EnvSession"."""
+def _crossing_with_buses(tmp_path, steps: int) -> tuple[dict, str]:
+    """examples/node-crossing --buses for `steps` steps: (its summary, its output). The simulator opens a
+    session per policy (hello.policy) and steps them together; each policy's agent steps reach its own
+    buffer table exactly, its learner trains only on what that table served, and each policy's new
+    weights reach the simulator."""
     node = node_example("node-crossing")
     with external_stack(tmp_path, "crossing_buses_external") as procs:
-        run = _simulate(node, procs["actor"].address, "--steps", str(BUSES_STEPS), "--buses", "3", "--session", "x",
+        run = _simulate(node, procs["actor"].address, "--steps", str(steps), "--buses", "3", "--session", "x",
                         timeout=WAIT_S * 4, script="node-crossing/crossing.js")
         logs = f"node stdout:\n{run.stdout[-4000:]}\nnode stderr:\n{run.stderr[-4000:]}"
         assert run.returncode == 0, logs
         result = json.loads(run.stdout.strip().splitlines()[-1])
         car, bus = result["policies"]["car"], result["policies"]["bus"]
-        assert result["steps"] == BUSES_STEPS and result["agent_steps"] == car["agent_steps"] + bus["agent_steps"]
-        assert car["cars"] == car["passed"] + car["crashed"] + car["gave_up"] and car["joined"] > 100, result
-        assert bus["vehicles"] == bus["passed"] + bus["crashed"] + bus["gave_up"] and bus["joined"] > 100, result
-        # Each learned: best possible just under 1 a car, 2 a bus.
-        assert car["mean_return_last_100"] >= 0.5 and car["mean_return_last_100"] > car["mean_return_first_100"], logs
-        assert bus["mean_return_last_100"] >= 1.0 and bus["mean_return_last_100"] > bus["mean_return_first_100"], logs
+        assert result["steps"] == steps and result["agent_steps"] == car["agent_steps"] + bus["agent_steps"]
+        assert car["cars"] == car["passed"] + car["crashed"] + car["gave_up"] and car["joined"] > 0, result
+        assert bus["vehicles"] == bus["passed"] + bus["crashed"] + bus["gave_up"] and bus["joined"] > 0, result
         for one in (car, bus):
             assert one["policy_version_last"] > one["policy_version_first"], result
         wait_for(lambda: stats(procs["actor"].address, actor_pb2_grpc.ActorStub).get("actor/sessions_active", 1) == 0,
@@ -343,3 +357,24 @@ def test_node_crossing_cars_and_buses_are_two_policies_each_with_its_own_spaces(
         for name in ("car", "bus"):
             trained = stats(procs[f"learner-{name}"].address, learner_pb2_grpc.LearnerStub)
             assert trained["learner/samples_total"] <= b[f"buffer/policies/{name}/samples_served_total"]
+    return result, logs
+
+
+def test_node_crossing_cars_and_buses_are_two_policies_each_with_its_own_spaces(tmp_path):
+    """examples/node-crossing --buses: the cars and the buses are two policies (configs/
+    crossing_buses_external.yaml), each with spaces of its own (4 and 5 floats), stepped together by one
+    simulator, for CROSSING_MECHANISM_STEPS steps."""
+    _crossing_with_buses(tmp_path, CROSSING_MECHANISM_STEPS)
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(900)
+def test_node_crossing_cars_and_buses_each_learn_apart(tmp_path):
+    """The cars and the buses for BUSES_STEPS steps: each policy learns apart. Measured (2 cores, seed 0):
+    see docs/multi-agent.md, "Several policies over EnvSession"."""
+    result, logs = _crossing_with_buses(tmp_path, BUSES_STEPS)
+    car, bus = result["policies"]["car"], result["policies"]["bus"]
+    assert car["joined"] > 100 and bus["joined"] > 100, result
+    # Best possible just under 1 a car, 2 a bus.
+    assert car["mean_return_last_100"] >= 0.5 and car["mean_return_last_100"] > car["mean_return_first_100"], logs
+    assert bus["mean_return_last_100"] >= 1.0 and bus["mean_return_last_100"] > bus["mean_return_first_100"], logs
