@@ -147,21 +147,25 @@ def test_planner_scales_the_actor_deployment_from_measured_rates(tmp_path, k8s_c
         # The planner measures the real actor (50 steps/s) against the learner's capacity and scales up.
         wait_for(lambda: spec_replicas(k8s_admin, ns) > 1, timeout=120, interval=0.5,
                  what=f"the actor Deployment scaled up; planner log:\n{planner.output()[-3000:]}")
-        assert spec_replicas(k8s_admin, ns) == 3                      # one step of +2
         assert spec_replicas(k8s_admin, ns, LEARNER) == 1             # the learner stays at its max of 1
         scaled = applied_decisions(tmp_path)
         assert len(scaled) == 1 and scaled[0]["backend"] == "kubernetes" and scaled[0]["ratio"] < 0.85
         actor_role = {r["role"]: r for r in scaled[0]["roles"]}["actor"]
+        # One step, bounded by actor.max_step_up (+2): 1 -> 3 where the learner was measured to keep up with
+        # three such actors; on a machine loaded enough to halve the learner's rate the planner aims lower
+        # (seen with four test workers on two cores: 1 -> 2). The Deployment holds what the decision proposed.
+        scaled_to = actor_role["proposed"]
+        assert 1 < scaled_to == min(actor_role["target"], 3) == spec_replicas(k8s_admin, ns), actor_role
         assert actor_role["rate_per_replica"] == pytest.approx(50, rel=0.3)
         # The buffer, found through its Service's Endpoints too, reports what reaches it.
         assert scaled[0]["buffer_samples_received_per_s"] > 0 and "buffer_size_samples" in scaled[0]
 
         no_change_stacked(stub, scaled[0])
-        assert spec_replicas(k8s_admin, ns) == 3
+        assert spec_replicas(k8s_admin, ns) == scaled_to
 
         # Preview asks the apiserver for a dry run and changes nothing.
         preview = stub.Preview(ppb.PreviewRequest(), timeout=30)
-        assert preview.dry_run and not preview.applied and spec_replicas(k8s_admin, ns) == 3
+        assert preview.dry_run and not preview.applied and spec_replicas(k8s_admin, ns) == scaled_to
 
         # A manual override goes through the same subresource.
         d = set_replicas_as_leader(stub, "actor", 1)

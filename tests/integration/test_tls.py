@@ -225,10 +225,13 @@ async def test_every_role_trains_over_mutual_tls_and_the_planner_and_cli_read_th
     cfg = config_from_dict(data)
     config = write_config(tmp_path / "c.yaml", data)
     async with stack(cfg, tmp_path / "ck", actor_id="actor-tls") as (buffer, learner, actor):
+        # The learner's second version, and the actor holding one: the weights stream reaches the actor
+        # between its fragments, after the learner has published (on a loaded machine, seconds after).
         async with asyncio.timeout(WAIT_S):
             while (await _stats(learner, learner_pb2_grpc.LearnerStub, cfg.tls)).get("learner/policy_version", 0) < 2:
                 await asyncio.sleep(0.1)
-        a = await _stats(actor, actor_pb2_grpc.ActorStub, cfg.tls)
+            while (a := await _stats(actor, actor_pb2_grpc.ActorStub, cfg.tls)).get("actor/policy_version", 0) < 1:
+                await asyncio.sleep(0.1)
         b = await _stats(buffer, buffer_pb2_grpc.BufferStub, cfg.tls)
         assert a["actor/policy_version"] >= 1 and a["actor/fragments_pushed_total"] >= 1
         assert b["buffer/samples_served_total"] > 0 and b["buffer/fragments_invalid_total"] == 0
