@@ -74,48 +74,48 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     shard = (shard_of(actor_id, len(shards), given_index) if given_index is not None or len(shards) == 1
              else await least_loaded_shard(shards, actor_id, cfg))
     register_session_metrics(metrics)   # 0 sessions where no simulator connects
+    names = cfg.policy_names
     try:
-        learners = learner_addresses(learner, cfg.policy_names)
+        learners = learner_addresses(learner, names)
     except ValueError as err:
         raise ConfigError("--learner", str(err).removeprefix("--learner: ")) from None
-    # Each policy's parts are keyed by its tag: its name where the run trains several (config `policies`:
-    # each with its learner and buffer tables, fragments carrying it), else "".
-    several = len(learners) > 1
-    learner_chs = {(name if several else ""): make_channel(address, max_bytes, tls=cfg.tls)
-                   for name, address in learners.items()}
+    # Each policy's parts by its name. Its tag is what its gauges' scope, its calls' kuberl-policy metadata,
+    # its fragments and its sessions' hellos carry: its name where the run trains several (config
+    # `policies`: each with its learner and buffer tables), else "" (the run's only one).
+    tags = {name: name if len(names) > 1 else "" for name in names}
+    learner_chs = {name: make_channel(address, max_bytes, tls=cfg.tls) for name, address in learners.items()}
     # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
     # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py); one per
-    # policy's table where there are several, its gauges (and its link's) scoped to the policy.
-    gates = {tag: InsertGate(metrics.scoped(tag)) for tag in learner_chs}
-    links = {tag: ShardLink(cfg, actor_id, incarnation, gate, metrics.scoped(tag), shards, shard, given_index,
-                            max_bytes, policy=tag) for tag, gate in gates.items()}
-    gate = gates[next(iter(gates))]   # (the one policy's, where there is one)
+    # policy's table, its gauges (and its link's) scoped to the policy where there are several.
+    gates = {name: InsertGate(metrics.scoped(tags[name])) for name in names}
+    links = {name: ShardLink(cfg, actor_id, incarnation, gate, metrics.scoped(tags[name]), shards, shard, given_index,
+                             max_bytes, policy=tags[name]) for name, gate in gates.items()}
+    link_of = {tags[name]: link for name, link in links.items()}   # (a fragment carries its policy's tag)
 
-    def enqueue(frag: EncodedFragment) -> None:  # the sessions' encoder thread (counted by the gate when cut)
-        loop.call_soon_threadsafe(links[frag.policy].enqueue, frag)
+    def enqueue(frag: EncodedFragment) -> None:  # the rollout's or the sessions' encoder thread (counted when cut)
+        loop.call_soon_threadsafe(link_of[frag.policy].enqueue, frag)
 
     def enqueue_as(tag: str, frag: EncodedFragment) -> None:   # (the fragment of one of several policies' hubs)
         enqueue(dataclasses.replace(frag, policy=tag))
 
     rollout = worker = None
-    seats: dict[str, BatchedInference] = {}
+    seats: dict[str, BatchedInference] = {}   # (by tag: a hello names its policy's)
     if external:  # simulators connect over EnvSession and step themselves
         episodes = EpisodeLog(metrics)
         specs = policy_specs(cfg)
         # Fragments are cut on the event loop and encoded off it, in seq order, on the encoder's thread.
         encoder = FragmentEncoder(metrics=metrics)
-        for k, (tag, gate) in enumerate(gates.items()):   # a hub per policy, with its spaces
-            scoped = metrics.scoped(tag)
-            policy = Policy(cfg, specs[tag or cfg.policy_names[0]], cfg.env.seed + 1000 * actor_index + k, metrics,
-                            name=tag)
+        policies = {}
+        for k, (name, gate) in enumerate(gates.items()):   # a hub per policy, with its spaces
+            tag, scoped = tags[name], metrics.scoped(tags[name])
+            policy = policies[name] = Policy(cfg, specs[name], cfg.env.seed + 1000 * actor_index + k, metrics, name=tag)
             hub = SessionHub(cfg, policy.spec, actor_id, scoped, incarnation=incarnation, on_cut=gate.cut,
                              on_fragment=enqueue if not tag else functools.partial(enqueue_as, tag),
                              encoder=encoder, state_size=policy.state_size, policy=tag, episodes=episodes)
             seats[tag] = BatchedInference(policy, hub, scoped, gate=gate)
-        policies = {tag: seat.policy for tag, seat in seats.items()}
     else:
         # Envs are created before any channel is used (fork safety for subprocess envs).
-        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gates if several else gate)
+        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=gates)
         episodes, policies = rollout.episodes, rollout.policies
     servicer = ActorServicer(metrics, episodes, seats, cfg.actor.session_timeout_s)
     lc = Lifecycle("actor", metrics, deadline_s=SHUTDOWN_DEADLINE_S)
@@ -149,11 +149,11 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
              cfg.env.id, "external simulators" if external else f"{cfg.env.num_envs} local envs", cfg.algorithm,
              shards[shard], shard, len(shards), learner)
     async with lc.running():
-        pushes = [lc.task(each.run(stopping), f"push {tag}".rstrip(), keep=True)   # (with the insert-limit stream)
-                  for tag, each in links.items()]
-        for tag, ch in learner_chs.items():
-            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), actor_id, policies[tag], metrics),
-                    f"weights {tag}".rstrip())
+        pushes = [lc.task(each.run(stopping), f"push {tags[name]}".rstrip(), keep=True)   # (with the insert-limit stream)
+                  for name, each in links.items()]
+        for name, ch in learner_chs.items():
+            lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), actor_id, policies[name], metrics),
+                    f"weights {tags[name]}".rstrip())
         for tag, seat in seats.items():
             lc.task(seat.run(), f"inference {tag}".rstrip())
         watch = lc.task(_watch(worker_done), "rollout-watch", keep=True)

@@ -37,6 +37,7 @@ class Policy:
         self.state_size = int(getattr(self.acting, "state_size", 0))
         # `Acting.greedy` shares `net`, so the weights swapped into `net` are the ones it acts with.
         self.greedy = self.acting.greedy().eval() if greedy else None
+        self._deterministic = self.greedy   # (the greedy net, made where first asked for: `act(greedy=True)`)
         self.version: int | None = None  # None until the learner's first weights arrive
         self.have_weights = threading.Event()
         self.newer_weights = threading.Event()  # set while weights newer than `version` wait for `swap`
@@ -69,8 +70,8 @@ class Policy:
         return np.zeros((n, self.state_size), np.float32) if self.state_size else None
 
     @torch.inference_mode()
-    def act(self, obs: np.ndarray, env_steps: int = 0, mask: np.ndarray | None = None, state: np.ndarray | None = None
-            ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+    def act(self, obs: np.ndarray, env_steps: int = 0, mask: np.ndarray | None = None, state: np.ndarray | None = None,
+            greedy: bool | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         """Actions for a batch of observations, the per-step extras the algorithm records with
         them (`Algorithm.extras`, e.g. PPO's behaviour log-probs), and for a recurrent policy each
         env's state after the step. `env_steps`: this actor's so far (DQN anneals exploration by it).
@@ -78,16 +79,20 @@ class Policy:
         [N, state_size]: each env's state before `obs` (a recurrent policy needs it; the caller
         zeroes an env's row where its episode starts). Actions are in the space's layout; a Box
         action is the unclipped sample (the caller clips what it sends to the env). A `greedy`
-        policy returns the most likely actions (Box: within bounds) and no extras."""
+        policy returns the most likely actions (Box: within bounds) and no extras; so does any policy
+        asked for them (`greedy` True; None: as it was made)."""
         x = torch.from_numpy(np.ascontiguousarray(obs))
         m = None if mask is None else torch.from_numpy(np.ascontiguousarray(mask))
         if self.state_size and state is None:
             raise ValueError("a recurrent policy (ppo.recurrent) acts from each env's state: pass state")
-        if self.greedy is not None:
+        if (self.greedy is not None) if greedy is None else greedy:
+            if self._deterministic is None:   # (`Acting.greedy` shares `net`, and so the weights swapped in)
+                self._deterministic = self.acting.greedy().eval()
+            net = self._deterministic
             if self.state_size:
-                actions, after = self.greedy(x, torch.from_numpy(np.ascontiguousarray(state)), m)
+                actions, after = net(x, torch.from_numpy(np.ascontiguousarray(state)), m)
                 return actions.numpy(), {}, after.numpy()
-            actions = self.greedy(x) if m is None else self.greedy(x, m)
+            actions = net(x) if m is None else net(x, m)
             return actions.numpy(), {}, None
         if self.state_size:
             return self.acting.act(x, self.version, env_steps, mask=m, state=np.ascontiguousarray(state))

@@ -45,73 +45,111 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
-import torch
 
 from services import algorithms
-from services.actor.policy import Policy
+from services.actor.seats import Frozen, Learning, Scripted, Seats, Uniform
 from services.common.agents import OUTCOMES, game_score
 from services.common.models.nets import load_numpy, to_numpy
-from services.common.players import Player, load_player
-from services.common.protocol.spaces import Box, random_actions
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 
-LATEST = None   # an episode's opponent: the newest weights (the policy that trains)
-RANDOM = "random"   # ... or a uniformly random player (`random_probability`)
 START_ELO = 1000.0
 
 
+class Latest:
+    """An episode's opponent that is the newest weights: the training policy plays every side of the copy."""
+    plays_policy = True   # (its moves are open to `opponent_epsilon`)
+
+    def scored(self, sp: SelfPlay, score: float) -> None:
+        """A game against the newest weights counts as a game, and in no rating."""
+
+
+LATEST = Latest()
+
+
+class Random(Uniform):
+    """The uniformly random player as an opponent (`random_probability`): its games in `..._random_win_rate`."""
+    plays_policy = False
+
+    def scored(self, sp: SelfPlay, score: float) -> None:
+        sp.recent_random.append(score)
+        sp.metrics.set("actor/selfplay_random_win_rate", sum(s == 1.0 for s in sp.recent_random) / len(sp.recent_random))
+
+
 @dataclass(eq=False)
-class Fixed:
+class Fixed(Scripted):
     """A fixed player (`selfplay.fixed_players`) and the scores of the learning policy's last games against it."""
-    name: str
-    play: Player
     recent: deque = field(default_factory=lambda: deque(maxlen=100))
+    plays_policy = False
+
+    def scored(self, sp: SelfPlay, score: float) -> None:
+        self.recent.append(score)
+        sp.metrics.set(f"actor/selfplay_fixed/{self.name}_win_rate", sum(s == 1.0 for s in self.recent) / len(self.recent))
 
 
-@dataclass
-class Snapshot:
-    version: int
-    rating: float
-    acting: Any         # the algorithm's acting part, with this version's weights
-    games: int = 0      # games the learning policy played against it, in this actor
+@dataclass(eq=False)
+class Snapshot(Frozen):
+    """A frozen version of the policy in the pool, the rating the policy had when it was taken, and the
+    learning policy's games against it in this actor."""
+    rating: float = START_ELO
+    games: int = 0       # games the learning policy played against it, in this actor
     points: float = 0.0  # ... and their scores' sum (a win 1, a draw 1/2)
+    plays_policy = True
 
     def hardness(self) -> float:
         """(1 - s)^2, s the learning policy's mean score against it with one win and one loss as prior."""
         return (1.0 - (self.points + 1.0) / (self.games + 2.0)) ** 2
 
+    def scored(self, sp: SelfPlay, score: float) -> None:
+        """The game moves the learning policy's Elo rating against this snapshot's."""
+        self.games += 1
+        self.points += score
+        expected = 1.0 / (1.0 + 10.0 ** ((self.rating - sp.rating) / 400.0))
+        sp.rating += sp.sp.elo_k * (score - expected)
+        sp.recent.append(score)
+        sp.metrics.set("actor/selfplay_elo", sp.rating)
+        sp.metrics.set("actor/selfplay_win_rate", sum(s == 1.0 for s in sp.recent) / len(sp.recent))
 
-class SelfPlay:
-    """Who plays which agent of each copy, the pool of snapshots, and the games' results."""
 
-    def __init__(self, cfg: ExperimentConfig, policy: Policy, copies: int, agents: int, metrics: Metrics,
+Opponent = Latest | Random | Fixed | Snapshot
+
+
+class SelfPlay(Seats):
+    """Who plays which agent of each copy, the pool of snapshots, and the games' results: the seats of the
+    group of a run's one policy (rollout.py `Seats`), the training policy (`learning`) at the learning
+    agents and, against the newest weights, every agent."""
+
+    def __init__(self, cfg: ExperimentConfig, learning: Learning, copies: int, agents: int, metrics: Metrics,
                  rng: np.random.Generator):
-        self.cfg, self.sp, self.policy, self.metrics, self.rng = cfg, cfg.selfplay, policy, metrics, rng
+        super().__init__(learning)
+        self.cfg, self.sp, self.metrics, self.rng = cfg, cfg.selfplay, metrics, rng
+        self.policy = learning.policy
         self.copies, self.agents = copies, agents
         older = self.sp.pool_size // 2 if self.sp.keep == "history" else 0
         self.newest: deque[Snapshot] = deque(maxlen=self.sp.pool_size - older)
         self.older: list[Snapshot] = []                     # keep: history's sample of what left `newest`
         self._older_max, self._left = older, 0              # (and how many have left it)
-        self.learning = np.zeros(copies, np.int64)          # each copy's learning agent (index in possible_agents)
+        self.learning_agent = np.zeros(copies, np.int64)    # each copy's learning agent (index in possible_agents)
         self._recorded = np.zeros(copies * agents, bool)    # the learning agents' slots
         self._latest = np.zeros(copies * agents, bool)      # the slots of copies facing the newest weights
         self._policy_side = np.zeros(copies * agents, bool)  # unrecorded slots the policy plays (snapshot or newest)
-        self.opponent: list[Snapshot | Fixed | str | None] = [LATEST] * copies
+        self.opponent: list[Opponent] = [LATEST] * copies
         self.returns = np.zeros(copies * agents)            # each slot's return in the running episode
         self.rating = START_ELO
         self.recent: deque[float] = deque(maxlen=100)       # scores of the last games against snapshots
         self.recent_random: deque[float] = deque(maxlen=100)  # ... and against the random player
-        space = policy.spec.action
-        if (self.sp.random_probability or self.sp.opponent_epsilon) and isinstance(space, Box) and not space.bounded:
-            key = "random_probability" if self.sp.random_probability else "opponent_epsilon"
-            raise ValueError(f"selfplay.{key}: the random player acts uniformly within the action "
-                             f"space's bounds, and {space} has none")
+        space = self.policy.spec.action
         try:
-            self.fixed = [Fixed(name, load_player(name)) for name in self.sp.fixed_players]
+            self.random = Random(space, rng)
+        except ValueError as err:
+            self.random = None
+            if self.sp.random_probability or self.sp.opponent_epsilon:
+                key = "random_probability" if self.sp.random_probability else "opponent_epsilon"
+                raise ValueError(f"selfplay.{key}: {err}") from None
+        try:
+            self.fixed = [Fixed(name, space) for name in self.sp.fixed_players]
         except ValueError as err:
             raise ValueError(f"selfplay.fixed_players: {err}") from None
         self._seen: int | None = None                       # the last policy version looked at
@@ -126,21 +164,22 @@ class SelfPlay:
     def pool(self) -> list[Snapshot]:
         return self.older + list(self.newest)
 
-    def recorded(self) -> np.ndarray:
-        """[N] bool: the learning agents' slots (kept, not built: read every step)."""
-        return self._recorded
+    def recorded(self, present: np.ndarray | None = None) -> np.ndarray:
+        """[N] bool: the learning agents' slots (kept, not built: read every step), of those `present`."""
+        return self._recorded if present is None else present & self._recorded
 
     def new_episode(self, k: int) -> None:
         """Draw copy k's learning side and its opponent for the episode it starts."""
-        self.learning[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
+        self.learning_agent[k] = self.rng.integers(self.agents) if self.sp.swap_sides else 0
         pool = self.pool
         chance = self.sp.random_probability
-        opponent: Snapshot | Fixed | str | None = LATEST
+        opponent: Opponent = LATEST
         if (pool or chance or self.fixed) and self.rng.random() >= self.sp.latest_probability:
             if self.fixed and self.rng.random() < self.sp.fixed_probability:
                 opponent = self.fixed[int(self.rng.integers(len(self.fixed)))]
             elif chance and self.rng.random() < chance:
-                opponent = RANDOM
+                assert self.random is not None   # (refused at construction otherwise)
+                opponent = self.random
             elif not pool:
                 opponent = LATEST
             elif self.sp.sampling == "prioritized":
@@ -150,18 +189,18 @@ class SelfPlay:
                 opponent = pool[int(self.rng.integers(len(pool)))]
         self.face(k, opponent)
 
-    def face(self, k: int, opponent: Snapshot | Fixed | str | None) -> None:
-        """Copy k's learning side plays `opponent` (a snapshot, a fixed player, RANDOM or LATEST) from now on: which of
-        its slots are recorded, played by the newest weights, or open to `opponent_epsilon`."""
+    def face(self, k: int, opponent: Opponent) -> None:
+        """Copy k's learning side plays `opponent` (a snapshot, a fixed player, the random player or LATEST) from
+        now on: which of its slots are recorded, played by the newest weights, or open to `opponent_epsilon`."""
         slots = slice(k * self.agents, (k + 1) * self.agents)
         self.opponent[k] = opponent
         self._recorded[slots] = False
         if opponent is LATEST and self.sp.record_latest:
             self._recorded[slots] = True       # every side is the policy that trains
         else:
-            self._recorded[k * self.agents + self.learning[k]] = True
+            self._recorded[k * self.agents + self.learning_agent[k]] = True
         self._latest[slots] = opponent is LATEST
-        self._policy_side[slots] = ~self._recorded[slots] & (opponent is LATEST or isinstance(opponent, Snapshot))
+        self._policy_side[slots] = ~self._recorded[slots] & opponent.plays_policy
 
     def swapped(self) -> None:
         """After the policy swapped weights in: every `snapshot_every`-th version joins the pool."""
@@ -174,7 +213,7 @@ class SelfPlay:
         acting = algorithms.get(self.cfg.algorithm).acting(self.cfg, self.policy.spec, self.rng, Metrics("snapshot"))
         load_numpy(acting.net, to_numpy(self.policy.net))
         acting.net.eval()
-        self.add(Snapshot(version, self.rating, acting))
+        self.add(Snapshot(version, acting, self.rating))
 
     def add(self, snapshot: Snapshot) -> None:
         """Put a new snapshot in the pool, by the `keep` rule (module docstring)."""
@@ -188,77 +227,50 @@ class SelfPlay:
         self.newest.append(snapshot)
         self.metrics.set("actor/selfplay_pool_size", len(self.newest) + len(self.older))
 
-    @torch.inference_mode()
-    def act(self, policy: Policy, obs: np.ndarray, present: np.ndarray, mask: np.ndarray | None,
-            env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Every slot's action, and the extras the training policy recorded: the training `policy` acts
-        for the learning agents and for the copies facing the newest weights, in one call; each
-        snapshot in use for the copies facing it, in one call each. (Extras of the slots the policy did
+    def act(self, obs: np.ndarray, present: np.ndarray | None, mask: np.ndarray | None, env_steps: int
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Every slot's action, and the extras the training policy recorded: the training policy acts for
+        the learning agents and for the copies facing the newest weights, in one call; each other
+        player in use for the copies facing it, in one call each. (Extras of the slots the policy did
         not play are 0: they are not recorded.)"""
+        present = np.ones(len(obs), bool) if present is None else present
         played = present & (self._recorded | self._latest)
         rows = np.flatnonzero(played)
-        space = policy.spec.action
+        space = self.policy.spec.action
         out = np.zeros((len(obs), *space.shape), space.dtype)
         recorded: dict[str, np.ndarray] = {}
         if len(rows):
-            a, extras, _ = policy.act(obs[rows], env_steps, None if mask is None else mask[rows])
+            a, extras = self.learning.act(obs[rows], None if mask is None else mask[rows], env_steps, rows)
             out[rows] = a
             for name, values in extras.items():
                 recorded[name] = np.zeros(len(obs), np.float32)
                 recorded[name][rows] = values
-        by_snapshot: dict[int, tuple[Snapshot | Fixed | str, list[int]]] = {}
+        facing: dict[int, tuple[Opponent, list[int]]] = {}
         for k, opponent in enumerate(self.opponent):
-            if opponent is not None:
+            if opponent is not LATEST:
                 cols = [n for n in range(k * self.agents, (k + 1) * self.agents)
                         if not self._recorded[n] and present[n]]
-                by_snapshot.setdefault(id(opponent), (opponent, []))[1].extend(cols)
-        for snapshot, cols in by_snapshot.values():
-            if not cols:
-                continue
-            if isinstance(snapshot, str):   # (RANDOM)
-                out[cols] = random_actions(space, len(cols), None if mask is None else mask[cols], self.rng)
-                continue
-            if isinstance(snapshot, Fixed):   # one agent's observation (and mask) at a time
-                for n in cols:
-                    out[n] = snapshot.play(obs[n], None if mask is None else mask[n])
-                continue
-            x = torch.from_numpy(np.ascontiguousarray(obs[cols]))
-            if mask is None:
-                out[cols] = snapshot.acting.act(x, snapshot.version, env_steps)[0]
-            else:
-                out[cols] = snapshot.acting.act(x, snapshot.version, env_steps,
-                                                mask=torch.from_numpy(np.ascontiguousarray(mask[cols])))[0]
+                facing.setdefault(id(opponent), (opponent, []))[1].extend(cols)
+        for player, cols in facing.values():
+            if cols:
+                out[cols] = player.act(obs[cols], None if mask is None else mask[cols], env_steps)[0]
         if self.sp.opponent_epsilon:   # the policy's opponents' moves (not the random player's), some at random
+            assert self.random is not None
             noisy = np.flatnonzero(present & self._policy_side & (self.rng.random(len(obs)) < self.sp.opponent_epsilon))
             if len(noisy):
-                out[noisy] = random_actions(space, len(noisy), None if mask is None else mask[noisy], self.rng)
+                out[noisy] = self.random.act(obs[noisy], None if mask is None else mask[noisy], env_steps)[0]
         return out, recorded
 
-    def stepped(self, rewards: np.ndarray, over: np.ndarray | None) -> None:
+    def stepped(self, rewards: np.ndarray, ended: np.ndarray, over: np.ndarray | None) -> None:
         """Add a step's rewards; score the copies whose episode ended (`over`) and draw their next one."""
+        self.learning.ended(ended)
         self.returns += rewards
         if over is None:
             return
         for k in np.flatnonzero(over):
-            score = game_score(self.returns[k * self.agents:(k + 1) * self.agents], int(self.learning[k]))
+            score = game_score(self.returns[k * self.agents:(k + 1) * self.agents], int(self.learning_agent[k]))
             self.metrics.inc("actor/selfplay_games_total")
             self.metrics.inc(f"actor/selfplay_{OUTCOMES[score]}_total")
-            opponent = self.opponent[k]
-            if opponent is RANDOM:
-                self.recent_random.append(score)
-                self.metrics.set("actor/selfplay_random_win_rate",
-                                 sum(s == 1.0 for s in self.recent_random) / len(self.recent_random))
-            if isinstance(opponent, Fixed):
-                opponent.recent.append(score)
-                self.metrics.set(f"actor/selfplay_fixed/{opponent.name}_win_rate",
-                                 sum(s == 1.0 for s in opponent.recent) / len(opponent.recent))
-            if isinstance(opponent, Snapshot):
-                opponent.games += 1
-                opponent.points += score
-                expected = 1.0 / (1.0 + 10.0 ** ((opponent.rating - self.rating) / 400.0))
-                self.rating += self.sp.elo_k * (score - expected)
-                self.recent.append(score)
-                self.metrics.set("actor/selfplay_elo", self.rating)
-                self.metrics.set("actor/selfplay_win_rate", sum(s == 1.0 for s in self.recent) / len(self.recent))
+            self.opponent[k].scored(self, score)
             self.returns[k * self.agents:(k + 1) * self.agents] = 0.0
             self.new_episode(k)

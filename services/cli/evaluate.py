@@ -75,68 +75,43 @@ class Progress:
             sys.stderr.flush()
 
 
-class Acts:
-    """A loaded policy acting on a batch of env copies: `act(obs, mask)` -> actions in the space's
-    layout, and `ended(done)` after each step ([N] bool: the copies whose episode ended), where a
-    recurrent policy (ppo.recurrent) starts those copies' state afresh, as an actor does. Keeps the
-    state of `n` copies; a feed-forward policy keeps none."""
+def act_fn(trained, deterministic: bool, n: int = 1):
+    """The policy acting on `n` slots (services/actor/seats.py `Learning`): the most likely actions
+    (`deterministic`), or sampled as actors act, a recurrent policy's state per slot."""
+    from services.actor.seats import Learning
 
-    def __init__(self, trained, deterministic: bool, n: int):
-        self.trained, self.deterministic = trained, deterministic
-        self.net = trained.greedy() if deterministic else None
-        self.state = trained.policy.initial_state(n)
-
-    def __call__(self, obs: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        import torch
-
-        if not self.deterministic:  # what an actor does with these weights
-            actions, _, self.state = self.trained.policy.act(obs, 0, mask, self.state)
-            return actions
-        with torch.inference_mode():
-            x = torch.from_numpy(np.ascontiguousarray(obs))
-            m = None if mask is None else torch.from_numpy(mask)
-            if self.state is not None:
-                actions, state = self.net(x, torch.from_numpy(self.state), m)
-                self.state = state.numpy().copy()
-                return actions.numpy()
-            return (self.net(x) if m is None else self.net(x, m)).numpy()
-
-    def resize(self, n: int) -> None:
-        """Act on `n` envs from here on (a PettingZoo env has a slot per agent of each copy)."""
-        if self.state is not None and len(self.state) != n:
-            self.state = self.trained.policy.initial_state(n)
-
-    def ended(self, done: np.ndarray) -> None:
-        if self.state is not None:
-            self.state[done] = 0.0
+    return Learning(trained.policy, n, greedy=deterministic)
 
 
-def act_fn(trained, deterministic: bool, n: int = 1) -> Acts:
-    """The policy acting on `n` env copies (`Acts`)."""
-    return Acts(trained, deterministic, n)
-
-
-def _masks(trained, info: dict, n: int) -> np.ndarray | None:
-    """The envs' `info["action_mask"]` where the env reports one and the algorithm takes masks (as the
-    actor's rollout applies them); None otherwise."""
+def _stepper(trained: dict, envs, act: dict, seed: int):
+    """The one stepping loop (services/actor/seats.py `Stepper`) over `envs`, each policy of `trained` (by
+    group name) in its group's slots as `act` (by name: a `Learning`, or seats of one); the envs'
+    `info["action_mask"]` applied where the env reports one and the algorithm takes masks, as the actor's
+    rollout applies them."""
     from services import algorithms
+    from services.actor.seats import Seats, Slots, Stepper
     from services.common.protocol.spaces import check_mask
 
-    space = trained.spec.action
-    if not ("action_mask" in info and algorithms.get(trained.cfg.algorithm).uses_masks(space)):
-        return None
-    mask = np.asarray(info["action_mask"], dtype=bool)
-    check_mask(space, mask, (n,))
-    return mask
+    first = next(iter(trained))
+    slots = Slots(envs, first, {name: t.spec.action for name, t in trained.items()})
+
+    def mask_of(name: str, mask, n: int) -> np.ndarray:
+        mask = np.asarray(mask, dtype=bool)
+        check_mask(trained[name].spec.action, mask, (n,))
+        return mask
+
+    return Stepper(slots, {name: a if isinstance(a, Seats) else Seats(a) for name, a in act.items()},
+                   {name: algorithms.get(t.cfg.algorithm).uses_masks(t.spec.action) for name, t in trained.items()},
+                   mask_of, seed)
 
 
-def _make_envs(env_cfg, n: int, render_mode: str | None = None):
-    """The env copies to evaluate on; EvalError naming env.id when they cannot be made here (e.g. the
-    run's env is an external simulator)."""
+def _make_envs(env_cfg, n: int, render_mode: str | None = None, policies: dict | None = None):
+    """The env copies to evaluate on (`policies`: a run's, whose agents go to them by group); EvalError
+    naming env.id when they cannot be made here (e.g. the run's env is an external simulator)."""
     from services.common.envs import make_vector_env
 
     try:
-        return make_vector_env(env_cfg, num_envs=n, render_mode=render_mode)
+        return make_vector_env(env_cfg, num_envs=n, render_mode=render_mode, policies=policies)
     except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
         lines = str(err).strip().splitlines()
         raise EvalError(f"env.id {env_cfg.id!r} cannot be made here ({type(err).__name__}"
@@ -204,12 +179,6 @@ def external_refusal(trained, path: str) -> str:
             f"({describe_spec(trained.spec)}) with --env ENV_ID{example}")
 
 
-def _step(envs, space, actions: np.ndarray):
-    from services.common.protocol.spaces import Box
-
-    return envs.step(space.clip(actions) if isinstance(space, Box) else actions)
-
-
 class Tally:
     """Whole episodes of n slots (env copies, or agents' slots), slot i finishing `share[i]` of them: their
     returns and lengths in the order they finished; an episode past a slot's share is not counted."""
@@ -244,28 +213,37 @@ class Tally:
             self.ret[i], self.length[i] = 0.0, 0
 
 
-def run_episodes(trained, act, episodes: int, num_envs: int, seed: int, on_episode=None,
-                 deadline: float | None = None) -> tuple[list[float], list[int]]:
-    """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies; returns (returns, lengths)
-    in the order they finished. Copy i runs (episodes + i) // n of them. Blocking. With `deadline`
-    (time.monotonic()), stops there and returns the episodes finished so far."""
-    envs = _make_envs(trained.cfg.env, min(num_envs, episodes))
-    # Env copies, or for a PettingZoo env their agents' slots: there an episode is one agent's life.
-    n = envs.num_envs
-    act.resize(n)
-    tally = Tally(Tally.shares(episodes, n), on_episode)
+def run_episodes(trained: dict, episodes: int, num_envs: int, seed: int, deterministic: bool = True, on_episode=None,
+                 deadline: float | None = None, policies: dict | None = None) -> tuple[dict, object]:
+    """Run `episodes` whole episodes on `min(num_envs, episodes)` env copies, each policy of `trained` (by
+    name: the run's one, or each of a run's several, `policies` its agent patterns) playing its slots;
+    returns each policy's `Tally` and the envs' agents by group. Slot i (env copies, or for a PettingZoo
+    env every agent of every copy in the env's order) runs a fixed share of the episodes (`Tally.shares`),
+    so the short ones that finish first are not over-represented. Blocking. With `deadline`
+    (time.monotonic()), stops there with the episodes finished so far."""
+    envs = _make_envs(next(iter(trained.values())).cfg.env, min(num_envs, episodes), policies=policies)
     try:
-        obs, info = envs.reset(seed=seed)
-        mask = _masks(trained, info, n)
-        while not tally.finished and (deadline is None or time.monotonic() < deadline):
-            present = info.get("present", True)   # (slots whose agent acts now)
-            obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
-            act.ended(term | trunc)
-            mask = _masks(trained, info, n)
-            tally.step(r, present, term | trunc)
+        groups = getattr(envs, "groups", None) if policies else None
+        sizes = {g.name: len(g.obs) for g in groups} if groups else {next(iter(trained)): envs.num_envs}
+        stepper = _stepper(trained, envs, {name: act_fn(t, deterministic, sizes[name]) for name, t in trained.items()},
+                           seed)
+        everyone = Tally.shares(episodes, envs.num_envs)
+        if groups:   # every slot, copy by copy in the env's agent order: each policy's agents get theirs
+            share = {g.name: np.zeros(len(g.obs), np.int64) for g in groups}
+            order = [envs.slot(k, a) for k in range(len(envs.copies)) for a in envs.agents]
+            for k, (g, i) in enumerate(order):
+                share[g.name][i] = everyone[k]
+        else:
+            share = {next(iter(trained)): everyone}
+        tallies = {name: Tally(share[name], on_episode) for name in trained}
+        while not all(t.finished for t in tallies.values()) and (deadline is None or time.monotonic() < deadline):
+            present = {name: True if p is None else p for name, p in stepper.present.items()}   # (slots acting now)
+            acted = stepper.act(0)
+            for name, s in stepper.step({name: a for name, (a, _) in acted.items()}).items():
+                tallies[name].step(s.rewards, present[name], s.ended)
     finally:
         envs.close()
-    return tally.returns, tally.lengths
+    return tallies, {g.name: g.agents for g in groups} if groups else {}
 
 
 def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: float) -> dict:
@@ -301,17 +279,15 @@ def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: 
             writer = imageio.get_writer(path, fps=fps, macro_block_size=1)
         returns, lengths, frames = [], [], 0
         with writer:
-            obs, info = envs.reset(seed=seed)
-            mask = _masks(trained, info, 1)
+            stepper = _stepper({"": trained}, envs, {"": act}, seed)
             ret, length = 0.0, 0
             while len(returns) < episodes:
                 writer.append_data(np.asarray(envs.envs[0].render()))
                 frames += 1
-                obs, r, term, trunc, info = _step(envs, trained.spec.action, act(obs, mask))
-                act.ended(term | trunc)
-                mask = _masks(trained, info, 1)
-                ret, length = ret + float(r[0]), length + 1
-                if term[0] or trunc[0]:
+                acted = stepper.act(0)
+                s = stepper.step({"": acted[""][0]})[""]
+                ret, length = ret + float(s.rewards[0]), length + 1
+                if s.ended[0]:
                     returns.append(ret)
                     lengths.append(length)
                     ret, length = 0.0, 0
@@ -324,12 +300,12 @@ def record_video(trained, act, path: str | Path, episodes: int, seed: int, fps: 
 def evaluate(trained, episodes: int, num_envs: int, seed: int, deterministic: bool = True,
              progress: bool = False, deadline: float | None = None) -> dict:
     """Evaluate a loaded policy (services/cli/trained.py); the JSON-ready result. Blocking."""
-    act = act_fn(trained, deterministic, min(num_envs, episodes))
     bar = Progress(episodes, "eval", progress)
     try:
-        returns, lengths = run_episodes(trained, act, episodes, num_envs, seed, bar.step, deadline)
+        tallies, _ = run_episodes({"": trained}, episodes, num_envs, seed, deterministic, bar.step, deadline)
     finally:
         bar.close()
+    returns, lengths = tallies[""].returns, tallies[""].lengths
     return {"checkpoint": str(trained.checkpoint), "algorithm": trained.cfg.algorithm, "env_id": trained.cfg.env.id,
             "policy_version": trained.version, "deterministic": deterministic, "episodes": len(returns),
             "episodes_asked": episodes, "num_envs": min(num_envs, episodes), "seed": seed,
@@ -344,44 +320,18 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
     `episodes` agent lives on `min(num_envs, episodes)` env copies: each slot a fixed share of them, as
     `run_episodes` shares episodes among copies. The JSON-ready result, with each policy's returns under
     `policies`. Blocking."""
-    from services.common.envs import make_vector_env
-    from services.common.protocol.spaces import Box
-
-    first = next(iter(trained.values()))
-    cfg = first.cfg
-    envs = make_vector_env(cfg.env, min(num_envs, episodes), policies={k: v.agents for k, v in cfg.policies.items()})
-    # Every slot, copy by copy in the env's agent order, for the shares: each policy's agents get theirs.
-    order = [(g.name, i) for k in range(len(envs.copies)) for g, i in (envs.slot(k, a) for a in envs.agents)]
-    everyone = Tally.shares(episodes, envs.num_envs)
-    share = {g.name: np.zeros(len(g.obs), np.int64) for g in envs.groups}
-    for k, (name, i) in enumerate(order):
-        share[name][i] = everyone[k]
-    acts = {g.name: act_fn(trained[g.name], deterministic, len(g.obs)) for g in envs.groups}
+    cfg = next(iter(trained.values())).cfg
     bar = Progress(episodes, "eval", progress)
-    tallies = {name: Tally(share[name], bar.step) for name in acts}
     try:
-        obs, info = envs.reset(seed=seed)
-        while not all(t.finished for t in tallies.values()) and (deadline is None or time.monotonic() < deadline):
-            present = info["present"]
-            actions = {}
-            for name, act in acts.items():
-                masks = info.get("action_mask", {})
-                mask = _masks(trained[name], {"action_mask": masks[name]} if name in masks else {}, len(obs[name]))
-                a = act(obs[name], mask)
-                space = trained[name].spec.action
-                actions[name] = space.clip(a) if isinstance(space, Box) else a
-            obs, r, term, trunc, info = envs.step(actions)
-            for name, act in acts.items():
-                act.ended(term[name] | trunc[name])
-                tallies[name].step(r[name], present[name], term[name] | trunc[name])
+        tallies, agents = run_episodes(trained, episodes, num_envs, seed, deterministic, bar.step, deadline,
+                                       policies={k: v.agents for k, v in cfg.policies.items()})
     finally:
         bar.close()
-        envs.close()
     results = {name: (t.returns, t.lengths) for name, t in tallies.items()}
     returns = [x for rets, _ in results.values() for x in rets]
     lengths = [x for _, lens in results.values() for x in lens]
     by_policy = {name: {"checkpoint": str(t.checkpoint), "policy_version": t.version,
-                        "agents": next(g.agents for g in envs.groups if g.name == name),
+                        "agents": agents[name],
                         "episodes": len(results[name][0]), "return": stats(results[name][0]),
                         "length": stats([float(x) for x in results[name][1]])} for name, t in trained.items()}
     return {"checkpoint": {name: str(t.checkpoint) for name, t in trained.items()}, "algorithm": cfg.algorithm,
@@ -391,60 +341,52 @@ def evaluate_policies(trained: dict, episodes: int, num_envs: int, seed: int, de
             "returns": returns, "lengths": lengths}
 
 
-def opponent_fn(against: str, space, seed: int):
-    """The opponent `--against` names, as a function of one agent's observation and action mask (None
-    where the env has none) that returns its action in the layout of `space` (the policy's action space,
-    services/common/protocol/spaces.py): "random" (the random player of self-play, `random_actions`:
-    uniform over the actions the mask allows, a Box uniform within its bounds; seeded), or
-    "module:function", a function of the observation, or of the observation and the mask where it takes
-    two arguments (a turn-based game's opponent must keep to its mask). EvalError naming --against
-    otherwise."""
-    from services.common.players import load_player
-    from services.common.protocol.spaces import Box, random_actions
+def opponent(against: str, space, seed: int):
+    """The player `--against` names (services/actor/seats.py): "random", the random player of self-play
+    (uniform over the actions the mask allows, a Box uniform within its bounds; seeded), or
+    "module:function", a function of one agent's observation, or of the observation and its action mask
+    where it takes two arguments (a turn-based game's opponent must keep to its mask). EvalError naming
+    --against otherwise."""
+    from services.actor.seats import Scripted, Uniform
+    from services.common.protocol.spaces import Box
 
     if against == "random":
         if isinstance(space, Box) and not space.bounded:
             raise EvalError("--against random: the action space is a Box without finite bounds, where no "
                             "uniform random player exists; name a module:function opponent")
-        rng = np.random.default_rng(seed)
-        return lambda obs, mask: random_actions(space, 1, None if mask is None else np.asarray(mask, bool)[None], rng)[0]
+        return Uniform(space, np.random.default_rng(seed))
     try:
-        return load_player(against)
+        return Scripted(against, space)
     except ValueError as err:
         raise EvalError(f"--against {err}; give 'random' or module:function") from None
 
 
 def play_against(trained, against: str, games: int, seed: int, deterministic: bool = True) -> dict:
     """`games` games of the policy's PettingZoo env with the policy on one agent, the first in the
-    first game, the next in the next, and so on, and `against` (`opponent_fn`) on the others. Each game
+    first game, the next in the next, and so on, and `against` (`opponent`) on the others. Each game
     is scored as self-play scores it (`game_score`, services/common/agents.py): a win when the policy's agent's
     return is above every other's, a loss when below any. Blocking."""
+    from services.actor.seats import Against
     from services.common.agents import OUTCOMES, game_score, is_pettingzoo
 
     if not is_pettingzoo(trained.cfg.env.id):
         raise EvalError(f"--against plays agents against each other: env.id {trained.cfg.env.id!r} has one agent")
+    other = opponent(against, trained.spec.action, seed)
     envs = _make_envs(trained.cfg.env, 1)
     agents = envs.num_envs
-    act = act_fn(trained, deterministic, agents)
-    opponent = opponent_fn(against, trained.spec.action, seed)
     results = {"wins": 0, "losses": 0, "draws": 0}
     try:
-        obs, info = envs.reset(seed=seed)
+        seats = Against(act_fn(trained, deterministic, agents), other)
+        stepper = _stepper({"": trained}, envs, {"": seats}, seed)
         returns = np.zeros(agents)
         for game in range(games):
-            mine = game % agents
+            seats.mine = game % agents
             over = False
             while not over:
-                actions = act(obs, _masks(trained, info, agents))
-                masks = info.get("action_mask")
-                for j in range(agents):
-                    if j != mine and info["present"][j]:
-                        actions[j] = opponent(obs[j], None if masks is None else masks[j])
-                obs, r, term, trunc, info = _step(envs, trained.spec.action, actions)
-                act.ended(term | trunc)
-                returns += r
-                over = bool(info["episode_over"][0])
-            results[OUTCOMES[game_score(returns, mine)]] += 1
+                s = stepper.step({"": stepper.act(0)[""][0]})[""]
+                returns += s.rewards
+                over = bool(s.over[0])
+            results[OUTCOMES[game_score(returns, seats.mine)]] += 1
             returns[:] = 0.0
     finally:
         envs.close()

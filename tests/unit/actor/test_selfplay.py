@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.actor.rollout import Rollout
-from services.actor.selfplay import LATEST, RANDOM, START_ELO, SelfPlay, Snapshot
+from services.actor.selfplay import LATEST, START_ELO, SelfPlay, Snapshot
 from services.common.models.nets import to_numpy
 from services.common.protocol.fragments import RawFragment, decode_fragment
 from services.common.protocol.spaces import Box, Discrete, MultiDiscrete, random_actions
@@ -23,6 +23,7 @@ from tests.helpers import TINY_PPO
 pytest.importorskip("pettingzoo", reason="PettingZoo is in the actor extra")
 
 COPIES = 4
+NO_SLOT = np.zeros(2 * COPIES, bool)   # (no slot's episode ended: `stepped`'s `ended`)
 
 
 def config(**selfplay):
@@ -107,14 +108,14 @@ def test_record_latest_records_every_side_of_the_games_against_the_newest_weight
     # Against a snapshot only the learning agent is recorded, and the draw decides at each episode.
     sp = rollout.selfplay
     sp.sp = dataclasses.replace(sp.sp, latest_probability=0.5)
-    sp.add(Snapshot(10, START_ELO, None))
+    sp.add(Snapshot(10, None, START_ELO))
     for _ in range(200):
         sp.new_episode(1)
         recorded = sp.recorded()[2:4]
         if sp.opponent[1] is LATEST:
             assert recorded.all()
         else:
-            assert list(np.flatnonzero(recorded)) == [sp.learning[1]]
+            assert list(np.flatnonzero(recorded)) == [sp.learning_agent[1]]
 
 
 def test_opponents_are_drawn_by_the_documented_rule():
@@ -123,12 +124,12 @@ def test_opponents_are_drawn_by_the_documented_rule():
     sp = rollout.selfplay
     assert all(o is LATEST for o in sp.opponent)                     # an empty pool: the newest weights
     for v in (10, 20, 30):
-        sp.add(Snapshot(v, START_ELO, None))
+        sp.add(Snapshot(v, None, START_ELO))
     draws = 3000
     latest, versions, sides = 0, {10: 0, 20: 0, 30: 0}, [0, 0]
     for _ in range(draws):
         sp.new_episode(0)
-        sides[sp.learning[0]] += 1
+        sides[sp.learning_agent[0]] += 1
         if sp.opponent[0] is LATEST:
             latest += 1
         else:
@@ -144,14 +145,14 @@ def test_random_probability_puts_a_uniformly_random_player_in_that_share_of_the_
     rollout.close()
     sp = rollout.selfplay
     draws, counts = 4000, {"latest": 0, "random": 0, "snapshot": 0}
-    for pool in ([], [Snapshot(10, START_ELO, None)]):
+    for pool in ([], [Snapshot(10, None, START_ELO)]):
         for s in pool:
             sp.add(s)
         counts = dict.fromkeys(counts, 0)
         for _ in range(draws):
             sp.new_episode(0)
             o = sp.opponent[0]
-            counts["latest" if o is LATEST else "random" if o is RANDOM else "snapshot"] += 1
+            counts["latest" if o is LATEST else "random" if o is sp.random else "snapshot"] += 1
         # 0.2 the newest weights; of the other 0.8, half random and half a snapshot (the newest weights
         # while the pool is empty). Binomial sd <= 0.008: 4 sd.
         assert abs(counts["random"] / draws - 0.4) < 0.035, counts
@@ -185,7 +186,7 @@ def test_games_against_the_random_player_are_scored_apart_and_not_rated():
     assert g["actor/selfplay_elo"] == START_ELO        # random games are not rated
     with pytest.raises(ConfigError, match=r"^selfplay.random_probability: 1.5 is invalid"):
         config(random_probability=1.5)
-    unbounded = SimpleNamespace(spec=SimpleNamespace(action=Box.of((1,), [-np.inf], [np.inf])))
+    unbounded = SimpleNamespace(policy=SimpleNamespace(spec=SimpleNamespace(action=Box.of((1,), [-np.inf], [np.inf]))))
     with pytest.raises(ValueError, match=r"^selfplay.random_probability: the random player acts uniformly within "
                                          r"the action space's bounds, and Box"):
         SelfPlay(config(random_probability=0.5), unbounded, 1, 2, Metrics("actor"), np.random.default_rng(0))
@@ -201,7 +202,7 @@ def test_keep_history_holds_the_newest_half_and_a_uniform_sample_of_the_older():
         sp.newest.clear()
         sp.older, sp._left, sp.rng = [], 0, np.random.default_rng(trial)
         for v in range(1, 101):
-            sp.add(Snapshot(v, START_ELO, None))
+            sp.add(Snapshot(v, None, START_ELO))
         versions = [snap.version for snap in sp.pool]
         assert versions[2:] == [99, 100] and len(versions) == 4     # the newest half, in order
         picked[versions[:2]] += 1
@@ -217,8 +218,8 @@ def test_prioritized_sampling_meets_the_snapshots_it_loses_to_most():
                       Metrics("actor"))
     rollout.close()
     sp = rollout.selfplay
-    beaten, even, unbeaten = Snapshot(1, START_ELO, None, 98, 98.0), Snapshot(2, START_ELO, None, 10, 5.0), \
-        Snapshot(3, START_ELO, None, 8, 0.0)
+    beaten, even, unbeaten = Snapshot(1, None, START_ELO, 98, 98.0), Snapshot(2, None, START_ELO, 10, 5.0), \
+        Snapshot(3, None, START_ELO, 8, 0.0)
     for snap in (beaten, even, unbeaten):
         sp.add(snap)
     weights = np.array([(1 - 99 / 100) ** 2, (1 - 6 / 12) ** 2, (1 - 1 / 10) ** 2])
@@ -231,7 +232,7 @@ def test_prioritized_sampling_meets_the_snapshots_it_loses_to_most():
     assert all(abs(counts[v + 1] / draws - want[v]) < 0.03 for v in range(3)), counts
     # Games against a snapshot count toward its hardness: copy 0's learning agent (slot 0) wins.
     sp.face(0, even)
-    sp.stepped(np.array([1.0, -1.0] + [0.0] * (2 * COPIES - 2)), np.array([True] + [False] * (COPIES - 1)))
+    sp.stepped(np.array([1.0, -1.0] + [0.0] * (2 * COPIES - 2)), NO_SLOT, np.array([True] + [False] * (COPIES - 1)))
     assert (even.games, even.points) == (11, 6.0)
 
 
@@ -245,7 +246,7 @@ def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_f
     calls = []
     act = rollout.policy.act
     rollout.policy.act = lambda x, *args: calls.append(len(x)) or act(x, *args)
-    out, recorded = sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)
+    out, recorded = sp.act(obs, np.ones(n, bool), None, 0)
     # Slot 2k is copy k's learning agent (swap_sides false: the first); copies 0 and 2 face the snapshot
     # (which plays 2), copies 1 and 3 the newest weights (1, as the learning agents).
     assert out.tolist() == [1, 2, 1, 1, 1, 2, 1, 1]
@@ -257,11 +258,11 @@ def test_a_snapshot_plays_its_copy_opponents_in_one_batch_and_elo_moves_by_the_f
     sp.rating = 1000.0
     snapshot.rating = 1200.0
     expected = 1 / (1 + 10 ** (200 / 400))
-    sp.stepped(np.array([1.0, -1.0, 0, 0, 0, 0, 0, 0]), np.array([True, False, False, False]))   # copy 0: a win
+    sp.stepped(np.array([1.0, -1.0, 0, 0, 0, 0, 0, 0]), NO_SLOT, np.array([True, False, False, False]))   # copy 0: a win
     assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))
     assert rollout.metrics.gauges["actor/selfplay_win_rate"] == 1.0
     sp.face(1, LATEST)
-    sp.stepped(np.array([0, 0, -1.0, 1.0, 0, 0, 0, 0]), np.array([False, True, False, False]))   # copy 1: lost, to the newest
+    sp.stepped(np.array([0, 0, -1.0, 1.0, 0, 0, 0, 0]), NO_SLOT, np.array([False, True, False, False]))   # copy 1: lost, to the newest
     assert sp.rating == pytest.approx(1000.0 + 16 * (1 - expected))   # (no rating change against itself)
     assert rollout.metrics.counters["actor/selfplay_losses_total"] == 1
 
@@ -272,11 +273,11 @@ def test_opponent_epsilon_makes_that_share_of_the_policy_opponents_moves_random(
     sides record_latest records, and the random player's are left alone."""
     rollout, snapshot = snapshot_playing_2_policy_1(opponent_epsilon=0.3)
     sp = rollout.selfplay
-    for k, opponent in enumerate([snapshot, LATEST, RANDOM, LATEST]):
+    for k, opponent in enumerate([snapshot, LATEST, sp.random, LATEST]):
         sp.face(k, opponent)
     n = COPIES * 2
     obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
-    rows = np.array([sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)[0] for _ in range(3000)])
+    rows = np.array([sp.act(obs, np.ones(n, bool), None, 0)[0] for _ in range(3000)])
     assert (rows[:, [0, 2, 4, 6]] == 1).all()                   # the learning agents: the policy's own move
     for slot, own in ((1, 2), (3, 1), (7, 1)):                  # the snapshot's side, the newest weights' sides
         # with probability 0.3 uniform over 3 moves: the policy's own 0.8, each other 0.1 (sd 0.0055: 4 sd)
@@ -291,10 +292,10 @@ def test_opponent_epsilon_makes_that_share_of_the_policy_opponents_moves_random(
     recording.policy.offer_weights(1, weights_preferring(recording, 1))
     recording.policy.swap()
     assert recording.selfplay.recorded().all()
-    assert (recording.selfplay.act(recording.policy, obs, np.ones(n, bool), None, 0)[0] == 1).all()
+    assert (recording.selfplay.act(obs, np.ones(n, bool), None, 0)[0] == 1).all()
     with pytest.raises(ConfigError, match=r"^selfplay.opponent_epsilon: -0.1 is invalid"):
         config(opponent_epsilon=-0.1)
-    unbounded = SimpleNamespace(spec=SimpleNamespace(action=Box.of((1,), [-np.inf], [np.inf])))
+    unbounded = SimpleNamespace(policy=SimpleNamespace(spec=SimpleNamespace(action=Box.of((1,), [-np.inf], [np.inf]))))
     with pytest.raises(ValueError, match=r"^selfplay.opponent_epsilon: the random player acts uniformly within"):
         SelfPlay(config(opponent_epsilon=0.1), unbounded, 1, 2, Metrics("actor"), np.random.default_rng(0))
 
@@ -343,14 +344,14 @@ def test_fixed_players_take_their_share_of_the_other_episodes_and_play_their_cop
         sp.face(k, opponent)
     n = COPIES * 2
     obs = np.zeros((n, rollout.spec.obs_shape[0]), np.float32)
-    rows = np.array([sp.act(rollout.policy, obs, np.ones(n, bool), None, 0)[0] for _ in range(200)])
+    rows = np.array([sp.act(obs, np.ones(n, bool), None, 0)[0] for _ in range(200)])
     assert (rows[:, [0, 2, 4, 6]] == 1).all()          # the learning agents: the policy's own move
     assert (rows[:, [1, 5]] == 2).all() and (rows[:, 3] == 0).all()   # the fixed players: theirs, never random
     assert len(set(rows[:, 7])) == 3                    # the snapshot's side: every move random (epsilon 1)
 
     # Their games: scored apart, each its own win rate, the rating unmoved.
     sp.returns[:] = 0.0
-    sp.stepped(np.array([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), np.array([True, True, True, False]))
+    sp.stepped(np.array([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), NO_SLOT, np.array([True, True, True, False]))
     g = rollout.metrics.gauges
     assert list(twos.recent) == [1.0, 0.5] and list(firsts.recent) == [0.0]
     assert g[f"actor/selfplay_fixed/{twos.name}_win_rate"] == 0.5

@@ -63,20 +63,23 @@ def test_the_random_opponent_is_self_plays_random_player():
     a Box uniform within its bounds, seeded; an unbounded Box has no uniform player and is refused."""
     from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 
-    pick = evaluate.opponent_fn("random", Discrete(4), seed=3)
-    drawn = [int(pick(None, np.array([0, 1, 0, 1]))) for _ in range(400)]
+    def one(player, mask):   # one agent's move: the player acts on a batch of one
+        return player.act(np.zeros((1, 1)), None if mask is None else np.asarray(mask, bool)[None], 0)[0][0]
+
+    pick = evaluate.opponent("random", Discrete(4), seed=3)
+    drawn = [int(one(pick, [0, 1, 0, 1])) for _ in range(400)]
     assert set(drawn) == {1, 3} and 150 < drawn.count(1) < 250
-    assert [int(pick(None, None)) for _ in range(200)].count(0) > 20
-    again = evaluate.opponent_fn("random", Discrete(4), seed=3)
-    assert [int(again(None, np.array([0, 1, 0, 1]))) for _ in range(400)] == drawn
-    multi = evaluate.opponent_fn("random", MultiDiscrete((2, 3)), seed=0)
-    rows = np.array([multi(None, np.array([0, 1, 1, 0, 1])) for _ in range(200)])
+    assert [int(one(pick, None)) for _ in range(200)].count(0) > 20
+    again = evaluate.opponent("random", Discrete(4), seed=3)
+    assert [int(one(again, [0, 1, 0, 1])) for _ in range(400)] == drawn
+    multi = evaluate.opponent("random", MultiDiscrete((2, 3)), seed=0)
+    rows = np.array([one(multi, [0, 1, 1, 0, 1]) for _ in range(200)])
     assert rows.shape == (200, 2) and set(rows[:, 0]) == {1} and set(rows[:, 1]) == {0, 2}
-    box = evaluate.opponent_fn("random", Box.of((2,), [-1, 0], [1, 5]), seed=0)
-    points = np.array([box(None, None) for _ in range(200)])
+    box = evaluate.opponent("random", Box.of((2,), [-1, 0], [1, 5]), seed=0)
+    points = np.array([one(box, None) for _ in range(200)])
     assert points.shape == (200, 2) and (points >= [-1, 0]).all() and (points <= [1, 5]).all()
     with pytest.raises(evaluate.EvalError, match="--against random: the action space is a Box without finite bounds"):
-        evaluate.opponent_fn("random", Box.of((1,), [-np.inf], [np.inf]), seed=0)
+        evaluate.opponent("random", Box.of((1,), [-np.inf], [np.inf]), seed=0)
 
 
 def test_up_evaluates_a_self_play_run_against_random(tmp_path, monkeypatch):

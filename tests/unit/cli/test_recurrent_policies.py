@@ -83,14 +83,14 @@ def test_eval_carries_each_copys_state_and_starts_it_afresh_at_an_episodes_end(t
     trained = load_trained(tmp_path / "run")
     act = evaluate.act_fn(trained, True, 3)
     obs = np.random.default_rng(0).normal(size=(3, 2)).astype(np.float32)
-    act(obs, None)
+    act.act(obs, None, 0)
     moved = act.state.copy()
     assert moved.shape == (3, 16) and np.abs(moved).min(axis=1).all() and np.abs(moved).sum(axis=1).all()
     act.ended(np.array([False, True, False]))
     assert not act.state[1].any() and np.array_equal(act.state[[0, 2]], moved[[0, 2]])
     # Stepping from the zero state again gives the first step's action and state: nothing else is kept.
     fresh = evaluate.act_fn(trained, True, 3)
-    np.testing.assert_array_equal(act(obs, None)[1], fresh(obs, None)[1])
+    np.testing.assert_array_equal(act.act(obs, None, 0)[0][1], fresh.act(obs, None, 0)[0][1])
     np.testing.assert_allclose(act.state[1], fresh.state[1], rtol=1e-6)
     result = evaluate.evaluate(trained, episodes=4, num_envs=2, seed=0)
     assert result["episodes"] == 4 and len(result["returns"]) == 4
