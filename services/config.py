@@ -59,9 +59,6 @@ class ExperimentConfig(CommonConfig):
             if (declared := policy.declared_spec) is not None:
                 check_algorithm_takes(self, declared, *policy.declared_sources(f"policies.{name}"))
         super().__post_init__()
-        if len(self.policies) > 1 and getattr(self.section(self.algorithm), "recurrent", None):
-            raise ConfigError(f"{self.algorithm}.recurrent", "several policies in one run act with feed-forward "
-                              "policies so far (docs/multi-agent.md, \"Several policies\")")
         if (shards := self.topology.buffers) > 1:
             table = algorithms.get(self.algorithm).table(self)
             if isinstance(table, algorithms.ReplayTable):
@@ -69,9 +66,6 @@ class ExperimentConfig(CommonConfig):
                 require(table.capacity // shards >= batch, "topology.buffers", shards,
                         f"{self.algorithm}.buffer_size {table.capacity} split over {shards} buffer shards holds "
                         f"fewer than one batch ({batch}) per shard")
-        require(not (self.selfplay.enabled and getattr(self.section(self.algorithm), "recurrent", None)),
-                "selfplay.enabled", self.selfplay.enabled,
-                f"self-play with a recurrent policy ({self.algorithm}.recurrent) is not supported yet")
         pace = self.actor.fragments_per_version
         if pace:
             algorithm = algorithms.get(self.algorithm)

@@ -86,9 +86,10 @@ class Slots:
 class Player(Protocol):
     """Acts for a batch of slots: their actions in the action space's layout (unclipped: `to_env` clips
     what reaches the env) and the per-step extras the algorithm records with them (empty for every
-    player but the training policy's)."""
+    player but the training policy's). `rows`: which of the slots it may play these are (a player
+    keeping a state per slot reads and moves theirs; None: all of them, in order)."""
 
-    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int
+    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int, rows: np.ndarray | None = None
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...
 
 
@@ -126,16 +127,36 @@ class Learning:
 
 @dataclass(eq=False)
 class Frozen:
-    """A frozen copy of a policy's acting part (a self-play snapshot): acts as that version did."""
+    """A frozen copy of a policy's acting part (a self-play snapshot): acts as that version did. A recurrent
+    one keeps its own state for each of `slots` slots it may play (`rows` of `act`), zeroed where a slot's
+    episode ends (`ended`)."""
     version: int
     acting: Any
+    slots: int = field(default=0, kw_only=True)
+    state: np.ndarray | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        size = int(getattr(self.acting, "state_size", 0) or 0)
+        if size:
+            self.state = np.zeros((self.slots, size), np.float32)
 
     @torch.inference_mode()
-    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int, rows: np.ndarray | None = None
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         x = torch.from_numpy(np.ascontiguousarray(obs))
-        if mask is None:
-            return self.acting.act(x, self.version, env_steps)[0], NO_EXTRAS
-        return self.acting.act(x, self.version, env_steps, mask=torch.from_numpy(np.ascontiguousarray(mask)))[0], NO_EXTRAS
+        m = None if mask is None else torch.from_numpy(np.ascontiguousarray(mask))
+        if self.state is not None:
+            at = np.arange(len(obs)) if rows is None else rows
+            actions, _, after = self.acting.act(x, self.version, env_steps, mask=m,
+                                                state=np.ascontiguousarray(self.state[at]))
+            self.state[at] = after
+            return actions, NO_EXTRAS
+        return (self.acting.act(x, self.version, env_steps) if m is None
+                else self.acting.act(x, self.version, env_steps, mask=m))[0], NO_EXTRAS
+
+    def ended(self, done: np.ndarray) -> None:
+        if self.state is not None:
+            self.state[done] = 0.0
 
 
 @dataclass(eq=False)
@@ -150,7 +171,8 @@ class Uniform:
             raise ValueError(f"the random player acts uniformly within the action space's bounds, and {self.space} "
                              f"has none")
 
-    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int, rows: np.ndarray | None = None
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         return random_actions(self.space, len(obs), None if mask is None else np.asarray(mask, bool), self.rng), NO_EXTRAS
 
 
@@ -164,7 +186,8 @@ class Scripted:
     def __post_init__(self) -> None:
         self.play = load_player(self.name)
 
-    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def act(self, obs: np.ndarray, mask: np.ndarray | None, env_steps: int, rows: np.ndarray | None = None
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         out = np.zeros((len(obs), *self.space.shape), self.space.dtype)
         for i in range(len(obs)):
             out[i] = self.play(obs[i], None if mask is None else mask[i])

@@ -213,7 +213,7 @@ class SelfPlay(Seats):
         acting = algorithms.get(self.cfg.algorithm).acting(self.cfg, self.policy.spec, self.rng, Metrics("snapshot"))
         load_numpy(acting.net, to_numpy(self.policy.net))
         acting.net.eval()
-        self.add(Snapshot(version, acting, self.rating))
+        self.add(Snapshot(version, acting, self.rating, slots=self.copies * self.agents))
 
     def add(self, snapshot: Snapshot) -> None:
         """Put a new snapshot in the pool, by the `keep` rule (module docstring)."""
@@ -253,7 +253,7 @@ class SelfPlay(Seats):
                 facing.setdefault(id(opponent), (opponent, []))[1].extend(cols)
         for player, cols in facing.values():
             if cols:
-                out[cols] = player.act(obs[cols], None if mask is None else mask[cols], env_steps)[0]
+                out[cols] = player.act(obs[cols], None if mask is None else mask[cols], env_steps, np.asarray(cols))[0]
         if self.sp.opponent_epsilon:   # the policy's opponents' moves (not the random player's), some at random
             assert self.random is not None
             noisy = np.flatnonzero(present & self._policy_side & (self.rng.random(len(obs)) < self.sp.opponent_epsilon))
@@ -264,6 +264,8 @@ class SelfPlay(Seats):
     def stepped(self, rewards: np.ndarray, ended: np.ndarray, over: np.ndarray | None) -> None:
         """Add a step's rewards; score the copies whose episode ended (`over`) and draw their next one."""
         self.learning.ended(ended)
+        for snapshot in self.pool:   # (a recurrent snapshot's state in the slots it played)
+            snapshot.ended(ended)
         self.returns += rewards
         if over is None:
             return

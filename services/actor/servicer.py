@@ -77,7 +77,7 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
                     raise SessionError("FAILED_PRECONDITION", "hello may be sent only once, first")
                 obs = hub.observe(session, msg.step)
                 held = session.held_s
-                actions, extras, version, state = await inference.act(obs, session.mask, session.episodes.state)
+                actions, extras, version, state = await inference.act(obs, session.mask, hub.state_of(session))
                 hub.record_actions(session, actions, extras, version, state)
                 await context.write(actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(
                     step_id=msg.step.step_id, actions=encode(hub.to_send(actions)), policy_version=version,

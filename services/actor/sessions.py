@@ -111,6 +111,10 @@ class Session:
     index: dict[str, int] = field(default_factory=dict)
     rows: np.ndarray | None = None
     left: np.ndarray | None = None
+    all_rows: np.ndarray = field(init=False)   # every slot, in order: the rows of a session without agents
+
+    def __post_init__(self) -> None:
+        self.all_rows = np.arange(self.num_envs)
 
     @property
     def agents(self) -> bool:
@@ -267,9 +271,6 @@ class SessionHub:
         if hello.num_envs not in (0, len(ids)):
             raise SessionError("INVALID_ARGUMENT", f"num_envs: {hello.num_envs}, but agent_ids names {len(ids)} "
                                                    f"agents (0, or their count)")
-        if self.state_size:
-            raise SessionError("INVALID_ARGUMENT", "agent_ids: a session of several agents needs a feed-forward "
-                                                   "policy, and this actor's is recurrent (ppo.recurrent)")
 
     def _check_observation_space(self, obs) -> None:
         """The hello's observation space must be the policy's input: the same Box, or a Dict with the
@@ -323,128 +324,88 @@ class SessionHub:
     # -- steps -------------------------------------------------------------------------------------
     def observe(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
         """Validate a step and record the outcome of the previous actions; return the observations
-        to act on. Raises SessionError (the session must end) for anything malformed."""
+        to act on. Raises SessionError (the session must end) for anything malformed.
+
+        One intake for every session: its rows are the step's agents (a session of several agents,
+        module docstring), or every env copy at every step; the outcomes are those of the rows that
+        acted on the step before."""
         s.last_seen = time.monotonic()
         if self.sessions.get(s.session_id) is not s:
             raise ended_error(s)
-        if step.step_id != s.next_step:
-            raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {step.step_id} "
+        sid = step.step_id
+        if sid != s.next_step:
+            raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {sid} "
                                                       f"(one step at a time, starting at 0)")
-        if s.agents:
-            return self._observe_agents(s, step)
         N = s.num_envs
-        s.mask = self._mask(s, step, N) if step.HasField("action_masks") else None
-        try:
-            obs = self._tensor(step, "observations", (N, *self.spec.obs_shape), self.spec.obs_dtype)
-            if step.step_id == 0:
-                self._refuse_bad(s, step.step_id, obs)
-                if self.records:
-                    s.buffers["obs"][s.t] = obs
-                return obs
-            rewards = self._tensor(step, "rewards", (N,), np.dtype(np.float32))
-            term = self._tensor(step, "terminated", (N,), np.dtype(bool))
-            trunc = self._tensor(step, "truncated", (N,), np.dtype(bool))
-            done = np.flatnonzero(term | trunc)
-            final = None
-            if len(done):
-                final = self._tensor(step, "final_observations", (len(done), *self.spec.obs_shape), self.spec.obs_dtype)
-            elif step.HasField("final_observations") and step.final_observations.shape and step.final_observations.shape[0]:
-                raise TensorError("final_observations", "given, but no env ended")
-        except TensorError as err:
-            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
-        self._refuse_bad(s, step.step_id, obs, rewards, final, done)
-        if s.episodes.state is not None:
-            s.episodes.state[done] = 0.0   # these envs act on an episode's first observation next
-        if self.records:
-            b, t = s.buffers, s.t
-            b["rewards"][t], b["terminated"][t], b["truncated"][t] = rewards, term, trunc
-            b["obs"][t + 1] = obs
-            for k, i in enumerate(done):
-                s.final_obs.append(final[k])
-                s.final_index.append(t * N + i)
-        ep = s.episodes
-        ep.returns += rewards
-        ep.lengths += 1
-        for i in done:
-            self._finish_episode(ep, i)
-        self.env_steps += N
-        ep.env_steps += N
-        self.metrics.inc("actor/env_steps_total", N)
-        if self.records:
-            s.t += 1
-            if s.t == s.T:
-                self._emit(s, s.t)
-                s.buffers["obs"][0] = obs
-        return obs
-
-    def _observe_agents(self, s: Session, step: actor_pb2.EnvStep) -> np.ndarray:
-        """`observe` for a session of several agents (module docstring): the step's agents' rows."""
-        N, sid = s.num_envs, step.step_id
-        rows, names = self._agent_rows(s, step)
+        rows, names = self._agent_rows(s, step) if s.agents else (s.all_rows, None)
         s.mask = self._mask(s, step, len(rows)) if step.HasField("action_masks") else None
-        prev = s.rows if sid > 0 and s.rows is not None else np.empty(0, np.int64)
+        prev = s.rows if sid > 0 and s.rows is not None else rows[:0]   # (the rows that acted on the step before)
         K = len(prev)
+        what = "agent" if s.agents else "env"
+        rewards = term = trunc = final = None
+        done = prev[:0]
         try:
             obs = self._tensor(step, "observations", (len(rows), *self.spec.obs_shape), self.spec.obs_dtype)
             if sid > 0:
                 rewards = self._tensor(step, "rewards", (K,), np.dtype(np.float32))
                 term = self._tensor(step, "terminated", (K,), np.dtype(bool))
                 trunc = self._tensor(step, "truncated", (K,), np.dtype(bool))
-                ended = term | trunc
-                done = np.flatnonzero(ended)
-                final = None
+                done = np.flatnonzero(term | trunc)
                 if len(done):
                     final = self._tensor(step, "final_observations", (len(done), *self.spec.obs_shape),
                                          self.spec.obs_dtype)
                 elif step.HasField("final_observations") and step.final_observations.shape and \
                         step.final_observations.shape[0]:
-                    raise TensorError("final_observations", "given, but no agent ended")
+                    raise TensorError("final_observations", f"given, but no {what} ended")
         except TensorError as err:
-            raise SessionError("INVALID_ARGUMENT", f"step {sid}: {err} (rewards, terminated, truncated and "
-                                                   f"final_observations are of the agents that acted on the "
-                                                   f"step before)") from None
-        ended_now = set() if sid == 0 else set(prev[done].tolist())
-        self._check_returns(s, step, rows, names, ended_now)
-        if sid == 0:
-            self._refuse_bad(s, sid, obs)
-        else:
-            self._refuse_bad(s, sid, obs, rewards, final, done)
+            raise SessionError("INVALID_ARGUMENT", f"step {sid}: {err}" + (
+                " (rewards, terminated, truncated and final_observations are of the agents that acted on the step "
+                "before)" if s.agents else "")) from None
+        if s.agents:
+            assert names is not None
+            self._check_returns(s, step, rows, names, set(prev[done].tolist()))
+        self._refuse_bad(s, sid, obs, rewards, final, done)
+        if s.agents and sid > 0:
+            assert term is not None and trunc is not None
             acting = set(rows.tolist())
-            for slot in prev[~ended]:
+            for slot in prev[~(term | trunc)]:
                 if slot not in acting:
                     raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents: {s.episodes.agent_ids[slot]!r} "
-                                                           f"acted on step "
-                                                           f"{sid - 1} and did not end, so it must act on this "
-                                                           f"step (end it with terminated or truncated first)")
+                                                           f"acted on step {sid - 1} and did not end, so it must act "
+                                                           f"on this step (end it with terminated or truncated first)")
+        if sid > 0 and s.episodes.state is not None:
+            s.episodes.state[prev[done]] = 0.0   # these act on an episode's first observation next
+        # (every row at every step: slices, not an index array)
+        at, before = (rows, prev) if s.agents else (slice(None), slice(None))
         if self.records:
             b, t = s.buffers, s.t
             if sid > 0:
-                b["rewards"][t, prev], b["terminated"][t, prev], b["truncated"][t, prev] = rewards, term, trunc
+                b["rewards"][t, before], b["terminated"][t, before], b["truncated"][t, before] = rewards, term, trunc
                 for k, i in enumerate(done):
                     s.final_obs.append(final[k])
                     s.final_index.append(t * N + int(prev[i]))
-                b["obs"][t + 1, rows] = obs
+                b["obs"][t + 1, at] = obs
             else:
-                b["obs"][t, rows] = obs
+                b["obs"][t, at] = obs
         if sid > 0:
             ep = s.episodes
-            ep.returns[prev] += rewards
-            ep.lengths[prev] += 1
+            ep.returns[before] += rewards
+            ep.lengths[before] += 1
             for slot in prev[done]:
                 self._finish_episode(ep, int(slot))
-            assert s.left is not None
-            s.left[prev[done]] = True     # ended: gone, unless it acts on this step (its next episode)
+            if s.left is not None:
+                s.left[prev[done]] = True     # ended: gone, unless it acts on this step (its next episode)
             self.env_steps += K
             ep.env_steps += K
             self.metrics.inc("actor/env_steps_total", K)
-        assert s.left is not None
-        s.left[rows] = False
+        if s.left is not None:
+            s.left[rows] = False
         s.rows = rows
         if self.records and sid > 0:
             s.t += 1
             if s.t == s.T:
                 self._emit(s, s.t)
-                s.buffers["obs"][0, rows] = obs
+                s.buffers["obs"][0, at] = obs
         return obs
 
     def _agent_rows(self, s: Session, step: actor_pb2.EnvStep) -> tuple[np.ndarray, list[str]]:
@@ -526,14 +487,23 @@ class SessionHub:
             raise TensorError(name, f"must be {dtype.name} {list(shape)}, got {arr.dtype.name} {list(arr.shape)}")
         return arr
 
+    def state_of(self, s: Session) -> np.ndarray | None:
+        """A recurrent policy's state of the rows about to be acted on (`observe`'s), None if stateless."""
+        state = s.episodes.state
+        return None if state is None else state[s.rows] if s.agents else state
+
     def record_actions(self, s: Session, actions: np.ndarray, extras: dict[str, np.ndarray], version: int,
                        state: np.ndarray | None = None) -> None:
         """Store the actions chosen for the session's current observations, with what the algorithm
         recorded while choosing them (`Algorithm.extras`), and a recurrent policy's `state` after them.
         Serving only: just the step count and the state."""
         s.next_step += 1
-        if state is not None and s.ended is None:
-            s.episodes.acted_from, s.episodes.state = s.episodes.state, state
+        if state is not None and s.ended is None and s.episodes.state is not None:
+            if s.agents:   # (the step's agents' rows; the others keep theirs)
+                s.episodes.acted_from = s.episodes.state.copy()
+                s.episodes.state[s.rows] = state
+            else:
+                s.episodes.acted_from, s.episodes.state = s.episodes.state, state
         if not self.records or s.ended is not None:
             return  # (closed while its actions were chosen: its arrays went to the encoder with its last fragment)
         at = slice(None) if not s.agents else s.rows    # a session of several agents: the step's agents' slots
@@ -580,7 +550,9 @@ class SessionHub:
                 final_index=np.asarray([i for _, i in picked], np.int64),
                 action_mask=b["action_mask"][a:end, cols] if s.masked else None,
                 extras={**{name: b[name][a:end, cols] for name in self.extras.steps},
-                        **{name: b[name][cols] for name in self.extras.start}}))
+                        # (a run that starts after the window's first step is an agent's new life: a fresh state)
+                        **{name: b[name][cols] if a == 0 else np.zeros_like(b[name][cols])
+                           for name in self.extras.start}}))
         for fields in cuts:
             if self.on_cut is not None:
                 self.on_cut(self.seq, (fields["actions"].shape[0]) * len(fields["env_ids"]))

@@ -92,7 +92,6 @@ def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
     ({"policies": {"Red": {"agents": ["a"]}}}, r"policies.Red: 'Red' is not a policy name"),
     ({"policies": {"red": {"agents": []}, "blue": {"agents": ["b"]}}}, r"policies.red.agents: \[\] is invalid: name the agents"),
     ({"policies": {"red": {"agents": ["a"]}}}, r"policies: \['red'\] is invalid: name two or more policies"),
-    ({"ppo": {**TINY_PPO["ppo"], "recurrent": "lstm"}}, r"ppo.recurrent: several policies in one run act with feed-forward"),
     ({"planner": {"enabled": False, "budget": 2.5}},   # 1 actor + 1 learner each of 2 policies
      r"planner.budget: 2.5 is invalid: cannot fit the minimum replicas of every role: 3 \(planner.actor.min and "
      r"for each of the 2 policies, planner.learner.min, at their cost\)"),
@@ -249,3 +248,50 @@ def test_a_non_finite_observation_stops_the_actor_naming_the_policy(monkeypatch)
         assert rollout.metrics.counters["actor/fragments_total"] == 0   # nothing of that window was cut
     finally:
         rollout.close()
+
+
+def test_recurrent_policies_each_keep_a_state_per_slot_and_their_learners_train_on_it(tmp_path):
+    """ppo.recurrent with several policies (a team's LSTM each): every policy keeps a state per slot of
+    its agents, moved by its own network, zeroed where an agent's episode ends; each fragment starts
+    from its slots' state at the window's start (a run starting later, an agent's new life, from zeros),
+    and each policy's learner trains on its table's sequences."""
+    from services.buffer.store import Store
+    from services.common.models.nets import to_numpy
+    from services.learner.trainer import Trainer
+
+    T = 5   # relay's episodes are 7 steps: windows start mid-life, b's and c's lives cross their edges
+    cfg = config(ppo={**TINY_PPO["ppo"], "rollout_steps": T, "recurrent": "gru", "recurrent_size": 4})
+    rollout = Rollout(cfg, "ma", 0, Metrics("actor"))
+    windows = []   # (each policy's state at the window's start, the window's fragments)
+    try:
+        for version, policy in enumerate(rollout.policies.values(), 1):
+            policy.offer_weights(version, to_numpy(policy.net))
+        for _ in range(4):
+            starts = {g.name: g.seats.learning.state.copy() for g in rollout.groups}
+            windows.append((starts, collect_all(rollout, 1)))
+    finally:
+        rollout.close()
+    assert {name: state.shape for name, state in windows[0][0].items()} == {"first": (COPIES, 4), "rest": (2 * COPIES, 4)}
+    moved = {"first": 0, "rest": 0}
+    for starts, msgs in windows:
+        for m in msgs:
+            f = decode_fragment(RawFragment(m.payload), extras=("behaviour_logprob",), start_extras=("core_state",))
+            state, want = f.extras["core_state"], starts[m.policy][list(f.env_ids)]
+            assert state.shape == (len(f.env_ids), 4)
+            if f.num_steps == T:   # slots that acted through the window: from its start's state
+                np.testing.assert_allclose(state, want, rtol=1e-6)
+            for row, start in zip(state, want):   # (a shorter run: from it, or a new life's zeros)
+                assert np.allclose(row, start, rtol=1e-6) or not row.any()
+            moved[m.policy] += int(np.abs(state).sum() > 0)
+    assert moved["first"] and moved["rest"], moved   # each policy's state moves, and is carried over windows
+    for name in ("first", "rest"):
+        store = Store(cfg, Metrics("buffer"))
+        for _, msgs in windows:
+            for m in msgs:
+                if m.policy == name:
+                    store.insert(RawFragment(m.payload))
+        trainer = Trainer(cfg, Metrics("learner"), tmp_path / name, policy=name)
+        batch = store.next_batch(4, "learner")
+        assert batch is not None
+        trainer.train(batch)
+        assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0

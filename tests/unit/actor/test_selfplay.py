@@ -300,12 +300,9 @@ def test_opponent_epsilon_makes_that_share_of_the_policy_opponents_moves_random(
         SelfPlay(config(opponent_epsilon=0.1), unbounded, 1, 2, Metrics("actor"), np.random.default_rng(0))
 
 
-def test_selfplay_needs_an_env_with_several_agents_and_a_feed_forward_policy():
+def test_selfplay_needs_an_env_with_several_agents():
     with pytest.raises(ConfigError, match=r"selfplay.enabled: True is invalid: self-play needs an env with several"):
         config_from_dict({**TINY_PPO, "selfplay": {"enabled": True}})
-    with pytest.raises(ConfigError, match=r"self-play with a recurrent policy"):
-        config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:kuberl_envs.tron"}, "selfplay": {"enabled": True},
-                          "ppo": {**TINY_PPO["ppo"], "recurrent": "gru"}})
     with pytest.raises(ConfigError, match=r"selfplay.latest_probability: 1.5 is invalid"):
         config(latest_probability=1.5)
 
@@ -364,3 +361,48 @@ def test_fixed_players_take_their_share_of_the_other_episodes_and_play_their_cop
         config(fixed_players=["plays_2"])
     with pytest.raises(ValueError, match=r"^selfplay.fixed_players: no_such_module:f: No module named 'no_such_module'"):
         Rollout(config(fixed_players=["no_such_module:f"], fixed_probability=0.1), "sp", 0, Metrics("actor"))
+
+
+def test_a_recurrent_policy_plays_itself_with_a_state_per_slot_for_it_and_for_each_snapshot(tmp_path):
+    """ppo.recurrent with self-play: the training policy keeps a state per slot it plays, so does each
+    snapshot (a frozen recurrent network) for the slots it plays, each zeroed where a slot's episode ends;
+    the recorded side's fragments start from the policy's state, and its learner trains on them."""
+    from services.buffer.store import Store
+    from services.learner.trainer import Trainer
+
+    cfg = config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:kuberl_envs.tron", "num_envs": COPIES,
+                                                "kwargs": {"size": 6}},
+                            "ppo": {**TINY_PPO["ppo"], "recurrent": "gru", "recurrent_size": 4},
+                            "selfplay": {"enabled": True, "snapshot_every": 1, "latest_probability": 0.0}})
+    rollout = Rollout(cfg, "sp", 0, Metrics("actor"))
+    sp = rollout.selfplay
+    played = np.zeros(2 * COPIES, bool)   # slots a snapshot acted for, seen from outside
+    try:
+        frags = []
+        for version in range(1, 7):
+            rollout.policy.offer_weights(version, to_numpy(rollout.policy.net))
+            frags.append(rollout.collect())
+            while rollout._pending:
+                frags.append(rollout.collect())
+            for snapshot in sp.pool:
+                assert snapshot.state is not None and snapshot.state.shape == (2 * COPIES, 4)
+                played |= np.abs(snapshot.state).sum(axis=1) > 0
+    finally:
+        rollout.close()
+    assert sp.pool and played.any()   # snapshots act, from states of their own
+    decoded = [decode_fragment(RawFragment(m.payload), extras=("behaviour_logprob",), start_extras=("core_state",))
+               for m in frags]
+    assert all(f.extras["core_state"].shape == (len(f.env_ids), 4) for f in decoded)
+    assert any(np.abs(f.extras["core_state"]).sum() > 0 for f in decoded)   # carried over windows
+    # An ended slot's states are zeros: the policy's and every snapshot's (the next episode starts afresh).
+    ended = np.ones(2 * COPIES, bool)
+    sp.stepped(np.zeros(2 * COPIES), ended, None)
+    assert not sp.learning.state.any() and not any(snap.state.any() for snap in sp.pool)
+    store = Store(cfg, Metrics("buffer"))
+    for m in frags:
+        store.insert(RawFragment(m.payload))
+    trainer = Trainer(cfg, Metrics("learner"), tmp_path / "learner")
+    batch = store.next_batch(4, "learner")
+    assert batch is not None
+    trainer.train(batch)
+    assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0

@@ -212,3 +212,50 @@ def test_a_hello_with_bad_agent_ids_is_refused(ids, num_envs, message):
     with pytest.raises(SessionError, match=message) as err:
         h.open(hello(ids=ids, num_envs=num_envs))
     assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_recurrent_policy_keeps_a_state_per_agent_moved_only_where_it_acts_and_fresh_at_each_new_life():
+    """ppo.recurrent over a session of several agents: the hub keeps each agent's state, hands inference
+    the rows of the agents acting now (`state_of`), moves only theirs, zeroes an agent's where its
+    episode ends, and a fragment's run that starts after the window's first step (an agent's new life)
+    starts from zeros, whatever the slot held when the window began."""
+    T = 4
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"},
+                            "ppo": {"rollout_steps": T, "recurrent": "gru", "recurrent_size": 2}})
+    out: list = []
+    h = SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), lambda frag: out.append(RawFragment(frag.payload)),
+                   state_size=2)
+    s, _ = h.open(hello())
+
+    def act(k, rows):   # the policy's state after step k's actions: k + 1 in every acting row
+        h.record_actions(s, np.zeros(rows, np.int64), {"behaviour_logprob": np.zeros(rows, np.float32)}, version=1,
+                         state=np.full((rows, 2), k + 1.0, np.float32))
+
+    everyone, calm = ["a0", "a1", "a2"], ([0.0] * 3, [False] * 3, [False] * 3)
+    h.observe(s, step(0, ["a0", "a1"], np.zeros((2, 3))))
+    assert h.state_of(s).shape == (2, 2) and not h.state_of(s).any()
+    act(0, 2)
+    assert s.episodes.state.tolist() == [[1, 1], [1, 1], [0, 0]]   # a2 has not acted: untouched
+    h.observe(s, step(1, everyone, np.zeros((3, 3)), ([0.0] * 2, [False] * 2, [False] * 2)))
+    assert h.state_of(s).tolist() == [[1, 1], [1, 1], [0, 0]]      # the rows acting now, in the step's order
+    act(1, 3)
+    for k in (2, 3, 4):   # window 1 ends at step 4's outcomes: window 2 starts from every agent's state 4
+        h.observe(s, step(k, everyone, np.zeros((3, 3)), calm))
+        act(k, 3)
+    assert len(out) == 2 and s.t == 0   # (window 1: a0, a1 throughout; a2 from its second step)
+    # Step 5: a0 terminated and leaves; step 6: it joins again, a new life in the middle of window 2.
+    h.observe(s, step(5, ["a1", "a2"], np.zeros((2, 3)), ([0.0] * 3, [True, False, False], [False] * 3),
+                      final=np.zeros((1, 3))))
+    assert s.episodes.state.tolist() == [[0, 0], [5, 5], [5, 5]]   # a0's life ended: zeroed
+    act(5, 2)
+    h.observe(s, step(6, everyone, np.zeros((3, 3)), ([0.0] * 2, [False] * 2, [False] * 2), joined=["a0"]))
+    act(6, 3)
+    h.observe(s, step(7, everyone, np.zeros((3, 3)), calm))
+    act(7, 3)
+    h.observe(s, step(8, everyone, np.zeros((3, 3)), calm))
+    frags = [decode_fragment(f, algorithm=pb.ALGORITHM_PPO, extras=("behaviour_logprob",),
+                             start_extras=("core_state",)) for f in out[2:]]
+    runs = sorted((f.env_ids.tolist() if hasattr(f.env_ids, "tolist") else list(f.env_ids), f.rewards.shape[0],
+                   f.extras["core_state"].tolist()) for f in frags)
+    # a1 and a2 throughout from the window's state; a0's first step from it too; a0's new life from zeros.
+    assert runs == [([0], 1, [[4, 4]]), ([0], 2, [[0, 0]]), ([1, 2], 4, [[4, 4], [4, 4]])]
