@@ -19,7 +19,7 @@ from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 from services.planner.backend import ROLES, Backend, Conflict, Refused
-from services.planner.decide import (Decision, Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide,
+from services.planner.decide import (Decision, Inputs, RoleBounds, RoleInputs, ScaleUpProbe, ScalingRules, decide,
                                      judge_scale_up)
 from services.planner.observe import Observer, StatsSource
 from services.planner.shards import SendTopology, ShardDecision, ShardKeeper, decide_shards, shard_bounds
@@ -33,10 +33,11 @@ BOTTLENECKS = ("communication", "training", "sampling", "balanced", "unknown")
 SHARDS = "buffer"   # the role name of buffer shards in overrides (SetReplicas)
 
 
-def policy_from_config(cfg: ExperimentConfig) -> Policy:
-    """The decision policy. With external simulators (env.mode external) the actors are not scaled:
-    each serves the simulators connected to it, and an actor added would serve none (simulators find
-    actors by address; docs/planner.md), so they stay at topology.actors and only learners move."""
+def rules_from_config(cfg: ExperimentConfig) -> ScalingRules:
+    """The planner's scaling rules, from the config's planner section. With external simulators
+    (env.mode external) the actors are not scaled: each serves the simulators connected to it, and an
+    actor added would serve none (simulators find actors by address; docs/planner.md), so they stay at
+    topology.actors and only learners move."""
     p = cfg.planner
 
     def bounds(r):
@@ -46,12 +47,12 @@ def policy_from_config(cfg: ExperimentConfig) -> Policy:
     if cfg.env.mode == "external":
         n = min(max(cfg.topology.actors, p.actor.min), p.actor.max)
         actor = RoleBounds(n, n, p.actor.cost, p.actor.max_step_up, p.actor.max_step_down)
-    return Policy(actor=actor, learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
-                  replay_ratio=algorithms.get(cfg.algorithm).consumption_ratio(cfg),
-                  cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
-                  converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,
-                  measured_costs=p.costs == "measured", min_scale_gain=p.min_scale_gain,
-                  saturation_hold_s=p.saturation_hold_s)
+    return ScalingRules(actor=actor, learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
+                        replay_ratio=algorithms.get(cfg.algorithm).consumption_ratio(cfg),
+                        cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
+                        converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,
+                        measured_costs=p.costs == "measured", min_scale_gain=p.min_scale_gain,
+                        saturation_hold_s=p.saturation_hold_s)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Planner:
                  send_topology: SendTopology | None = None):
         self.cfg, self.backend, self.clock, self.wall = cfg, backend, clock, wall
         self.journal = journal  # every recorded decision is appended here as one JSON line
-        self.policy = policy_from_config(cfg)
+        self.rules = rules_from_config(cfg)
         self.metrics = metrics or Metrics("planner")
         self.observer = Observer(cfg, backend, self.metrics, stats, clock)
         self.shards = ShardKeeper(cfg, backend, self.metrics, clock, wall, send_topology)
@@ -103,7 +104,7 @@ class Planner:
             if o.expires_unix_s <= wall:
                 log.info("override of %s (%d replicas) expired; the planner takes it back", role, o.replicas)
                 del self.overrides[role]
-        while self.proposals and now - self.proposals[0][0] > self.policy.scale_down_window_s:
+        while self.proposals and now - self.proposals[0][0] > self.rules.scale_down_window_s:
             self.proposals.popleft()
         for role, (n, until) in list(self.ceilings.items()):
             if until <= now:
@@ -129,14 +130,14 @@ class Planner:
         """Judge the scale-ups that have settled; True when a saturation ceiling was set."""
         changed = False
         for role, probe in list(self.probes.items()):
-            verdict = judge_scale_up(self.policy, probe, inp)
+            verdict = judge_scale_up(self.rules, probe, inp)
             if not verdict.done:
                 continue
             del self.probes[role]
             if verdict.reason:
                 log.info("scale-up judged: %s", verdict.reason)
             if verdict.ceiling is not None:
-                self.ceilings[role] = (verdict.ceiling, inp.now + self.policy.saturation_hold_s)
+                self.ceilings[role] = (verdict.ceiling, inp.now + self.rules.saturation_hold_s)
                 self.metrics.inc("planner/saturations_total")
                 changed = True
         return changed
@@ -156,12 +157,12 @@ class Planner:
                 del self.learner_scale_ups[role]   # converged, the count changed since, or a person holds it
                 continue
             held = self.ceilings.get(role)
-            if inp.now - applied_at < self.policy.converge_timeout_s or (held is not None and held[0] <= before):
+            if inp.now - applied_at < self.rules.converge_timeout_s or (held is not None and held[0] <= before):
                 continue
-            self.ceilings[role] = (before, inp.now + self.policy.saturation_hold_s)
+            self.ceilings[role] = (before, inp.now + self.rules.saturation_hold_s)
             self.metrics.inc("planner/saturations_total")
             log.info("%s scale-up %d->%d: only %d ready after %.0f s; holding it at %d for %.0f s",
-                     role, before, after, ri.ready, inp.now - applied_at, before, self.policy.saturation_hold_s)
+                     role, before, after, ri.ready, inp.now - applied_at, before, self.rules.saturation_hold_s)
             held_now = True
         return held_now
 
@@ -186,7 +187,7 @@ class Planner:
                     self._judge(inp)
                     self.track_learner_scale_ups(inp)
                     inp = replace(inp, ceilings=self._ceilings(), learner_scale_ups=dict(self.learner_scale_ups))
-                d = decide(self.policy, inp)
+                d = decide(self.rules, inp)
                 if d.action != "scale":
                     break
                 if not self.backend.leader:
@@ -235,12 +236,12 @@ class Planner:
         cores = dict(inp.transport.buffer_cores) if inp.transport is not None else {}
         override = self.overrides.get(SHARDS)
         busy = keeper.busy()
-        if not busy and override is None and keeper.changed_at is not None and inp.now - keeper.changed_at < self.policy.cooldown_s:
+        if not busy and override is None and keeper.changed_at is not None and inp.now - keeper.changed_at < self.rules.cooldown_s:
             busy = (f"buffer shards changed {inp.now - keeper.changed_at:.0f} s ago "
-                    f"(planner.cooldown_s {self.policy.cooldown_s:.0f})")
+                    f"(planner.cooldown_s {self.rules.cooldown_s:.0f})")
         sd = decide_shards(keeper.active, shard_bounds(self.cfg), bottleneck=d.bottleneck.kind,
                            evidence=d.bottleneck.evidence, buffer_cores=cores, idle_for_s=keeper.watch_idle(cores),
-                           window_s=self.policy.scale_down_window_s, busy=busy,
+                           window_s=self.rules.scale_down_window_s, busy=busy,
                            override=override.replicas if override else None)
         if sd.target != sd.current and self.paused and override is None:   # paused: overrides only, as for roles
             return replace(sd, target=sd.current, reason=f"paused; would go on: {sd.reason}")
@@ -296,7 +297,7 @@ class Planner:
             rd = ppb.RoleDecision(role=r, current=current, target=target, proposed=proposed,
                                   ready=ri.ready, reporting=ri.reporting, rate_per_replica=ri.rate or 0.0,
                                   stale=ri.stale, blocked=ri.blocked, cores_per_replica=ri.cores or 0.0,
-                                  cost_per_replica=self.policy.replica_cost(r, inp))
+                                  cost_per_replica=self.rules.replica_cost(r, inp))
             if ri.override is not None:
                 rd.override = ri.override
             if r in inp.ceilings:
@@ -305,9 +306,9 @@ class Planner:
         return ppb.Decision(unix_s=self.wall(), action=ACTIONS[d.action], applied=applied, dry_run=dry_run,
                             reason=d.reason, roles=roles, production=d.production or 0.0,
                             consumption=d.consumption or 0.0, ratio=d.ratio or 0.0,
-                            planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.policy.replay_ratio,
-                            policy_lag=inp.policy_lag, max_policy_lag=self.policy.max_policy_lag,
-                            tolerance=self.policy.tolerance, budget=self.policy.budget, trigger=trigger,
+                            planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.rules.replay_ratio,
+                            policy_lag=inp.policy_lag, max_policy_lag=self.rules.max_policy_lag,
+                            tolerance=self.rules.tolerance, budget=self.rules.budget, trigger=trigger,
                             error=error, backend=self.backend.name, bottleneck=d.bottleneck.kind,
                             bottleneck_evidence=d.bottleneck.evidence,
                             buffer_shards=shards.current if shards else self.shards.active,
@@ -329,7 +330,7 @@ class Planner:
             raise ValueError(f"role: learner is not scaled in a run of several policies "
                              f"({', '.join(self.cfg.policy_names)}): set one policy's learners, "
                              f"{' or '.join(self.policy_roles)}")
-        b = self.policy.bounds(role.split("/", 1)[0])
+        b = self.rules.bounds(role.split("/", 1)[0])
         if not b.min <= replicas <= b.max:
             raise ValueError(f"replicas: {replicas} is outside planner.{role.split('/', 1)[0]}.min..max "
                              f"({b.min}..{b.max})")

@@ -205,13 +205,13 @@ class NotReadyLearners(MemoryBackend):
 def test_external_simulators_fix_the_actors_and_leave_the_learners_to_the_planner():
     """env.mode external: an actor added would serve no simulator (they find actors by address), so
     the actors stay at topology.actors within the planner's bounds; the learners keep theirs."""
-    from services.planner.core import policy_from_config
+    from services.planner.core import rules_from_config
 
     base = {**TINY_PPO, "planner": {"actor": {"min": 1, "max": 8}, "learner": {"min": 1, "max": 3}}}
-    local = policy_from_config(config_from_dict({**base, "topology": {"actors": 2}}))
+    local = rules_from_config(config_from_dict({**base, "topology": {"actors": 2}}))
     assert (local.actor.min, local.actor.max) == (1, 8)
-    external = policy_from_config(config_from_dict({**base, "topology": {"actors": 2},
-                                                    "env": {"id": "CartPole-v1", "mode": "external"}}))
+    external = rules_from_config(config_from_dict({**base, "topology": {"actors": 2},
+                                                   "env": {"id": "CartPole-v1", "mode": "external"}}))
     assert (external.actor.min, external.actor.max) == (2, 2)
     assert (external.learner.min, external.learner.max) == (1, 3)
 

@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from services.planner.decide import (Inputs, Policy, RoleBounds, RoleInputs, ScaleUpProbe, decide, judge_scale_up,
+from services.planner.decide import (Inputs, RoleBounds, RoleInputs, ScaleUpProbe, ScalingRules, decide, judge_scale_up,
                                      plan, solve)
 
-POLICY = Policy(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
-                learner=RoleBounds(min=1, max=1),
-                tolerance=0.15, replay_ratio=1.0, cooldown_s=20, scale_down_window_s=60)
+RULES = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
+                     learner=RoleBounds(min=1, max=1),
+                     tolerance=0.15, replay_ratio=1.0, cooldown_s=20, scale_down_window_s=60)
 # Several learners and a budget of 6 cores: the budget, not the bounds, limits the plan.
-BUDGETED = Policy(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
-                  learner=RoleBounds(min=1, max=4, max_step_up=2, max_step_down=1),
-                  budget=6, tolerance=0.15, cooldown_s=20, scale_down_window_s=60)
+BUDGETED = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
+                        learner=RoleBounds(min=1, max=4, max_step_up=2, max_step_down=1),
+                        budget=6, tolerance=0.15, cooldown_s=20, scale_down_window_s=60)
 LONG_AGO = -1000.0
 
 
@@ -28,16 +28,16 @@ def inputs(na, nl, a, l, **kw):
     return Inputs(now=0.0, actor=actor, learner=learner, **kw)
 
 
-def _naive_plan(policy: Policy, a: float, feeds: dict[str, float]) -> tuple[float, float]:
+def _naive_plan(rules: ScalingRules, a: float, feeds: dict[str, float]) -> tuple[float, float]:
     """Every combination of counts within the bounds and budget: the best throughput, and the least cost
     among the plans within 1% of it."""
     roles = ["actor", *feeds]
     plans = []
-    for counts in itertools.product(*(range(policy.bounds(r).min, policy.bounds(r).max + 1) for r in roles)):
+    for counts in itertools.product(*(range(rules.bounds(r).min, rules.bounds(r).max + 1) for r in roles)):
         n = dict(zip(roles, counts))
-        if policy.fits(n):
+        if rules.fits(n):
             fed = min((n[r] * c for r, c in feeds.items() if not math.isinf(c)), default=math.inf)
-            plans.append((min(n["actor"] * a, fed), policy.cost(n)))
+            plans.append((min(n["actor"] * a, fed), rules.cost(n)))
     best = max(t for t, _ in plans)
     return best, min(c for t, c in plans if t >= 0.99 * best)
 
@@ -53,53 +53,53 @@ def test_plan_of_several_policies_matches_every_combination_tried(seed):
     feeds = {f"learner/p{i}": rng.choice([math.inf, *(rng.uniform(20, 400) for _ in range(6))])
              for i in range(rng.randint(1, 3))}
     floor = actor.min * actor.cost + len(feeds) * learner.min * learner.cost
-    policy = Policy(actor=actor, learner=learner, budget=rng.choice([0.0, floor + rng.randint(0, 6)]))
-    counts, thr = plan(policy, 100.0, feeds)
-    best, cheapest = _naive_plan(policy, 100.0, feeds)
-    assert set(counts) == {"actor", *feeds} and policy.fits(counts)
-    assert thr >= 0.99 * best and policy.cost(counts) == pytest.approx(cheapest), (counts, thr, best)
+    rules = ScalingRules(actor=actor, learner=learner, budget=rng.choice([0.0, floor + rng.randint(0, 6)]))
+    counts, thr = plan(rules, 100.0, feeds)
+    best, cheapest = _naive_plan(rules, 100.0, feeds)
+    assert set(counts) == {"actor", *feeds} and rules.fits(counts)
+    assert thr >= 0.99 * best and rules.cost(counts) == pytest.approx(cheapest), (counts, thr, best)
     fed = min((counts[r] * c for r, c in feeds.items() if not math.isinf(c)), default=math.inf)
     assert thr == pytest.approx(min(counts["actor"] * 100.0, fed))
     assert all(counts[r] == learner.min for r, c in feeds.items() if math.isinf(c))
 
 
-@pytest.mark.parametrize("policy,a,l,R,expect", [
-    (POLICY, 100, 400, 1.0, {"actor": 4, "learner": 1}),      # one learner: as many actors as it can consume
-    (POLICY, 100, 1600, 4.0, {"actor": 4, "learner": 1}),     # DQN: a learner consumes l/R fresh samples/s
-    (POLICY, 100, 5000, 1.0, {"actor": 8, "learner": 1}),     # actor max reached
+@pytest.mark.parametrize("rules,a,l,R,expect", [
+    (RULES, 100, 400, 1.0, {"actor": 4, "learner": 1}),      # one learner: as many actors as it can consume
+    (RULES, 100, 1600, 4.0, {"actor": 4, "learner": 1}),     # DQN: a learner consumes l/R fresh samples/s
+    (RULES, 100, 5000, 1.0, {"actor": 8, "learner": 1}),     # actor max reached
     (BUDGETED, 100, 200, 1.0, {"actor": 4, "learner": 2}),    # 4 + 2 = 6 cores: 400 samples/s
     (BUDGETED, 100, 800, 1.0, {"actor": 5, "learner": 1}),    # a second learner would buy nothing
 ])
-def test_solve_maximises_min_rate_then_cheapest(policy, a, l, R, expect):
-    policy = Policy(actor=policy.actor, learner=policy.learner, budget=policy.budget, replay_ratio=R)
-    counts, thr = solve(policy, a, l)
+def test_solve_maximises_min_rate_then_cheapest(rules, a, l, R, expect):
+    rules = ScalingRules(actor=rules.actor, learner=rules.learner, budget=rules.budget, replay_ratio=R)
+    counts, thr = solve(rules, a, l)
     assert counts == expect
     assert thr == pytest.approx(min(counts["actor"] * a, counts["learner"] * l / R))
 
 
 def test_solve_respects_budget():
-    policy = Policy(actor=RoleBounds(min=1, max=8, cost=1.0), learner=RoleBounds(min=1, max=4, cost=2.0), budget=6)
-    counts, thr = solve(policy, 100, 1000)
+    rules = ScalingRules(actor=RoleBounds(min=1, max=8, cost=1.0), learner=RoleBounds(min=1, max=4, cost=2.0), budget=6)
+    counts, thr = solve(rules, 100, 1000)
     assert counts == {"actor": 4, "learner": 1}   # 4*1 + 1*2 = 6: more actors would break the budget
-    assert policy.cost(counts) <= 6 and thr == 400
+    assert rules.cost(counts) <= 6 and thr == 400
 
 
 def test_balanced_holds():
-    d = decide(POLICY, inputs(4, 1, 100, 420))
+    d = decide(RULES, inputs(4, 1, 100, 420))
     assert d.action == "hold" and d.targets == d.current and "in band" in d.reason
     assert d.ratio == pytest.approx(400 / 420)
 
 
 def test_actor_bound_scales_up_at_once_with_a_bounded_step():
-    d = decide(POLICY, inputs(1, 1, 100, 600))
+    d = decide(RULES, inputs(1, 1, 100, 600))
     assert d.action == "scale"
     assert d.proposed == {"actor": 6, "learner": 1}
     assert d.targets == {"actor": 3, "learner": 1}     # +2 per decision
     assert "step-bounded" in d.reason and d.ratio == pytest.approx(100 / 600)
 
 
-STALENESS = Policy(actor=POLICY.actor, learner=POLICY.learner, tolerance=0.15, max_policy_lag=4.0,
-                   cooldown_s=20, scale_down_window_s=60)
+STALENESS = ScalingRules(actor=RULES.actor, learner=RULES.learner, tolerance=0.15, max_policy_lag=4.0,
+                         cooldown_s=20, scale_down_window_s=60)
 
 
 @pytest.mark.parametrize("lag,scales", [(None, True), (2.0, True), (4.0, True), (9.5, False)])
@@ -121,9 +121,9 @@ def test_staleness_target_never_holds_a_scale_down():
 def test_measured_costs_fit_more_light_actors_into_a_core_budget():
     # Budget 3 cores; configured costs (1 per replica) allow 2 actors next to the learner. Measured, the
     # actors (rate-capped) use 0.2 cores each and the learner 1.0: 8 actors fit in 2.6 cores.
-    configured = Policy(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(max=1), budget=3.0)
-    measured = Policy(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(max=1), budget=3.0,
-                      measured_costs=True)
+    configured = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(max=1), budget=3.0)
+    measured = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(max=1), budget=3.0,
+                            measured_costs=True)
     inp = inputs(1, 1, 100, 1000, actor_cores=0.2, learner_cores=1.0)
     assert decide(configured, inp).targets["actor"] == 2
     d = decide(measured, inp)
@@ -147,85 +147,85 @@ def test_scale_up_is_cut_back_to_the_budget_when_a_scale_down_is_held():
 
 
 def test_budget_bound_caps_scale_up():
-    policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(min=1, max=1), budget=4)
-    d = decide(policy, inputs(1, 1, 100, 1000))
+    rules = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=8), learner=RoleBounds(min=1, max=1), budget=4)
+    d = decide(rules, inputs(1, 1, 100, 1000))
     assert d.targets == {"actor": 3, "learner": 1}
-    assert policy.cost(d.targets) <= 4
+    assert rules.cost(d.targets) <= 4
 
 
 def test_at_bounds_holds_and_says_so():
-    policy = Policy(actor=RoleBounds(min=1, max=2), learner=RoleBounds(min=1, max=1))
-    d = decide(policy, inputs(2, 1, 100, 1000))
+    rules = ScalingRules(actor=RoleBounds(min=1, max=2), learner=RoleBounds(min=1, max=1))
+    d = decide(rules, inputs(2, 1, 100, 1000))
     assert d.action == "hold" and "already the best plan" in d.reason
 
 
 def test_missing_metrics_suppress_everything():
-    d = decide(POLICY, inputs(1, 1, 100, None))
+    d = decide(RULES, inputs(1, 1, 100, None))
     assert d.action == "suppressed" and "learner" in d.reason and d.targets == d.current
-    d = decide(POLICY, inputs(1, 1, 0.0, 500))
+    d = decide(RULES, inputs(1, 1, 0.0, 500))
     assert d.action == "suppressed" and "actor" in d.reason
 
 
 def test_noisy_metrics_within_band_do_nothing():
     for l in (360, 400, 450, 470):   # production 400 against +-15%
-        assert decide(POLICY, inputs(4, 1, 100, l)).action == "hold"
+        assert decide(RULES, inputs(4, 1, 100, l)).action == "hold"
 
 
 def test_stale_metrics_never_scale_down_but_may_scale_up():
-    down = decide(POLICY, inputs(8, 1, 100, 400, learner_stale=True))
+    down = decide(RULES, inputs(8, 1, 100, 400, learner_stale=True))
     assert down.targets["actor"] == 8 and "stale" in down.reason
-    up = decide(POLICY, inputs(1, 1, 100, 400, actor_stale=True))
+    up = decide(RULES, inputs(1, 1, 100, 400, actor_stale=True))
     assert up.targets["actor"] == 3 and up.action == "scale"
 
 
 def test_scale_down_waits_for_the_window_and_takes_its_largest_proposal():
-    young = decide(POLICY, inputs(8, 1, 100, 400, observing_since=-10.0))
+    young = decide(RULES, inputs(8, 1, 100, 400, observing_since=-10.0))
     assert young.targets["actor"] == 8 and "window" in young.reason
-    held = decide(POLICY, inputs(8, 1, 100, 400, recent_proposals=((-30.0, {"actor": 8, "learner": 1}),)))
+    held = decide(RULES, inputs(8, 1, 100, 400, recent_proposals=((-30.0, {"actor": 8, "learner": 1}),)))
     assert held.targets["actor"] == 8 and "proposed within" in held.reason
-    old = decide(POLICY, inputs(8, 1, 100, 400, recent_proposals=((-90.0, {"actor": 8, "learner": 1}),
-                                                                   (-20.0, {"actor": 6, "learner": 1}))))
+    old = decide(RULES, inputs(8, 1, 100, 400, recent_proposals=((-90.0, {"actor": 8, "learner": 1}),
+                                                                  (-20.0, {"actor": 6, "learner": 1}))))
     assert old.action == "scale" and old.targets["actor"] == 7    # one step down toward max(4, 6) = 6
 
 
 def test_cooldown_suppresses_and_names_the_time_left():
-    d = decide(POLICY, inputs(1, 1, 100, 600, last_change_at=-5.0))
+    d = decide(RULES, inputs(1, 1, 100, 600, last_change_at=-5.0))
     assert d.action == "suppressed" and "cooldown" in d.reason and "15 s" in d.reason
     assert d.proposed == {"actor": 6, "learner": 1}
-    assert decide(POLICY, inputs(1, 1, 100, 600, last_change_at=-25.0)).action == "scale"
+    assert decide(RULES, inputs(1, 1, 100, 600, last_change_at=-25.0)).action == "scale"
 
 
 def test_no_stacking_on_an_unconverged_change():
-    d = decide(POLICY, inputs(3, 1, 100, 600, actor_ready=2, actor_reporting=1, last_change_at=-50.0))
+    d = decide(RULES, inputs(3, 1, 100, 600, actor_ready=2, actor_reporting=1, last_change_at=-50.0))
     assert d.action == "suppressed" and "not converged" in d.reason and "actor 1/3" in d.reason
     # after converge_timeout_s the stuck change no longer blocks
-    late = decide(POLICY, inputs(3, 1, 100, 600, actor_ready=2, actor_reporting=1, last_change_at=-500.0))
+    late = decide(RULES, inputs(3, 1, 100, 600, actor_ready=2, actor_reporting=1, last_change_at=-500.0))
     assert late.action == "scale"
 
 
 def test_pause_suppresses_but_records_the_plan():
-    d = decide(POLICY, inputs(1, 1, 100, 600, paused=True))
+    d = decide(RULES, inputs(1, 1, 100, 600, paused=True))
     assert d.action == "suppressed" and "paused" in d.reason and d.proposed["actor"] == 6
 
 
 def test_blocked_role_is_left_alone():
-    d = decide(POLICY, inputs(1, 1, 100, 600, actor_blocked="HPA kuberl-actor targets it"))
+    d = decide(RULES, inputs(1, 1, 100, 600, actor_blocked="HPA kuberl-actor targets it"))
     assert d.targets["actor"] == 1 and "HPA" in d.reason and d.action == "suppressed"
 
 
 def test_the_other_role_is_planned_around_a_blocked_ones_count():
     """Three learners the backend will not scale (outside the planner's 1..1): the actors are planned to
     feed all three (600 samples/s: 6 actors), not the one learner the bounds would allow."""
-    d = decide(POLICY, inputs(1, 3, 100, 200, learner_blocked="several policies"))
+    d = decide(RULES, inputs(1, 3, 100, 200, learner_blocked="several policies"))
     assert d.proposed == {"actor": 6, "learner": 1} and d.targets == {"actor": 3, "learner": 3}, d.reason
     assert "learner left at 3: several policies" in d.reason
     assert d.planned_throughput == pytest.approx(600)
 
 
 def test_override_wins_even_without_rates():
-    d = decide(POLICY, inputs(1, 1, None, None, actor_override=5))
+    d = decide(RULES, inputs(1, 1, None, None, actor_override=5))
     assert d.action == "scale" and d.targets["actor"] == 5 and "override" in d.reason
-    d = decide(POLICY, inputs(6, 1, 100, 600, actor_override=2))
+    d = decide(RULES, inputs(6, 1, 100, 600, actor_override=2))
     assert d.targets["actor"] == 2
 
 
@@ -233,9 +233,9 @@ def test_never_outside_bounds():
     for na in range(1, 9):
         for a in (1.0, 10.0, 100.0, 1e4):
             for l in (1.0, 100.0, 1e5):
-                d = decide(POLICY, inputs(na, 1, a, l))
+                d = decide(RULES, inputs(na, 1, a, l))
                 for r in ("actor", "learner"):
-                    b = POLICY.bounds(r)
+                    b = RULES.bounds(r)
                     assert b.min <= d.targets[r] <= b.max
                     assert abs(d.targets[r] - d.current[r]) <= max(b.max_step_up, b.max_step_down)
                 assert not math.isnan(d.ratio)
@@ -261,31 +261,31 @@ def judged_at(now, rate, reporting=3, desired=3):
     (200, 30, 2, 3, True, None),    # never converged within converge_timeout_s: given up
 ])
 def test_a_scale_up_that_did_not_pay_sets_a_saturation_ceiling(now, rate, reporting, desired, done, ceiling):
-    v = judge_scale_up(POLICY, PROBE, judged_at(now, rate, reporting, desired))
+    v = judge_scale_up(RULES, PROBE, judged_at(now, rate, reporting, desired))
     assert (v.done, v.ceiling) == (done, ceiling), v.reason
     if ceiling is not None:
         assert f"saturates above {ceiling}" in v.reason and "of the predicted gain" in v.reason
 
 
 def test_a_saturation_ceiling_caps_the_plan_and_the_hold_names_it():
-    d = decide(POLICY, inputs(3, 1, 50, 600, ceilings={"actor": 3}))
+    d = decide(RULES, inputs(3, 1, 50, 600, ceilings={"actor": 3}))
     assert d.proposed == {"actor": 3, "learner": 1} and d.action == "hold"
     assert "actor saturates above 3" in d.reason
     # below the ceiling the role still grows to it
-    d = decide(POLICY, inputs(1, 1, 50, 600, ceilings={"actor": 2}))
+    d = decide(RULES, inputs(1, 1, 50, 600, ceilings={"actor": 2}))
     assert d.action == "scale" and d.targets == {"actor": 2, "learner": 1}
 
 
 def test_a_ceiling_below_the_current_count_scales_down_through_the_window():
-    d = decide(POLICY, inputs(3, 1, 30, 600, ceilings={"actor": 1}))
+    d = decide(RULES, inputs(3, 1, 30, 600, ceilings={"actor": 1}))
     assert d.proposed["actor"] == 1 and d.action == "scale" and d.targets["actor"] == 2   # one step down
-    held = decide(POLICY, inputs(3, 1, 30, 600, ceilings={"actor": 1}, recent_proposals=((-10.0, {"actor": 3}),)))
+    held = decide(RULES, inputs(3, 1, 30, 600, ceilings={"actor": 1}, recent_proposals=((-10.0, {"actor": 3}),)))
     assert held.action == "suppressed" and "3 was proposed" in held.reason
 
 
 # -- learners that never come up hold up the whole group ----------------------------------------------
-GROUPS = Policy(actor=POLICY.actor, learner=RoleBounds(min=1, max=4), tolerance=0.15, cooldown_s=20,
-                scale_down_window_s=60, converge_timeout_s=120)
+GROUPS = ScalingRules(actor=RULES.actor, learner=RoleBounds(min=1, max=4), tolerance=0.15, cooldown_s=20,
+                      scale_down_window_s=60, converge_timeout_s=120)
 
 
 def scaled_up(inp: Inputs, scale_up: tuple[float, int, int]) -> Inputs:
@@ -341,19 +341,19 @@ from services.planner.decide import BUFFER_BUSY_CORES, QUEUE_BACKLOG, Transport,
     (1.0, Transport(buffer_cores={"b": BUFFER_BUSY_CORES - 0.01}, queue_fill=QUEUE_BACKLOG - 0.01), "balanced", ""),
 ])
 def test_the_bottleneck_is_named_with_the_measurement_that_shows_it(ratio, transport, kind, says):
-    neck = bottleneck(POLICY, ratio, transport)
+    neck = bottleneck(RULES, ratio, transport)
     assert neck.kind == kind and says in neck.evidence
 
 
 def test_a_communication_bound_run_adds_no_actors_and_says_why():
     # Actors could feed 4x what one learner consumes... but their data does not reach the buffer.
     stuck = inputs(1, 1, 100, 400, transport=Transport(buffer_cores={"buffer-0": 0.99}))
-    d = decide(POLICY, stuck)
+    d = decide(RULES, stuck)
     assert d.action == "suppressed" and d.targets == {"actor": 1, "learner": 1}
     assert d.bottleneck.kind == "communication"
     assert "actor not scaled up to 4: the actors' data does not reach the buffers" in d.reason
     assert "bottleneck: communication (buffer-0 uses 0.99 CPU cores" in d.reason
-    free = decide(POLICY, inputs(1, 1, 100, 400, transport=Transport(buffer_cores={"buffer-0": 0.3})))
+    free = decide(RULES, inputs(1, 1, 100, 400, transport=Transport(buffer_cores={"buffer-0": 0.3})))
     assert free.action == "scale" and free.targets["actor"] == 3 and free.bottleneck.kind == "sampling"
     assert "bottleneck: sampling" in free.reason
 
@@ -374,9 +374,9 @@ def test_several_policies_are_not_decided_before_each_policys_share_of_the_sampl
 def test_a_policys_learners_the_backend_will_not_scale_are_planned_around():
     """Blue's learners (1/4 of the samples, 60/s each: 240 of the actors' output) cannot be scaled (an
     HPA targets them): the actors are planned to what one blue learner takes, red's learners to match."""
-    policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4, max_step_up=2),
-                    tolerance=0.1)
-    d = decide(policy, _policies_inputs(RoleInputs(desired=1, rate=60.0, share=0.25, blocked="an HPA targets it")))
+    rules = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4, max_step_up=2),
+                         tolerance=0.1)
+    d = decide(rules, _policies_inputs(RoleInputs(desired=1, rate=60.0, share=0.25, blocked="an HPA targets it")))
     assert d.consumption == pytest.approx(240.0) and d.ratio == pytest.approx(200 / 240)
     assert d.proposed == {"actor": 3, "learner/red": 1, "learner/blue": 4}   # blue: what the best plan (8 actors) gives it
     assert d.action == "scale" and d.targets == {"actor": 3, "learner/red": 1, "learner/blue": 1}
@@ -401,8 +401,8 @@ def test_one_policys_learner_scale_up_still_not_ready_is_taken_back_alone():
 def test_a_policy_that_gets_no_samples_needs_no_learner_rate_and_is_planned_at_its_minimum():
     """Blue's agents have not come yet (its share 0, its learners starved: no rate): the actors are
     planned with red's learners alone (8 actors, 800 samples/s: 2 red learners), blue's at planner.learner.min."""
-    policy = Policy(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4), tolerance=0.1)
-    d = decide(policy, _policies_inputs(RoleInputs(desired=2, rate=None, share=0.0)))
+    rules = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=4), learner=RoleBounds(min=1, max=4), tolerance=0.1)
+    d = decide(rules, _policies_inputs(RoleInputs(desired=2, rate=None, share=0.0)))
     assert d.consumption == pytest.approx(400.0) and d.proposed == {"actor": 8, "learner/red": 2, "learner/blue": 1}
 
 
