@@ -1,6 +1,6 @@
 """The experiment config: one YAML file, one frozen dataclass per concern, validated on load.
 
-Every role reads its part of the same file: the sections of the roles (services/common/config.py) and
+Every role reads its part of the same file: the sections of the roles (services/common/config/) and
 one section per algorithm, named after it (`ppo:`, `dqn:`, `sac:`; each algorithm's `config.py`).
 `load_config` refuses unknown keys, wrong types and impossible values with a ConfigError that names
 the dotted key (e.g. `ppo.clip_coef`), the value and why it cannot work. Derived values are

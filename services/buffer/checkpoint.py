@@ -235,8 +235,8 @@ def apply(store: Store, loaded: Loaded) -> None:
 
 
 class BufferCheckpointer:
-    """Saves a DQN buffer's replay state to `directory` every `interval_s` and at shutdown, and
-    restores the newest usable checkpoint at start."""
+    """Saves a DQN buffer's replay state to `directory` (every `interval_s` and at shutdown: its loop is
+    services/buffer/loops.py, `checkpoint_loop`), and restores the newest usable checkpoint at start."""
 
     def __init__(self, store: Store, cfg: ExperimentConfig, directory: str | Path, metrics: Metrics,
                  owner: StoreOwner | None = None):
@@ -305,16 +305,3 @@ class BufferCheckpointer:
         log.info("checkpoint %s: %d samples, %.1f MB in %.2f s (event loop paused %.1f ms)", path, snapshot.samples,
                  size / 1e6, seconds, snapshot.pause_s * 1e3)
         return path
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Checkpoint every interval; once `stop` is set, checkpoint a last time and return. A save under
-        way when `stop` is set finishes first, so the last one holds the final state."""
-        while True:
-            try:
-                await asyncio.wait_for(stop.wait(), self.interval_s)
-            except TimeoutError:
-                pass
-            final = stop.is_set()  # decided before saving: a save begun before the stop must be followed
-            await self.save()      # by one that holds what was stored meanwhile
-            if final:
-                return

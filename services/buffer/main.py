@@ -1,5 +1,6 @@
 """Buffer wiring: config -> a Store per policy's table (restored from a checkpoint) -> gRPC server -> the
-checkpoint loop -> shutdown (with a last checkpoint), on the common lifecycle (services/common/service/lifecycle.py)."""
+checkpoint and stats loops (loops.py) -> shutdown (with a last checkpoint), on the common lifecycle
+(services/common/service/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from kuberl.v1 import buffer_pb2
 from services.buffer.checkpoint import BufferCheckpointer
+from services.buffer.loops import checkpoint_loop, merge_stats_loop
 from services.buffer.owner import StoreOwner, use_thread
 from services.buffer.servicer import BufferServicer, add_to_server
 from services.buffer.tables import TableRouter
@@ -86,13 +88,13 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
         if len(tables) > 1:   # (the buffer's own metrics tick with the lifecycle; each table's here)
             for t in tables:
                 lc.task(tick_forever(t.servicer.metrics), f"stats-{t.name}")
-            lc.task(router.refresh_forever(), "stats-merge")
+            lc.task(merge_stats_loop(router.refresh), "stats-merge")
         lc.on_stop(router.close)               # refuse new pushes, ack open ones, end batch streams
         lc.on_stop(lc.stop_server(grace=2.0))  # let in-flight calls finish
         # A last checkpoint of each table's final contents, after the deadline: a large ring takes longer
         # to write, and a write cut short leaves the previous one.
         checkpoint_stop = asyncio.Event()
-        savings = [lc.task(t.checkpointer.run(checkpoint_stop), f"checkpoint-{t.name}", keep=True)
+        savings = [lc.task(checkpoint_loop(t.checkpointer, checkpoint_stop), f"checkpoint-{t.name}", keep=True)
                    for t in tables if t.checkpointer is not None]
         lc.after_deadline(checkpoint_stop.set)
         for saving in savings:

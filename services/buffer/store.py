@@ -351,7 +351,7 @@ class Store:
             self._actors.setdefault(str(actor_id), OrderedDict())[int(inc)] = window
 
     def evict_all(self) -> int:
-        """Empty the replay (a drained shard's, services/buffer/servicer.py): a fresh ring of the same
+        """Empty the replay (a drained shard's, services/buffer/drain.py): a fresh ring of the same
         capacity, the dedupe windows and counters kept. Returns the samples it held."""
         held = self.size
         if self.replay is not None and held:

@@ -12,7 +12,6 @@ and each table's figures under `buffer/policies/<policy>/...`; naming a policy, 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
@@ -73,15 +72,10 @@ class TableRouter(buffer_pb2_grpc.BufferServicer):
             metrics.add_gauges(lambda: self._merged)
 
     async def refresh(self) -> None:
-        """Read every table's figures, each on its store's owner (between its calls), and merge them."""
+        """Read every table's figures, each on its store's owner (between its calls), and merge them
+        (every second: services/buffer/loops.py, `merge_stats_loop`)."""
         self._merged = merged_metrics({name: await t.run(t.metrics.snapshot, urgent=True)
                                        for name, t in self.tables.items()})
-
-    async def refresh_forever(self, period_s: float = 1.0) -> None:
-        """Keep the merged figures fresh for the metrics endpoint (a buffer of several tables' task)."""
-        while True:
-            await self.refresh()
-            await asyncio.sleep(period_s)
 
     async def _table(self, context, rpc: str) -> BufferServicer:
         name = requested(context)

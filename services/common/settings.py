@@ -4,7 +4,7 @@ its dotted key.
 A settings class is a frozen dataclass whose `__post_init__` checks its values with `require`;
 `build` makes one from a mapping, refusing unknown keys, wrong types and impossible values with a
 ConfigError such as "ppo.clip_coef: 0 is invalid: must be > 0". The experiment's sections
-(services/common/config.py for the roles, services/algorithms/<name>/config.py for each algorithm)
+(services/common/config/ for the roles, services/algorithms/<name>/config.py for each algorithm)
 and the experiment itself (services/config.py) are all built this way.
 """
 

@@ -1,6 +1,7 @@
 """The learner's group handling: forming a group of learners at its rendezvous (stoppable, and given
-up when the membership's size changes meanwhile), and training generation after generation as an
-elastic membership re-forms it (services/learner/membership.py, distributed.py)."""
+up when the membership's size changes meanwhile), and joining it as the membership now says
+(services/learner/membership.py, distributed.py). Training generation after generation as an elastic
+membership re-forms it is services/learner/loops.py's `learn`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,9 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 
-from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.learner.distributed import FormationAbandoned, GradientSync, GroupBroken, Rendezvous
-from services.learner.inbox import Inbox
-from services.learner.loops import Generation, group_train_loop, publish, train_loop
 from services.learner.membership import FixedGroup, StatefulSetGroup
-from services.learner.publish import WeightsHub
 from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -126,77 +123,3 @@ async def join(membership: FixedGroup | StatefulSetGroup, build: Callable[[Gradi
             if sync is not None:
                 sync.close()
             raise
-
-
-async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: Trainer, world_size: int,
-                           inbox: Inbox, hub: WeightsHub, every: int, progressed: Notifier,
-                           stopping: asyncio.Event) -> None:
-    """Train as the group now is until this learner stops or, with an elastic membership, the group's size
-    changes or a peer leaves (the group breaks or stops at a round's end). A fixed group's break raises."""
-    leaving = asyncio.Event()   # this learner's stop, or a new group size
-
-    async def watch() -> None:
-        waits = {asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(membership.wait_for_change(world_size))}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        leaving.set()
-
-    watcher = asyncio.create_task(watch(), name="membership")
-    try:
-        if trainer.sync is not None:
-            try:
-                await group_train_loop(trainer, inbox, hub, every, progressed, leaving, elastic=membership.elastic)
-            except GroupBroken as err:
-                if not membership.elastic:
-                    raise
-                if stopping.is_set():   # stopping anyway: the shutdown's final checkpoint follows
-                    log.warning("%s (while stopping)", err)
-                else:
-                    log.warning("%s; forming the group again", err)
-            return
-        train = asyncio.create_task(train_loop(trainer, inbox, hub, every, progressed), name="train-alone")
-        left = asyncio.create_task(leaving.wait())
-        try:
-            await asyncio.wait({train, left}, return_when=asyncio.FIRST_COMPLETED)
-            if train.done():
-                train.result()   # its error; train_loop never returns
-        finally:
-            left.cancel()
-            train.cancel()       # an update in flight finishes in its thread; a checkpoint waits for it on the lock
-        await asyncio.wait({train})   # (not `await train`: that would take its cancellation for this task's)
-    finally:
-        watcher.cancel()
-
-
-async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, build, inbox: Inbox,
-                hub: WeightsHub, every: int, progressed: Notifier, stopping: asyncio.Event, set_ready) -> None:
-    """Train group after group: when one ends without this learner stopping (an elastic membership's new
-    size or lost peer), rank 0 checkpoints, and the next group starts from that checkpoint. The weights
-    already published keep being served to actors meanwhile."""
-    metrics = current.trainer.metrics
-    metrics.inc("learner/group_reforms_total", 0)
-    metrics.inc("learner/group_formation_failures_total", 0)
-    while True:
-        await train_generation(membership, current.trainer, current.world_size, inbox, hub, every, progressed,
-                               stopping)
-        if stopping.is_set():
-            return
-        # Leave the old group before the checkpoint: the peers are already forming the next one.
-        current.close()
-        await asyncio.to_thread(current.trainer.checkpoint)
-        current.saved = True
-        try:
-            trainer = await join(membership, build, metrics, stopping, set_ready)
-        except StoppedBeforeGroupFormed as err:
-            log.info("%s", err)
-            return
-        current.trainer, current.saved = trainer, False
-        metrics.inc("learner/group_reforms_total")
-        if stopping.is_set():   # the shutdown has begun (readiness is already NOT_SERVING)
-            return
-        await set_ready(True)
-        await publish(hub, trainer)
-        progressed.notify()

@@ -1,7 +1,22 @@
-"""The learner's loops: fetching batches from the buffer, training and publishing (alone, or one
-round at a time in a group), reporting progress to the buffer, checkpointing. `Generation` is what
-they train with: the group as it is now (services/learner/group.py replaces it when the group forms
-again)."""
+"""The learner's loops, each a task main.py starts and its shutdown stops:
+
+- `learn` (the train task) trains generation after generation (`train_generation`): alone, `train_loop`
+  takes each iteration the next batch from the inbox (waiting for one: starved time), trains on it in a
+  thread, and publishes the weights every `learner.publish_interval_updates` updates; in a group,
+  `group_train_loop` first agrees a round with the others (all go on, and all hold a batch) so that the
+  gradient all-reduces line up. It stops when the shutdown sets `stopping` (a group at a round's end;
+  alone, once the update in flight is done). An elastic group that changes size or loses a peer ends
+  the generation instead: rank 0 checkpoints and `learn` joins the next group (services/learner/group.py).
+- `fetch_batches`, one per buffer shard: keeps a StreamBatches stream open and puts each batch into the
+  inbox (waiting while it is full), re-opening the stream when it ends, with back-off after an error.
+- `report_progress`, one per buffer shard: sends the version and what was consumed from the shard after
+  each publication (`progressed`) and at least once a second.
+  Both are cancelled when their shard leaves the shard list (services/learner/shards.py) or at shutdown.
+- `checkpoint_loop`: checkpoints every `learner.checkpoint_interval_s` until cancelled at shutdown (the
+  last checkpoint is the shutdown's own).
+
+`Generation` is what they train with: the group as it is now (`learn` replaces its Trainer when the
+group forms again)."""
 
 from __future__ import annotations
 
@@ -19,7 +34,9 @@ from services.common.net.grpcutil import Backoff, describe, raise_if_cancelling
 from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.learner.distributed import GroupBroken
+from services.learner.group import StoppedBeforeGroupFormed, join
 from services.learner.inbox import Fetched, Inbox, Shard, samples_per_insert, starved_get
+from services.learner.membership import FixedGroup, StatefulSetGroup
 from services.learner.publish import WeightsHub
 from services.learner.shards import ShardSet
 from services.learner.trainer import Trainer
@@ -81,6 +98,80 @@ async def publish(hub: WeightsHub, trainer: Trainer) -> None:
     then the newest version published stands)."""
     if (chunks := await asyncio.to_thread(trainer.weights)) is not None:
         hub.publish(chunks)
+
+
+async def train_generation(membership: FixedGroup | StatefulSetGroup, trainer: Trainer, world_size: int,
+                           inbox: Inbox, hub: WeightsHub, every: int, progressed: Notifier,
+                           stopping: asyncio.Event) -> None:
+    """Train as the group now is until this learner stops or, with an elastic membership, the group's size
+    changes or a peer leaves (the group breaks or stops at a round's end). A fixed group's break raises."""
+    leaving = asyncio.Event()   # this learner's stop, or a new group size
+
+    async def watch() -> None:
+        waits = {asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(membership.wait_for_change(world_size))}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        leaving.set()
+
+    watcher = asyncio.create_task(watch(), name="membership")
+    try:
+        if trainer.sync is not None:
+            try:
+                await group_train_loop(trainer, inbox, hub, every, progressed, leaving, elastic=membership.elastic)
+            except GroupBroken as err:
+                if not membership.elastic:
+                    raise
+                if stopping.is_set():   # stopping anyway: the shutdown's final checkpoint follows
+                    log.warning("%s (while stopping)", err)
+                else:
+                    log.warning("%s; forming the group again", err)
+            return
+        train = asyncio.create_task(train_loop(trainer, inbox, hub, every, progressed), name="train-alone")
+        left = asyncio.create_task(leaving.wait())
+        try:
+            await asyncio.wait({train, left}, return_when=asyncio.FIRST_COMPLETED)
+            if train.done():
+                train.result()   # its error; train_loop never returns
+        finally:
+            left.cancel()
+            train.cancel()       # an update in flight finishes in its thread; a checkpoint waits for it on the lock
+        await asyncio.wait({train})   # (not `await train`: that would take its cancellation for this task's)
+    finally:
+        watcher.cancel()
+
+
+async def learn(membership: FixedGroup | StatefulSetGroup, current: Generation, build, inbox: Inbox,
+                hub: WeightsHub, every: int, progressed: Notifier, stopping: asyncio.Event, set_ready) -> None:
+    """Train group after group: when one ends without this learner stopping (an elastic membership's new
+    size or lost peer), rank 0 checkpoints, and the next group starts from that checkpoint. The weights
+    already published keep being served to actors meanwhile."""
+    metrics = current.trainer.metrics
+    metrics.inc("learner/group_reforms_total", 0)
+    metrics.inc("learner/group_formation_failures_total", 0)
+    while True:
+        await train_generation(membership, current.trainer, current.world_size, inbox, hub, every, progressed,
+                               stopping)
+        if stopping.is_set():
+            return
+        # Leave the old group before the checkpoint: the peers are already forming the next one.
+        current.close()
+        await asyncio.to_thread(current.trainer.checkpoint)
+        current.saved = True
+        try:
+            trainer = await join(membership, build, metrics, stopping, set_ready)
+        except StoppedBeforeGroupFormed as err:
+            log.info("%s", err)
+            return
+        current.trainer, current.saved = trainer, False
+        metrics.inc("learner/group_reforms_total")
+        if stopping.is_set():   # the shutdown has begun (readiness is already NOT_SERVING)
+            return
+        await set_ready(True)
+        await publish(hub, trainer)
+        progressed.notify()
 
 
 async def train_loop(trainer: Trainer, inbox: Inbox, hub: WeightsHub, every: int,

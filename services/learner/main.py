@@ -1,4 +1,4 @@
-"""Learner wiring: config -> the group's first Trainer (group.py) -> gRPC server -> the fetch, train,
+"""Learner wiring: config -> the group's first Trainer (group.py) -> gRPC server -> the train, fetch,
 progress and checkpoint loops (loops.py) -> shutdown, on the common lifecycle."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from services.common.net.shards import buffer_addresses
 from services.common.service.runtime import base_parser, run_service, write_ready_file
 from services.common.stats import Metrics
 from services.learner.distributed import GradientSync, GroupSpec
-from services.learner.group import StoppedBeforeGroupFormed, join, learn
+from services.learner.group import StoppedBeforeGroupFormed, join
 from services.learner.inbox import Inbox, Shard, discard
-from services.learner.loops import (Generation, batch_request, checkpoint_loop, fetch_batches, publish,
+from services.learner.loops import (Generation, batch_request, checkpoint_loop, fetch_batches, learn, publish,
                                      report_progress, send_progress)
 from services.learner.membership import FixedGroup, MembershipError, StatefulSetGroup
 from services.learner.publish import WeightsHub

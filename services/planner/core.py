@@ -1,5 +1,6 @@
 """The planner core: observe the run (observe.py), decide (decide.py), apply through a backend,
-record every decision; manual overrides and the saturation ceilings are kept here."""
+record every decision; manual overrides and the saturation ceilings are kept here. What calls `step`
+every `planner.interval_s` is services/planner/loops.py."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def rules_from_config(cfg: ExperimentConfig) -> ScalingRules:
     return ScalingRules(actor=actor, learner=bounds(p.learner), budget=p.budget, tolerance=p.tolerance,
                         replay_ratio=algorithms.get(cfg.algorithm).consumption_ratio(cfg),
                         cooldown_s=p.cooldown_s, scale_down_window_s=p.scale_down_window_s,
-                        converge_timeout_s=p.converge_timeout_s, max_policy_lag=p.max_policy_lag,
+                        converge_timeout_s=p.converge_timeout_s, staleness_target=p.staleness_target,
                         measured_costs=p.costs == "measured", min_scale_gain=p.min_scale_gain,
                         saturation_hold_s=p.saturation_hold_s)
 
@@ -307,7 +308,7 @@ class Planner:
                             reason=d.reason, roles=roles, production=d.production or 0.0,
                             consumption=d.consumption or 0.0, ratio=d.ratio or 0.0,
                             planned_throughput=d.planned_throughput or 0.0, replay_ratio=self.rules.replay_ratio,
-                            policy_lag=inp.policy_lag, max_policy_lag=self.rules.max_policy_lag,
+                            policy_lag=inp.policy_lag, max_policy_lag=self.rules.staleness_target,
                             tolerance=self.rules.tolerance, budget=self.rules.budget, trigger=trigger,
                             error=error, backend=self.backend.name, bottleneck=d.bottleneck.kind,
                             bottleneck_evidence=d.bottleneck.evidence,
@@ -395,22 +396,6 @@ class Planner:
         for rep in self.observer.buffers:   # the buffer shards, as the backend lists them
             st.replicas.add(role="buffer", name=rep.name, address=rep.address, ready=rep.ready)
         return st
-
-    async def run_forever(self) -> None:
-        """Decide every `planner.interval_s`; measuring in between keeps the EWMAs smooth."""
-        interval = self.cfg.planner.interval_s
-        tick = min(1.0, interval)
-        next_decision = self.clock() + interval
-        while True:
-            await asyncio.sleep(tick)
-            if self.clock() >= next_decision:
-                next_decision = self.clock() + interval
-                await self.step("interval")
-            else:
-                async with self.lock:
-                    await self.observer.measure()
-            async with self.lock:
-                await self.shards.sync()   # publish the shard list, carry an add or a drain on
 
     async def close(self) -> None:
         self.closing = True

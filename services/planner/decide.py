@@ -88,7 +88,7 @@ class ScalingRules:
     cooldown_s: float = 20.0
     scale_down_window_s: float = 60.0
     converge_timeout_s: float = 120.0
-    max_policy_lag: float = 0.0      # staleness target: no actor scale-up above it (0 = none)
+    staleness_target: float = 0.0    # the mean policy lag above which no actor is added (0 = none)
     measured_costs: bool = False     # a replica costs the CPU cores it was measured to use (else bounds' cost)
     min_scale_gain: float = 0.5      # a scale-up must realise this share of its predicted gain (0 = not checked)
     saturation_hold_s: float = 300.0  # how long a saturation ceiling lasts
@@ -480,9 +480,9 @@ def _step_up(s: _Solved, r: str) -> tuple[int, str]:
     if r == "actor" and s.neck.kind == "communication":
         return cur, (f"actor not scaled up to {want}: the actors' data does not reach the buffers "
                      "(more buffer shards, topology.buffers, would take it)")
-    if r == "actor" and rules.max_policy_lag > 0 and lag is not None and lag > rules.max_policy_lag:
+    if r == "actor" and rules.staleness_target > 0 and lag is not None and lag > rules.staleness_target:
         return cur, (f"actor not scaled up to {want}: policy lag {lag:.1f} is above the "
-                     f"staleness target {rules.max_policy_lag:g}")
+                     f"staleness target {rules.staleness_target:g}")
     step = min(want, cur + rules.bounds(r).max_step_up)
     return step, f"{r} {cur}->{step} (scale up{'; step-bounded, aiming for ' + str(want) if step < want else ''})"
 

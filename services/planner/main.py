@@ -1,4 +1,4 @@
-"""Planner wiring: config -> backend -> planner core -> gRPC API -> shutdown."""
+"""Planner wiring: config -> backend -> planner core -> gRPC API -> the decision loop (loops.py) -> shutdown."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from services.common.stats import Metrics
 from services.planner.backend import DryRunBackend
 from services.planner.core import Planner
 from services.planner.local import LocalBackend
+from services.planner.loops import decision_loop
 from services.planner.servicer import PlannerServicer
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ async def serving(cfg: ExperimentConfig, backend, *, listen: str, metrics_listen
     lc.on_close(backend.close)                 # drain actors, stop learners (local)
     async with lc.running():
         await backend.start()
-        decide = lc.task(planner.run_forever() if cfg.planner.enabled else asyncio.Event().wait(), "decide")
+        decide = lc.task(decision_loop(planner) if cfg.planner.enabled else asyncio.Event().wait(), "decide")
         lc.on_stop(decide.cancel)              # no more decisions
         lc.on_stop(planner.close)              # end watch streams
         lc.on_stop(lc.stop_server(grace=1.0))

@@ -11,7 +11,7 @@ import pytest
 from kuberl.v1 import buffer_pb2, buffer_pb2_grpc
 from kuberl.v1 import common_pb2 as pb
 from services.buffer import main as buffer_main
-from services.buffer import servicer as buffer_servicer
+from services.buffer import loops as buffer_loops
 from services.config import config_from_dict
 from services.common.protocol.tensors import encode
 from tests.fragments import make_fragment
@@ -182,7 +182,7 @@ async def test_ppo_fragments_are_each_served_once_across_learners(ppo_buffer):
 async def test_a_batch_stream_ends_itself_cleanly_after_its_time_and_loses_nothing(ppo_buffer, monkeypatch):
     """A StreamBatches stream ends with OK once it has served BATCH_STREAM_S (here 0: after one batch),
     so the server's max connection age never cancels one mid-write; the next stream goes on."""
-    monkeypatch.setattr(buffer_servicer, "BATCH_STREAM_S", 0.0)
+    monkeypatch.setattr(buffer_loops, "BATCH_STREAM_S", 0.0)
     await _push(ppo_buffer, [make_fragment(seq=i) for i in range(4)])  # 4 fragments x 8 samples
     req = buffer_pb2.BatchRequest(learner_id="l", algorithm=pb.ALGORITHM_PPO, batch_size=16)
     streams = []

@@ -25,8 +25,11 @@ class PPOConfig:
     max_grad_norm: float = 0.5
     norm_adv: bool = True
     hidden_sizes: tuple[int, ...] = (64, 64)
-    # Staleness bound (docs/architecture.md section 4): a fragment whose policy_version is more than
-    # this many learner updates (batches) behind when it is consumed is stale. None = no bound.
+    # Staleness bound (docs/architecture.md section 4), the one max_policy_lag: a fragment whose
+    # policy_version is more than this many learner updates (batches) behind when it is consumed is stale.
+    # None = no bound; 0 = only fragments of the current policy. The learner applies it to what it
+    # consumes (stale_fragments below); with "drop" the buffer reads it too (FifoTable) and drops such
+    # fragments before serving them. (The planner's target for the mean lag is planner.staleness_target.)
     max_policy_lag: int | None = 8
     # What happens to stale fragments: "correct" (trained on with V-trace targets and truncated
     # importance weights, Espeholt et al. 2018) or "drop" (counted, never trained on). docs/staleness.md

@@ -14,6 +14,7 @@ import pytest
 from services.buffer import checkpoint
 from services.buffer.checkpoint import BufferCheckpointer
 from services.buffer.compact import CompactReplay
+from services.buffer.loops import checkpoint_loop
 from services.buffer.main import parse_args
 from services.buffer.replay import ReplayRing
 from services.buffer.store import Outcome, Store
@@ -289,13 +290,13 @@ async def test_inserts_during_the_copy_land_in_a_consistent_checkpoint(tmp_path,
     assert type(again.replay) is type(store.replay) is (CompactReplay if frames else ReplayRing)
 
 
-async def test_run_saves_periodically_and_once_more_at_stop(tmp_path, monkeypatch):
+async def test_the_checkpoint_loop_saves_periodically_and_once_more_at_stop(tmp_path, monkeypatch):
     cfg = config()
     store = filled_store(cfg)
     ck = checkpointer(store, cfg, tmp_path)
     ck.interval_s = 0.05
     stop = asyncio.Event()
-    running = asyncio.ensure_future(ck.run(stop))
+    running = asyncio.ensure_future(checkpoint_loop(ck, stop))
     while store.metrics.counters["buffer/checkpoints_total"] < 2:
         await asyncio.sleep(0.01)
     store.insert(msg(50))  # the last checkpoint holds what came after the periodic ones

@@ -1,4 +1,5 @@
-"""A buffer shard's side of a change of shards (services/buffer/servicer.py, SetTopology): it takes a
+"""A buffer shard's side of a change of shards (services/buffer/servicer.py, SetTopology, over the shard's
+drain, services/buffer/drain.py: tests/unit/buffer/test_drain.py tests it on its own): it takes a
 newer list only, refuses a malformed one naming the field, hands the list on to actors and learners,
 and says it is drained only when no actor watches or pushes and nothing is left to serve (a replay's
 samples counted as evicted)."""
@@ -11,7 +12,7 @@ import grpc
 import pytest
 
 from kuberl.v1 import buffer_pb2
-from services.buffer import servicer as servicer_module
+from services.buffer import drain as drain_module
 from services.buffer.servicer import BufferServicer, topology_problem
 from tests.unit.buffer.test_store import dqn_msg, dqn_store, ppo_msg, ppo_store
 
@@ -62,9 +63,9 @@ def test_only_a_newer_topology_is_taken_and_handed_on():
         ack = await s.SetTopology(request([A, B], 2, 10, 1), Context())
         assert ack.generation == 10 and not ack.draining and not ack.drained
         older = await s.SetTopology(request([A], 1, 9, 0), Context())     # older: ignored
-        assert list(s.topology.addresses) == [A, B] and s.shard == 1
-        assert older.topology == s.topology   # (what a restarted planner reads back with generation 0)
-        assert (await s.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l"), Context())).topology == s.topology
+        assert list(s.drain.topology.addresses) == [A, B] and s.drain.shard == 1
+        assert older.topology == s.drain.topology   # (what a restarted planner reads back with generation 0)
+        assert (await s.ReportProgress(buffer_pb2.LearnerProgress(learner_id="l"), Context())).topology == s.drain.topology
         assert store.metrics.snapshot()["buffer/topology_generation"] == 10
     asyncio.run(run())
 
@@ -107,7 +108,7 @@ def test_the_insert_limit_stream_carries_the_list_once_per_change():
 
 def test_a_draining_replay_waits_for_its_actors_then_counts_what_it_holds_as_evicted(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(servicer_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(drain_module.time, "monotonic", lambda: clock[0])
 
     async def run():
         store = dqn_store()
@@ -115,27 +116,27 @@ def test_a_draining_replay_waits_for_its_actors_then_counts_what_it_holds_as_evi
             store.insert(dqn_msg(seq))
         held = store.size
         s = BufferServicer(store, store.metrics)
-        s._watching["actor-0"] += 1                               # an actor still watches this shard
+        s.drain.watch_opened("actor-0")                       # an actor still watches this shard
         ack = await s.SetTopology(request([A, B], 1, 5, 1), Context())
         assert ack.draining and not ack.drained and ack.actors_live == 1
-        del s._watching["actor-0"]                                # it moved away
-        clock[0] += servicer_module.DRAIN_QUIET_S / 2             # ... but may still be pushing here
+        s.drain.watch_closed("actor-0")                       # it moved away
+        clock[0] += drain_module.DRAIN_QUIET_S / 2            # ... but may still be pushing here
         assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained
-        s._pushing = 1                                            # a push stream is open
-        clock[0] += servicer_module.DRAIN_QUIET_S
+        s.drain.pushing = 1                                   # a push stream is open
+        clock[0] += drain_module.DRAIN_QUIET_S
         assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained
-        s._pushing = 0
+        s.drain.pushing = 0
         ack = await s.SetTopology(request([A, B], 1, 5, 1), Context())
         assert ack.drained and ack.size_samples == 0 and store.size == 0
         assert store.metrics.counters["buffer/samples_evicted_on_drain_total"] == held > 0
-        store.insert(dqn_msg(3))                                  # (an emptied replay still stores)
+        store.insert(dqn_msg(3))                              # (an emptied replay still stores)
         assert store.size > 0
     asyncio.run(run())
 
 
 def test_a_draining_fifo_is_drained_only_once_served_out(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(servicer_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(drain_module.time, "monotonic", lambda: clock[0])
 
     async def run():
         store = ppo_store()
@@ -143,7 +144,7 @@ def test_a_draining_fifo_is_drained_only_once_served_out(monkeypatch):
             store.insert(ppo_msg(seq))
         s = BufferServicer(store, store.metrics)
         await s.SetTopology(request([A, B], 1, 5, 1), Context())
-        clock[0] += 2 * servicer_module.DRAIN_QUIET_S
+        clock[0] += 2 * drain_module.DRAIN_QUIET_S
         assert not (await s.SetTopology(request([A, B], 1, 5, 1), Context())).drained   # 16 steps to serve
         store.report_progress("l", 0, 0)                           # a live learner
         assert store.next_batch(8, "l") is not None and store.next_batch(8, "l") is not None

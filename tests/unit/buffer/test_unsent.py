@@ -1,5 +1,5 @@
-"""A batch the buffer cut for a learner that went away before it was written (services/buffer/servicer.py,
-StreamBatches): nothing of it is lost. A FIFO's fragments go to the next learner; a replay's draw is
+"""A batch the buffer cut for a learner that went away before it was written (StreamBatches,
+services/buffer/loops.py: serve_batches): nothing of it is lost. A FIFO's fragments go to the next learner; a replay's draw is
 taken back from the rate limiter. Inline and on the store's owner thread (`buffer.store_thread`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `tune` section (services/common/config.py, TuneConfig): ranges checked on load, naming the key."""
+"""The `tune` section (services/common/config/run.py, TuneConfig): ranges checked on load, naming the key."""
 
 from __future__ import annotations
 

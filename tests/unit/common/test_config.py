@@ -1,4 +1,5 @@
-"""services/common/config.py: loading, validating and dumping the experiment config."""
+"""services/common/config/ (the roles' sections) and services/config.py: loading, validating and dumping the
+experiment config."""
 
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ def test_wrong_types(data, key, match):
     ({"topology": {"buffers": 0}}, "topology.buffers", "must be 1..64"),
     ({"learner": {"device": "tpu"}}, "learner.device", "must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
     ({"algorithm": "a2c"}, "algorithm", "'a2c' is invalid: must be one of dqn, ppo"),
-    ({"planner": {"max_policy_lag": -1}}, "planner.max_policy_lag", "must be >= 0"),
+    ({"planner": {"staleness_target": -1}}, "planner.staleness_target", "must be >= 0 (0 = no staleness target)"),
     ({"planner": {"costs": "cores"}}, "planner.costs", "must be 'configured' or 'measured'"),
 ])
 def test_impossible_values(data, key, match):
@@ -193,6 +194,18 @@ def test_a_replaced_key_names_its_replacement():
     assert e.key == "planner.kubernetes.learner_deployment"
     assert "no longer a key" in str(e) and "replaced by planner.kubernetes.learner_statefulset" in str(e)
     assert "StatefulSet" in str(e)
+
+
+def test_max_policy_lag_is_ppos_bound_alone():
+    """planner.max_policy_lag was the planner's staleness target for the learners' mean lag, a setting unlike
+    ppo.max_policy_lag (a bound on each fragment, 0 = on-policy only): it is planner.staleness_target now."""
+    e = error({"planner": {"max_policy_lag": 4}})
+    assert e.key == "planner.max_policy_lag"
+    assert "no longer a key: replaced by planner.staleness_target" in str(e) and "ppo.max_policy_lag" in str(e)
+    cfg = config_from_dict({"planner": {"staleness_target": 4}, "ppo": {"max_policy_lag": 2}})
+    assert (cfg.planner.staleness_target, cfg.section("ppo").max_policy_lag) == (4.0, 2)
+    assert not hasattr(cfg.planner, "max_policy_lag")   # (the planner reads staleness_target)
+    assert "max_policy_lag" not in cfg.to_dict()["planner"] and cfg.to_dict()["planner"]["staleness_target"] == 4.0
 
 
 def test_yaml11_exponent_strings_are_numbers(tmp_path):

@@ -98,7 +98,7 @@ def test_actor_bound_scales_up_at_once_with_a_bounded_step():
     assert "step-bounded" in d.reason and d.ratio == pytest.approx(100 / 600)
 
 
-STALENESS = ScalingRules(actor=RULES.actor, learner=RULES.learner, tolerance=0.15, max_policy_lag=4.0,
+STALENESS = ScalingRules(actor=RULES.actor, learner=RULES.learner, tolerance=0.15, staleness_target=4.0,
                          cooldown_s=20, scale_down_window_s=60)
 
 
