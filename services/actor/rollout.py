@@ -1,6 +1,6 @@
 """The actor's core: step a gymnasium vector env with the local policy and cut trajectory fragments.
 
-No gRPC and no asyncio here. `Rollout.collect` runs in the actor's worker thread; the only
+No gRPC and no asyncio here. `Rollout.collect` runs in the actor's rollout thread (loops.py); the only
 cross-thread inputs are `offer_weights` (a single-slot handoff, newest wins) and the stop flag.
 Weights are swapped in between fragments, so every action of a fragment comes from the one
 `policy_version` stamped on it. The policy itself (weights handoff, action selection) is policy.py.
@@ -9,7 +9,6 @@ Weights are swapped in between fragments, so every action of a fragment comes fr
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from collections import deque
@@ -29,14 +28,13 @@ from services.actor.finite import Check, check_env_step
 from services.actor.limiter import InsertGate
 from services.actor.policy import Pace, Policy
 from services.actor.seats import Learning, Seats, Slots, Step, Stepper
+from services.actor.league import League
 from services.actor.selfplay import SelfPlay
 from services.actor.windows import window_groups
 from services.common.agents import ParallelVectorEnv
 from services.common.envs import EnvSpec, group_specs, make_vector_env, spec_of
 from services.common.protocol.spaces import check_mask
 from services.common.stats import Metrics
-
-log = logging.getLogger(__name__)
 
 
 class Pacer:
@@ -144,12 +142,19 @@ class Rollout:
                 Seats(Learning(policy, slots.sizes[name])), slots.sizes[name]))
         self.policies = {g.name: g.policy for g in self.groups}
         self.policy = self.groups[0].policy   # (the run's policy, where it has one)
-        # Self-play: one learning agent per copy, the others played by snapshots (selfplay.py).
-        self.selfplay = (SelfPlay(cfg, self.groups[0].seats.learning, self.envs.num_envs // self.envs.slots,
-                                  self.envs.slots, metrics, np.random.default_rng(seed + 1))
-                         if cfg.selfplay.enabled else None)
-        if self.selfplay is not None:
-            self.groups[0].seats = self.selfplay
+        # Self-play: one learning agent per copy, the others played by snapshots (selfplay.py); with several
+        # policies a league, each policy's side played by its newest weights or its own snapshots (league.py).
+        self.selfplay: SelfPlay | League | None = None
+        if cfg.selfplay.enabled:
+            copies, rng = self.envs.num_envs // self.envs.slots, np.random.default_rng(seed + 1)
+            if several:
+                self.selfplay = League(cfg, {g.name: (g.seats.learning, len(self.envs.groups[k].agents))
+                                             for k, g in enumerate(self.groups)}, copies, metrics, rng)
+                for g in self.groups:
+                    g.seats = self.selfplay.seats[g.name]
+            else:
+                self.selfplay = SelfPlay(cfg, self.groups[0].seats.learning, copies, self.envs.slots, metrics, rng)
+                self.groups[0].seats = self.selfplay
         # Action masks: an env that reports `info["action_mask"]` ([N, M] bool) is masked throughout, for
         # an algorithm that takes masks (the learner re-applies them from the fragment). Atari's episodic
         # life (EpisodicLifeEnv of SB3/CleanRL): a lost life is a terminal step for learning while the
@@ -308,40 +313,3 @@ class Rollout:
 
     def close(self) -> None:
         self.envs.close()
-
-
-class RolloutWorker(threading.Thread):
-    """Runs `Rollout.collect` in a loop, handing every fragment to `on_fragment` (thread-safe).
-
-    Waits once, at start, for the learner's first weights; after that it never waits on the network,
-    except where the buffer's rate limiter holds it before a fragment (limiter.py), or on-policy
-    pacing (actor.fragments_per_version) holds it for the next weights.
-    `done` (a callable) receives None on a clean stop or the exception that ended the thread.
-    """
-
-    def __init__(self, rollout: Rollout, on_fragment, done):
-        super().__init__(name="rollout", daemon=True)
-        self.rollout, self.on_fragment, self.done = rollout, on_fragment, done
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        try:
-            waited = 0.0
-            while not all(p.have_weights.wait(timeout=0.5 / len(self.rollout.policies))
-                          for p in self.rollout.policies.values()):
-                if self.stop_event.is_set():
-                    self.done(None)
-                    return
-                waited += 0.5
-                if waited % 10 == 0:
-                    log.info("waiting for the learner's first weights (%.0f s)", waited)
-            while not self.stop_event.is_set():
-                msg = self.rollout.collect(self.stop_event)
-                if msg is not None:
-                    self.on_fragment(msg)
-            for msg in self.rollout.take_pending():   # cut with the last one: sent like it, never lost
-                self.on_fragment(msg)
-        except BaseException as exc:  # handed to the event loop, which ends the process loudly
-            self.done(exc)
-            return
-        self.done(None)

@@ -102,8 +102,6 @@ class CommonConfig:
             require(not policy.declares or self.env.mode == "external", f"policies.{name}.observation_shape",
                     policy.observation_shape or policy.observation_keys,
                     "a policy declares its spaces for env.mode: external; a local env's agents have their own")
-        require(not self.selfplay.enabled, "selfplay.enabled", True,
-                why + "without self-play so far: self-play trains one policy against its own snapshots")
 
     def __post_init__(self) -> None:
         self._check_policies()

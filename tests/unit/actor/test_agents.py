@@ -221,7 +221,7 @@ def test_a_worker_stopped_between_a_windows_fragments_hands_on_every_one_it_cut(
     leave the rest unsent (they were counted as cut)."""
     import threading
 
-    from services.actor.rollout import RolloutWorker
+    from services.actor.loops import RolloutWorker
 
     rollout = Rollout(config("ppo", 7), "ma", 0, Metrics("actor"))
     got, done, ended = [], threading.Event(), []

@@ -88,7 +88,6 @@ def test_each_policy_plays_its_slots_with_its_own_weights_version_and_seqs():
      r"env.observation_shape: \(3,\) is invalid: declared spaces are for env.mode: external"),
     ({"policies": {"first": {"agents": ["a"], "num_actions": 2, "observation_shape": [3]}, "rest": {"agents": ["*"]}}},
      r"policies.first.observation_shape: \(3,\) is invalid: a policy declares its spaces for env.mode: external"),
-    ({"selfplay": {"enabled": True}}, r"selfplay.enabled: True is invalid: .*without self-play so far"),
     ({"policies": {"Red": {"agents": ["a"]}}}, r"policies.Red: 'Red' is not a policy name"),
     ({"policies": {"red": {"agents": []}, "blue": {"agents": ["b"]}}}, r"policies.red.agents: \[\] is invalid: name the agents"),
     ({"policies": {"red": {"agents": ["a"]}}}, r"policies: \['red'\] is invalid: name two or more policies"),

@@ -406,3 +406,117 @@ def test_a_recurrent_policy_plays_itself_with_a_state_per_slot_for_it_and_for_ea
     assert batch is not None
     trainer.train(batch)
     assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0
+
+
+def league_config(**selfplay):
+    return config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:kuberl_envs.tron", "num_envs": COPIES,
+                                                 "kwargs": {"size": 6}},
+                             "planner": {"enabled": False},
+                             "policies": {"red": {"agents": ["p0"]}, "blue": {"agents": ["p1"]}},
+                             "selfplay": {"enabled": True, **selfplay}})
+
+
+def test_a_league_gives_each_policy_its_own_pool_and_elo_and_records_only_live_sides(tmp_path):
+    """Self-play with several policies (a league, services/actor/league.py): each policy snapshots its own
+    versions into its own pool; in an episode either every side is its newest weights (all recorded) or
+    one policy's side learns (recorded) against the other side's snapshot (not recorded), played by that
+    snapshot in one batch; a finished game moves the learning policy's Elo by the formula, against the
+    rating the other policy had when its snapshot was taken."""
+    from services.actor.league import EVERY_SIDE, League
+    from services.buffer.store import Store
+    from services.learner.trainer import Trainer
+
+    rollout = Rollout(league_config(snapshot_every=1, latest_probability=0.0), "lg", 0, Metrics("actor"))
+    league = rollout.selfplay
+    assert isinstance(league, League)
+    try:
+        red, blue = rollout.policies["red"], rollout.policies["blue"]
+        red.offer_weights(1, weights_preferring(rollout, 2))
+        blue.offer_weights(1, to_numpy(blue.net))
+        msgs = []
+        for _ in range(3):
+            msgs.append(rollout.collect())
+            while rollout._pending:
+                msgs.append(rollout.collect())
+    finally:
+        rollout.close()
+    pools = league.pools
+    assert [s.version for s in pools["red"].pool] == [1] and [s.version for s in pools["blue"].pool] == [1]
+    assert pools["red"].pool[0] is not pools["blue"].pool[0]
+    # Before the pools filled (the first episodes), every side was live; once they had snapshots, every
+    # episode has one learning side and the other's snapshot.
+    for k in range(COPIES):
+        learner = league.learner[k]
+        assert learner in ("red", "blue")
+        other = "blue" if learner == "red" else "red"
+        assert league.recorded[learner][k] and not league.recorded[other][k]
+        assert league.opponent[other][k] in pools[other].pool and league.opponent[learner][k] is LATEST
+    assert {m.policy for m in msgs} == {"red", "blue"}   # each policy's recorded side goes to its own table
+    for name in ("red", "blue"):   # ... and its learner trains on it
+        store = Store(rollout.cfg, Metrics("buffer"))
+        for m in msgs:
+            if m.policy == name:
+                store.insert(RawFragment(m.payload))
+        trainer = Trainer(rollout.cfg, Metrics("learner"), tmp_path / name, policy=name)
+        batch = store.next_batch(4, "learner")
+        assert batch is not None
+        trainer.train(batch)
+        assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0
+    # Elo: a red win against blue's snapshot, rated 1000 when taken.
+    k = 0
+    league.learner[0], league.opponent["blue"][0] = "red", pools["blue"].pool[0]
+    before = pools["red"].rating
+    snap = pools["blue"].pool[0]
+    expected = 1.0 / (1.0 + 10.0 ** ((snap.rating - before) / 400.0))
+    games = rollout.metrics.counters["actor/policies/red/selfplay_games_total"]
+    league.returns["red"][:], league.returns["blue"][:] = 0.0, 0.0
+    over = np.zeros(COPIES, bool)
+    over[k] = True
+    league.stepped("red", np.eye(1, COPIES, k)[0], np.zeros(COPIES, bool), over)
+    league.stepped("blue", np.zeros(COPIES), np.zeros(COPIES, bool), over)
+    assert pools["red"].rating == pytest.approx(before + league.sp.elo_k * (1.0 - expected))
+    assert rollout.metrics.counters["actor/policies/red/selfplay_games_total"] == games + 1
+    assert rollout.metrics.counters["actor/policies/red/selfplay_wins_total"] >= 1
+    assert rollout.metrics.gauges["actor/policies/red/selfplay_elo"] == pools["red"].rating
+    assert snap.games >= 1
+    # Every side live: all recorded, no rating moves.
+    league.learner[1] = EVERY_SIDE
+    for name in ("red", "blue"):
+        league.opponent[name][1] = LATEST
+        league.recorded[name][1] = league.live[name][1] = True
+    ratings = {n: p.rating for n, p in pools.items()}
+    over = np.array([False, True] + [False] * (COPIES - 2))
+    league.stepped("red", np.zeros(COPIES), np.zeros(COPIES, bool), over)
+    league.stepped("blue", np.eye(1, COPIES, 1)[0], np.zeros(COPIES, bool), over)
+    assert {n: p.rating for n, p in pools.items()} == ratings
+
+
+def test_a_leagues_snapshot_plays_its_sides_slots_in_one_batch():
+    """In a league the other side's slots are played by that side's own snapshot (its policy's weights
+    as they were), one call for every copy facing it; the learning side by its newest weights."""
+    rollout = Rollout(league_config(snapshot_every=1, latest_probability=0.0), "lg", 0, Metrics("actor"))
+    rollout.close()
+    league = rollout.selfplay
+    red, blue = rollout.policies["red"], rollout.policies["blue"]
+    blue.offer_weights(1, weights_preferring(rollout, 2))
+    blue.swap()
+    league.seats["blue"].swapped()
+    (snapshot,) = league.pools["blue"].pool
+    blue.offer_weights(2, weights_preferring(rollout, 0))
+    blue.swap()
+    red.offer_weights(1, weights_preferring(rollout, 1))
+    red.swap()
+    for k in range(COPIES):   # red learns everywhere, blue's side is its snapshot (it plays 2; blue now 0)
+        league.learner[k] = "red"
+        league.opponent["blue"][k] = snapshot
+        league.recorded["red"][k] = league.live["red"][k] = True
+        league.recorded["blue"][k] = league.live["blue"][k] = False
+    calls = []
+    act = snapshot.acting.act
+    snapshot.acting.act = lambda x, *args, **kw: calls.append(len(x)) or act(x, *args, **kw)
+    obs = np.zeros((COPIES, *rollout.spec.obs_shape), rollout.spec.obs_dtype)
+    present = np.ones(COPIES, bool)
+    red_actions, extras = league.seats["red"].act(obs, present, None, 0)
+    blue_actions, blue_extras = league.seats["blue"].act(obs, present, None, 0)
+    assert (red_actions == 1).all() and set(extras) == {"behaviour_logprob"}
+    assert (blue_actions == 2).all() and calls == [COPIES] and not blue_extras
