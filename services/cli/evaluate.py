@@ -454,7 +454,13 @@ def _main_policies(args: argparse.Namespace, trained: dict) -> int:
     if refused:
         raise EvalError(f"{refused[0]}: a run of several policies ({', '.join(trained)}) is evaluated with every "
                         f"policy on its agents; {refused[0]} takes a run of one policy")
-    e = next(iter(trained.values())).cfg.evaluation
+    first = next(iter(trained.values()))
+    if first.cfg.env.mode == "external":   # its env is the simulators': nothing here steps it
+        raise EvalError(f"{args.path}: a run of several policies ({', '.join(trained)}) trained on external "
+                        f"simulators (env.mode: external), whose env kuberl eval cannot make: serve the policies "
+                        f"with `kuberl serve {args.path}` and connect your simulator's sessions to them, one per "
+                        f"policy (docs/after-training.md)")
+    e = first.cfg.evaluation
     episodes = args.episodes or e.episodes
     if not args.json:
         print(f"evaluating {len(trained)} policies ({', '.join(f'{n}: {t.checkpoint.name}' for n, t in trained.items())})"

@@ -21,6 +21,7 @@ import csv
 import json
 import logging
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,10 +45,13 @@ SELFPLAY_COLUMNS = ["selfplay_elo", "selfplay_win_rate", "selfplay_random_win_ra
 
 def selfplay_columns(cfg: ExperimentConfig) -> list[str]:
     """metrics.csv's self-play columns (none without self-play): SELFPLAY_COLUMNS, then the win rate
-    against each fixed player (selfplay.fixed_players)."""
+    against each fixed player (selfplay.fixed_players); in a league, each policy's, as policies/<name>/..."""
     if not cfg.selfplay.enabled:
         return []
-    return SELFPLAY_COLUMNS + [f"selfplay_fixed/{name}_win_rate" for name in cfg.selfplay.fixed_players]
+    columns = SELFPLAY_COLUMNS + [f"selfplay_fixed/{name}_win_rate" for name in cfg.selfplay.fixed_players]
+    if len(cfg.policy_names) > 1:   # a league (services/actor/league.py): each policy's, under its name
+        return [f"policies/{name}/{column}" for name in cfg.policy_names for column in columns]
+    return columns
 
 
 def policy_columns(cfg: ExperimentConfig) -> list[str]:
@@ -86,6 +90,7 @@ class LocalRun:
         self.tb = None
         self.tracker: Tracker | None = None   # W&B / MLflow (config `tracking`), while `run` runs
         self.episode_rows: csv.writer | None = None  # episodes.csv, while `run` has it open
+        self.training = False   # `run` is training (not stopping, evaluating or done): a SIGTERM stops it
 
     @classmethod
     def create(cls, cfg: ExperimentConfig, root: str | Path, name: str | None = None, progress: bool = True,
@@ -228,8 +233,8 @@ class LocalRun:
     def evaluate(self, reason: str) -> dict | None:
         """The final checkpoint's deterministic evaluation (config `evaluation`, services/cli/evaluate.py),
         printed and returned for summary.json; None when it is off or training did not end normally
-        (interrupted or failed: no one waits for it then)."""
-        if not self.cfg.evaluation.after_training or reason in ("interrupted", "failed"):
+        (interrupted, terminated or failed: no one waits for it then)."""
+        if not self.cfg.evaluation.after_training or reason in ("interrupted", "terminated", "failed"):
             return None
         if self.cfg.env.mode == "external":  # (evaluate_after_training skips it too)
             print("not evaluated: the env is the external simulators' (env.mode: external); evaluate the policy "
@@ -263,6 +268,7 @@ class LocalRun:
         reason, error = "interrupted", None
         files = contextlib.ExitStack()  # closed whatever happens, after every process has stopped
         try:
+            self.training = True   # (SIGTERM now stops the run as Ctrl-C does: _stop_on_signals)
             csv_file = files.enter_context(open(self.dir / "metrics.csv", "w", newline=""))
             writer = csv.DictWriter(csv_file, fieldnames=CSV_COLUMNS + selfplay_columns(self.cfg) + policy_columns(self.cfg))
             writer.writeheader()
@@ -300,7 +306,8 @@ class LocalRun:
                 episodes_file.flush()
                 for k, v in row.items():
                     if k not in ("wall_s", "env_steps") and v is not None:
-                        self.tb.add_scalar(k.replace("_", "/", 1), v, self.env_steps)
+                        # (TensorBoard tags take [A-Za-z0-9_./-]: a fixed player's module:function has a ':')
+                        self.tb.add_scalar(re.sub(r"[^\w./-]", "_", k.replace("_", "/", 1)), v, self.env_steps)
                 if self.tracker is not None:
                     self.tracker.row(row, self.env_steps)
                     for d in self.fleet.new_decisions():
@@ -312,10 +319,14 @@ class LocalRun:
         except KeyboardInterrupt:
             reason = "interrupted"
             print("\ninterrupted: stopping every process", flush=True)
+        except Terminated as err:   # SIGTERM (timeout, systemd, docker stop, a CI runner): as Ctrl-C
+            reason = "terminated"
+            print(f"\n{err}: stopping every process", flush=True)
         except (RuntimeError, TlsError, AuthError) as err:   # the last two: files broken mid-run (rotation)
             reason, error = "failed", str(err)
             print(f"kuberl up: {err}", file=sys.stderr, flush=True)
         finally:
+            self.training = False
             wall = time.monotonic() - self.started
             with files:
                 self.fleet.stop_all(before_buffers=lambda: self._final_stats("buffer"))
@@ -343,6 +354,9 @@ class LocalRun:
             self.tracker.finish(summary)
             summary["tracking"] = self.tracker.report()
             self.tracker = None
+        # The run's end in events.jsonl too, so every run directory holds one (beside the exits and restarts).
+        self.fleet.sup.event("run", "ended", reason=reason, env_steps=self.env_steps, wall_s=round(wall, 3),
+                             exit_codes=summary["exit_codes"])
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         skipped = f" ({tally.episodes_skipped:,} skipped)" if tally.episodes_skipped else ""
         print(f"{reason}: {self.env_steps:,} env steps, {self.episodes:,} episodes{skipped}, mean return "
@@ -384,6 +398,26 @@ def checked_spec(cfg: ExperimentConfig):
     return spec
 
 
+class Terminated(Exception):
+    """The run was asked to stop by a signal other than Ctrl-C (SIGTERM, SIGHUP)."""
+
+
+def _stop_on_signals(run: LocalRun) -> None:
+    """SIGTERM and SIGHUP (timeout, systemd, docker stop, a CI runner) end the run as Ctrl-C does: every
+    process stopped, the final stats read, summary.json, events.jsonl and the checkpoints written. While
+    the run trains, the first raises `Terminated` in the main thread; once it is stopping (or evaluating)
+    a signal is only reported, so nothing of the stop is cut short."""
+    def handle(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if run.training:
+            run.training = False
+            raise Terminated(name)
+        print(f"{name}: the run is already stopping", file=sys.stderr, flush=True)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, handle)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kuberl up", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -419,5 +453,6 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"kuberl up: {err}", file=sys.stderr)
         return 2
+    _stop_on_signals(run)
     summary = run.run()
     return 1 if summary["reason"] == "failed" else 0

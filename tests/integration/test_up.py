@@ -13,6 +13,23 @@ import pytest
 from tests.helpers import ROOT, TINY_DQN, TINY_PPO, wait_for, write_config
 
 
+def _up(tmp_path, config) -> tuple[subprocess.Popen, list[str]]:
+    """`kuberl up CONFIG` into tmp_path/run, its output read line by line (into the list returned)."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
+                             "--name", "run"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, []
+
+
+def _wait_for_training(proc: subprocess.Popen, lines: list[str], learners: int = 1) -> None:
+    """Until a progress line shows env steps and learner updates (from every learner of a group)."""
+    def progressing():
+        line = proc.stdout.readline()
+        lines.append(line)
+        return ("steps" in line and " v0 " not in line and "learner v-" not in line and "learners v-" not in line
+                and "(0/s)" not in line and (learners == 1 or f"{learners} learners" in line))
+    wait_for(progressing, timeout=120, interval=0, what="progress lines:\n" + "".join(lines))
+
+
 @pytest.mark.parametrize("planner,learners,buffers", [(True, 1, 1), (False, 1, 1), (False, 2, 1), (True, 1, 2)],
                          ids=["planner", "fixed-topology", "fixed-topology-learner-group", "planner-buffer-shards"])
 def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner, learners, buffers):
@@ -20,17 +37,9 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path, planner, learners, buffers
                                                                           "buffers": buffers},
                                                 "planner": {"enabled": planner},
                                                 "run": {"target_return": None, "poll_interval_s": 0.2}})
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", str(config), "--run-dir", str(tmp_path),
-                             "--name", "run"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    proc, lines = _up(tmp_path, config)
     try:
-        # Wait until progress shows env steps and learner updates, then press Ctrl-C.
-        def progressing():
-            line = proc.stdout.readline()
-            lines.append(line)
-            return ("steps" in line and " v0 " not in line and "learner v-" not in line and "learners v-" not in line
-                    and "(0/s)" not in line and (learners == 1 or f"{learners} learners" in line))
-        wait_for(progressing, timeout=120, interval=0, what="progress lines:\n" + "".join(lines))
+        _wait_for_training(proc, lines, learners)   # then press Ctrl-C
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -129,3 +138,30 @@ def test_a_killed_dqn_buffer_comes_back_with_its_replay_and_the_run_goes_on(tmp_
     assert "buffer-0 exited with code -9 (SIGKILL); restarting it in 1 s" in out
     assert list((run / "replay").glob("*.npz"))
     assert json.loads((run / "summary.json").read_text())["exit_codes"]["buffer-0"] == 0
+
+
+def test_sigterm_stops_every_process_and_writes_the_run_record(tmp_path):
+    """SIGTERM (what timeout, systemd, docker stop and CI runners send) ends `kuberl up` as Ctrl-C does:
+    every process stops cleanly, and summary.json (reason "terminated") and events.jsonl are written;
+    a second SIGTERM while it stops is only reported."""
+    config = write_config(tmp_path / "c.yaml", {**TINY_PPO, "planner": {"enabled": False},
+                                                "run": {"target_return": None, "poll_interval_s": 0.2}})
+    proc, lines = _up(tmp_path, config)
+    try:
+        _wait_for_training(proc, lines)
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "SIGTERM: stopping every process" in (line := proc.stdout.readline()) or lines.append(line),
+                 timeout=60, interval=0, what="the stop:\n" + "".join(lines))
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + out
+    assert "SIGTERM: the run is already stopping" in out, out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["reason"] == "terminated" and summary["env_steps"] > 0
+    assert summary["exit_codes"] == {"buffer-0": 0, "actor-0": 0, "learner-0": 0}
+    assert summary["evaluation"] is None   # (a stopped run is not evaluated, as after Ctrl-C)
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["reason"]) for e in events if e["name"] == "run"] == [("ended", "terminated")], events

@@ -187,3 +187,29 @@ def test_tally_counts_each_slots_share_of_episodes_in_the_order_they_end():
     assert not tally.finished
     tally.step(np.array([5.0, 6.0]), True, np.array([True, True]))   # slot 1: 10.0 in 2; slot 0 past its share
     assert tally.finished and tally.returns == [2.0, 4.0, 10.0] == seen and tally.lengths == [0, 2, 2]
+
+
+def test_an_external_run_of_several_policies_is_refused_pointing_at_serve(tmp_path, capsys):
+    """A run of several policies trained on external simulators: its env is the simulators' too, so it is
+    refused in one line naming what to do (it used to crash making an env gymnasium does not know)."""
+    import torch
+
+    from services.common.stats import Metrics
+    from services.config import config_from_dict, dump_config
+    from services.learner.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = config_from_dict({**EXTERNAL, "env": {"id": "teams-split", "mode": "external"},
+                            "planner": {"enabled": False},
+                            "policies": {"hunters": {"agents": ["h*"], "observation_shape": [4], "num_actions": 2},
+                                         "prey": {"agents": ["p*"], "observation_shape": [3], "num_actions": 4}}})
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(cfg, run / "config.yaml")
+    for name in cfg.policy_names:
+        Trainer(cfg, Metrics("learner"), run / "checkpoints" / name, policy=name).checkpoint()
+    assert evaluate.main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kuberl eval: {run}: a run of several policies (hunters, prey) trained on external simulators "
+                   f"(env.mode: external), whose env kuberl eval cannot make: serve the policies with `kuberl serve "
+                   f"{run}` and connect your simulator's sessions to them, one per policy (docs/after-training.md)\n")
