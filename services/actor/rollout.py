@@ -218,7 +218,10 @@ class Rollout:
                 for name, arr in w.extras.items():
                     arr[t] = recorded.get(name, 0.0)   # (self-play: none where the policy played no slot)
             steps = stepper.step({name: a for name, (a, _) in acted.items()})
-            self._stepped(sum(self._record(g, w, t, steps[g.name]) for g, w in zip(self.groups, windows)))
+            stepped = 0
+            for g, w in zip(self.groups, windows):
+                stepped += self._record(g, w, t, steps[g.name])
+            self._stepped(stepped)
             t += 1
         if t == 0:
             return None
@@ -229,8 +232,7 @@ class Rollout:
     def _record(self, g: Group, w: Window, t: int, s: Step) -> int:
         """Record step t of group g's slots in its window and move its episodes on; the agent steps recorded."""
         check_env_step(g.label, g.check, self.metrics, s.obs, s.rewards, {"final_obs": s.final_obs}, s.ended)
-        recorded = None if w.present is None else w.present[t]
-        done = s.term | s.trunc   # (a lost life too)
+        recorded, done = None if w.present is None else w.present[t], s.done   # (done: a lost life too)
         w.terminated[t], w.truncated[t] = s.term, s.trunc
         w.rewards[t] = np.sign(s.rewards) if self.clip_rewards else s.rewards
         g.ep_return += s.rewards

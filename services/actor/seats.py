@@ -227,6 +227,7 @@ class Step:
     term: np.ndarray
     trunc: np.ndarray
     ended: np.ndarray
+    done: np.ndarray             # term | trunc: where a slot's episode (or life) ended
     final_obs: Any               # indexable by slot where `ended`
     over: np.ndarray | None      # the copies whose game ended (an env of several agents)
 
@@ -265,21 +266,23 @@ class Stepper:
     def step(self, actions: dict[str, np.ndarray]) -> dict[str, Step]:
         """Step the env with every group's actions; each group's `Step`."""
         obs, r, term, trunc, info = self.slots.step(actions)
-        over = info.get("episode_over")
+        over, final, masks = info.get("episode_over"), info.get("final_obs", NO_EXTRAS), info.get("action_mask")
         out = {}
         for name, seats in self.seats.items():
-            ended = term[name] | trunc[name]
             t = term[name]
+            done = ended = t | trunc[name]
             if self._lives is not None:   # (Atari: one group, a slot per copy)
                 lives = np.asarray(info["lives"])
                 t = t | (~ended & (lives < self._lives))  # a life lost, the game continues
+                done = t | trunc[name]
                 self._lives = lives
-            out[name] = Step(obs[name], r[name], t, trunc[name], ended, info.get("final_obs", {}).get(name), over)
-            seats.stepped(r[name], t | trunc[name], over)
+            out[name] = Step(obs[name], r[name], t, trunc[name], ended, done, final.get(name), over)
+            seats.stepped(r[name], done, over)
             self.obs[name] = obs[name]
             if self.present[name] is not None:
                 self.present[name] = np.asarray(info["present"][name], bool)
-            self.mask[name] = self._mask(name, info.get("action_mask", {}))
+            if self._masked[name]:
+                self.mask[name] = self._mask(name, masks or NO_EXTRAS)
         return out
 
 
