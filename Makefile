@@ -32,7 +32,7 @@ run: $(STAMP_RUN)
 # Each tier's deadline bounds it: a run that hangs (a gRPC object left alive can deadlock pytest's final
 # garbage collection) fails instead of eating CI's time.
 TEST_DEADLINE_S ?= 1500
-LEARNING_DEADLINE_S ?= 2400
+LEARNING_DEADLINE_S ?= 3000
 XDIST_WORKERS ?= 3
 test: checks
 	timeout --kill-after=30 $(TEST_DEADLINE_S) $(PY) -m pytest -m "not learning" -n $(XDIST_WORKERS) --dist loadfile $(PYTEST_ARGS)
