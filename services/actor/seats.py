@@ -32,7 +32,8 @@ from services.common.agents import ParallelVectorEnv
 from services.common.players import load_player
 from services.common.protocol.spaces import ActionSpace, Box, random_actions
 
-NO_EXTRAS: dict[str, np.ndarray] = {}
+NO_EXTRAS: dict[str, np.ndarray] = {}   # what every player but the training policy records
+NONE: dict[str, Any] = {}   # (an env's info without a per-group key; never written)
 
 
 def to_env(space: ActionSpace, actions: np.ndarray) -> np.ndarray:
@@ -54,8 +55,7 @@ class Slots:
 
     def __init__(self, envs: Any, name: str, spaces: dict[str, ActionSpace]):
         self.envs, self.spaces = envs, spaces
-        self.agents = isinstance(envs, ParallelVectorEnv)
-        self.grouped = self.agents and envs.grouped
+        self.grouped = isinstance(envs, ParallelVectorEnv) and envs.grouped
         self.names = [g.name for g in envs.groups] if self.grouped else [name]
         self.sizes = ({g.name: len(g.obs) for g in envs.groups} if self.grouped
                       else {name: envs.num_envs})
@@ -266,7 +266,7 @@ class Stepper:
     def step(self, actions: dict[str, np.ndarray]) -> dict[str, Step]:
         """Step the env with every group's actions; each group's `Step`."""
         obs, r, term, trunc, info = self.slots.step(actions)
-        over, final, masks = info.get("episode_over"), info.get("final_obs", NO_EXTRAS), info.get("action_mask")
+        over, final, masks = info.get("episode_over"), info.get("final_obs", NONE), info.get("action_mask")
         out = {}
         for name, seats in self.seats.items():
             t = term[name]
@@ -282,7 +282,7 @@ class Stepper:
             if self.present[name] is not None:
                 self.present[name] = np.asarray(info["present"][name], bool)
             if self._masked[name]:
-                self.mask[name] = self._mask(name, masks or NO_EXTRAS)
+                self.mask[name] = self._mask(name, masks or NONE)
         return out
 
 
