@@ -33,13 +33,19 @@ PUSH_METHOD = "/kuberl.v1.Buffer/PushTrajectories"
 async def _write(call, item: EncodedFragment) -> bool:
     """Write one message; False if the buffer already ended the stream with its ack (it is shutting
     down: the message was not delivered). If the RPC failed (peer gone, or it refused the stream),
-    raise the AioRpcError carrying its real status instead of grpc.aio's bare InvalidStateError."""
+    raise the AioRpcError carrying its real status instead of grpc.aio's bare InvalidStateError.
+
+    A write in flight when the buffer's ack arrives fails in grpcio with an AioRpcError of grpcio's
+    own making (INTERNAL, "Internal error from Core": its send failed), not the status the buffer
+    sent. Taken as the stream's outcome, it would leave the ack unread and everything the buffer
+    stored from this stream to be re-sent to the next one; so the call itself is awaited: its ack,
+    or the error it really ended with."""
     if call.done():
         await call  # a finished call with a non-OK status raises AioRpcError here
         return False
     try:
         await call.write(item.payload)
-    except asyncio.InvalidStateError:
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
         await call
         return False
     return True
