@@ -89,7 +89,7 @@ def policy_parts(cfg: ExperimentConfig, learner: str, *, actor_id: str, incarnat
         learners = learner_addresses(learner, names)
     except ValueError as err:
         raise ConfigError("--learner", str(err).removeprefix("--learner: ")) from None
-    tags = {name: name if len(names) > 1 else "" for name in names}
+    tags = cfg.tags
     learner_chs = {name: make_channel(address, max_bytes, tls=cfg.tls) for name, address in learners.items()}
     # The insert side of the buffer's rate limiter: stepping (or replying to simulators) holds at the
     # buffer's insert limit, counting this actor's own fragments not yet stored (limiter.py); one per
@@ -122,7 +122,7 @@ def open_sources(cfg: ExperimentConfig, parts: PolicyParts, enqueue: Callable[[E
     else the local envs' Rollout (stepped on the thread `rollout_thread` makes)."""
     if cfg.env.mode != "external":
         # Envs are created before any channel is used (fork safety for subprocess envs).
-        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gate=parts.gates)
+        rollout = Rollout(cfg, actor_id, actor_index, metrics, incarnation=incarnation, gates=parts.gates)
         return Sources(rollout.policies, rollout.episodes, {}, rollout)
     episodes = EpisodeLog(metrics)
     specs = policy_specs(cfg)

@@ -110,9 +110,8 @@ class Window:
 
 class Rollout:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, actor_index: int, metrics: Metrics, incarnation: int = 0,
-                 gate: InsertGate | Mapping[str, InsertGate] | None = None):
-        """`gate`: the buffer's rate limiter (limiter.py; None: never held by it), or each policy's
-        table's by policy name (config `policies`)."""
+                 gates: Mapping[str, InsertGate] | None = None):
+        """`gates`: each policy's buffer table's rate limiter (limiter.py), by policy name (none: never held)."""
         torch.set_num_threads(cfg.actor.torch_threads)
         self.cfg, self.actor_id, self.metrics, self.incarnation = cfg, actor_id, metrics, incarnation
         self.algorithm = algorithms.get(cfg.algorithm)
@@ -128,17 +127,16 @@ class Rollout:
         self.clip_rewards = is_atari(cfg.env.id) and cfg.env.atari.clip_rewards
         seed = cfg.env.seed + 1000 * actor_index
         self._pending: deque[EncodedFragment] = deque()   # fragments cut with the last one, not yet handed on
-        gates = gate if isinstance(gate, Mapping) else {names[0]: gate}
-        several = len(specs) > 1
+        gates = gates or {}
         self.groups: list[Group] = []
         for k, (name, spec) in enumerate(specs.items()):
-            policy = Policy(cfg, spec, seed + k, metrics, name=name if several else "")
+            policy = Policy(cfg, spec, seed + k, metrics, name=cfg.tag(name))
             space = self.envs.groups[k].observation_space if grouped else self.envs.single_observation_space
             self.groups.append(Group(
-                name, name if several else "", spec, policy, Pace(cfg, policy, metrics), gates.get(name),
+                name, cfg.tag(name), spec, policy, Pace(cfg, policy, metrics), gates.get(name),
                 # NaN, infinity (and out of bounds, if asked) never reach a fragment or the policy (finite.py).
                 Check.from_gymnasium(space, spec.obs_keys, cfg.actor.check_obs_bounds),
-                f"{cfg.env.id} (policy {name}'s agents)" if several else cfg.env.id,
+                f"{cfg.env.id} (policy {name}'s agents)" if grouped else cfg.env.id,
                 Seats(Learning(policy, slots.sizes[name])), slots.sizes[name]))
         self.policies = {g.name: g.policy for g in self.groups}
         self.policy = self.groups[0].policy   # (the run's policy, where it has one)
@@ -147,7 +145,7 @@ class Rollout:
         self.selfplay: SelfPlay | League | None = None
         if cfg.selfplay.enabled:
             copies, rng = self.envs.num_envs // self.envs.slots, np.random.default_rng(seed + 1)
-            if several:
+            if len(self.groups) > 1:   # sides are groups (a league), else slots of the one group
                 self.selfplay = League(cfg, {g.name: (g.seats.learning, len(self.envs.groups[k].agents))
                                              for k, g in enumerate(self.groups)}, copies, metrics, rng)
                 for g in self.groups:

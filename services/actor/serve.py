@@ -100,29 +100,28 @@ class FittingWeights:
 
 
 @asynccontextmanager
-async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
+async def serving(policies: Mapping[str, Policy], cfg: ExperimentConfig, metrics: Metrics, *, listen: str,
                   metrics_listen: str | None = None, follow_learner: str | Mapping[str, str] | None = None,
                   accept_older: bool = False,
                   serve_id: str = "serve") -> AsyncIterator[Endpoints]:
-    """Serve `policies` (weights loaded) to simulators; yields its Endpoints. `cfg`: `serving_config`'s.
-    One policy, or a run's several by name (config `policies`): each then answers the sessions whose
-    hello names it (`EnvHello.policy`), with its own hub (its spaces) and batched inference, its gauges
-    under actor/policies/<name>/; `follow_learner` is then `name=host:port` for each (or that map, as
-    `learner_addresses` parses it). Leaving the context runs the shutdown sequence (nothing to flush:
-    no fragments)."""
-    several = not isinstance(policies, Policy)
-    named = dict(policies) if not isinstance(policies, Policy) else {"": policies}
+    """Serve `policies` (weights loaded; by policy name: a run's one, or its several of config `policies`)
+    to simulators; yields its Endpoints. `cfg`: `serving_config`'s. Each answers the sessions whose hello
+    names it (`EnvHello.policy`), with its own hub (its spaces) and batched inference, its gauges under
+    its tag's scope (actor/policies/<name>/ for each of several); `follow_learner` is an address for each
+    (`learner_addresses`: one, or `name=host:port` for each, or that map). Leaving the context runs the
+    shutdown sequence (nothing to flush: no fragments)."""
     if isinstance(follow_learner, Mapping):
         learners = dict(follow_learner)
-    elif follow_learner:   # (several: ValueError naming what is wrong)
-        learners = learner_addresses(follow_learner, tuple(named)) if several else {"": follow_learner}
+    elif follow_learner:   # (ValueError naming what is wrong)
+        learners = learner_addresses(follow_learner, tuple(policies))
     else:
         learners = {}
     episodes = EpisodeLog(metrics)
     seats = {}
-    for tag, policy in named.items():
-        if policy.name != tag:   # (its version gauge is actor/policies/<name>/policy_version)
-            raise ValueError(f"the policy named {policy.name!r} is offered as {tag!r}: serve each under its own name")
+    for name, policy in policies.items():
+        tag = policy.cfg.tag(name)
+        if policy.name != tag:   # (its version gauge is under its tag's scope)
+            raise ValueError(f"the policy named {policy.name!r} is offered as {name!r}: serve each under its own name")
         hub = SessionHub(cfg, policy.spec, serve_id, metrics.scoped(tag), on_fragment=None,  # no sink: nothing recorded
                          state_size=policy.state_size, policy=tag, episodes=episodes)
         seats[tag] = BatchedInference(policy, hub, metrics.scoped(tag))
@@ -133,16 +132,16 @@ async def serving(policies: Policy | Mapping[str, Policy], cfg: ExperimentConfig
     await lc.serve(listen, lambda s: add_servicer(s, service, servicer), [service.full_name], max_message_bytes=max_bytes,
                    metrics_listen=metrics_listen, max_connection_age_s=None,   # long sessions
                    tls=cfg.tls, auth=cfg.auth)
-    learner_chs = {tag: make_channel(address, max_bytes, tls=cfg.tls) for tag, address in learners.items()}
+    learner_chs = {name: make_channel(address, max_bytes, tls=cfg.tls) for name, address in learners.items()}
     for ch in learner_chs.values():
         lc.on_close(ch.close)
     async with lc.running():
         for tag, seat in seats.items():
             lc.task(seat.run(), f"inference {tag}".rstrip())
-        for tag, ch in learner_chs.items():
-            weights = FittingWeights(named[tag], learners[tag], metrics, accept_older)
+        for name, ch in learner_chs.items():
+            weights = FittingWeights(policies[name], learners[name], metrics, accept_older)
             lc.task(subscribe_weights(learner_pb2_grpc.LearnerStub(ch), serve_id, weights, metrics),
-                    f"weights {tag}".rstrip())
+                    f"weights {policies[name].name}".rstrip())
 
         def stopped() -> None:
             log.info("serve stopped: %d sessions, %d env steps served", metrics.counters["actor/sessions_total"],

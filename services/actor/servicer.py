@@ -22,24 +22,26 @@ log = logging.getLogger(__name__)
 class ActorServicer(actor_pb2_grpc.ActorServicer):
     def __init__(self, metrics: Metrics, episodes: EpisodeLog, seats: Mapping[str, BatchedInference] | None = None,
                  session_timeout_s: float = 30.0):
-        """`seats`: where simulators' sessions are played (none: this actor steps local envs), by policy
-        tag: "" for a run's one policy, else each of several policies' name (config `policies`), each
-        its own hub and batched inference. A hello names its seat with `EnvHello.policy`."""
+        """`seats`: where simulators' sessions are played (none: this actor steps local envs), each its own
+        hub and batched inference, by its policy's tag (config.tag: "" for a run's one policy). A hello
+        names its seat with `EnvHello.policy`: the policy's name, or its tag."""
         self.metrics, self.episodes = metrics, episodes
         self.seats, self.timeout_s = dict(seats or {}), session_timeout_s
-        if self.seats and "" not in self.seats:   # several policies: each hub reports its own, under its policy
+        self.named = dict(self.seats)   # by tag and by name
+        for seat in self.seats.values():
+            self.named.update({name: self.seats[tag] for name, tag in seat.policy.cfg.tags.items() if tag in self.seats})
+        # Every hub's sessions (a hub reports its own under its policy's scope; for a run's one policy the
+        # scope is the actor's own, and both say the same).
+        if self.seats:
             metrics.add_gauges(lambda: {"actor/sessions_active": float(sum(len(seat.hub.sessions)
                                                                            for seat in self.seats.values()))})
 
     def _seat(self, hello: actor_pb2.EnvHello) -> BatchedInference:
         """The seat `hello.policy` names (SessionError naming the field where it names none of them)."""
-        if (seat := self.seats.get(hello.policy)) is not None:
+        if (seat := self.named.get(hello.policy)) is not None:
             return seat
-        several = "" not in self.seats
-        if not several and hello.policy == next(iter(self.seats.values())).policy.cfg.policy_names[0]:
-            return self.seats[""]   # the run's one policy by its name
         self.metrics.inc("actor/sessions_refused_total")
-        names = ", ".join(self.seats) if several else "its one policy; leave policy empty"
+        names = ", ".join(next(iter(self.seats.values())).policy.cfg.policy_names)
         raise SessionError("INVALID_ARGUMENT",
                            f"policy: {hello.policy!r} is not one of this actor's policies ({names})" if hello.policy
                            else f"policy: this run trains several policies ({names}): name the one that plays "

@@ -69,7 +69,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     metrics = Metrics("buffer")
     checkpoint_dir = checkpoint_dir or cfg.buffer.checkpoint_dir
     names = cfg.policy_names
-    tables = [await open_table(cfg, name, metrics if len(names) == 1 else Metrics("buffer", instance_id=name),
+    tables = [await open_table(cfg.for_policy(name), name, metrics if len(names) == 1 else Metrics("buffer", instance_id=name),
                                checkpoint_dir if not checkpoint_dir or len(names) == 1
                                else str(Path(checkpoint_dir) / name))
               for name in names]

@@ -29,6 +29,7 @@ from services.common.atomic import write_atomically
 from services.common.local.procs import PortPicker, ServiceProcess
 from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                              format_event, learner_specs)
+from services.common.net.policy import learner_flag
 from services.common.net.tls import open_channel
 from services.common.net.tokens import read_client_token, with_token
 from services.config import ConfigError, ExperimentConfig
@@ -183,17 +184,15 @@ class Fleet:
                 "--buffer", buffer, "--run-dir", str(self.dir), "--actor-port", str(self.actor_port)])
             return
         # Each policy's learners (one policy: `learner-<rank>`); rank 0 serves the weights actors take.
-        several = self.cfg.several_policies
         learners = {name: f"127.0.0.1:{self._free_port()}" for name in self.cfg.policy_names}
         n = self.cfg.topology.learners
         for name, address in learners.items():
             # A group is re-formed as a whole when one of its learners dies, as the planner's backend does.
-            for proc in self.sup.start_group(f"{name} {LEARNERS}" if several else LEARNERS, n,
-                                             learner_specs(self.dir, n, buffer=buffer, listen=address,
-                                                           policy=name if several else ""), port=self._free_port):
+            tag = self.cfg.tag(name)
+            for proc in self.sup.start_group(f"{tag} {LEARNERS}".lstrip(), n, learner_specs(
+                    self.dir, n, buffer=buffer, listen=address, policy=tag), port=self._free_port):
                 self.members.append(Member("learner", proc.name, proc))
-        learner = ",".join(f"{name}={address}" for name, address in learners.items()) if several \
-            else learners[self.cfg.policy_names[0]]
+        learner = learner_flag(learners)
         for i in range(self.cfg.topology.actors):
             # External simulators need a known address: actor i listens on actor_port + i.
             listen = f"127.0.0.1:{self.actor_port + i}" if self.external else "127.0.0.1:0"

@@ -47,6 +47,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     `policy`: the policy of the run it trains (config `policies`; needed where there are several): it
     streams from and reports to that policy's table in every buffer shard."""
     policy = cfg.policy(policy)
+    cfg = cfg.for_policy(policy)   # (its own training settings, config policies.<name>.overrides)
     learner_id = learner_id or f"learner-{socket.gethostname()}-{os.getpid()}"
     torch.set_num_threads(cfg.learner.torch_threads)
     metrics = Metrics("learner", instance_id=learner_id)
@@ -74,7 +75,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
 
     def open_channel(address: str):
         return make_channel(address, max_bytes, receive_window_bytes=64 * 1024, tls=cfg.tls,
-                            policy=policy if cfg.several_policies else None)
+                            policy=cfg.tag(policy))
 
     def start(shard: Shard) -> tuple[asyncio.Task, asyncio.Task]:
         return (lc.task(fetch_batches(shard, request, inbox, metrics), f"fetch-{shard.address}"),
@@ -89,7 +90,7 @@ async def serving(cfg: ExperimentConfig, *, listen: str, metrics_listen: str | N
     request = batch_request(cfg, learner_id)
     progressed = Notifier()
     log.info("learner %s: %s on %s%s, version %d, buffer %s", learner_id, cfg.algorithm, cfg.env.id,
-             f", policy {policy!r}" if cfg.several_policies else "", current.trainer.version, buffer)
+             f", policy {policy!r}", current.trainer.version, buffer)
     async with lc.running():
         shards.begin()
         stopping = asyncio.Event()

@@ -96,7 +96,7 @@ class Planner:
     def policy_roles(self) -> tuple[str, ...]:
         """A run of several policies: each policy's learners as a role of their own, `learner/<policy>`,
         sized by the decisions with the actors the policies share, or set by hand (docs/planner.md)."""
-        return tuple(f"learner/{p}" for p in self.cfg.policy_names) if self.cfg.several_policies else ()
+        return tuple(role for role in self.cfg.learner_roles if role != "learner")
 
     def inputs(self) -> Inputs:
         now = self.clock()
@@ -327,7 +327,7 @@ class Planner:
         if role not in (*ROLES, *self.policy_roles):
             raise ValueError(f"role: {role!r} is not scalable; expected one of "
                              f"{', '.join((*ROLES, *self.policy_roles, SHARDS))}")
-        if role == "learner" and self.cfg.several_policies:
+        if role == "learner" and role not in self.cfg.learner_roles:
             raise ValueError(f"role: learner is not scaled in a run of several policies "
                              f"({', '.join(self.cfg.policy_names)}): set one policy's learners, "
                              f"{' or '.join(self.policy_roles)}")

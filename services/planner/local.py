@@ -38,6 +38,7 @@ from services.common.local.procs import PortPicker, ServiceProcess
 from services.common.stats import Metrics
 from services.common.local.supervise import (LEARNERS, STOP_TIMEOUT_S, Spec, Supervisor, actor_args, buffer_args,
                                        learner_specs, stop_procs, wait_or_kill)
+from services.common.net.policy import learner_flag
 from services.common.net.shards import buffer_addresses
 from services.planner.backend import ROLES, ApplyResult, Refused, Replica, RoleState
 
@@ -69,13 +70,13 @@ class LocalBackend:
         self.names: dict[str, dict[int, str]] = {r: {} for r in ROLES}  # role -> index -> process name
         self.draining: set[asyncio.Task] = set()
         self._free_port = PortPicker(avoid={int(a.rsplit(":", 1)[1]) for a in self.shards})
-        # Rank 0 listens on a port picked here, so actors can be told its address before it serves. A run
-        # of several policies (config `policies`) runs a learner group per policy, each with its rank 0.
-        self.several = cfg.several_policies
+        # Rank 0 listens on a port picked here, so actors can be told its address before it serves. Each
+        # policy (config `policies`; one, `default`, where it names none) has a learner group, each with its
+        # rank 0, scaled as its learner role (`learner`, or `learner/<policy>` for each of several).
         self.learner_addresses = {name: f"127.0.0.1:{self._free_port()}" for name in cfg.policy_names}
-        self.learner_address = (",".join(f"{name}={a}" for name, a in self.learner_addresses.items()) if self.several
-                                else self.learner_addresses[cfg.policy_names[0]])   # (an actor's --learner)
-        self.learner_policy: dict[str, str] = {}   # learner process name -> its policy (several policies)
+        self.learner_address = learner_flag(self.learner_addresses)   # (an actor's --learner)
+        self.learner_roles = cfg.learner_roles                  # role -> the policy its group trains
+        self.learner_policy: dict[str, str] = {}   # learner process name -> its policy's tag
         self.groups: dict[str, list[str]] = {}     # policy -> its learner group's process names, in rank order
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics.inc("planner/replica_restarts_total", 0)
@@ -97,21 +98,18 @@ class LocalBackend:
                                                                     learner=self.learner_address, index=index))))
 
     def _form_group(self, n: int, policy: str | None = None) -> None:
-        """Start n learners as one group (one learner alone is restarted alone); a group of n per policy
-        where the run has several (`policy`: that one's alone)."""
+        """Start n learners as one group (one learner alone is restarted alone) for each policy (`policy`:
+        that one's alone)."""
         for name, address in self.learner_addresses.items():
             if policy is not None and name != policy:
                 continue
-            tag = name if self.several else ""
+            tag = self.cfg.tag(name)
             group = self.sup.start_group(f"{tag} {LEARNERS}".lstrip(), n, learner_specs(
                 self.run_dir, n, buffer=self.buffer, listen=address, policy=tag), port=self._free_port)
             self.learner_policy.update({p.name: tag for p in group})
             self.groups[name] = [p.name for p in group]
-            if self.several:
-                self.metrics.set(f"planner/policies/{name}/learner_group_size", n)
+            self.metrics.scoped(tag).set("planner/learner_group_size", n)
         self._index_learners()
-        if not self.several:
-            self.metrics.set("planner/learner_group_size", n)
 
     async def _stop(self, names) -> None:
         """SIGTERM the named processes together and wait for each (SIGKILL after STOP_TIMEOUT_S)."""
@@ -148,11 +146,11 @@ class LocalBackend:
                 replicas.append(Replica(proc.name, proc.address if ready else "", ready,
                                         policy=self.learner_policy.get(proc.name, "")))
             states[role] = RoleState(desired=len(self.names[role]), replicas=replicas,
-                                     blocked=SEVERAL_POLICIES if role == "learner" and self.several else "")
-        if self.several:   # each policy's group, the role learner/<policy>
-            for policy, group in self.groups.items():
-                states[f"learner/{policy}"] = RoleState(desired=len(group), replicas=[
-                    r for r in states["learner"].replicas if r.policy == policy])
+                                     blocked=SEVERAL_POLICIES if role not in (*self.learner_roles, "actor") else "")
+        for role, policy in self.learner_roles.items():   # each policy's group, as its role
+            tag = self.cfg.tag(policy)
+            states[role] = RoleState(desired=len(self.groups.get(policy, ())), replicas=[
+                r for r in states["learner"].replicas if r.policy == tag])
         return states
 
     async def buffers(self) -> list[Replica]:
@@ -198,33 +196,26 @@ class LocalBackend:
         self.buffer = ",".join(active)
 
     async def apply(self, targets: dict[str, int], *, dry_run: bool = False) -> ApplyResult:
-        """Set the actors, the learner group, or (several policies) one policy's group, `learner/<policy>`."""
-        policy_roles = {f"learner/{p}" for p in self.groups} if self.several else set()
+        """Set the actors, or a policy's learner group by its learner role (`learner`, or `learner/<policy>`
+        for each of several: `learner`, all of them, is then not set)."""
+        roles = ("actor", *self.learner_roles)
         for role, n in targets.items():
-            if role not in ROLES and role not in policy_roles:
-                raise ValueError(f"unknown role {role!r}: the local backend scales "
-                                 f"{', '.join((*ROLES, *sorted(policy_roles)))}")
+            if role not in ROLES and role not in roles:
+                raise ValueError(f"unknown role {role!r}: the local backend scales {', '.join(roles)}")
             if n < 0 or (role.startswith("learner") and n < 1):
                 raise ValueError(f"cannot set {role} to {n}")
-        if self.several and targets.get("learner", len(self.names["learner"])) != len(self.names["learner"]):
+        if "learner" not in roles and targets.get("learner", len(self.names["learner"])) != len(self.names["learner"]):
             raise Refused(SEVERAL_POLICIES)
         if dry_run:
             return ApplyResult(dict(targets), dry_run=True, detail="local backend: nothing started or stopped")
         detail = []
-        old = len(self.names["learner"])
-        n = targets.get("learner", old)
-        if n != old:
-            await self._stop_group()
-            self._form_group(n)
-            detail.append(f"re-formed the learner group: {old} -> {n} (resumes from the latest checkpoint)")
-            log.info(detail[-1])
-        for role in sorted(policy_roles & set(targets)):
-            policy = role.split("/", 1)[1]
+        for role in [r for r in self.learner_roles if r in targets]:
+            policy = self.learner_roles[role]
             old, n = len(self.groups[policy]), targets[role]
             if n != old:
                 await self._stop_group(policy)
                 self._form_group(n, policy)
-                detail.append(f"re-formed policy {policy}'s learner group: {old} -> {n} (resumes from its "
+                detail.append(f"re-formed the learner group of policy {policy}: {old} -> {n} (resumes from its "
                               f"latest checkpoint)")
                 log.info(detail[-1])
         actors = self.names["actor"]
@@ -241,7 +232,7 @@ class LocalBackend:
                 task.add_done_callback(self.draining.discard)
             detail.append(f"draining actor-{index}")
         applied = {r: len(self.names[r]) for r in ROLES}
-        applied.update({f"learner/{p}": len(group) for p, group in self.groups.items() if self.several})
+        applied.update({role: len(self.groups[policy]) for role, policy in self.learner_roles.items()})
         return ApplyResult(applied, detail=", ".join(detail))
 
     async def _drain(self, proc: ServiceProcess) -> None:

@@ -66,7 +66,7 @@ def make_backend(cfg: ExperimentConfig, args: argparse.Namespace, metrics: Metri
 
         # Several policies: a learner StatefulSet per policy (services/planner/kube.py; the Helm chart).
         inner = KubernetesBackend(cfg.planner.kubernetes, namespace=args.namespace, kubeconfig=args.kubeconfig,
-                                  policies=cfg.policy_names if cfg.several_policies else ())
+                                  policies=tuple(cfg.policies))
     else:
         if args.config is None:
             raise SystemExit("the local backend starts processes with the same config: pass --config FILE")

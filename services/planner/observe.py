@@ -121,7 +121,7 @@ class Observer:
         self.buffer_stats[name] = (now, {k: resp.metrics[k] for k in BUFFER_READ if k in resp.metrics})
         if (cpu := resp.metrics.get("buffer/cpu_seconds_total")) is not None:
             self.buffer_cpu.setdefault(name, CounterRate(self.cfg.planner.rate_halflife_s)).update(now, cpu)
-        for policy in self.cfg.policy_names if self.cfg.several_policies else ():
+        for policy in self.cfg.policies:   # (several policies: each one's table)
             if (got := resp.metrics.get(f"buffer/policies/{policy}/samples_received_total")) is not None:
                 self.table_received.setdefault((name, policy), CounterRate(self.cfg.planner.rate_halflife_s)) \
                     .update(now, got)
@@ -209,7 +209,7 @@ class Observer:
         cores = [t.cores for t in usable if t.cores is not None]
         rate = (sum(t.rate for t in usable) / len(usable)) if usable else None
         share = None
-        if role == "learner" and self.cfg.several_policies:   # (shown in decisions; each policy's is decided)
+        if role == "learner" and role not in self.cfg.learner_roles:   # every policy's, shown; each one's decided
             rate = self.policies_rate(now, state)
         elif role.startswith("learner/"):
             share = self.shares(now).get(role.split("/", 1)[1])

@@ -23,24 +23,24 @@ from services.common.config.run import EvalConfig, RunConfig, TrackingConfig, Tu
 class CommonConfig:
     """The experiment without its algorithms' sections: what services/common reads (the whole config
     is services.config.ExperimentConfig, a CommonConfig). `algorithm` names the algorithm that trains."""
-    algorithm: str = "ppo"
-    seed: int = 0
-    env: EnvConfig = field(default_factory=EnvConfig)
-    topology: TopologyConfig = field(default_factory=TopologyConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    evaluation: EvalConfig = field(default_factory=EvalConfig)
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    tls: TlsConfig = field(default_factory=TlsConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    tune: TuneConfig = field(default_factory=TuneConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
+    algorithm: str = "ppo"            # the algorithm that trains; its settings: the section of its name
+    seed: int = 0                     # seed of the learners' network initialisation (envs: env.seed)
+    env: EnvConfig = field(default_factory=EnvConfig)  # the environment actors step and how many copies
+    topology: TopologyConfig = field(default_factory=TopologyConfig)  # processes of each role kuberl up starts
+    actor: ActorConfig = field(default_factory=ActorConfig)  # each actor process's settings
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # each buffer process's settings
+    learner: LearnerConfig = field(default_factory=LearnerConfig)  # each learner process's settings
+    run: RunConfig = field(default_factory=RunConfig)  # when kuberl up stops and where it writes
+    evaluation: EvalConfig = field(default_factory=EvalConfig)  # how the trained policy is evaluated
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # when the planner scales which role, how far
+    tls: TlsConfig = field(default_factory=TlsConfig)  # TLS on every gRPC endpoint (docs/security.md)
+    auth: AuthConfig = field(default_factory=AuthConfig)  # bearer tokens and session caps (docs/security.md)
+    tune: TuneConfig = field(default_factory=TuneConfig)  # kuberl tune's study; kuberl up ignores it
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # the trackers kuberl up feeds (W&B, MLflow)
+    selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)  # one policy against snapshots of itself
     # Several policies in one run, by name (none: one policy, `default`, plays every agent): each its
     # own learners, weights and version, and its own table in every buffer shard.
-    policies: Mapping[str, PolicyConfig] = field(default_factory=dict, hash=False)
+    policies: Mapping[str, PolicyConfig] = field(default_factory=dict, hash=False)  # several policies, by name
     # Each algorithm's settings by its name (YAML: a top-level section `<name>:`), opaque here: the
     # algorithm reads its own (`Algorithm.section`); services.config.ExperimentConfig fills and checks them.
     sections: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -73,6 +73,25 @@ class CommonConfig:
     def several_policies(self) -> bool:
         """Whether the run trains several policies (config `policies`), each with its own learners and table."""
         return len(self.policy_names) > 1
+
+    def tag(self, policy: str) -> str:
+        """What `policy` is called outside the code, the one place a run of one policy differs from a run of
+        several: the scope of its gauges (`<role>/policies/<tag>/`), its calls' `kuberl-policy` metadata,
+        its fragments', hellos' and learners' --policy, its processes' names. A run's one policy keeps the
+        names a run without `policies` always had (""), each of several its name."""
+        return policy if self.policies else ""
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """Each policy's tag (see `tag`) by its name, in config order."""
+        return {name: self.tag(name) for name in self.policy_names}
+
+    @property
+    def learner_roles(self) -> dict[str, str]:
+        """The roles the planner scales learners by, each with the policy it trains: `learner` for a run's
+        one policy, `learner/<tag>` for each of several (the role `learner` is then all of them, watched
+        but not set)."""
+        return {f"learner/{tag}".rstrip("/"): name for name, tag in self.tags.items()}
 
     def policy(self, name: str | None) -> str:
         """The policy a learner given `name` (its --policy; None: not given) trains; ConfigError naming

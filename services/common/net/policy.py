@@ -71,6 +71,12 @@ def policy_interceptors(policy: str) -> list[Any]:
     return [_UnaryUnary(policy), _UnaryStream(policy), _StreamUnary(policy)]
 
 
+def learner_flag(addresses: dict[str, str]) -> str:
+    """An actor's --learner naming each policy's learner address (`learner_addresses` reads it back,
+    for one policy as for several)."""
+    return ",".join(f"{name}={address}" for name, address in addresses.items())
+
+
 def learner_addresses(text: str, policies: tuple[str, ...]) -> dict[str, str]:
     """An actor's --learner for the run's `policies`: one address (a run of one policy), or
     `policy=host:port` for each policy, separated by commas. ValueError naming what is wrong."""

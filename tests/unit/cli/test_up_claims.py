@@ -87,7 +87,7 @@ def test_a_port_handed_to_one_process_of_a_run_is_never_handed_to_another(tmp_pa
     monkeypatch.setattr(procs, "free_port", lambda: next(picks))
     backend = local.LocalBackend(config_from_dict(TINY_PPO), config_path=tmp_path / "c.yaml", run_dir=tmp_path / "r",
                                  buffer="127.0.0.1:12006")
-    assert backend.learner_address == "127.0.0.1:12005"
+    assert backend.learner_address == "default=127.0.0.1:12005"   # (every policy named, the one too)
     assert backend._free_port() == 12007   # (12005 is the learner's, 12006 the buffer's)
 
 
