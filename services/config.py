@@ -59,6 +59,8 @@ class ExperimentConfig(CommonConfig):
             if (declared := policy.declared_spec) is not None:
                 check_algorithm_takes(self, declared, *policy.declared_sources(f"policies.{name}"))
         super().__post_init__()
+        for name in self.policies:
+            self.for_policy(name)   # (its overrides checked as its learners will build them)
         if (shards := self.topology.buffers) > 1:
             table = algorithms.get(self.algorithm).table(self)
             if isinstance(table, algorithms.ReplayTable):
@@ -78,6 +80,24 @@ class ExperimentConfig(CommonConfig):
                     f"{pace} fragments of {self.rollout_steps} x {self.env.num_envs} steps = {samples} samples "
                     f"per version, fewer than the learner's batch of {algorithm.batch_size(self)}: a lone actor "
                     f"would wait for weights that need more of its samples")
+
+    def for_policy(self, name: str) -> ExperimentConfig:
+        """The config policy `name` trains with (its learners and its table in every buffer shard): the
+        run's, with its `policies.<name>.overrides` in the algorithm's section. ConfigError naming the key
+        where it sets one its algorithm keeps the run's (`Algorithm.per_policy`) or a bad value."""
+        policy = self.policies.get(name)
+        if policy is None or not policy.overrides:
+            return self
+        algorithm = algorithms.get(self.algorithm)
+        prefix = f"policies.{name}.overrides."
+        for key in policy.overrides:
+            require(key in algorithm.per_policy, f"{prefix}{key}", policy.overrides[key],
+                    f"a policy sets only its own training settings ({', '.join(algorithm.per_policy)}); "
+                    f"{self.algorithm}.{key} is the run's (what its actors step and act by, or the planner balances)")
+        settings = build(algorithm.settings, {**plain(self.section(self.algorithm)), **policy.overrides}, prefix)
+        # Its overrides are in the section now; the derived config applies none (the others' are theirs).
+        policies = {n: dataclasses.replace(p, overrides={}) for n, p in self.policies.items()}
+        return dataclasses.replace(self, sections={**self.sections, self.algorithm: settings}, policies=policies)
 
     def with_section(self, settings) -> ExperimentConfig:
         """This config with `settings` (an algorithm's settings object) in place of that algorithm's."""

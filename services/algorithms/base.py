@@ -101,6 +101,11 @@ class Algorithm(Generic[SettingsT]):
     # The action spaces (services/common/protocol/spaces.py classes) it can act in and learn.
     action_spaces: ClassVar[tuple[type, ...]]
     takes_action_masks: ClassVar[bool] = False
+    # The settings of its section a policy of several may set for itself (`policies.<name>.overrides`):
+    # those only the policy's learners and its buffer table read. What the actor reads (the rollout
+    # length it steps every policy by, the network it acts with, exploration) is the run's, and what the
+    # planner balances (a replay ratio) too.
+    per_policy: ClassVar[tuple[str, ...]] = ()
 
     def uses_masks(self, space: ActionSpace) -> bool:
         """Whether actions in `space` are masked under this algorithm: the space has mask columns

@@ -4,6 +4,8 @@ time the actors were held."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from services.cli.tally import LOSS_REASONS, fmt_losses, fmt_return
 
 CSV_COLUMNS = ["wall_s", "env_steps", "episodes", "episodes_skipped", "return_mean", "actor_env_steps_per_s",
@@ -30,9 +32,10 @@ class HeldShare:
         return min(1.0, max(0.0, (held_s - last[1]) / ((now - last[0]) * actors)))
 
 
-def progress_line(row: dict, window: int, policies: tuple[str, ...] = ()) -> str:
+def progress_line(row: dict, window: int, policies: Mapping[str, float | None] | None = None) -> str:
     """The console line of a metrics.csv row; `window`: the episodes the mean return is over; `policies`:
-    a run's several, each shown with its return and version."""
+    a run's several (config `policies`), each shown with its return (against its target, where it has
+    one: `red 3.2/5`) and version."""
     def f(v, spec=",.0f"):
         return "-" if v is None else format(v, spec)
     skipped = f" ({row['episodes_skipped']:,} skipped)" if row["episodes_skipped"] else ""
@@ -49,6 +52,6 @@ def progress_line(row: dict, window: int, policies: tuple[str, ...] = ()) -> str
             f" lag {f(row['learner_policy_lag_mean'], '.1f')} | buffer {f(row['buffer_size_samples'])}"
             f"{ratio}{held}"
             f" | lost {fmt_losses({r: row[f'samples_lost_{r}'] for r in LOSS_REASONS})}"
-            + ("" if len(policies) < 2 else " | " + ", ".join(
-                f"{name} {fmt_return(row.get(f'return_mean_{name}'))} v{f(row.get(f'policy_version_{name}'))}"
-                for name in policies)))
+            + ("" if not policies else " | " + ", ".join(
+                f"{name} {fmt_return(row.get(f'return_mean_{name}'))}{'' if target is None else f'/{target:g}'}"
+                f" v{f(row.get(f'policy_version_{name}'))}" for name, target in policies.items())))

@@ -56,9 +56,7 @@ def selfplay_columns(cfg: ExperimentConfig) -> list[str]:
 
 def policy_columns(cfg: ExperimentConfig) -> list[str]:
     """metrics.csv's columns of a run of several policies: each one's mean return and version."""
-    if not cfg.several_policies:
-        return []
-    return [f"{column}_{name}" for name in cfg.policy_names for column in ("return_mean", "policy_version")]
+    return [f"{column}_{name}" for name in cfg.policies for column in ("return_mean", "policy_version")]
 
 
 def _new_dir(root: Path, name: str) -> Path:
@@ -180,7 +178,7 @@ class LocalRun:
             "planner_ratio": planner.get("planner/production_consumption_ratio"),
             "process_restarts": sum(self.fleet.restarts.values()),
             **(self._selfplay() if self.cfg.selfplay.enabled else {}),
-            **(self._policies() if self.cfg.several_policies else {}),
+            **self._policies(),
         }
 
     def _policies(self) -> dict[str, float | None]:
@@ -210,7 +208,12 @@ class LocalRun:
 
     def stop_reason(self) -> str | None:
         run = self.cfg.run
-        if (run.target_return is not None and len(self.returns) == run.return_window
+        if self.policy_targets:   # every policy with a target, over its own agents' last episodes
+            summary = self.policies_summary(versions=False)
+            if all(summary[name]["return_window"] == run.return_window and summary[name]["mean_return"] >= target
+                   for name, target in self.policy_targets.items()):
+                return "target_return"
+        elif (run.target_return is not None and len(self.returns) == run.return_window
                 and self.mean_return >= run.target_return):
             return "target_return"
         if self.env_steps >= run.max_env_steps:
@@ -219,15 +222,23 @@ class LocalRun:
             return "max_seconds"
         return None
 
-    def policies_summary(self) -> dict[str, dict]:
-        """A run of several policies: each policy's version (as its rank-0 learner last said) and mean
-        return over its agents' last `run.return_window` episodes."""
-        last = {name: stats for name, (role, stats) in self.fleet.last_stats().items() if role == "learner"}
+    @property
+    def policy_targets(self) -> dict[str, float]:
+        """Each policy's return target (config `policies.<name>.target_return`), of those that have one:
+        where any has, these are the run's, in place of run.target_return."""
+        return {name: p.target_return for name, p in self.cfg.policies.items() if p.target_return is not None}
+
+    def policies_summary(self, versions: bool = True) -> dict[str, dict]:
+        """A run of several policies: each policy's mean return over its agents' last `run.return_window`
+        episodes, its target (null: none) and version (as its rank-0 learner last said)."""
+        last = {name: stats for name, (role, stats) in self.fleet.last_stats().items() if role == "learner"} \
+            if versions else {}
         out = {}
-        for name in self.cfg.policy_names:
+        for name, policy in self.cfg.policies.items():
             returns = self.tally.policy_returns.get(name, ())
             out[name] = {"policy_version": last.get(f"learner-{name}-0", {}).get("learner/policy_version"),
-                         "mean_return": sum(returns) / len(returns) if returns else None, "return_window": len(returns)}
+                         "mean_return": sum(returns) / len(returns) if returns else None, "return_window": len(returns),
+                         "target_return": policy.target_return}
         return out
 
     def evaluate(self, reason: str) -> dict | None:
@@ -313,7 +324,8 @@ class LocalRun:
                     for d in self.fleet.new_decisions():
                         self.tracker.decision(decision_event(d), self.env_steps)
                 if self.progress:
-                    print(progress_line(row, len(self.returns), self.cfg.policy_names), flush=True)
+                    targets = {n: p.target_return for n, p in self.cfg.policies.items()}
+                    print(progress_line(row, len(self.returns), targets), flush=True)
                 if (reason := self.stop_reason()) is not None:
                     break
         except KeyboardInterrupt:
@@ -342,8 +354,9 @@ class LocalRun:
                    "mean_return": self.mean_return, "return_window": len(self.returns), "wall_s": round(wall, 3),
                    "samples_lost": {"total": sum(losses.values()), **losses},
                    "process_restarts": dict(self.fleet.restarts),
-                   "policy_version": learner.get("learner/policy_version"),
-                   **({"policies": self.policies_summary()} if self.cfg.several_policies else {}),
+                   # (Several policies: each its own version and return, none the run's.)
+                   **({"policies": self.policies_summary()} if self.cfg.policies
+                      else {"policy_version": learner.get("learner/policy_version")}),
                    "exit_codes": self.fleet.exit_codes(), "run_dir": str(self.dir),
                    "last_stats": {name: stats for name, (role, stats) in self.fleet.last_stats().items()
                                   if role != "planner"},

@@ -45,7 +45,8 @@ async def _at_least(address, stub_cls, names: list[str], floor: float):
 
 
 async def test_each_policys_fragments_reach_its_learner_and_its_weights_come_back(tmp_path):
-    cfg = config()
+    # (first trains at a learning rate of its own: policies.first.overrides.)
+    cfg = config({"first": {"agents": ["a"], "overrides": {"learning_rate": 5e-4}}, "rest": {"agents": ["*"]}})
     async with two_policy_stack(cfg, tmp_path) as (buffer, learners, actor):
         a = await _until(lambda: _at_least(actor, actor_pb2_grpc.ActorStub,
                                            ["actor/policies/first/policy_version",
@@ -60,6 +61,8 @@ async def test_each_policys_fragments_reach_its_learner_and_its_weights_come_bac
             served = b[f"buffer/policies/{name}/samples_served_total"]
             assert 0 < trained[name]["learner/samples_total"] <= served
             assert trained[name]["learner/updates_total"] >= 3
+        assert trained["first"]["learner/learning_rate"] == pytest.approx(5e-4)
+        assert trained["rest"]["learner/learning_rate"] == pytest.approx(cfg.section("ppo").learning_rate) != 5e-4
         # The buffer's own figures are the tables' summed.
         assert b["buffer/fragments_received_total"] == sum(
             b[f"buffer/policies/{n}/fragments_received_total"] for n in ("first", "rest"))
@@ -252,7 +255,7 @@ def test_one_policys_learners_are_scaled_by_hand_and_only_its_group_re_forms(tmp
         assert group["learner-lead-0"]["learner/group_size"] == 1
         planner_log = (logs / "planner-0.log").read_text()
         assert len(re.findall(r"started learner-lead-0 ", planner_log)) == 1   # lead's learner was left alone
-        assert "re-formed policy team's learner group: 1 -> 2" in planner_log
+        assert "re-formed the learner group of policy team: 1 -> 2" in planner_log
         restored = re.findall(r"restored \S+ at version (\d+)", (logs / "learner-team-0.log").read_text())
         assert restored and int(restored[-1]) >= 2   # from team's checkpoint, not from scratch
         start = int(restored[-1])

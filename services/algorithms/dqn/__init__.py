@@ -19,6 +19,8 @@ class DQN(Algorithm[DQNConfig]):
     settings = DQNConfig
     code = pb.ALGORITHM_DQN
     action_spaces = (Discrete,)
+    per_policy = ("learning_rate", "batch_size", "gamma", "target_update_interval", "tau", "double_dqn",
+                  "max_grad_norm")
 
     def table(self, cfg: CommonConfig) -> ReplayTable:
         d = self.section(cfg)

@@ -26,6 +26,9 @@ class PPO(Algorithm[PPOConfig]):
     fragment_extras = ("behaviour_logprob",)
     action_spaces = (Discrete, MultiDiscrete, Box)
     takes_action_masks = True
+    per_policy = ("learning_rate", "ent_coef", "vf_coef", "clip_coef", "clip_vloss", "norm_adv", "max_grad_norm",
+                  "num_epochs", "num_minibatches", "batch_steps", "gamma", "gae_lambda", "anneal_updates",
+                  "anneal_clip")
 
     def extras(self, cfg: CommonConfig) -> Extras:
         """The behaviour log-probs; with a recurrent core (ppo.recurrent) also each env's core state

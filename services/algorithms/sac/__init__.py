@@ -22,6 +22,7 @@ class SAC(Algorithm[SACConfig]):
     settings = SACConfig
     code = pb.ALGORITHM_SAC
     action_spaces = (Box,)
+    per_policy = ("policy_lr", "q_lr", "batch_size", "gamma", "tau", "alpha", "autotune", "target_entropy")
 
     def takes(self) -> str:
         # The squashed policy maps tanh's (-1, 1) onto [low, high] with float32 arithmetic.

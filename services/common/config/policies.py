@@ -5,7 +5,7 @@ buffer shard."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.settings import require
 from services.common.config.env import DeclaredSpaces
@@ -16,39 +16,39 @@ class SelfPlayConfig:
     """Self-play in an env with several agents (env.id pettingzoo:..., docs/multi-agent.md): in each env
     copy one agent is played by the policy that trains and recorded; the others are played, unrecorded,
     by frozen snapshots of that policy from a pool each actor keeps."""
-    enabled: bool = False
+    enabled: bool = False             # play one policy against snapshots of itself (env.id pettingzoo:...)
     pool_size: int = 8              # snapshots kept (which: `keep`)
     snapshot_every: int = 10        # a snapshot of every this many-th policy version the actor receives
     # At each episode of an env copy the opponents are the newest weights with this probability, else
     # a snapshot drawn from the pool (by `sampling`; the newest weights always while the pool is empty).
-    latest_probability: float = 0.2
+    latest_probability: float = 0.2   # share of episodes whose opponents are the newest weights
     # Of the episodes not against the newest weights, this share is against a uniformly random player
     # (the legal moves alike, where the env masks actions) instead of a snapshot: a fixed floor the
     # policy must keep beating, as RLlib's self-play examples start their league from a random policy.
-    random_probability: float = 0.0
+    random_probability: float = 0.0   # of the other episodes, the share against a uniformly random player
     # Fixed players (`module:function`: a function of one agent's observation, or of it and its action
     # mask, as `kuberl eval --against` takes them) the policy also meets: of the episodes not against
     # the newest weights, this share is against one of them, drawn uniformly (before the random player
     # and the snapshots are drawn among the rest). Players unlike the policy itself, as a league's
     # exploiters are: the policy cannot learn to expect its own play from every opponent.
-    fixed_players: tuple[str, ...] = ()
-    fixed_probability: float = 0.0
+    fixed_players: tuple[str, ...] = ()  # module:function players the policy also meets (as kuberl eval --against)
+    fixed_probability: float = 0.0    # of the episodes not against the newest weights, the share against a fixed player
     # Each move of an opponent that is the policy (a snapshot, or the newest weights where that side is
     # not recorded) is, with this probability, a uniformly random one instead (the legal ones alike): the
     # policy meets moves its own play would not make, as it will against other players.
-    opponent_epsilon: float = 0.0
+    opponent_epsilon: float = 0.0     # probability that a policy opponent's move is a uniformly random one instead
     # The agent that trains is drawn uniformly from possible_agents at each episode; false: always the
     # first (for envs that draw the sides themselves).
-    swap_sides: bool = True
+    swap_sides: bool = True           # draw the agent that trains at each episode; false: always the first
     # Where a copy's opponents are the newest weights, every side is the policy that trains: record them
     # all (the game from each side), not the learning agent's alone. The actions are computed either way.
-    record_latest: bool = False
+    record_latest: bool = False       # against the newest weights, record every side, not only the learning agent
     elo_k: float = 16.0             # the Elo update's K; ratings start at 1000
     # Which snapshots the pool keeps: "newest" (the newest pool_size) or "history" (the newest half,
     # and half a uniform sample of all older ones); and how an opponent is drawn from it: "uniform",
     # or "prioritized" (those the policy scores worst against, most often). services/actor/selfplay.py.
-    keep: str = "newest"
-    sampling: str = "uniform"
+    keep: str = "newest"              # which snapshots the pool keeps: newest, or history (newest half, older half sampled)
+    sampling: str = "uniform"         # how a snapshot is drawn: uniform, or prioritized (those it scores worst against)
 
     def __post_init__(self) -> None:
         require(self.pool_size >= 1, "pool_size", self.pool_size, "must be >= 1")
@@ -82,7 +82,14 @@ class PolicyConfig(DeclaredSpaces):
     goes to the first policy, in config order, with a pattern that matches it. With env.mode: external,
     the policy's own spaces may be declared here as `env.*` declares them (DeclaredSpaces); undeclared,
     they are the env's."""
-    agents: tuple[str, ...] = ()
+    agents: tuple[str, ...] = ()      # agent id patterns (fnmatch, one or more): an agent goes to the first policy matching it
+    # The run ends on the return once every policy with a target has reached it, each over its own agents'
+    # last run.return_window episodes; run.target_return (the mean over every agent's) is then not watched.
+    target_return: float | None = None   # this policy's return target (its agents' mean); null: none
+    # Settings of the run's algorithm section this policy trains with instead of the run's, e.g.
+    # {learning_rate: 1e-4, ent_coef: 0.02, batch_steps: 512} under ppo (a team with fewer agents makes
+    # fewer samples). Only those its learners and its buffer table read (`Algorithm.per_policy`).
+    overrides: dict[str, int | float | str | bool | None] = field(default_factory=dict, hash=False)  # this policy's own algorithm settings (learning rate, entropy, batch size, ...)
 
     def __post_init__(self) -> None:
         self._check_declared()

@@ -120,6 +120,31 @@ def test_an_actor_is_given_a_learner_per_policy():
             learner_addresses(text, ("first", "rest"))
 
 
+def test_a_policy_trains_with_its_own_settings_where_only_its_learners_and_table_read_them(tmp_path):
+    """policies.<name>.overrides: a policy's own learning rate, entropy and batch; its learner's Trainer and
+    its buffer table take them (`for_policy`), the other policy the run's; a setting the actor or the
+    planner reads for every policy (rollout_steps) is refused naming the key."""
+    from services.buffer.store import Store
+    from services.learner.loops import batch_request
+    from services.learner.trainer import Trainer
+
+    cfg = config({"first": {"agents": ["a"], "overrides": {"learning_rate": 1e-4, "ent_coef": 0.05, "batch_steps": 10}},
+                  "rest": {"agents": ["*"]}})
+    first, rest = cfg.for_policy("first"), cfg.for_policy("rest")
+    assert (first.section("ppo").learning_rate, first.section("ppo").ent_coef) == (1e-4, 0.05)
+    assert rest.section("ppo") == cfg.section("ppo") and rest.section("ppo").batch_steps != 10
+    assert first.tag("first") == "first" and first.policies["first"].overrides == {}   # (applied once)
+    assert batch_request(first, "l").batch_size == 10 and Store(first, Metrics("buffer")).limiter.batch_size == 10
+    trainer = Trainer(first, Metrics("learner"), tmp_path, policy="first")
+    assert {g["lr"] for g in trainer.algo.optimizer.param_groups} == {1e-4}
+    for bad, problem in (({"rollout_steps": 3}, r"policies.first.overrides.rollout_steps: 3 is invalid: a policy "
+                          r"sets only its own training settings \(learning_rate, .*ppo.rollout_steps is the run's"),
+                         ({"ent_coef": "high"}, r"policies.first.overrides.ent_coef: must be float, got str"),
+                         ({"learning_rate": -1.0}, r"policies.first.overrides.learning_rate")):
+        with pytest.raises(ConfigError, match=problem):
+            config({"first": {"agents": ["a"], "overrides": bad}, "rest": {"agents": ["*"]}})
+
+
 def test_an_agent_no_policy_plays_is_refused_at_start():
     with pytest.raises(ValueError, match=r"agent 'b' of pettingzoo:kuberl_envs.relay matches no policy's agents"):
         Rollout(config({"first": {"agents": ["a"]}, "third": {"agents": ["c"]}}), "ma", 0, Metrics("actor"))
@@ -254,9 +279,7 @@ def test_recurrent_policies_each_keep_a_state_per_slot_and_their_learners_train_
     its agents, moved by its own network, zeroed where an agent's episode ends; each fragment starts
     from its slots' state at the window's start (a run starting later, an agent's new life, from zeros),
     and each policy's learner trains on its table's sequences."""
-    from services.buffer.store import Store
     from services.common.models.nets import to_numpy
-    from services.learner.trainer import Trainer
 
     T = 5   # relay's episodes are 7 steps: windows start mid-life, b's and c's lives cross their edges
     cfg = config(ppo={**TINY_PPO["ppo"], "rollout_steps": T, "recurrent": "gru", "recurrent_size": 4})
@@ -284,13 +307,102 @@ def test_recurrent_policies_each_keep_a_state_per_slot_and_their_learners_train_
             moved[m.policy] += int(np.abs(state).sum() > 0)
     assert moved["first"] and moved["rest"], moved   # each policy's state moves, and is carried over windows
     for name in ("first", "rest"):
-        store = Store(cfg, Metrics("buffer"))
-        for _, msgs in windows:
-            for m in msgs:
-                if m.policy == name:
-                    store.insert(RawFragment(m.payload))
-        trainer = Trainer(cfg, Metrics("learner"), tmp_path / name, policy=name)
-        batch = store.next_batch(4, "learner")
-        assert batch is not None
-        trainer.train(batch)
-        assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0
+        train_once(cfg, name, [m for _, msgs in windows for m in msgs if m.policy == name], tmp_path)
+
+
+def train_once(cfg, name: str, msgs, tmp_path) -> None:
+    """Policy `name`'s table (a buffer Store) takes its fragments `msgs`, and its learner's Trainer one batch."""
+    from services.buffer.store import Store
+    from services.learner.trainer import Trainer
+
+    store = Store(cfg, Metrics("buffer"))
+    for m in msgs:
+        store.insert(RawFragment(m.payload))
+    trainer = Trainer(cfg, Metrics("learner"), tmp_path / name, policy=name)
+    batch = store.next_batch(4, "learner")
+    assert batch is not None
+    trainer.train(batch)
+    assert trainer.version == 1 and trainer.metrics.counters["learner/batches_invalid_total"] == 0
+
+
+class Paddles:
+    """Two agents, `left` and `right`, each seeing the last 4 of its own 84x84 grey uint8 frames (Atari's
+    layout: [4, 84, 84]) of a ball crossing the screen and both paddles; a paddle level with the ball
+    scores 1. Episodes of 8 steps (truncated)."""
+    metadata = {"name": "paddles_v0"}
+    possible_agents = ["left", "right"]
+
+    def __init__(self):
+        from gymnasium import spaces
+        self.obs_space, self.act_space = spaces.Box(0, 255, (4, 84, 84), np.uint8), spaces.Discrete(3)
+        self.agents: list[str] = []
+
+    def observation_space(self, agent):
+        return self.obs_space
+
+    def action_space(self, agent):
+        return self.act_space
+
+    def close(self):
+        pass
+
+    def _frame(self, agent: str) -> np.ndarray:
+        frame = np.zeros((84, 84), np.uint8)
+        frame[self.ball - 2:self.ball + 2, 10 + 8 * self.t:14 + 8 * self.t] = 255
+        for k, who in enumerate(self.possible_agents):
+            frame[self.paddle[who] - 6:self.paddle[who] + 6, 2 + 78 * k:4 + 78 * k] = 128 if who == agent else 64
+        return frame if agent == "left" else frame[:, ::-1]
+
+    def _observe(self) -> dict:
+        for agent in self.agents:
+            self.stack[agent] = np.concatenate([self.stack[agent][1:], self._frame(agent)[None]])
+        return {a: self.stack[a].copy() for a in self.agents}
+
+    def reset(self, seed=None, options=None):
+        rng = np.random.default_rng(seed)
+        self.t, self.ball, self.agents = 0, int(rng.integers(10, 74)), list(self.possible_agents)
+        self.paddle = {a: 42 for a in self.agents}
+        self.stack = {a: np.zeros((4, 84, 84), np.uint8) for a in self.agents}
+        return self._observe(), {a: {} for a in self.agents}
+
+    def step(self, actions):
+        for a, move in actions.items():
+            self.paddle[a] = int(np.clip(self.paddle[a] + 4 * (int(move) - 1), 8, 76))
+        self.t += 1
+        rewards = {a: float(abs(self.paddle[a] - self.ball) < 6) for a in self.agents}
+        obs, done = self._observe(), self.t == 8
+        out = (obs, rewards, {a: False for a in obs}, {a: done for a in obs}, {a: {} for a in obs})
+        if done:
+            self.agents = []
+        return out
+
+
+def test_frame_stacked_envs_of_several_agents_train_a_cnn_per_policy(tmp_path, monkeypatch):
+    """Atari's frames with several policies, where an env of several agents provides them (PettingZoo's
+    own Atari envs need multi_agent_ale_py and ROMs fetched at run time, which kuberl never does): each
+    policy's fragments carry its agents' stacked frames as uint8, and each policy's learner trains its
+    Nature CNN on them. (About 5 s: two CNN updates on CPU.)"""
+    import sys
+    import types
+
+    from services.common.models.nets import is_image
+
+    module = types.ModuleType("paddles")
+    module.parallel_env = lambda **kw: Paddles()
+    monkeypatch.setitem(sys.modules, "paddles", module)
+    T = 4
+    cfg = config_from_dict({**TINY_PPO, "env": {"id": "pettingzoo:paddles", "num_envs": 2},
+                            "planner": {"enabled": False}, "ppo": {**TINY_PPO["ppo"], "rollout_steps": T},
+                            "policies": {"left": {"agents": ["left"]}, "right": {"agents": ["right"]}}})
+    rollout = Rollout(cfg, "frames", 0, Metrics("actor"))
+    try:
+        assert all(is_image(g.spec) for g in rollout.groups)
+        msgs = collect_all(rollout, 3)
+    finally:
+        rollout.close()
+    for name in ("left", "right"):
+        mine = [m for m in msgs if m.policy == name]
+        assert len(mine) == 3
+        f = decode_fragment(RawFragment(mine[0].payload), extras=("behaviour_logprob",))
+        assert f.obs.dtype == np.uint8 and f.obs.shape == (T + 1, 2, 4, 84, 84) and f.obs.any()   # (+ the next obs)
+        train_once(cfg, name, mine, tmp_path)

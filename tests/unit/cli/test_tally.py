@@ -194,13 +194,13 @@ class FakeBoard:
         pass
 
 
-def local_run(members, run_dir):
+def local_run(members, run_dir, cfg=None):
     """A LocalRun over a Fleet whose members answer from fakes: no processes are started."""
     from services.cli.fleet import Fleet
     from services.cli.up import LocalRun
     from services.config import config_from_dict
 
-    cfg = config_from_dict({"planner": {"enabled": False}})
+    cfg = cfg or config_from_dict({"planner": {"enabled": False}})
     fleet = Fleet(cfg, run_dir)
     fleet.members.extend(members)
     run = LocalRun(cfg, fleet, progress=False)
@@ -280,3 +280,42 @@ def test_process_restarts_are_the_restarts_and_group_re_forms_events_jsonl_recor
         "buffer-0 exited with code -9 (SIGKILL); restarting it in 1 s", "buffer-0 restarted (restart 1)",
         "learner-1 exited with code -9 (SIGKILL); re-forming the group of 2 learners in 1 s",
         "the group of 2 learners re-formed (re-form 1, rendezvous 127.0.0.1:9)"]
+
+
+def test_a_run_of_several_policies_ends_when_every_policy_with_a_target_reached_it(tmp_path):
+    """policies.<name>.target_return: each policy's agents' own mean return against its own target (the
+    run's mean mixes teams whose rewards differ in scale); a policy without one is not waited for, and
+    run.target_return is then not watched. The progress line shows each against its target; summary
+    fields per policy."""
+    from services.cli.fleet import Member
+    from services.cli.progress import progress_line
+    from services.config import config_from_dict
+
+    cfg = config_from_dict({"env": {"id": "pettingzoo:kuberl_envs.relay"}, "planner": {"enabled": False},
+                            "run": {"return_window": 4, "target_return": -1000.0},
+                            "policies": {"hunters": {"agents": ["a"], "target_return": 5.0},
+                                         "prey": {"agents": ["b"], "target_return": 1.0},
+                                         "crowd": {"agents": ["*"]}}})
+    actor = FakeActor(start=1.0)
+    run = local_run([Member("actor", "actor-0", stub=FakeStub(actor))], tmp_path, cfg)
+
+    def play(policy: str, episode_return: float, n: int = 4) -> None:
+        for _ in range(n):
+            actor.log.finish(episode_return, 10, 0, 0, now=float(actor.log.count), policy=policy)
+
+    play("crowd", -50.0)
+    play("hunters", 6.0)
+    run.poll()
+    assert run.mean_return >= cfg.run.target_return       # (run.target_return is not watched)
+    assert run.stop_reason() is None                      # prey has not played yet
+    play("prey", 0.5)
+    run.poll()
+    assert run.stop_reason() is None                      # prey's 0.5 < 1.0
+    line = progress_line(run.row(), len(run.returns), {n: p.target_return for n, p in cfg.policies.items()})
+    assert "hunters 6/5 v-" in line and "prey 0.5/1 v-" in line and "crowd -50 v-" in line
+    play("prey", 2.0)
+    run.poll()
+    assert run.stop_reason() == "target_return"           # crowd has no target: not waited for
+    summary = run.policies_summary()
+    assert summary["prey"] == {"policy_version": None, "mean_return": 2.0, "return_window": 4, "target_return": 1.0}
+    assert summary["crowd"]["target_return"] is None
