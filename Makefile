@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: run test test-learning checks protos lint-imports clean k8s-testenv images images-cuda e2e e2e-clean
+.PHONY: run test test-learning checks protos config-docs lint-imports clean k8s-testenv images images-cuda e2e e2e-clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ checks: $(STAMP_DEV)
 # Regenerate the committed gRPC stubs (tests/unit/test_protos.py checks they are current).
 protos: $(STAMP_DEV)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos protos/kuberl/v1/*.proto
+
+# Regenerate docs/config.md, the experiment config's reference, from the settings dataclasses (each key's
+# meaning is the comment on its field's line; tests/unit/common/test_config_reference.py checks it is current).
+config-docs: $(STAMP_DEV)
+	$(PY) -m services.cli.config_ref --reference > docs/config.md.tmp && mv docs/config.md.tmp docs/config.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .wheelhouse

@@ -1,5 +1,5 @@
 """`kuberl <command>`: run one role (`actor`, `buffer`, `learner`), a whole local run (`up`), read `stats`,
-or use a trained policy (`eval`, `export`, `serve`)."""
+print the `config`, or use a trained policy (`eval`, `export`, `serve`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ commands:
   actor         run an actor service
   planner       run the planner service (balances actors and learners)
   stats ADDR    print a service's GetStats as JSON
+  config [CONFIG]  print the config, every default filled in, a comment per key (--defaults: the default
+                   config; --reference: docs/config.md, every key's type, default and meaning)
 
 after training (docs/after-training.md):
   eval RUN_DIR_OR_CHECKPOINT   run the trained policy for N episodes: return and length statistics
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "export":
         from services.cli.export import main as export
         return export(rest)
+    if cmd == "config":
+        from services.cli.config_ref import main as config
+        return config(rest)
     if cmd == "stats":
         from services.cli.stats import main as stats
         return stats(rest)

@@ -22,15 +22,15 @@ class SACConfig:
     learning_starts: int = 1000       # transitions stored before the buffer serves batches; until the
                                       # learner's first update actors act uniformly at random
     replay_ratio: float = 256.0       # transitions trained on per transition inserted (0 = unpaced)
-    replay_ratio_tolerance: float = 0.1
-    gamma: float = 0.99
+    replay_ratio_tolerance: float = 0.1  # the band is target * (1 +- tolerance)
+    gamma: float = 0.99               # discount factor
     tau: float = 0.005                # Polyak step of the target critics after every update
-    policy_lr: float = 3e-4
-    q_lr: float = 1e-3
+    policy_lr: float = 3e-4           # the policy's Adam step size
+    q_lr: float = 1e-3                # the critics' Adam step size (and alpha's, with autotune)
     alpha: float = 0.2                # entropy temperature: the initial value when autotune is on
     autotune: bool = True             # learn alpha towards target_entropy
     target_entropy: float | None = None  # None: -(action dimensions), the paper's heuristic
-    hidden_sizes: tuple[int, ...] = (256, 256)
+    hidden_sizes: tuple[int, ...] = (256, 256)  # hidden layer widths of the policy and critic MLPs
 
     def __post_init__(self) -> None:
         require(1 <= self.rollout_steps <= 65536, "rollout_steps", self.rollout_steps, "must be 1..65536")

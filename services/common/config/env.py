@@ -23,20 +23,20 @@ class AtariConfig:
     """
     # "ale_vector": ale-py's native, multi-threaded AtariVectorEnv (fast; the default);
     # "gymnasium": gymnasium's ALE/*-v5 env per copy with AtariPreprocessing + FrameStackObservation.
-    backend: str = "ale_vector"
-    frame_stack: int = 4
-    frameskip: int = 4
-    screen_size: int = 84
-    noop_max: int = 30
+    backend: str = "ale_vector"       # ale_vector: ale-py's multi-threaded vector env; gymnasium: one ALE env per copy
+    frame_stack: int = 4              # frames stacked into one observation
+    frameskip: int = 4                # frames per action (the action repeated; the last two max-pooled)
+    screen_size: int = 84             # frames are resized to screen_size x screen_size grey pixels
+    noop_max: int = 30                # up to this many no-op actions at reset (random starts)
     # A lost life is a terminal step in fragments (no bootstrap through it) while the game goes on,
     # as SB3's and CleanRL's EpisodicLifeEnv; episode returns are still logged per whole game.
     # Off by default: Pong has no lives.
-    episodic_life: bool = False
+    episodic_life: bool = False       # a lost life ends a fragment's episode (no bootstrap through it); the game goes on
     # Rewards stored in fragments are sign(r) (Mnih et al. 2015); episode returns are logged unclipped.
-    clip_rewards: bool = True
+    clip_rewards: bool = True         # rewards in fragments are sign(r); reported episode returns stay unclipped
     # Sticky actions: 0.0 as in the NoFrameskip-v4 setting of CleanRL and the SB3 zoo (v5 defaults to 0.25).
-    repeat_action_probability: float = 0.0
-    full_action_space: bool = False
+    repeat_action_probability: float = 0.0  # sticky actions: the previous action is repeated with this probability
+    full_action_space: bool = False   # all 18 Atari actions instead of the game's minimal set
     threads: int = 1                  # ale_vector worker threads per actor (0 = one per core)
 
     def __post_init__(self) -> None:
@@ -66,12 +66,12 @@ class ActionSpaceConfig:
 
     Box bounds: one value for every element or one per element (row-major); omitted = unbounded.
     """
-    type: str
-    n: int | None = None
-    nvec: tuple[int, ...] | None = None
-    shape: tuple[int, ...] | None = None
-    low: tuple[float, ...] | None = None
-    high: tuple[float, ...] | None = None
+    type: str                         # discrete, multi_discrete or box (required)
+    n: int | None = None              # discrete: the number of actions
+    nvec: tuple[int, ...] | None = None  # multi_discrete: the number of actions of each choice
+    shape: tuple[int, ...] | None = None  # box: the action's shape (float32)
+    low: tuple[float, ...] | None = None  # box: lower bounds, one for all elements or one per element (omitted: unbounded)
+    high: tuple[float, ...] | None = None  # box: upper bounds, one for all elements or one per element (omitted: unbounded)
 
     def __post_init__(self) -> None:
         kinds = {"discrete": ("n",), "multi_discrete": ("nvec",), "box": ("shape", "low", "high")}
@@ -110,11 +110,11 @@ class DeclaredSpaces:
     several policies' own, `policies.<name>.*`): an observation Box (observation_shape and
     observation_dtype) or Dict (observation_keys: each key's shape; flattened into float32, keys
     sorted), and the action space (action_space, or num_actions as shorthand for a Discrete one)."""
-    observation_shape: tuple[int, ...] | None = None
-    observation_dtype: str = "float32"
-    observation_keys: dict[str, tuple[int, ...]] | None = None
-    num_actions: int | None = None
-    action_space: ActionSpaceConfig | None = None
+    observation_shape: tuple[int, ...] | None = None  # env.mode external: a Box observation's shape
+    observation_dtype: str = "float32"  # the Box observation's dtype
+    observation_keys: dict[str, tuple[int, ...]] | None = None  # env.mode external: a Dict observation, each key's shape
+    num_actions: int | None = None    # env.mode external: a Discrete action space of this many actions
+    action_space: ActionSpaceConfig | None = None  # env.mode external: the action space (discrete, multi_discrete, box)
 
     @property
     def declares(self) -> bool:
@@ -186,15 +186,16 @@ class EnvConfig(DeclaredSpaces):
     spaces are the declared ones when given (an observation Box or Dict, and an action space), else
     those of the gymnasium env `id` (e.g. CartPole-v1 for a CartPole written in another language).
     """
-    id: str = "CartPole-v1"           # gymnasium id
-    num_envs: int = 8                 # env copies per actor (one vector env); local mode
+    id: str = "CartPole-v1"           # a gymnasium id, ALE/<Game>-v5, pettingzoo:<module>, or module:EnvId (module
+    #                                   is imported first, by every process that makes the env: PYTHONPATH=.)
+    num_envs: int = 8                 # env copies each actor steps in one vector env (default 8); local mode
     seed: int = 0                     # base seed; actor i uses seed + 1000 * i
     max_episode_steps: int | None = None  # override the env's time limit
-    mode: str = "local"               # "local" or "external"
+    mode: str = "local"               # local: actors step the env; external: simulators connect over EnvSession
     atari: AtariConfig = field(default_factory=AtariConfig)  # used when `id` is ALE/<Game>-v5
     # Keyword arguments for the env's constructor: gymnasium.make's, or a PettingZoo module's
     # parallel_env()/env() (e.g. {N: 3, max_cycles: 25, continuous_actions: false} for simple_spread).
-    kwargs: dict[str, int | float | str | bool] = field(default_factory=dict)
+    kwargs: dict[str, int | float | str | bool] = field(default_factory=dict)  # keyword arguments of the env's maker
 
     def __post_init__(self) -> None:
         require(not is_atari(self.id) or re.fullmatch(r"ALE/[A-Za-z0-9]+-v5", self.id) is not None, "id",

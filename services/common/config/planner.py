@@ -12,8 +12,8 @@ from services.common.settings import require
 @dataclass(frozen=True)
 class RolePlanConfig:
     """The planner's bounds and step sizes for one scalable role (actor or learner)."""
-    min: int = 1
-    max: int = 8
+    min: int = 1                      # fewest replicas the planner keeps
+    max: int = 8                      # most replicas the planner starts (>= min and >= 1)
     cost: float = 1.0          # budget units one replica uses (cores locally, pods or cores in a cluster)
     max_step_up: int = 2       # most replicas added by one decision
     max_step_down: int = 1     # most replicas removed by one decision
@@ -38,21 +38,21 @@ class KubernetesPlannerConfig:
     actor_deployment: str = "kuberl-actor"  # the actors: a Deployment
     learner_statefulset: str = "kuberl-learner"  # the learners: a StatefulSet (pod ordinal = rank in the group)
     actor_service: str = "kuberl-actor"     # headless Services whose Endpoints list the replicas
-    learner_service: str = "kuberl-learner"
-    buffer_service: str = "kuberl-buffer"
+    learner_service: str = "kuberl-learner"  # the learners' headless Service
+    buffer_service: str = "kuberl-buffer"  # the buffers' headless Service
     # Buffer shards the planner adds and drains (planner.buffer): the buffer StatefulSet (shard i = pod
     # ordinal i), and shard i's address as actors and learners name it, "{i}" standing for the ordinal
     # (the chart: dns:///kuberl-buffer-{i}.kuberl-buffer:50051). Unset: the planner leaves the shards be.
-    buffer_statefulset: str = "kuberl-buffer"
-    buffer_address: str = ""
+    buffer_statefulset: str = "kuberl-buffer"  # the buffer StatefulSet (shard i = pod ordinal i), scaled with planner.buffer
+    buffer_address: str = ""          # shard i's address, {i} for the ordinal; empty: the planner leaves the shards be
     grpc_port_name: str = "grpc"            # the Service port the planner reads GetStats on
-    field_manager: str = "kuberl-planner"
+    field_manager: str = "kuberl-planner"  # the field manager of the planner's server-side apply
     pause_annotation: str = "kuberl.io/planner-paused"  # "true" on the Deployment or StatefulSet: left alone
     leader_election: bool = True            # one active planner per namespace (a coordination.k8s.io Lease)
-    lease_name: str = "kuberl-planner"
-    lease_duration_s: float = 15.0
+    lease_name: str = "kuberl-planner"  # the leader election's Lease
+    lease_duration_s: float = 15.0    # a leader that has not renewed the Lease this long is replaced
     qps: float = 5.0                        # client-side rate limit on API writes and reads
-    burst: int = 10
+    burst: int = 10                   # the client-side rate limit's burst of API calls
 
     def __post_init__(self) -> None:
         require(self.qps > 0, "qps", self.qps, "must be > 0")
@@ -79,7 +79,7 @@ class PlannerConfig:
     budget: float = 0.0             # total cost of actors + learners; 0 = only the per-role max bounds
     # What a replica costs against the budget: "configured" (planner.<role>.cost) or "measured" (the CPU
     # cores its process was measured to use, EWMA after warm-up; the configured cost until then).
-    costs: str = "configured"
+    costs: str = "configured"         # a replica's cost against the budget: configured (<role>.cost) or measured (CPU cores)
     rate_halflife_s: float = 10.0   # EWMA half-life of the per-replica rates
     warmup_s: float = 10.0          # a replica's rates count only after it has reported this long
     cooldown_s: float = 20.0        # no change within this long of the last one (must exceed warmup_s)
@@ -90,22 +90,22 @@ class PlannerConfig:
     # Staleness target: no actor scale-up while the learners' recent mean policy lag (learner version -
     # sample's policy_version, `learner/policy_lag_mean`) exceeds this many versions; 0 = no target.
     # A target for the mean, which no sample is held to: the bound on each fragment is ppo.max_policy_lag.
-    staleness_target: float = 0.0
+    staleness_target: float = 0.0     # no actor scale-up while the learners' mean policy lag exceeds this (0 = no target)
     # Saturation: once a scale-up has converged, the role's measured total rate must have risen by at
     # least this share of what the balance model predicted; else the planner caps the role at the count
     # that paid, for saturation_hold_s (replicas sharing cores or another bottleneck). 0 = not checked.
-    min_scale_gain: float = 0.5
-    saturation_hold_s: float = 300.0
-    actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))
+    min_scale_gain: float = 0.5       # share of its predicted gain a scale-up must deliver, else capped (0 = off)
+    saturation_hold_s: float = 300.0  # how long a role stays capped after a scale-up that did not pay
+    actor: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=8))  # the actors' bounds and steps
     # More than one learner: they train as a group (gradients averaged), re-formed from the latest checkpoint
     # whenever the planner changes its size (local backend: it restarts the group; kubernetes: the learners
     # watch their StatefulSet's scale and re-form in their processes).
-    learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))
+    learner: RolePlanConfig = field(default_factory=lambda: RolePlanConfig(min=1, max=1))  # the learners' bounds and steps
     # Buffer shards (docs/architecture.md, "Buffer shards"): unset, topology.buffers stays fixed; set, the
     # planner adds a shard while the run is communication-bound and drains one while every shard idles,
     # one shard at a time, within min..max (the local backend; see docs/planner.md). Not in the budget.
-    buffer: RolePlanConfig | None = None
-    kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)
+    buffer: RolePlanConfig | None = None  # the buffer shards' bounds and steps; null: topology.buffers stays fixed
+    kubernetes: KubernetesPlannerConfig = field(default_factory=KubernetesPlannerConfig)  # the kubernetes backend's objects
 
     def __post_init__(self) -> None:
         require(self.backend in ("local", "kubernetes", "dry-run"), "backend", self.backend,

@@ -14,11 +14,11 @@ from services.common.net.shards import MAX_SHARDS
 @dataclass(frozen=True)
 class TopologyConfig:
     """How many processes of each role `kuberl up` starts."""
-    actors: int = 1
-    learners: int = 1
+    actors: int = 1                   # actor processes at start (the planner scales from there)
+    learners: int = 1                 # learner processes at start; more than one train as a group, averaging gradients
     # Buffer shards: each actor pushes to one, each learner streams from all; a replay's buffer_size
     # and learning_starts are split between them (docs/architecture.md, "Buffer shards").
-    buffers: int = 1
+    buffers: int = 1                  # buffer shards: each actor pushes to one, each learner streams from all
 
     def __post_init__(self) -> None:
         require(1 <= self.actors <= 256, "actors", self.actors, "must be 1..256")
@@ -35,21 +35,21 @@ class ActorConfig:
     # dropped (and counted). Both also bound what one push stream has in flight unacknowledged. Sized
     # to ride out a second or more of a stalled stream: 1,024 tiny CartPole fragments are about 1 MB,
     # while 64 MB holds about 60 Atari fragments of 32 steps x 8 envs.
-    queue_fragments: int = 1024
-    queue_mb: float = 64.0
+    queue_fragments: int = 1024       # send queue bound in fragments: beyond it the oldest unsent is dropped (counted)
+    queue_mb: float = 64.0            # send queue bound in MiB: beyond it the oldest unsent fragment is dropped (counted)
     push_ack_interval_s: float = 2.0  # a push stream is half-closed and acknowledged this often
-    torch_threads: int = 1
+    torch_threads: int = 1            # torch threads of the actor's policy
     # A user's cap on env steps per second (all of this actor's envs together); 0 = none. Not needed
     # for balance: the buffer's rate limiter holds an actor that outruns the learner (docs/rate-limiter.md).
-    max_env_steps_per_s: float = 0.0
+    max_env_steps_per_s: float = 0.0  # cap on this actor's env steps per second, all its envs together (0 = none)
     # On-policy pacing (FIFO algorithms such as PPO): after cutting this many fragments with one policy
     # version (external mode: all sessions together), wait for the learner's next weights before
     # stepping on, or answering simulators (at most pace_timeout_s, then a fresh quota, counted).
     # Holds an actor that steps faster than the learner trains to what the learner consumes, as a
     # synchronous PPO does, instead of the FIFO evicting what it stepped (and the stepping taking the
     # learner's CPU). The fragments must hold a learner batch. 0 = never wait.
-    fragments_per_version: int = 0
-    pace_timeout_s: float = 10.0
+    fragments_per_version: int = 0    # on-policy pacing: fragments per policy version, then wait for weights (0 = never)
+    pace_timeout_s: float = 10.0      # the longest wait for new weights under fragments_per_version
     # External simulators (env.mode: external):
     max_sessions: int = 256            # concurrent EnvSession streams; more get RESOURCE_EXHAUSTED
     session_timeout_s: float = 30.0    # a session silent this long is closed (DEADLINE_EXCEEDED)
@@ -57,7 +57,7 @@ class ActorConfig:
     # Observations and rewards holding NaN or infinity are always refused (services/actor/finite.py).
     # True: observations outside the finite bounds of their space are refused too: a local env's
     # observation_space, a simulator's hello (its BoxSpace low/high, or each Dict key's).
-    check_obs_bounds: bool = False
+    check_obs_bounds: bool = False    # also refuse observations outside their space's finite bounds (NaN and inf always are)
 
     def __post_init__(self) -> None:
         require(self.max_sessions >= 1, "max_sessions", self.max_sessions, "must be >= 1")
@@ -81,12 +81,12 @@ class BufferConfig:
     fifo_capacity_steps: int = 8192   # PPO: steps held before the oldest fragment is evicted (counted)
     # Batches a learner holds queued beside the one it trains on; the buffer serves a learner that
     # reports its progress no more than this many batches beyond the one it trains on.
-    batch_prefetch: int = 2
+    batch_prefetch: int = 2           # batches a learner may hold queued beside the one it trains on
     # DQN: where the replay ring (with its dedupe windows and counters) is checkpointed, periodically
     # and at shutdown, and restored from at start, so a restarted buffer keeps its experience.
     # None = off. `kuberl buffer --checkpoint-dir` overrides it. PPO's FIFO is never checkpointed.
     # Costs: docs/reliability.md, "Buffer checkpoints".
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = None  # DQN, SAC: where the replay is checkpointed and restored from (null: not kept)
     checkpoint_interval_s: float = 300.0  # between replay checkpoints; one is also written at shutdown
     keep_checkpoints: int = 2         # newest replay checkpoints kept; an unreadable newest falls back
     # DQN: how the replay ring keeps stacked frames (docs/architecture.md section 2, "Replay storage").
@@ -94,12 +94,12 @@ class BufferConfig:
     # move on by one frame a step (Atari: ~7.4 KB a transition instead of 56 KB), else obs and next_obs
     # as they came; "always": frames once for any observation with a stack axis; "never": as they came.
     # A checkpoint restores in the layout it was saved in; "always"/"never" refuse one of the other.
-    compact_replay: str = "auto"
+    compact_replay: str = "auto"      # replay keeps stacked frames once (auto: for uint8 frame stacks), always or never
     # DQN, SAC: the replay's Store works on a thread of its own (services/buffer/owner.py), so the event
     # loop goes on reading pushes and writing batches meanwhile, and batch cuts pass queued inserts.
     # It shifts the GIL-bound work toward learners rather than adding to it: off by default
     # (docs/benchmarks.md, "Buffer event loop"). A FIFO (PPO) always works on the loop.
-    store_thread: bool = False
+    store_thread: bool = False        # DQN, SAC: the replay works on a thread of its own, off the event loop
 
     def __post_init__(self) -> None:
         require(1 <= self.max_message_mb <= 1024, "max_message_mb", self.max_message_mb, "must be 1..1024")
@@ -120,9 +120,9 @@ class BufferConfig:
 class LearnerConfig:
     """Learner process settings."""
     publish_interval_updates: int = 1  # K: publish weights every K updates
-    checkpoint_interval_s: float = 60.0  # T: also checkpoint on shutdown
-    keep_checkpoints: int = 3
-    torch_threads: int = 1
+    checkpoint_interval_s: float = 60.0  # seconds between checkpoints; one is also written at shutdown
+    keep_checkpoints: int = 3         # newest learner checkpoints kept
+    torch_threads: int = 1            # torch threads of the learner
     device: str = "cpu"               # cpu | cuda | cuda:N | auto (cuda when torch sees a GPU, else cpu)
 
     def __post_init__(self) -> None:

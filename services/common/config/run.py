@@ -14,10 +14,12 @@ from services.common.settings import require
 @dataclass(frozen=True)
 class RunConfig:
     """When `kuberl up` stops and where it writes."""
-    target_return: float | None = 475.0  # stop when the mean return over `return_window` episodes reaches it
-    return_window: int = 100
-    max_env_steps: int = 1_000_000    # stop after this many env steps (all actors together)
-    max_seconds: float | None = None  # stop after this much wall time
+    target_return: float | None = 475.0  # the run ends when the mean return over return_window episodes reaches it
+    #                                      (475.0: CartPole's; null: never on the return)
+    return_window: int = 100          # episodes over which the mean return is taken (target_return, tune)
+    max_env_steps: int = 1_000_000    # step budget: the run ends after this many env steps, all actors together
+    #                                   (default 1,000,000, whatever the return)
+    max_seconds: float | None = None  # the run ends after this much wall time (default null: no time limit)
     run_dir: str = "runs"             # parent directory of run directories
     poll_interval_s: float = 1.0      # stats polling and progress period
 
@@ -34,12 +36,12 @@ WANDB_MODES = ("online", "offline")
 @dataclass(frozen=True)
 class WandbTracking:
     """Weights & Biases (docs/tracking.md): `kuberl up` logs the run there as it trains."""
-    enabled: bool = False
-    project: str = "kuberl"
+    enabled: bool = False             # log the run to Weights & Biases
+    project: str = "kuberl"           # the W&B project
     entity: str | None = None         # your team or user; default: W&B's default entity
     mode: str = "online"              # offline: written under the run directory, `wandb sync` later
-    group: str | None = None
-    tags: tuple[str, ...] = ()
+    group: str | None = None          # the W&B run group
+    tags: tuple[str, ...] = ()        # the W&B run's tags
 
     def __post_init__(self) -> None:
         require(self.mode in WANDB_MODES, "mode", self.mode, f"must be one of {', '.join(WANDB_MODES)}")
@@ -49,9 +51,9 @@ class WandbTracking:
 @dataclass(frozen=True)
 class MlflowTracking:
     """MLflow (docs/tracking.md): `kuberl up` logs the run to a tracking server or a local database."""
-    enabled: bool = False
+    enabled: bool = False             # log the run to MLflow
     tracking_uri: str | None = None   # default: $MLFLOW_TRACKING_URI, else sqlite:///<run.run_dir>/mlflow.db
-    experiment: str = "kuberl"
+    experiment: str = "kuberl"        # the MLflow experiment
 
     def __post_init__(self) -> None:
         require(bool(self.experiment), "experiment", self.experiment, "must not be empty")
@@ -63,9 +65,9 @@ class TrackingConfig:
     planner's decisions, the evaluation and, with `artifacts`, the final checkpoint and the policy
     exported to ONNX, and with `video` one episode of the final policy. A sink that fails is counted and
     logged once; it never stops training."""
-    wandb: WandbTracking = field(default_factory=WandbTracking)
-    mlflow: MlflowTracking = field(default_factory=MlflowTracking)
-    artifacts: bool = True
+    wandb: WandbTracking = field(default_factory=WandbTracking)  # Weights & Biases
+    mlflow: MlflowTracking = field(default_factory=MlflowTracking)  # MLflow
+    artifacts: bool = True            # log the final checkpoint and the policy exported to ONNX
     video: bool = True                # one episode of the final policy (deterministic), where the env renders
 
 
@@ -77,11 +79,11 @@ class TuneParam:
     """One hyper-parameter's range for `kuberl tune` (Optuna's suggest_float, suggest_int,
     suggest_categorical): `float` or `int` between `low` and `high` (log-uniform with `log`), or one of
     `choices`."""
-    type: str = "float"
-    low: float | None = None
-    high: float | None = None
-    log: bool = False
-    choices: tuple[int | float | str | bool, ...] = ()
+    type: str = "float"               # float, int or categorical
+    low: float | None = None          # float, int: the lowest value
+    high: float | None = None         # float, int: the highest value
+    log: bool = False                 # float, int: draw log-uniformly (needs low > 0)
+    choices: tuple[int | float | str | bool, ...] = ()  # categorical: the values to choose from (two or more)
 
     def __post_init__(self) -> None:
         require(self.type in TUNE_TYPES, "type", self.type, f"must be one of {', '.join(TUNE_TYPES)}")
@@ -117,7 +119,7 @@ class TuneConfig:
     prune_after_steps: int = 0        # no pruning before this many env steps
     prune_after_trials: int = 5       # nor before this many trials have completed (Optuna's n_startup_trials)
     report_every_steps: int = 0       # a trial's running return goes to the pruner this often (0: max_env_steps / 20)
-    sampler: str = "tpe"
+    sampler: str = "tpe"              # Optuna's sampler: tpe or random
     seed: int = 0                     # the sampler's seed
     study: str | None = None          # default: <algorithm>-<env id>
     storage: str | None = None        # an Optuna storage URL; default sqlite:///<run.run_dir>/tune/<study>.db

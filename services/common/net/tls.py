@@ -41,7 +41,7 @@ class TlsConfig:
     """TLS on every gRPC endpoint, from PEM files (a mounted Secret; see docs/security.md). Each process's
     --tls-cert/--tls-key/--tls-ca/--tls-client-auth/--tls-server-name flags override these
     (services/common/service/runtime.with_tls_flags); the files are checked when a role starts."""
-    enabled: bool = False
+    enabled: bool = False      # serve and dial every gRPC endpoint over TLS (the files below)
     cert_file: str = ""        # this process's certificate chain: served, and presented when dialling other roles
     key_file: str = ""         # cert_file's private key (unencrypted)
     ca_file: str = ""          # the CA bundle that verifies peers: servers dialled, and clients under client_auth: require
@@ -52,7 +52,7 @@ class TlsConfig:
     # subjectAltName, or its CN) that prove a client is an actor or a learner. Set, the buffer serves
     # PushTrajectories/WatchInsertLimit only to actors and StreamBatches/ReportProgress only to learners, and a learner
     # SubscribeWeights only to actors (services/common/net/auth.ROLE_RPCS); empty: any certificate from ca_file.
-    role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    role_names: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)  # each role's certificate names
 
     def __post_init__(self) -> None:
         require(self.client_auth in ("require", "none"), "client_auth", self.client_auth,
