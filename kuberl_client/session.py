@@ -31,12 +31,20 @@ simulator steps them together, each with its own agents' data.
         red_actions, blue_actions = red.reset(red_obs), blue.reset(blue_obs)
 
 An agent that acted and did not end must act again; one that ended acts on (its next episode) or
-leaves, and comes back only when listed in `joined`. The client checks this before sending, as the
-actor does (INVALID_ARGUMENT naming the agent and the field).
+leaves, and comes back only when listed in `joined` (never on its first step: a first step takes no
+join). The client checks this before sending, as the actor does (INVALID_ARGUMENT naming the agent and
+the field). A step on which no agent acts (every agent ended and left, or the simulator plays them for
+a while) passes empty observations, `{}` (sent as EnvStep.no_agents), and gets `{}` back; the step
+after it has no outcomes to report (rewards, terminated and truncated `{}` or left out).
 
-Spaces: the observation is a Box (`obs_shape`, `obs_dtype`) or a Dict of Boxes (`obs_keys`, each
+        actions = client.step({}, rewards={"car-0": 1.0}, terminated={"car-0": True},
+                              truncated={"car-0": False}, final_observations={"car-0": last0})   # -> {}
+        actions = client.step({"car-0": o0}, joined=["car-0"])                                    # back
+
+Spaces: the observation is a Box (`obs_shape`, `obs_dtype`), a Dict of Boxes (`obs_keys`, each
 key's shape; observations are then passed as {key: [num_envs, *shape]} and flattened here, keys
-sorted, into float32). The action space is `num_actions` (Discrete) or `action_space`: a
+sorted, into float32), or `obs_space`: a `Discrete(n)` (observations int [num_envs], each in
+0..n-1) or `MultiDiscrete(nvec)` (int [num_envs, k]) that the policy one-hot encodes. The action space is `num_actions` (Discrete) or `action_space`: a
 `Discrete(n)`, `MultiDiscrete(nvec)` or `Box.of(shape, low, high)` from this package. Actions come
 back as int64 [num_envs] (Discrete), int64 [num_envs, k] (MultiDiscrete) or float32
 [num_envs, *shape] clipped to the bounds (Box). `reset` and `step` take optional `action_masks`
@@ -164,7 +172,9 @@ class EnvSessionClient:
     """One simulator session with an actor in env.mode "external".
 
     obs_shape / obs_dtype: a Box observation space of ONE env copy (must equal the actor's policy input);
-    or obs_keys: {key: shape} of a Dict observation space.
+    or obs_keys: {key: shape} of a Dict observation space; or obs_space: a Discrete or MultiDiscrete
+    observation space (this package's: an env copy's observation is one int in 0..n-1, or k of them;
+    the policy one-hots them).
     num_actions: a Discrete action space's n; or action_space: Discrete, MultiDiscrete or Box (this
     package's). num_envs: env copies stepped in lockstep (1..1024).
     timeout_s: the longest wait for any answer from the actor (connecting included).
@@ -179,7 +189,8 @@ class EnvSessionClient:
     """
 
     def __init__(self, address: str, *, session_id: str, num_envs: int = 0, obs_shape=None, obs_dtype="float32",
-                 obs_keys: dict | None = None, num_actions: int | None = None,
+                 obs_keys: dict | None = None, obs_space: Discrete | MultiDiscrete | None = None,
+                 num_actions: int | None = None,
                  action_space: ActionSpace | None = None, simulator: str = "python", timeout_s: float = 30.0,
                  wait_for_ready: bool = True, channel_options: list | None = None, ca_file: str | None = None,
                  cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None,
@@ -189,8 +200,12 @@ class EnvSessionClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if (num_actions is None) == (action_space is None):
             raise ValueError("give num_actions (a Discrete space) or action_space, exactly one")
-        if (obs_shape is None) == (obs_keys is None):
-            raise ValueError("give obs_shape (a Box observation) or obs_keys (a Dict), exactly one")
+        if (obs_shape is not None) + (obs_keys is not None) + (obs_space is not None) != 1:
+            raise ValueError("give obs_shape (a Box observation), obs_keys (a Dict) or obs_space (a Discrete or "
+                             "MultiDiscrete), exactly one")
+        if obs_space is not None and not isinstance(obs_space, (Discrete, MultiDiscrete)):
+            raise TypeError(f"obs_space: expected kuberl_client.Discrete or MultiDiscrete, got {type(obs_space).__name__}")
+        self.obs_space = obs_space
         self.address, self.session_id = address, session_id
         self.action_space: ActionSpace = Discrete(int(num_actions)) if action_space is None else action_space
         if not isinstance(self.action_space, (Discrete, MultiDiscrete, Box)):
@@ -199,6 +214,8 @@ class EnvSessionClient:
         self.obs_keys = None if obs_keys is None else spaces.dict_layout(obs_keys)
         if self.obs_keys is not None:
             obs_shape, obs_dtype = (spaces.flat_size(self.obs_keys),), np.float32
+        if obs_space is not None:
+            obs_shape, obs_dtype = obs_space.shape, np.int64
         self.obs_shape = tuple(int(d) for d in obs_shape)
         self.obs_dtype = np.dtype(obs_dtype)
         self.agent_ids = [str(a) for a in agent_ids or ()]
@@ -214,6 +231,7 @@ class EnvSessionClient:
         self.num_envs = int(num_envs)
         self._acted: list[str] = []          # several agents: those that acted on the last step, in order
         self._left: set[str] = set()         # ... those that ended and left (they come back through joined)
+        self._seen: set[str] = set()         # ... those that acted on this stream (a first step takes no join)
         self.simulator, self.timeout_s, self.wait_for_ready = simulator, float(timeout_s), wait_for_ready
         self._obs_code = dtype_code(self.obs_dtype)  # TensorError (a ValueError) for dtypes with no wire code
         self.tls = TlsConfig(enabled=bool(ca_file or cert_file or key_file or server_name) if tls is None else tls,
@@ -260,7 +278,9 @@ class EnvSessionClient:
                                      metadata=bearer_metadata(self._token, self.tls.enabled) or None)
         hello = actor_pb2.EnvHello(session_id=self.session_id, num_envs=self.num_envs, simulator=self.simulator,
                                    agent_ids=self.agent_ids, policy=self.policy)
-        if self.obs_keys is None:
+        if self.obs_space is not None:
+            spaces.to_proto(self.obs_space, hello.observation_space)
+        elif self.obs_keys is None:
             hello.observation_space.box.shape[:] = self.obs_shape
             hello.observation_space.box.dtype = self._obs_code
         else:
@@ -291,7 +311,7 @@ class EnvSessionClient:
         self._masks(action_masks, step)
         return self._exchange(step)
 
-    def step(self, observations, rewards, terminated, truncated, final_observations=None,
+    def step(self, observations, rewards=None, terminated=None, truncated=None, final_observations=None,
              action_masks=None, joined=()):
         """Send the next step (rewards, flags and next observations for the previous actions); return actions.
 
@@ -299,7 +319,9 @@ class EnvSessionClient:
         observation of each env whose episode ended (terminated or truncated), in env order; required
         iff K > 0. action_masks: [num_envs, M] bool, the actions allowed at `observations` (None: all).
         Several agents: every argument a dict keyed by agent id (see the module docstring), `joined`
-        the agents coming back after they left; returns {agent: action}.
+        the agents coming back after they left; returns {agent: action}. Observations `{}`: no agent
+        acts on this step (EnvStep.no_agents; returns {}). Rewards and flags are required, except
+        after a step of no agents (there are no outcomes to report).
         """
         self._check_usable()
         if self.step_id is None:
@@ -308,6 +330,8 @@ class EnvSessionClient:
             return self._agents_step(self.step_id + 1, observations, action_masks, rewards, terminated, truncated,
                                      final_observations, joined)
         n = self.num_envs
+        if rewards is None or terminated is None or truncated is None:
+            raise ValueError("rewards, terminated and truncated: required (one per env copy)")
         step = actor_pb2.EnvStep(step_id=self.step_id + 1)
         encode(self._observations(observations, "observations"), step.observations)
         encode(self._per_env(rewards, np.float32, "rewards"), step.rewards)
@@ -399,7 +423,8 @@ class EnvSessionClient:
 
     def _agents_step(self, step_id: int, observations: dict, action_masks: dict | None, rewards=None,
                      terminated=None, truncated=None, final_observations=None, joined=()) -> dict:
-        """One step of a session of several agents: the dicts checked and laid out in rows."""
+        """One step of a session of several agents: the dicts checked and laid out in rows (none:
+        EnvStep.no_agents)."""
         if not isinstance(observations, dict):
             raise TypeError("observations: a dict {agent id: observation} for a session of several agents")
         agents = list(observations)
@@ -410,9 +435,14 @@ class EnvSessionClient:
         for a in joined:
             if a not in observations:
                 raise ValueError(f"joined: {a!r} joins but has no observation (a joining agent acts on the step it joins)")
-        step = actor_pb2.EnvStep(step_id=step_id, agents=agents, joined=joined)
+            if a not in self._seen:
+                raise ValueError(f"joined: {a!r} must not be joined on its first step (a first step takes no join: "
+                                 f"joined is for an agent back after its episode ended)")
+        if not agents and action_masks:
+            raise ValueError("action_masks: given, but no agent acts on this step")
+        step = actor_pb2.EnvStep(step_id=step_id, agents=agents, joined=joined, no_agents=not agents)
         ended: list[str] = []
-        if step_id > 0:
+        if step_id > 0 and self._acted:   # (after a step of no agents there are no outcomes: none sent)
             flags = {}
             for field, value, dtype in (("rewards", rewards, np.float32), ("terminated", terminated, np.bool_),
                                         ("truncated", truncated, np.bool_)):
@@ -437,19 +467,27 @@ class EnvSessionClient:
                                               if self.obs_keys is None else _stack_dicts([finals[a] for a in ended]),
                                               len(ended), "final_observations"), "final_observations"),
                        step.final_observations)
+        elif step_id > 0:
+            for field, value in (("rewards", rewards), ("terminated", terminated), ("truncated", truncated),
+                                 ("final_observations", final_observations)):
+                if value:
+                    raise ValueError(f"{field}: given, but no agent acted on the step before (it was a step of no "
+                                     f"agents): leave it out")
         for a in joined:
             if a not in self._left and a not in ended:
                 raise ValueError(f"joined: {a!r} has not ended (only an agent whose episode ended joins again)")
         for a in agents:
             if a in self._left and a not in joined and a not in ended:
                 raise ValueError(f"observations: {a!r} left after its episode ended; list it in joined to act again")
-        rows = (_stack_dicts([observations[a] for a in agents]) if self.obs_keys is not None
-                else np.stack([np.asarray(observations[a]) for a in agents]))
-        encode(self._observations(rows, "observations", len(agents)), step.observations)
-        if action_masks is not None:
+        if agents:   # (a step of no agents sends no observations)
+            rows = (_stack_dicts([observations[a] for a in agents]) if self.obs_keys is not None
+                    else np.stack([np.asarray(observations[a]) for a in agents]))
+            encode(self._observations(rows, "observations", len(agents)), step.observations)
+        if action_masks is not None and agents:
             self._masks(np.stack([np.asarray(action_masks[a]) for a in agents]), step, len(agents))
         actions = self._exchange(step, len(agents))
         self._left = (self._left | set(ended)) - set(agents)
+        self._seen |= set(agents)
         self._acted = agents
         return dict(zip(agents, actions))
 

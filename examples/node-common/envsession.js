@@ -8,6 +8,9 @@
 // --reconnect-every seconds (the actor resumes the session), progress lines, a final JSON line.
 // The protocol is documented in protos/kuberl/v1/actor.proto and docs/external-simulators.md.
 //
+// A simulator of several agents (hello.agent_ids: examples/node-crossing) builds each step with
+// agentsStep, which also says when no agent acts (EnvStep.no_agents).
+//
 // This module requires no package itself: each example passes in the @grpc/grpc-js and
 // @grpc/proto-loader it installed (`deps`), so the module lives outside any example's node_modules.
 'use strict';
@@ -95,6 +98,42 @@ function decodeMultiDiscrete(t, numEnvs, nvec) {
     actions[i] = a;
   }
   return actions;
+}
+
+// The EnvStep of a session of several agents (docs/multi-agent.md, "Agents over EnvSession"):
+//   agents        the ids acting on this step, in row order ([]: no agent acts);
+//   observations  one array (or Float32Array) of obsDim numbers per agent of `agents`, in that order;
+//   outcomes      one { reward, terminated, truncated, final } per agent that acted on the step before,
+//                 in that step's order (final: its true last observation, where it ended); null or []
+//                 on step 0 and after a step of no agents (there are no outcomes then);
+//   joined        ids back after their episode ended and they left (never an agent's first step).
+// No agent acting is sent as no_agents = true, never as an empty `agents` (which means every agent,
+// in hello order); the reply's actions then have 0 rows (decodeDiscrete(t, 0, n) is []). Every agent
+// that acted and did not end must be in `agents` (the actor refuses the step otherwise).
+function agentsStep(stepId, agents, observations, obsDim, outcomes = null, joined = []) {
+  if (observations.length !== agents.length) {
+    throw new Error(`agentsStep: ${observations.length} observations for ${agents.length} agents`);
+  }
+  const rows = (xs) => {
+    const flat = new Float32Array(xs.length * obsDim);
+    xs.forEach((row, k) => {
+      if (row.length !== obsDim) throw new Error(`agentsStep: an observation of ${row.length} numbers, not ${obsDim}`);
+      flat.set(row, k * obsDim);
+    });
+    return tensor(DTYPE_FLOAT32, [xs.length, obsDim], flat);
+  };
+  const step = { step_id: stepId, agents, joined, no_agents: agents.length === 0 };
+  if (agents.length) step.observations = rows(observations);
+  if (outcomes && outcomes.length) {
+    const n = outcomes.length;
+    step.rewards = tensor(DTYPE_FLOAT32, [n], Float32Array.from(outcomes, (o) => o.reward));
+    step.terminated = tensor(DTYPE_BOOL, [n], Uint8Array.from(outcomes, (o) => (o.terminated ? 1 : 0)));
+    step.truncated = tensor(DTYPE_BOOL, [n], Uint8Array.from(outcomes, (o) => (o.truncated ? 1 : 0)));
+    const ended = outcomes.filter((o) => o.terminated || o.truncated);
+    if (ended.some((o) => !o.final)) throw new Error('agentsStep: an agent that ended needs its final observation');
+    if (ended.length) step.final_observations = rows(ended.map((o) => o.final));
+  }
+  return step;
 }
 
 // mulberry32: a small seeded PRNG, so a run is reproducible with --seed.
@@ -513,5 +552,6 @@ function runSimulator(deps, sim) {
 }
 
 module.exports = {
-  DTYPE_BOOL, DTYPE_FLOAT32, DTYPE_INT64, decodeBox, decodeDiscrete, decodeMultiDiscrete, rng, runSimulator, tensor,
+  DTYPE_BOOL, DTYPE_FLOAT32, DTYPE_INT64, agentsStep, decodeBox, decodeDiscrete, decodeMultiDiscrete, rng, runSimulator,
+  tensor,
 };

@@ -31,7 +31,7 @@
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
-const { DTYPE_BOOL, DTYPE_FLOAT32, decodeDiscrete, rng, tensor } = require('../node-common/envsession');
+const { DTYPE_FLOAT32, agentsStep, decodeDiscrete, rng } = require('../node-common/envsession');
 
 const MAX_WAIT = 30;
 // What each kind of vehicle is: how often one arrives, what passing and waiting are worth, what it sees.
@@ -165,27 +165,16 @@ class Team {
     });
   }
 
-  tensorOf(rows) {
-    const flat = new Float32Array(rows.length * this.obsDim);
-    rows.forEach((row, k) => flat.set(row, k * this.obsDim));
-    return tensor(DTYPE_FLOAT32, [rows.length, this.obsDim], flat);
-  }
-
   // The team's next step: its vehicles waiting now, and the outcomes of those that acted before.
   send(outcomes) {
     this.acting = this.crossing.waiting(this.kind);
     const joined = this.crossing.joining.filter((id) => kindOf(id) === this.kind);
-    const step = { step_id: this.stepId, agents: this.acting, joined,
-      observations: this.tensorOf(this.acting.map((id) => this.crossing.observe(id))) };
+    // (an empty team would go as a step of no agents, EnvStep.no_agents; here one always waits)
+    const step = agentsStep(this.stepId, this.acting, this.acting.map((id) => this.crossing.observe(id)), this.obsDim,
+      outcomes, joined);
     this.counts.joined += joined.length;
     if (outcomes) {
-      const n = outcomes.length;
-      step.rewards = tensor(DTYPE_FLOAT32, [n], Float32Array.from(outcomes, (o) => o.reward));
-      step.terminated = tensor(DTYPE_BOOL, [n], Uint8Array.from(outcomes, (o) => (o.terminated ? 1 : 0)));
-      step.truncated = tensor(DTYPE_BOOL, [n], Uint8Array.from(outcomes, (o) => (o.truncated ? 1 : 0)));
-      const ended = outcomes.filter((o) => o.final);
-      if (ended.length) step.final_observations = this.tensorOf(ended.map((o) => o.final));
-      this.agentSteps += n;
+      this.agentSteps += outcomes.length;
       for (const o of outcomes) {
         this.returns.set(o.id, this.returns.get(o.id) + o.reward);
         if (o.kind) {

@@ -32,7 +32,12 @@ class BatchedInference:
                   ) -> tuple[np.ndarray, dict[str, np.ndarray], int, np.ndarray | None]:
         """Actions for one session's observations (within `mask` [N, M] bool where given), the
         per-step extras the algorithm records with them (`Policy.act`), the policy version used, and
-        for a recurrent policy its envs' state after the step (`state`: theirs before it)."""
+        for a recurrent policy its envs' state after the step (`state`: theirs before it). No rows (a
+        step on which no agent acts, EnvStep.no_agents): answered at once, with the weights in use,
+        outside any batch (nothing to choose, and nothing to hold: no fragment grows)."""
+        if not len(obs):
+            space = self.policy.spec.action
+            return np.empty((0, *space.shape), space.dtype), {}, self.policy.version or 0, state
         future = asyncio.get_running_loop().create_future()
         self._pending.append((obs, mask, state, future))
         self._wake.set()

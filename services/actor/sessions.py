@@ -16,11 +16,14 @@ on the encoder's thread; without an encoder, inline, before the step returns. `f
 encoder's pending fragments (the actor's shutdown, after `close_all`).
 
 A session of several agents (hello.agent_ids) gives each agent a slot. A step names the agents that act
-on it (`EnvStep.agents`); the outcomes it carries are those of the agents that acted on the step before.
-An agent that acted and did not end must act again; one that ended acts on with its next episode or
-leaves, and comes back only through `EnvStep.joined`. Its transitions are recorded only at the steps it
-acted, and a window is cut into one fragment per run of steps of a set of agents (windows.py's
-`split_runs`, as for PettingZoo envs), so no agent's step is lost or recorded twice.
+on it (`EnvStep.agents`; none with `EnvStep.no_agents`); the outcomes it carries are those of the agents
+that acted on the step before. An agent that acted and did not end must act again; one that ended acts
+on with its next episode or leaves, and comes back only through `EnvStep.joined` (never on its first
+step of the stream). Its transitions are recorded only at the steps it acted, and a window is cut into
+one fragment per run of steps of a set of agents (windows.py's `split_runs`, as for PettingZoo envs),
+so no agent's step is lost or recorded twice. A step of no agents takes no row of the window (the
+next step's agents fill it), so a stretch of them records nothing and cuts no fragment. Every refusal
+of one agent's data names the agent's id and the field, not its row.
 
 A hub without `on_fragment` (`kuberl serve`: inference only) checks everything exactly as a training
 actor's does and keeps the sessions' episode statistics, but records no transitions: no fragment
@@ -111,6 +114,7 @@ class Session:
     index: dict[str, int] = field(default_factory=dict)
     rows: np.ndarray | None = None
     left: np.ndarray | None = None
+    seen: np.ndarray | None = None    # [N] slots that acted on this stream (a first step takes no join)
     all_rows: np.ndarray = field(init=False)   # every slot, in order: the rows of a session without agents
 
     def __post_init__(self) -> None:
@@ -221,7 +225,8 @@ class SessionHub:
         episodes.closed_at = None
         session = Session(hello.session_id, n, episodes, self._next_env_id, self.cfg.rollout_steps, check=check)
         if ids:
-            session.index, session.left = {agent: i for i, agent in enumerate(ids)}, np.zeros(n, bool)
+            session.index = {agent: i for i, agent in enumerate(ids)}
+            session.left, session.seen = np.zeros(n, bool), np.zeros(n, bool)
         self._next_env_id += n
         self._new_buffers(session)
         self.sessions[session.session_id] = session
@@ -273,11 +278,24 @@ class SessionHub:
                                                    f"agents (0, or their count)")
 
     def _check_observation_space(self, obs) -> None:
-        """The hello's observation space must be the policy's input: the same Box, or a Dict with the
-        policy's layout (or, where the policy's keys are not known, with its flattened size)."""
+        """The hello's observation space must be the policy's input: the same Box, Discrete or
+        MultiDiscrete, or a Dict with the policy's layout (or, where the policy's keys are not known,
+        with its flattened size). A Dict with Discrete keys cannot be declared in a hello (its
+        DictSpace holds Boxes only)."""
         spec, kind = self.spec, obs.WhichOneof("kind")
-        want = (spaces.describe(spec.obs_keys) if spec.obs_keys is not None
-                else f"Box{list(spec.obs_shape)} {spec.obs_dtype.name}")
+        want = spaces.describe_observation(spec)
+        if kind in ("discrete", "multi_discrete"):
+            try:
+                got = spaces.observation_space(spaces.from_proto(obs, "observation_space"), "observation_space")
+            except (TensorError, ValueError) as err:
+                raise SessionError("INVALID_ARGUMENT", str(err)) from None
+            if got != spec.discrete_obs:
+                raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want}, got {got}")
+            return
+        if spec.obs_categories:
+            raise SessionError("INVALID_ARGUMENT", f"observation_space: expected {want}, got {kind or 'nothing'}" + (
+                " (a Dict with Discrete keys cannot be declared over EnvSession yet: its DictSpace holds Boxes)"
+                if spec.obs_keys is not None else ""))
         if kind == "box":
             try:
                 got_dtype = numpy_dtype(obs.box.dtype, "observation_space.box.dtype")
@@ -337,14 +355,19 @@ class SessionHub:
             raise SessionError("FAILED_PRECONDITION", f"step_id: expected {s.next_step}, got {sid} "
                                                       f"(one step at a time, starting at 0)")
         N = s.num_envs
+        if step.no_agents and not s.agents:
+            raise SessionError("INVALID_ARGUMENT", f"step {sid}: no_agents: only a session of several agents "
+                                                   f"(hello.agent_ids) has a step of no agents")
         rows, names = self._agent_rows(s, step) if s.agents else (s.all_rows, None)
-        s.mask = self._mask(s, step, len(rows)) if step.HasField("action_masks") else None
-        prev = s.rows if sid > 0 and s.rows is not None else rows[:0]   # (the rows that acted on the step before)
+        s.mask = self._mask(s, step, rows) if step.HasField("action_masks") else None
+        # The rows that acted on the step before: none on step 0 or after a step of no agents (K = 0).
+        prev = s.rows if sid > 0 and s.rows is not None else rows[:0]
         K = len(prev)
         what = "agent" if s.agents else "env"
         rewards = term = trunc = final = None
         done = prev[:0]
         try:
+            # (with no rows, absent tensors are empty ones: a step of no agents, the outcomes of no agents)
             obs = self._tensor(step, "observations", (len(rows), *self.spec.obs_shape), self.spec.obs_dtype)
             if sid > 0:
                 rewards = self._tensor(step, "rewards", (K,), np.dtype(np.float32))
@@ -364,7 +387,7 @@ class SessionHub:
         if s.agents:
             assert names is not None
             self._check_returns(s, step, rows, names, set(prev[done].tolist()))
-        self._refuse_bad(s, sid, obs, rewards, final, done)
+        self._refuse_bad(s, sid, obs, rows, prev, rewards, final, done)
         if s.agents and sid > 0:
             assert term is not None and trunc is not None
             acting = set(rows.tolist())
@@ -372,22 +395,23 @@ class SessionHub:
                 if slot not in acting:
                     raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents: {s.episodes.agent_ids[slot]!r} "
                                                            f"acted on step {sid - 1} and did not end, so it must act "
-                                                           f"on this step (end it with terminated or truncated first)")
-        if sid > 0 and s.episodes.state is not None:
+                                                           f"on this step (end it with terminated or truncated first)"
+                                                           + (" (no_agents: no agent acts)" if step.no_agents else ""))
+        if K and s.episodes.state is not None:
             s.episodes.state[prev[done]] = 0.0   # these act on an episode's first observation next
         # (every row at every step: slices, not an index array)
         at, before = (rows, prev) if s.agents else (slice(None), slice(None))
         if self.records:
             b, t = s.buffers, s.t
-            if sid > 0:
+            if K:   # the outcomes of row t's actions; these observations go one row on
                 b["rewards"][t, before], b["terminated"][t, before], b["truncated"][t, before] = rewards, term, trunc
                 for k, i in enumerate(done):
                     s.final_obs.append(final[k])
                     s.final_index.append(t * N + int(prev[i]))
                 b["obs"][t + 1, at] = obs
-            else:
+            else:   # step 0, or the step after one of no agents: these observations start row t
                 b["obs"][t, at] = obs
-        if sid > 0:
+        if K:
             ep = s.episodes
             ep.returns[before] += rewards
             ep.lengths[before] += 1
@@ -398,10 +422,10 @@ class SessionHub:
             self.env_steps += K
             ep.env_steps += K
             self.metrics.inc("actor/env_steps_total", K)
-        if s.left is not None:
-            s.left[rows] = False
+        if s.left is not None and s.seen is not None:
+            s.left[rows], s.seen[rows] = False, True
         s.rows = rows
-        if self.records and sid > 0:
+        if self.records and K:
             s.t += 1
             if s.t == s.T:
                 self._emit(s, s.t)
@@ -409,9 +433,12 @@ class SessionHub:
         return obs
 
     def _agent_rows(self, s: Session, step: actor_pb2.EnvStep) -> tuple[np.ndarray, list[str]]:
-        """The slots of the step's `agents` in row order, and their names; SessionError naming the agent
-        and the field for an id not in hello.agent_ids or named twice."""
-        names = list(step.agents) or list(s.index)
+        """The slots of the step's `agents` in row order, and their names (none with `no_agents`);
+        SessionError naming the agent and the field for an id not in hello.agent_ids or named twice."""
+        if step.no_agents and step.agents:
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: agents: names {len(step.agents)} agents "
+                                                   f"({step.agents[0]!r} first), but no_agents says none acts")
+        names = [] if step.no_agents else list(step.agents) or list(s.index)
         rows = np.empty(len(names), np.int64)
         seen: dict[int, int] = {}
         for i, agent in enumerate(names):
@@ -428,11 +455,11 @@ class SessionHub:
 
     def _check_returns(self, s: Session, step: actor_pb2.EnvStep, rows: np.ndarray, names: list[str],
                        ended_now: set[int]) -> None:
-        """`joined` names agents of this step that ended (on this step or before); an agent that left
-        (ended on an earlier step and was absent since) acts again only when joined. SessionError
-        naming the agent and the field otherwise."""
+        """`joined` names agents of this step that ended (on this step or before), never one on its first
+        step of the stream; an agent that left (ended on an earlier step and was absent since) acts
+        again only when joined. SessionError naming the agent and the field otherwise."""
         sid, acting = step.step_id, set(rows.tolist())
-        assert s.left is not None
+        assert s.left is not None and s.seen is not None
         joining = set()
         for i, agent in enumerate(step.joined):
             slot = s.index.get(agent)
@@ -442,6 +469,10 @@ class SessionHub:
             if slot not in acting:
                 raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} joins but is not in "
                                                        f"agents (a joining agent acts on the step it joins)")
+            if not s.seen[slot]:
+                raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} must not be joined on "
+                                                       f"its first step of the stream (a first step takes no join: "
+                                                       f"joined is for an agent back after its episode ended)")
             if not s.left[slot] and slot not in ended_now:
                 raise SessionError("INVALID_ARGUMENT", f"step {sid}: joined[{i}]: {agent!r} has not ended (only an "
                                                        f"agent whose episode ended joins again)")
@@ -451,36 +482,59 @@ class SessionHub:
                 raise SessionError("INVALID_ARGUMENT", f"step {sid}: agents[{i}]: {names[i]!r} left after its "
                                                        f"episode ended; it acts again only when listed in joined")
 
-    def _refuse_bad(self, s: Session, step_id: int, obs: np.ndarray, rewards: np.ndarray | None = None,
-                    final: np.ndarray | None = None, done: np.ndarray | None = None) -> None:
-        """SessionError INVALID_ARGUMENT naming the field and the env copy, counted, if the step holds
-        NaN or infinity, or an observation outside its declared bounds (actor.check_obs_bounds)."""
-        bad = s.check.find(obs)
+    def _refuse_bad(self, s: Session, step_id: int, obs: np.ndarray, rows: np.ndarray, prev: np.ndarray,
+                    rewards: np.ndarray | None = None, final: np.ndarray | None = None,
+                    done: np.ndarray | None = None) -> None:
+        """SessionError INVALID_ARGUMENT naming the field and the env copy (a session of several agents:
+        the agent's id), counted, if the step holds NaN or infinity, a Discrete observation outside 0..n-1,
+        or an observation outside its declared bounds (actor.check_obs_bounds). `rows`: the slots of `obs`; `prev`: those of
+        `rewards`, and of `final` through `done` (positions in `prev`)."""
+        bad, slots = s.check.find(obs), rows
         if bad is None and rewards is not None:
-            bad = FINITE.find(rewards, "rewards")
+            bad, slots = FINITE.find(rewards, "rewards"), prev
         if bad is None and final is not None:
-            bad = s.check.find(final, "final_observations", envs=done)
-        if bad is not None:
-            self.metrics.inc(bad.metric)
-            raise SessionError("INVALID_ARGUMENT", f"step {step_id}: {bad}")
+            bad, slots = s.check.find(final, "final_observations", envs=done), prev
+        if bad is None:
+            return
+        self.metrics.inc(bad.metric)
+        text = str(bad)
+        if s.agents:   # (Bad names a row as "env k": here, the agent of that row)
+            text = text.replace(f" of env {bad.env} ", f" of agent {s.episodes.agent_ids[int(slots[bad.env])]!r} ", 1)
+        raise SessionError("INVALID_ARGUMENT", f"step {step_id}: {text}")
 
-    def _mask(self, s: Session, step, rows: int) -> np.ndarray:
-        """The step's action masks, checked against the action space; SessionError if they cannot be used."""
+    def _mask(self, s: Session, step, rows: np.ndarray) -> np.ndarray:
+        """The step's action masks (one row per `rows`), checked against the action space; SessionError if
+        they cannot be used (naming the agent of a row that allows nothing, in a session of several agents)."""
         space = self.spec.action
         if not space.mask_width:
             raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: action_masks: {space} actions take no mask")
         if not self.algorithm.takes_action_masks:
             raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: action_masks: algorithm "
                                                    f"{self.algorithm.name} does not take action masks")
+        mask = None
         try:
             mask = decode(step.action_masks, "action_masks")
-            spaces.check_mask(space, mask, (rows,), "action_masks")
+            spaces.check_mask(space, mask, (len(rows),), "action_masks")
         except TensorError as err:
-            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}") from None
+            raise SessionError("INVALID_ARGUMENT", f"step {step.step_id}: {err}" + (
+                self._masked_out(s, mask, rows) if s.agents and mask is not None else "")) from None
         return mask
+
+    def _masked_out(self, s: Session, mask: np.ndarray, rows: np.ndarray) -> str:
+        """The first row of a well-formed mask that allows nothing, as " (agent 'x', row k)"; "" if none."""
+        if mask.shape != (len(rows), self.spec.action.mask_width) or mask.dtype != np.bool_:
+            return ""
+        for k in range(len(rows)):
+            try:
+                spaces.check_mask(self.spec.action, mask[k:k + 1], (1,))
+            except TensorError:
+                return f" (agent {s.episodes.agent_ids[int(rows[k])]!r}, row {k})"
+        return ""
 
     def _tensor(self, step, name: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
         if not step.HasField(name):
+            if shape[0] == 0:   # (no rows: a step of no agents, or the outcomes of none)
+                return np.empty(shape, dtype)
             raise TensorError(name, "is required but missing")
         arr = decode(getattr(step, name), name)
         if arr.shape != shape or arr.dtype != dtype:
@@ -506,6 +560,8 @@ class SessionHub:
                 s.episodes.acted_from, s.episodes.state = s.episodes.state, state
         if not self.records or s.ended is not None:
             return  # (closed while its actions were chosen: its arrays went to the encoder with its last fragment)
+        if s.agents and not len(s.rows):
+            return  # a step of no agents takes no row: the next step's agents fill this one
         at = slice(None) if not s.agents else s.rows    # a session of several agents: the step's agents' slots
         s.buffers["actions"][s.t, at] = actions
         if s.agents:

@@ -73,6 +73,37 @@ def test_agents_that_join_leave_and_come_back_have_every_step_stored(stack):
     assert all(e.episode_return == e.length for e in episodes)
 
 
+def test_steps_of_no_agents_go_through_the_actor_and_record_nothing(stack):
+    """A step on which no agent acts (EnvStep.no_agents; the client's observations {}): both cars end,
+    no agent acts for 3 steps (the actor answers {} and records nothing), then car-1 comes back
+    (joined) and car-2 comes for the first time. Every agent step reaches the buffer once."""
+    rng = np.random.default_rng(2)
+    obs = lambda: rng.normal(size=OBS_SHAPE)   # noqa: E731
+    calm = {"rewards": {"car-0": 1.0}, "terminated": {"car-0": False}, "truncated": {"car-0": False}}
+    with agents_client(stack.actor, "prey-1") as c:
+        c.reset({"car-0": obs(), "car-1": obs()})
+        c.step({"car-0": obs()}, rewards={"car-0": 1.0, "car-1": 1.0}, terminated={"car-0": False, "car-1": True},
+               truncated={"car-0": False, "car-1": False}, final_observations={"car-1": obs()})
+        with pytest.raises(ValueError, match="'car-0' acted on the step before and did not end, so it must act"):
+            c.step({}, **calm)
+        assert c.step({}, rewards={"car-0": 1.0}, terminated={"car-0": True}, truncated={"car-0": False},
+                      final_observations={"car-0": obs()}) == {}
+        assert c.step({}) == {} and c.step({}) == {}
+        with pytest.raises(ValueError, match="'car-2' must not be joined on its first step"):
+            c.step({"car-2": obs()}, joined=["car-2"])
+        actions = c.step({"car-1": obs(), "car-2": obs()}, joined=["car-1"])
+        assert list(actions) == ["car-1", "car-2"] and c.step_id == 5
+        for _ in range(3):
+            c.step({"car-1": obs(), "car-2": obs()}, rewards={"car-1": 1.0, "car-2": 1.0},
+                   terminated={"car-1": False, "car-2": False}, truncated={"car-1": False, "car-2": False})
+    recorded = 2 + 1 + 2 * 3   # steps 0 and 1 (car-1 ends), 1 (car-0 ends), 5..8
+    wait_for(lambda: stack.buffer_stats().get("buffer/samples_received_total", 0) >= recorded,
+             timeout=WAIT_S, what=f"{recorded} samples at the buffer")
+    assert stack.buffer_stats()["buffer/samples_received_total"] == recorded
+    assert stack.actor_stats()["actor/env_steps_total"] == recorded
+    assert sorted(e.length for e in stack.episodes()) == [1, 2]
+
+
 def _agents_hello(session_id: str, ids=AGENTS):
     msg = hello_msg(session_id, num_envs=0)
     msg.hello.agent_ids.extend(ids)
@@ -92,7 +123,8 @@ def _step(k: int, agents: list[str], rows: int, acted: int = 0, joined=()):
 @pytest.mark.parametrize("second,message", [
     (_step(1, ["car-0", "bus-9"], 2, acted=2), "step 1: agents[1]: 'bus-9' is not one of hello.agent_ids"),
     (_step(1, ["car-0"], 1, acted=2), "step 1: agents: 'car-1' acted on step 0 and did not end, so it must act"),
-    (_step(1, ["car-0", "car-1", "car-2"], 3, acted=2, joined=["car-2"]), "step 1: joined[0]: 'car-2' has not ended"),
+    (_step(1, ["car-0", "car-1", "car-2"], 3, acted=2, joined=["car-2"]),
+     "step 1: joined[0]: 'car-2' must not be joined on its first step of the stream"),
     (_step(1, ["car-0", "car-1"], 2, acted=3), "step 1: rewards: must be float32 [2]"),
 ])
 def test_misuse_ends_only_its_own_session_with_invalid_argument_naming_agent_and_field(stack, second, message):

@@ -75,7 +75,7 @@ class EnvHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., observation_space: _Optional[_Union[Space, _Mapping]] = ..., action_space: _Optional[_Union[Space, _Mapping]] = ..., num_envs: _Optional[int] = ..., simulator: _Optional[str] = ..., agent_ids: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class EnvStep(_message.Message):
-    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations", "action_masks", "agents", "joined")
+    __slots__ = ("step_id", "observations", "rewards", "terminated", "truncated", "final_observations", "action_masks", "agents", "joined", "no_agents")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class EnvStep(_message.Message):
     ACTION_MASKS_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    NO_AGENTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     observations: _common_pb2.Tensor
     rewards: _common_pb2.Tensor
@@ -94,7 +95,8 @@ class EnvStep(_message.Message):
     action_masks: _common_pb2.Tensor
     agents: _containers.RepeatedScalarFieldContainer[str]
     joined: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_masks: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agents: _Optional[_Iterable[str]] = ..., joined: _Optional[_Iterable[str]] = ...) -> None: ...
+    no_agents: bool
+    def __init__(self, step_id: _Optional[int] = ..., observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., terminated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., truncated: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., final_observations: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., action_masks: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agents: _Optional[_Iterable[str]] = ..., joined: _Optional[_Iterable[str]] = ..., no_agents: _Optional[bool] = ...) -> None: ...
 
 class EnvMessage(_message.Message):
     __slots__ = ("hello", "step")

@@ -4,7 +4,12 @@ naive per-agent log of the script says, and every misuse is refused naming the a
 
 from __future__ import annotations
 
+import base64
+import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,8 +40,8 @@ def hello(sid="s", ids=AGENTS, num_envs=0):
         discrete=actor_pb2.DiscreteSpace(n=2)))
 
 
-def step(k, agents, obs, outcomes=None, final=None, joined=()):
-    msg = actor_pb2.EnvStep(step_id=k, agents=agents, joined=joined,
+def step(k, agents, obs, outcomes=None, final=None, joined=(), no_agents=False):
+    msg = actor_pb2.EnvStep(step_id=k, agents=agents, joined=joined, no_agents=no_agents,
                             observations=encode(np.asarray(obs, np.float32).reshape(-1, 3)))
     if outcomes is not None:
         rewards, term, trunc = outcomes
@@ -66,16 +71,18 @@ def obs_of(agent: str, k: int, life: int) -> np.ndarray:
     return np.array([AGENTS.index(agent), k, life], np.float32)
 
 
-def run_script(h, s, steps=STEPS):
+def run_script(h, s, steps=STEPS, script=SCRIPT):
     """Drive the session; return the naive log: per agent, its transitions (obs, action, reward,
-    terminated, truncated, next obs) in order, with the session's close truncating the running ones."""
+    terminated, truncated, next obs) in order, with the session's close truncating the running ones.
+    A step on which no agent acts is sent with no_agents (and takes no row of the window)."""
     log: dict[str, list] = {a: [] for a in AGENTS}
+    rows = 0   # rows of windows filled: one per step that carries some agent's outcomes
     acting: list[str] = []
     life = dict.fromkeys(AGENTS, 0)
     current: dict[str, np.ndarray] = {}
     actions: dict[str, int] = {}
     for k in range(steps + 1):
-        events = SCRIPT.get(k, {})
+        events = script.get(k, {})
         outcomes = final = None
         joined = [a for a, e in events.items() if e == "join" and k > 0 and any(log[a])]
         if k > 0:
@@ -93,15 +100,16 @@ def run_script(h, s, steps=STEPS):
                 if ends:
                     final.append(nxt)
                 log[a].append((current[a], actions[a], r, t_, u_, nxt))
-            outcomes = (rewards, term, trunc)
+            outcomes = (rewards, term, trunc) if acting else None   # (after a step of no agents: none)
+            rows += bool(acting)
         now = [a for a in acting if events.get(a) != "end"]
         now += [a for a, e in events.items() if e == "join"]
         for a in now:
             if events.get(a) in ("reset", "join") and k > 0:
                 life[a] += 1
             current[a] = obs_of(a, k, life[a])
-        got = h.observe(s, step(k, now, [current[a] for a in now], outcomes, final, joined))
-        assert got.tolist() == [current[a].tolist() for a in now]
+        got = h.observe(s, step(k, now, [current[a] for a in now], outcomes, final, joined, no_agents=not now))
+        assert got.tolist() == [current[a].tolist() for a in now] and got.shape[1:] == (3,)
         actions = {a: (k + AGENTS.index(a)) % 2 for a in now}
         h.record_actions(s, np.array([actions[a] for a in now]),
                          {"behaviour_logprob": np.full(len(now), -0.5, np.float32)}, version=k)
@@ -109,7 +117,7 @@ def run_script(h, s, steps=STEPS):
     # The close truncates each running episode at its last recorded step, bootstrapped from the
     # observation the agent was last sent (its actions on it have no outcome yet); where the last
     # window was full, it was cut already, and nothing is left to truncate.
-    for a in acting if steps % h.cfg.rollout_steps else ():
+    for a in acting if rows % h.cfg.rollout_steps else ():
         if log[a] and not (log[a][-1][3] or log[a][-1][4]):
             o, act, r, _, _, _ = log[a][-1]
             log[a][-1] = (o, act, r, False, True, current[a])
@@ -130,17 +138,22 @@ def recorded(out) -> dict[int, list]:
     return got
 
 
-@pytest.mark.parametrize("T", [4, 7, 30])
-def test_every_step_of_every_agent_is_recorded_once_as_the_script_says(T):
-    h, out = hub(T)
-    s, _ = h.open(hello())
-    log = run_script(h, s)
+def assert_recorded_as_logged(out, log, s) -> None:
+    """Every agent's recorded steps (the fragments `out`) are its steps in the naive per-agent `log`."""
     got = recorded(out)
     for i, a in enumerate(AGENTS):
         want, have = log[a], got.get(s.env_id_base + i, [])
         assert len(have) == len(want), (a, len(have), len(want))
         for u, (w, g) in enumerate(zip(want, have)):
             assert np.array_equal(w[0], g[0]) and w[1:5] == g[1:5] and np.array_equal(w[5], g[5]), (a, u, w, g)
+
+
+@pytest.mark.parametrize("T", [4, 7, 30])
+def test_every_step_of_every_agent_is_recorded_once_as_the_script_says(T):
+    h, out = hub(T)
+    s, _ = h.open(hello())
+    log = run_script(h, s)
+    assert_recorded_as_logged(out, log, s)
     steps = sum(len(v) for v in log.values())
     assert h.metrics.counters["actor/env_steps_total"] == steps
     assert sum(decode_fragment(m, algorithm=pb.ALGORITHM_PPO).num_samples for m in out) == steps
@@ -172,8 +185,20 @@ def opened(h):
      "step 1: agents[1]: 'a0' is agents[0] too"),
     (lambda: step(1, ["a0"], np.zeros((1, 3)), ([0, 0], [False, False], [False, False])),
      "step 1: agents: 'a1' acted on step 0 and did not end, so it must act on this step"),
+    (lambda: step(1, ["a0", "a1"], np.zeros((2, 3)), ([0, 0], [False, False], [False, False]), joined=["a1"]),
+     "step 1: joined[0]: 'a1' has not ended"),
     (lambda: step(1, ["a0", "a1", "a2"], np.zeros((3, 3)), ([0, 0], [False, False], [False, False]), joined=["a2"]),
-     "step 1: joined[0]: 'a2' has not ended"),
+     "step 1: joined[0]: 'a2' must not be joined on its first step of the stream (a first step takes no join"),
+    (lambda: step(1, ["a0"], np.zeros((1, 3)), ([0, 0], [True, True], [False, False]), final=np.zeros((2, 3)),
+                  no_agents=True),
+     "step 1: agents: names 1 agents ('a0' first), but no_agents says none acts"),
+    (lambda: step(1, [], np.zeros((0, 3)), ([0, 0], [True, False], [False, False]), final=np.zeros((1, 3)),
+                  no_agents=True),
+     "step 1: agents: 'a1' acted on step 0 and did not end, so it must act on this step (end it with terminated or "
+     "truncated first) (no_agents: no agent acts)"),
+    (lambda: step(1, [], np.zeros((1, 3)), ([0, 0], [True, True], [False, False]), final=np.zeros((2, 3)),
+                  no_agents=True),
+     "step 1: observations: must be float32 [0, 3]"),
     (lambda: step(1, ["a0", "a1"], np.zeros((2, 3)), ([0, 0, 0], [False] * 3, [False] * 3)),
      "step 1: rewards: must be float32 [2]"),
     (lambda: step(1, ["a0", "a1"], np.zeros((3, 3)), ([0, 0], [False, False], [False, False])),
@@ -259,3 +284,172 @@ def test_a_recurrent_policy_keeps_a_state_per_agent_moved_only_where_it_acts_and
                    f.extras["core_state"].tolist()) for f in frags)
     # a1 and a2 throughout from the window's state; a0's first step from it too; a0's new life from zeros.
     assert runs == [([0], 1, [[4, 4]]), ([0], 2, [[0, 0]]), ([1, 2], 4, [[4, 4], [4, 4]])]
+
+
+# A step of no agents (EnvStep.no_agents): the prey were all caught, the game goes on, a prey comes back.
+GAPS = {
+    0: {"a0": "join", "a1": "join"},
+    2: {"a0": "end"},
+    3: {"a1": "end"},                      # step 3: no agent acts...
+    6: {"a2": "join"},                     # ...until step 6 (3, 4, 5: none), a first appearance
+    7: {"a2": "end"},                      # step 7: none again
+    8: {"a1": "join"},                     # back, joined
+    10: {"a1": "reset"},
+    12: {"a1": "end"},                     # 12..16: none
+    17: {"a0": "join", "a2": "join"},
+}
+
+
+@pytest.mark.parametrize("T", [2, 3, 4, 30])
+def test_steps_of_no_agents_record_nothing_and_every_agent_step_is_recorded_once(T):
+    """Stretches of steps on which no agent acts, inside and across windows: the actor answers each
+    with 0 rows, records every agent step once (as the naive log says) and nothing for them: no
+    fragment holds a step nobody took, the env step and episode counts are the agents'."""
+    h, out = hub(T)
+    s, _ = h.open(hello())
+    log = run_script(h, s, steps=20, script=GAPS)
+    assert_recorded_as_logged(out, log, s)
+    steps = sum(len(v) for v in log.values())
+    assert steps == (2 + 3) + (3 + 4) + (1 + 3)   # a0, a1, a2: each life's steps
+    assert h.metrics.counters["actor/env_steps_total"] == steps
+    frags = [decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in out]
+    assert sum(f.num_samples for f in frags) == steps and all(f.num_samples for f in frags)
+    assert [m.seq for m in out] == list(range(len(out)))
+    assert h.metrics.counters["actor/episodes_total"] == 5   # a0 at 2; a1 at 3, 10 (acts on), 12; a2 at 7
+
+
+def test_a_step_of_no_agents_takes_no_row_so_a_stretch_of_them_cuts_no_fragment():
+    """Six steps of no agents with windows of 2: not one fragment; the next agent's steps fill the row
+    the last agent's outcomes left, so its 2 steps make the one full window. Outcome tensors of no
+    agents may be absent (the step after a step of no agents) or empty."""
+    h, out = hub(2)
+    s, _ = h.open(hello())
+    h.observe(s, step(0, ["a0"], np.zeros((1, 3))))
+    h.record_actions(s, np.array([1]), {"behaviour_logprob": np.zeros(1, np.float32)}, version=3)
+    got = h.observe(s, step(1, [], np.zeros((0, 3)), ([1.0], [True], [False]), final=np.ones((1, 3)), no_agents=True))
+    assert got.shape == (0, 3) and h.state_of(s) is None
+    h.record_actions(s, np.zeros(0, np.int64), {"behaviour_logprob": np.zeros(0, np.float32)}, version=4)
+    assert s.t == 1 and not out
+    for k in range(2, 8):   # no agent acts; the outcomes (of none) absent, or empty
+        msg = actor_pb2.EnvStep(step_id=k, no_agents=True)
+        if k % 2:
+            msg = step(k, [], np.zeros((0, 3)), ([], [], []), no_agents=True)
+        assert h.observe(s, msg).shape == (0, 3)
+        h.record_actions(s, np.zeros(0, np.int64), {"behaviour_logprob": np.zeros(0, np.float32)}, version=4)
+    assert s.t == 1 and not out and h.metrics.counters["actor/env_steps_total"] == 1
+    h.observe(s, step(8, ["a1"], np.full((1, 3), 8.0)))
+    h.record_actions(s, np.array([0]), {"behaviour_logprob": np.zeros(1, np.float32)}, version=5)
+    h.observe(s, step(9, ["a1"], np.full((1, 3), 9.0), ([2.0], [False], [False])))
+    assert len(out) == 2   # the window [a0's last step, a1's first] is full: a fragment per run
+    frags = sorted((decode_fragment(m, algorithm=pb.ALGORITHM_PPO) for m in out), key=lambda f: list(f.env_ids))
+    a0, a1 = frags
+    assert list(a0.env_ids) == [0] and a0.num_steps == 1 and a0.terminated.tolist() == [[True]]
+    assert list(a1.env_ids) == [1] and a1.num_steps == 1 and a1.rewards.tolist() == [[2.0]]
+    assert a1.obs[0].tolist() == [[8.0] * 3] and a1.next_obs()[0].tolist() == [[9.0] * 3]
+    assert a0.policy_version == 3 and a1.policy_version == 3   # (the window's oldest weights: a0's step)
+
+
+def test_no_agents_is_refused_in_a_session_without_agent_ids():
+    h, _ = hub()
+    s, _ = h.open(hello(ids=[], num_envs=2))
+    with pytest.raises(SessionError, match=re.escape("step 0: no_agents: only a session of several agents "
+                                                     "(hello.agent_ids) has a step of no agents")) as err:
+        h.observe(s, actor_pb2.EnvStep(step_id=0, no_agents=True))
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_joined_on_step_0_is_refused_as_a_first_step():
+    h, _ = hub()
+    s, _ = h.open(hello())
+    with pytest.raises(SessionError, match=re.escape("step 0: joined[0]: 'a1' must not be joined on its first step "
+                                                     "of the stream")):
+        h.observe(s, step(0, ["a0", "a1"], np.zeros((2, 3)), joined=["a1"]))
+
+
+def _refusal(cfg_extra: dict, msg) -> str:
+    cfg = config_from_dict({"algorithm": "ppo", "env": {"mode": "external"}, "ppo": {"rollout_steps": 4},
+                            **cfg_extra})
+    h = SessionHub(cfg, SPEC, "actor-x", Metrics("actor"), lambda frag: None)
+    hi = hello()
+    hi.observation_space.box.low.append(-5.0)
+    hi.observation_space.box.high.append(5.0)
+    s, _ = h.open(hi)
+    h.observe(s, step(0, ["a2", "a0"], np.zeros((2, 3))))
+    h.record_actions(s, np.array([0, 1]), {"behaviour_logprob": np.zeros(2, np.float32)}, version=1)
+    with pytest.raises(SessionError) as err:
+        h.observe(s, msg)
+    assert err.value.code == "INVALID_ARGUMENT"
+    return str(err.value)
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("cfg,msg,message", [
+    ({}, step(1, ["a1", "a0"], [[0, 0, 0], [0, NAN, 0]], ([0, 0], [False, False], [False, False])),
+     "step 1: observations[1] of agent 'a0' is nan (NaN and infinity are refused)"),
+    ({}, step(1, ["a2", "a0"], np.zeros((2, 3)), ([0, float("inf")], [False, False], [False, False])),
+     "step 1: rewards of agent 'a0' is inf"),
+    ({}, step(1, ["a0"], np.zeros((1, 3)), ([0, 0], [True, False], [False, False]), final=[[0, 0, NAN]]),
+     "step 1: final_observations[2] of agent 'a2' is nan"),
+    ({"actor": {"check_obs_bounds": True}},
+     step(1, ["a1", "a2", "a0"], [[0, 0, 0], [0, 0, 0], [9, 0, 0]], ([0, 0], [False, False], [False, False])),
+     "step 1: observations[0] of agent 'a0' is 9, outside its declared bounds [-5, 5]"),
+])
+def test_bad_values_are_refused_naming_the_agent_not_its_row(cfg, msg, message):
+    """docs/multi-agent.md: misuse names the agent and the field. The rows here are not the slots (a2
+    acted first at step 0; a0 is row 1 or 2), so a row number would name the wrong agent."""
+    text = _refusal(cfg, msg)
+    assert message in text and "env " not in text, text
+
+
+def test_an_action_mask_that_allows_nothing_is_refused_naming_the_agent():
+    msg = step(1, ["a2", "a0"], np.zeros((2, 3)), ([0, 0], [False, False], [False, False]))
+    msg.action_masks.CopyFrom(encode(np.array([[True, False], [False, False]])))
+    text = _refusal({}, msg)
+    assert "step 1: action_masks: allows no value of the action somewhere" in text and "(agent 'a0', row 1)" in text
+
+
+NODE_STEPS = r"""
+const path = require('path');
+const protoLoader = require('@grpc/proto-loader');
+const { agentsStep, decodeDiscrete } = require('../node-common/envsession');
+const pd = protoLoader.loadSync('kuberl/v1/actor.proto', { includeDirs: [path.resolve('../../protos')], keepCase: true,
+  longs: Number, enums: Number, defaults: true, oneofs: true });
+const rpc = pd['kuberl.v1.Actor'].EnvSession;
+const steps = [
+  agentsStep(0, ['a0', 'a1'], [[0, 0, 0], [1, 1, 1]], 3),
+  agentsStep(1, [], [], 3, [{ reward: 1, terminated: true, truncated: false, final: [2, 2, 2] },
+    { reward: 0.5, terminated: false, truncated: true, final: [3, 3, 3] }]),
+  agentsStep(2, [], [], 3, null),
+  agentsStep(3, ['a1'], [[4, 4, 4]], 3, [], ['a1']),
+];
+const reply = rpc.responseDeserialize(Buffer.from(process.argv[1], 'base64'));
+console.log(JSON.stringify({ steps: steps.map((step) => rpc.requestSerialize({ step }).toString('base64')),
+  actions: decodeDiscrete(reply.actions.actions, 0, 2) }));
+"""
+
+
+def test_the_node_client_sends_a_step_of_no_agents_as_no_agents():
+    """examples/node-common's agentsStep on the wire (serialized by @grpc/proto-loader, as the examples
+    send it): a step of no agents says no_agents, with no observations and no outcomes after it; the
+    actor's hub takes each step, and the Node side decodes the 0-row reply."""
+    example = Path(__file__).resolve().parents[3] / "examples" / "node-crossing"
+    node = shutil.which("node")
+    if node is None or not (example / "node_modules" / "@grpc" / "proto-loader").exists():
+        pytest.skip("Node.js and examples/node-crossing's packages (npm ci there) are needed")
+    reply = actor_pb2.ActorMessage(actions=actor_pb2.ActionReply(step_id=1, actions=encode(np.zeros(0, np.int64))))
+    out = subprocess.run([node, "-e", NODE_STEPS, base64.b64encode(reply.SerializeToString()).decode()], cwd=example,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["actions"] == []
+    msgs = [actor_pb2.EnvMessage.FromString(base64.b64decode(m)).step for m in got["steps"]]
+    assert [m.no_agents for m in msgs] == [False, True, True, False]
+    assert not msgs[1].HasField("observations") and not msgs[2].HasField("rewards")
+    h, _ = hub()
+    s, _ = h.open(hello())
+    for m, rows in zip(msgs, (2, 0, 0, 1)):
+        assert h.observe(s, m).shape == (rows, 3)
+        h.record_actions(s, np.zeros(rows, np.int64), {"behaviour_logprob": np.zeros(rows, np.float32)}, version=1)
+    assert h.metrics.counters["actor/env_steps_total"] == 2 and h.metrics.counters["actor/episodes_total"] == 2
