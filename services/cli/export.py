@@ -5,12 +5,16 @@ What is exported is the algorithm's deterministic policy (`Acting.greedy`: argma
 Q, the Gaussian's mean, SAC's squashed mean, Box actions clipped into the space's bounds) with the
 checkpoint's weights, loaded as an actor loads them (services/cli/trained.py). Its input `obs` is a
 batch of observations as the actors' envs produce them ([batch, *observation shape], of the
-observation dtype: float32 vectors, uint8 Atari frames). A policy trained under action masks (PPO on
+observation dtype: float32 vectors, uint8 Atari frames, int64 indices of a Discrete observation
+([batch]) or a MultiDiscrete one ([batch, k]), which the graph one-hot encodes itself; a Dict's
+Discrete keys are their indices among its float32 values, the `categories` of the metadata's
+`kuberl.observation`). A policy trained under action masks (PPO on
 a Discrete or MultiDiscrete space whose env reports `info["action_mask"]`) has a second input,
 `action_mask`: bool [batch, mask width], True where an action is allowed, in the layout of the env's
 `info["action_mask"]`; the graph never chooses a disallowed action. `--action-mask auto` (the default)
 adds it when the run's env reports masks on reset; `yes` and `no` decide it (an external simulator's
-env cannot be made here, so auto leaves it out and says so). Its one output, `action`, is a batch of env
+env, or one whose module is not importable here, cannot be asked, so auto leaves it out and says so;
+nothing else needs the env: the policy's spaces come from the checkpoint). Its one output, `action`, is a batch of env
 actions (int64 indices for Discrete, int64 [batch, choices] for MultiDiscrete, float32 [batch, *shape]
 for Box). Everything the network does to an observation is inside the graph: the Atari torso's /255,
 and PPO's running observation normalisation (`ppo.normalize_observations`), whose mean and variance
@@ -66,13 +70,18 @@ def _quiet_exporter():
 
 
 def sample_observations(spec, n: int, seed: int = 0) -> np.ndarray:
-    """`n` random observations of the policy's input layout: uint8 frames uniform over 0..255, other
+    """`n` random observations of the policy's input layout: uint8 frames uniform over 0..255,
+    categorical elements (a Discrete observation, a Dict's Discrete keys) uniform over 0..n-1, other
     observations standard normal (scaled by 3, to reach the normaliser's clip and a Box's bounds)."""
     rng = np.random.default_rng(seed)
     shape = (n, *spec.obs_shape)
     if spec.obs_dtype == np.uint8:
         return rng.integers(0, 256, shape, dtype=np.uint8)
-    return (3.0 * rng.standard_normal(shape)).astype(spec.obs_dtype)
+    obs = (3.0 * rng.standard_normal(shape)).astype(spec.obs_dtype)
+    flat = obs.reshape(n, -1)   # (a view: writes into `obs`)
+    for i, values in spec.obs_categories:
+        flat[:, i] = rng.integers(0, values, n)
+    return obs
 
 
 def sample_masks(space, n: int, seed: int = 0) -> np.ndarray:
@@ -115,13 +124,12 @@ def env_reports_masks(trained) -> bool | None:
         return None
     cfg = trained.cfg
     try:   # (a policy of several: its own agents' group)
-        envs = make_vector_env(cfg.env, num_envs=1, policies={k: v.agents for k, v in cfg.policies.items()}
-                               if trained.name else None)
+        envs = make_vector_env(cfg.env, num_envs=1, policies={k: v.agents for k, v in cfg.policies.items()} or None)
     except Exception:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
         return None
     try:
         masks = envs.reset(seed=0)[1].get("action_mask")
-        return masks is not None and (not trained.name or trained.name in masks)
+        return masks is not None and (not isinstance(masks, dict) or trained.name in masks)   # (by group)
     except Exception:  # noqa: BLE001 - an env that cannot reset here: unknown, as one that cannot be made
         return None
     finally:
@@ -151,11 +159,22 @@ def metadata(trained, masked: bool) -> dict[str, str]:
     spec = trained.spec
     return {"kuberl.algorithm": trained.cfg.algorithm, "kuberl.env_id": trained.cfg.env.id,
             "kuberl.policy_version": str(trained.version),
-            "kuberl.observation": json.dumps({"shape": list(spec.obs_shape), "dtype": spec.obs_dtype.name}),
+            "kuberl.observation": json.dumps({"shape": list(spec.obs_shape), "dtype": spec.obs_dtype.name,
+                                              **_categorical(spec)}),
             "kuberl.action_space": str(spec.action),
             "kuberl.inputs": json.dumps(input_names(trained, masked)),
             "kuberl.outputs": json.dumps(output_names(trained)),
             "kuberl.state_size": str(trained.policy.state_size)}
+
+
+def _categorical(spec) -> dict[str, object]:
+    """The metadata of a categorical observation: its space (Discrete(n), MultiDiscrete([..]), or
+    Dict(key: space, ...)) and `categories`, [flat index, n] of each element the graph one-hots."""
+    if not spec.obs_categories:
+        return {}
+    from services.common.protocol.spaces import describe_observation
+
+    return {"space": describe_observation(spec), "categories": [list(c) for c in spec.obs_categories]}
 
 
 def export_onnx(trained, path: Path, masked: bool) -> None:
@@ -325,7 +344,8 @@ def _export_one(trained, out: Path, args: argparse.Namespace) -> int:
     spec, size = trained.spec, trained.policy.state_size
     state = f"float32 [batch, {size}]"
     print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format}): {trained.description}\n"
-          f"  input  obs     {spec.obs_dtype.name} [batch, {', '.join(map(str, spec.obs_shape))}]\n"
+          f"  input  obs     {spec.obs_dtype.name} [batch{''.join(', ' + str(d) for d in spec.obs_shape)}]"
+          + (f"  ({_categorical(spec)['space']}, one-hot encoded in the graph)" if spec.obs_categories else "") + "\n"
           + (f"  input  state   {state}  (zeros at an episode's start, else the last next_state)\n" if size else "")
           + (f"  input  action_mask  bool [batch, {spec.action.mask_width}]  (True: allowed)\n"
              if masked else "") +

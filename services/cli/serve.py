@@ -17,7 +17,8 @@ checkpoint's weights stay.
 Given the run directory of several policies (config `policies`), each policy's newest checkpoint is
 served, each answering the sessions whose hello names it (`EnvHello.policy`; services/actor/serve.py).
 
-The policy comes from the checkpoint (algorithm, spaces, network); `--config` contributes only what
+The policy comes from the checkpoint alone (algorithm, spaces, network: services/cli/trained.py), so the
+env it trained on need not be importable here; `--config` contributes only what
 belongs to the serving process: its `tls` and `auth` sections (tokens, session caps) and its `actor`
 section's session settings (`max_sessions`, `session_timeout_s`, `session_resume_s`, `check_obs_bounds`,
 `torch_threads`). A step holding NaN or infinity is refused by the hub (services/actor/finite.py) before
@@ -72,9 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace, stop: asyncio.Event, policies: Policy | dict[str, Policy], metrics: Metrics,
+async def serve(args: argparse.Namespace, stop: asyncio.Event, policies: dict[str, Policy], metrics: Metrics,
                 serve_id: str, description: str) -> None:
-    first = policies if isinstance(policies, Policy) else next(iter(policies.values()))
+    first = next(iter(policies.values()))
     cfg = serving_config(first.cfg, load_role_config(args))  # ConfigError, TlsError: exit code 2
     import torch
 
@@ -111,11 +112,11 @@ def main(argv=None) -> int:
             trained = load_policies(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
             if args.follow_learner:   # (parsed here, to refuse a bad one before serving)
                 args.follow_learner = learner_addresses(args.follow_learner, tuple(trained))
-            policies: Policy | dict[str, Policy] = {name: t.policy for name, t in trained.items()}
+            policies = {name: t.policy for name, t in trained.items()}
             description = "; ".join(f"{name}: {t.description}" for name, t in trained.items())
         else:
             one = load_trained(args.checkpoint, seed=args.seed, greedy=not args.stochastic, metrics=metrics)
-            policies, description = one.policy, one.description
+            policies, description = {one.name: one.policy}, one.description
     except TrainedPolicyError as err:
         print(f"kuberl serve: {err}", file=sys.stderr)
         return 2

@@ -2,7 +2,10 @@
 directory (its newest checkpoint) or from one learner checkpoint file.
 
 The config the policy was trained with comes from the checkpoint itself (the learner writes the
-resolved config into every checkpoint), else from the run directory's config.yaml. The weights reach
+resolved config into every checkpoint), else from the run directory's config.yaml; the spaces the
+policy was built for come from the checkpoint too (the learner writes them beside the config), so
+reading a policy makes no env: its module need not be importable here (`kuberl serve`, `kuberl
+export`); only `kuberl eval`, which steps it, makes it. The weights reach
 the policy network the way they reach an actor: the algorithm's learner part loads the checkpoint (as
 a restarted learner does) and its `policy` is handed to the actor's `Policy` as published weights, so
 what is evaluated or exported is exactly what actors would run. Nothing here writes to the run
@@ -24,7 +27,9 @@ from services import algorithms
 from services.actor.policy import Policy
 from services.config import ConfigError, ExperimentConfig, config_from_dict, load_config
 from services.common.models.nets import EnvSpec, policy_spec, to_numpy
+from services.common.protocol.spaces import spec_from_dict
 from services.common.stats import Metrics
+from services.common.net.policy import DEFAULT as DEFAULT_POLICY
 from services.learner import checkpoint
 
 
@@ -40,7 +45,7 @@ class Trained:
     version: int
     spec: EnvSpec
     policy: Policy
-    name: str = ""   # the policy it is, of a run of several (config `policies`)
+    name: str = DEFAULT_POLICY   # the policy it is (of a run's several, config `policies`; else `default`)
 
     def greedy(self) -> torch.nn.Module:
         """The deterministic policy (`Acting.greedy`), in eval mode: obs [B, ...] -> actions [B, ...]."""
@@ -126,9 +131,26 @@ def _config(ckpt: Path, state: dict) -> ExperimentConfig:
                              "or in its run directory")
 
 
+def _spec(ckpt: Path, state: dict, cfg: ExperimentConfig, name: str) -> EnvSpec:
+    """The spaces the checkpoint's policy was built for: those it holds (the learner writes them), else
+    (a checkpoint written before they were) its env's, made here once."""
+    if state.get("spaces") is not None:
+        try:
+            return spec_from_dict(state["spaces"])
+        except ValueError as err:
+            raise TrainedPolicyError(f"{ckpt}: its spaces: {err}") from None
+    try:
+        return policy_spec(cfg, name)
+    except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
+        raise TrainedPolicyError(f"{ckpt}: holds no spaces (written by an older kuberl), and env.id "
+                                 f"{cfg.env.id!r} of its config, whose spaces they are, cannot be made here "
+                                 f"({_first_line(err)})") from None
+
+
 def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metrics: Metrics | None = None) -> Trained:
-    """Read the policy at `path` (a run directory or a checkpoint file) onto the CPU. Blocking (disk,
-    and the env is made once to read its spaces). Raises TrainedPolicyError naming what is wrong.
+    """Read the policy at `path` (a run directory or a checkpoint file) onto the CPU, from the checkpoint
+    alone: its config, spaces and weights; the env is not made (but for a checkpoint that holds no
+    spaces: `_spec`). Blocking (disk). Raises TrainedPolicyError naming what is wrong.
     `greedy`: the `Policy` acts deterministically (`Policy.act`); `metrics`: the actor metrics it
     reports into (default: its own)."""
     ckpt = find_checkpoint(path)
@@ -141,11 +163,7 @@ def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metri
     name = state.get("policy") or (ckpt.parent.name if ckpt.parent.name in cfg.policies else cfg.policy_names[0])
     if name not in cfg.policy_names:
         raise TrainedPolicyError(f"{ckpt}: holds policy {name!r}, which its config does not name")
-    try:
-        spec = policy_spec(cfg, name)
-    except Exception as err:  # noqa: BLE001 - gymnasium raises its own errors for an env it cannot make
-        raise TrainedPolicyError(f"{ckpt}: env.id {cfg.env.id!r} of its config cannot be made here "
-                                 f"({_first_line(err)})") from None
+    spec = _spec(ckpt, state, cfg, name)
     algorithm = algorithms.get(cfg.algorithm)
     # The learner part on the CPU whatever device it trained on: checkpoints hold CPU tensors.
     on_cpu = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, device="cpu"))
@@ -155,8 +173,7 @@ def load_trained(path: str | Path, seed: int = 0, *, greedy: bool = False, metri
     except (KeyError, RuntimeError, ValueError, TypeError) as err:
         raise TrainedPolicyError(f"{ckpt}: its state does not fit the {cfg.algorithm} network of its config "
                                  f"({_first_line(err)})") from None
-    name = name if cfg.several_policies else ""
-    policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy, name=name)
+    policy = Policy(cfg, spec, seed, metrics or Metrics("actor"), greedy=greedy, name=cfg.tag(name))
     policy.offer_weights(learner.version, to_numpy(learner.policy))
     policy.swap()
     return Trained(cfg, ckpt, learner.version, spec, policy, name)

@@ -21,6 +21,7 @@ from services import algorithms
 from services.config import ExperimentConfig
 from services.common.protocol.fragments import batch_samples
 from services.common.models.nets import is_image, policy_spec, to_numpy
+from services.common.protocol.spaces import spec_to_dict
 from services.common.stats import Metrics
 from services.common.protocol.tensors import NonFiniteError
 from services.common.protocol.weights import encode_weights
@@ -174,7 +175,9 @@ class Trainer:
             with self.lock:  # a copy of the state between two updates; the disk write runs without the lock
                 version, state = self.version, checkpoint.snapshot({"algo": self.algo.state_dict(),
                                                                     "config": self.cfg.to_dict(),
-                                                                    "policy": self.policy})
+                                                                    "policy": self.policy,
+                                                                    # kuberl serve/export need no env
+                                                                    "spaces": spec_to_dict(self.spec)})
             if (bad := checkpoint.nonfinite(state["algo"], "algo")) is not None:  # a restart must never resume it
                 self.metrics.inc("learner/checkpoints_refused_nonfinite_total")
                 log.error("not checkpointing version %d: %s holds NaN or infinity; the last checkpoint stands",

@@ -139,6 +139,33 @@ def test_bad_config_exits_with_an_error_naming_the_key(tmp_path):
     assert "buffer cannot start: ppo.clip_coeff: unknown key" in buffer.output()
 
 
+def test_a_taken_address_is_one_line_naming_its_flag_and_exit_code_2(tmp_path):
+    """Two roles on one machine with the default --metrics-listen: the second cannot bind the port.
+    It says so in one line naming the address and the flag, no traceback, exit code 2 (as a bad flag);
+    a --listen address in use likewise names --listen."""
+    config = write_config(tmp_path / "c.yaml", TINY_PPO)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        learner = Service("learner", tmp_path, config, "--buffer", f"127.0.0.1:{_free_port()}",
+                          "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-listen", taken)
+        buffer = Service("buffer", tmp_path, config, listen=taken)
+        try:
+            assert learner.popen.wait(60) == 2, learner.output()
+            assert buffer.popen.wait(60) == 2, buffer.output()
+        finally:
+            learner.kill()
+            buffer.kill()
+    for service, flag in ((learner, "--metrics-listen"), (buffer, "--listen")):
+        out = service.output()
+        lines = [line for line in out.splitlines() if "cannot start" in line]
+        assert len(lines) == 1 and "Traceback" not in out and " failed: " not in out, out
+        assert f"{flag}: {taken} cannot be served on ([Errno 98] Address already in use)" in lines[0], out
+        assert f"{flag} HOST:PORT" in lines[0], out
+    assert "or '' to turn the metrics endpoint off" in learner.output()
+
+
 def test_buffer_runs_without_torch_or_gymnasium(tmp_path):
     """Block both imports outright, then run the buffer module as its entrypoint would."""
     config = write_config(tmp_path / "c.yaml", TINY_PPO)

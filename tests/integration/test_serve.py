@@ -37,6 +37,7 @@ from services.learner.servicer import LearnerServicer
 from tests.helpers import ROOT, Service, http_get, stats, wait_for, write_config
 from tests.integration.test_node_simulator import EXAMPLES, node_example
 from tests.policies import untrained
+from tests.unit.cli.test_export import unimportable
 
 CARTPOLE = {"algorithm": "ppo", "seed": 0, "env": {"id": "CartPole-v1"}, "ppo": {"hidden_sizes": [16]}}
 # The serving process's own config names another env on purpose: the spaces checked must be the checkpoint's.
@@ -199,7 +200,7 @@ async def test_serve_refuses_infinity_in_one_session_and_answers_the_others(chec
                 actions.append(client.step(*then))
             return actions
 
-    async with serving(trained.policy, cfg, metrics, listen="127.0.0.1:0") as endpoints:
+    async with serving({trained.name: trained.policy}, cfg, metrics, listen="127.0.0.1:0") as endpoints:
         address = endpoints.grpc
         beside = EnvSessionClient(address, session_id="beside", obs_shape=(4,), num_actions=2, num_envs=n,
                                   timeout_s=WAIT_S)
@@ -467,6 +468,22 @@ def test_stochastic_serving_samples_from_a_seed_of_its_own(tmp_path, checkpoint,
     assert not np.array_equal(first, second) and not np.array_equal(first, greedy_actions(greedy, obs)), \
         "sampled actions should vary"
     assert seed != 0
+
+
+def test_a_policy_whose_env_cannot_be_imported_here_is_served_from_the_checkpoint(tmp_path):
+    """A user's `module:EnvId` need not be importable where the policy is served: the checkpoint holds
+    the policy's spaces, and sessions get its greedy actions."""
+    gone = unimportable(untrained(tmp_path / "run", CARTPOLE))
+    greedy = load_trained(gone).greedy()
+    proc = start_serve(tmp_path, gone)
+    try:
+        address = proc.wait_ready(WAIT_S)
+        assert "kuberl_gone_module:Gone-v0" in proc.output()   # (the description of what is served)
+        for obs, actions, _ in _session(address, "gone", 3, 4, seed=0):
+            np.testing.assert_array_equal(actions, greedy_actions(greedy, obs))
+        assert proc.terminate() == 0, proc.output()
+    finally:
+        proc.kill()
 
 
 def test_a_bad_checkpoint_path_is_one_line_and_exit_code_2(tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 from services.common.net.grpcutil import Serving, start_server
 from services.common.service.prometheus import MetricsServer, serve_metrics
 from services.common.service.runtime import Endpoints
+from services.common.settings import ConfigError
 from services.common.stats import Metrics, tick_forever
 
 log = logging.getLogger(__name__)
@@ -64,12 +66,24 @@ class Lifecycle:
     async def serve(self, listen: str, register: Callable[[Any], None], service_names: list[str], *,
                     max_message_bytes: int, metrics_listen: str | None = None, **server_options: Any) -> None:
         """Bind the role's gRPC server (`grpcutil.start_server`: health NOT_SERVING until `running()`)
-        and, with `metrics_listen`, its Prometheus endpoint with the /livez and /readyz probes."""
-        self.server = await start_server(listen, register, service_names, max_message_bytes=max_message_bytes,
-                                         metrics=self.metrics, **server_options)
+        and, with `metrics_listen`, its Prometheus endpoint with the /livez and /readyz probes. An
+        address that cannot be bound (in use, not this host's) is a ConfigError naming its flag,
+        `--listen` or `--metrics-listen`: `run_service` says so in one line and exits 2."""
+        if (why := unbindable(listen)) is not None:   # before gRPC, whose C core logs its own failure first
+            raise bind_error("--listen", listen, why)
+        try:
+            self.server = await start_server(listen, register, service_names, max_message_bytes=max_message_bytes,
+                                             metrics=self.metrics, **server_options)
+        except (OSError, RuntimeError) as err:   # grpcio: RuntimeError("Failed to bind to address ...")
+            if str(err).startswith(("Failed to bind", "could not bind")):
+                raise bind_error("--listen", listen, unbindable(listen) or str(err)) from None
+            raise
         if metrics_listen:
             try:
                 self.prom = serve_metrics(self.metrics, metrics_listen, health=self.server)
+            except OSError as err:   # socket.gaierror too: a host that is not this machine's
+                await self.server.close()
+                raise bind_error("--metrics-listen", metrics_listen, _os_error(err)) from None
             except BaseException:
                 await self.server.close()
                 raise
@@ -140,6 +154,43 @@ class Lifecycle:
                 self.prom.close()
             for closer in reversed(self._closers):
                 await _run(closer)
+
+
+def unbindable(listen: str) -> str | None:
+    """Why a TCP server could not bind `listen` (host:port) now, e.g. "[Errno 98] Address already in
+    use"; None when it can (or for port 0, which binds a free one). Binds and closes a socket, with
+    SO_REUSEADDR as the servers set it, so a port left in TIME_WAIT by a process just stopped is free."""
+    shown, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return None
+    host = shown.strip("[]") or None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as err:
+        return _os_error(err)
+    return None
+
+
+def bind_error(flag: str, listen: str, why: str) -> ConfigError:
+    """The one-line refusal of an address a role cannot serve on, naming the flag that sets it."""
+    if "in use" in why:
+        advice = ("another process serves there (another role on this machine: each needs its own ports); "
+                  f"give this one {flag} HOST:PORT")
+    else:
+        advice = f"give {flag} HOST:PORT with a host of this machine"
+    if flag == "--metrics-listen":
+        advice += ", or '' to turn the metrics endpoint off"
+    else:
+        advice += " (port 0 picks a free one)"
+    return ConfigError(flag, f"{listen} cannot be served on ({why}): {advice}")
+
+
+def _os_error(err: OSError) -> str:
+    return f"[Errno {err.errno}] {err.strerror}" if err.errno is not None and err.strerror else str(err)
 
 
 async def _run(step: Step) -> None:

@@ -3,7 +3,8 @@
 `run_service` runs `serve(args, stop)` on uvloop; SIGTERM and SIGINT set `stop`, after which the
 service runs its own shutdown sequence. A crash in any background loop ends the process with
 exit code 1 (Kubernetes restarts it); a clean stop exits 0; a config or TLS setting that cannot work
-(a ConfigError or TlsError raised as the service starts) exits 2, as a bad flag does.
+(a ConfigError or TlsError raised as the service starts, an address it cannot bind among them) exits
+2, as a bad flag does.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def run_service(role: str, args: argparse.Namespace,
     try:
         uvloop.run(main())
     except (AuthError, ConfigError, TlsError) as err:  # raised before serving: the config or a flag cannot work
-        log.critical("%s cannot start: %s", role, err)
+        log.critical("%s cannot start: %s", role, err)   # (an address a role cannot bind: Lifecycle.serve)
         return 2
     except Exception as exc:  # a background loop crashed: end loudly, let the supervisor restart us
         for failure in (exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]):

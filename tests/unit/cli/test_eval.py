@@ -16,6 +16,7 @@ from services.config import config_from_dict
 from services.common.models.heads import Head
 from services.common.protocol.spaces import Box, Discrete, MultiDiscrete
 from tests.helpers import eval_cli, video_frames
+from tests.unit.cli.test_export import unimportable
 from tests.policies import untrained
 
 CARTPOLE = {"algorithm": "ppo", "env": {"id": "CartPole-v1"}, "ppo": {"hidden_sizes": [16]}}
@@ -88,7 +89,9 @@ def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
               "not a video format written here; use .mp4 or .gif"),
              ([str(tmp_path / "nowhere")], "no such run directory or checkpoint file"),
              ([str(tmp_path / "run" / "config.yaml")], "config.yaml: not a kuberl learner checkpoint ("),
-             ([str(tmp_path / "run"), "--episodes", "0"], "--episodes 0: must be >= 1")]
+             ([str(tmp_path / "run"), "--episodes", "0"], "--episodes 0: must be >= 1"),
+             ([str(unimportable(untrained(tmp_path / "gone", CARTPOLE)))],   # (eval steps the env: it must be made)
+              "env.id 'kuberl_gone_module:Gone-v0' cannot be made here (ModuleNotFoundError: ")]
     for argv, message in cases:
         assert evaluate.main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -1,5 +1,6 @@
 """`kuberl eval --against`: a policy plays games of a two-player PettingZoo env against a named
 opponent, each side in turn, and the wins, losses and draws are counted as self-play counts them.
+Without --against, such an env's evaluation prints the deterministic and the sampled result.
 
 On kuberl_envs.tron the cycles start facing each other on different rows, so a cycle that always goes
 straight on hits the far wall: two of them crash at the same step (a draw, every game), and the
@@ -124,3 +125,30 @@ def test_roomy_keeps_out_of_the_opponents_reach_and_beats_random():
                 results.append(r["p0"])
                 break
     assert results.count(1.0) >= 95 and results.count(-1.0) <= 1, (results.count(1.0), results.count(-1.0))
+
+
+def test_an_env_of_agents_is_evaluated_deterministic_and_sampled_by_default(tmp_path, capsys):
+    """Where every agent plays the run's policy, a policy may rely on randomness its most likely action
+    lacks: both results are printed unless --actions (or --stochastic) names one; a one-agent env gets
+    the deterministic one unless --actions both."""
+    run = str(tmp_path / "run")
+    untrained(tmp_path / "run", TRON)   # (near-uniform logits: sampling plays other games)
+    assert evaluate.main([run, "--episodes", "4", "--num-envs", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    sampled = result["stochastic"]
+    assert result["deterministic"] is True and sampled["deterministic"] is False
+    assert result["episodes"] == sampled["episodes"] == 4 and sampled["lengths"] != result["lengths"]
+    assert evaluate.main([run, "--episodes", "4", "--num-envs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "deterministic and stochastic (sampled) actions, each evaluated" in out and out.count("return  mean") == 2
+    assert out.index("deterministic actions (the most likely):") < out.index("stochastic actions (sampled, as the")
+    for flags, deterministic in ((["--actions", "deterministic"], True), (["--stochastic"], False)):
+        assert evaluate.main([run, "--episodes", "2", "--json", *flags]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["deterministic"] is deterministic and "stochastic" not in result, flags
+    assert evaluate.main([run, "--against", "random", "--episodes", "2", "--json"]) == 0   # a win rate: one
+    assert "stochastic" not in json.loads(capsys.readouterr().out)
+    untrained(tmp_path / "cartpole", TINY_PPO)   # CartPole
+    for flags, both in (([], False), (["--actions", "both"], True)):
+        assert evaluate.main([str(tmp_path / "cartpole"), "--episodes", "2", "--json", *flags]) == 0
+        assert ("stochastic" in json.loads(capsys.readouterr().out)) is both

@@ -184,3 +184,44 @@ def test_refusals_are_one_line_with_exit_code_2(tmp_path, capsys):
         assert export.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and err.startswith("kuberl export: ") and err.count("\n") == 1, err
+
+
+def unimportable(ckpt, env_id: str = "kuberl_gone_module:Gone-v0"):
+    """`ckpt` rewritten as if trained on an env whose module this machine lacks (a user's `module:EnvId`):
+    only the config's env.id changes; the spaces and weights are the checkpoint's own."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["config"]["env"]["id"] = env_id
+    torch.save(state, ckpt)
+    return ckpt
+
+
+def test_a_policy_whose_env_cannot_be_imported_here_is_exported_from_the_checkpoint(tmp_path, capsys):
+    """The checkpoint holds its policy's spaces: export builds the policy without making the env, and
+    only --action-mask auto, which asks the env, says it could not (a note, not a failure)."""
+    ckpt = unimportable(untrained(tmp_path / "run", PENDULUM_SAC))
+    trained = load_trained(ckpt)
+    assert trained.cfg.env.id == "kuberl_gone_module:Gone-v0" and str(trained.spec.action) == "Box([1], [-2, 2])"
+    out = tmp_path / "gone.onnx"
+    assert export.main([str(ckpt), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "input  obs     float32 [batch, 3]" in captured.out and "checked: onnxruntime" in captured.out
+    assert captured.err == ""    # SAC on a Box takes no masks: nothing asked of the env
+    masked = unimportable(untrained(tmp_path / "masked", CARTPOLE_PPO))
+    assert export.main([str(masked), "-o", str(tmp_path / "masked.onnx"), "--no-check"]) == 0
+    captured = capsys.readouterr()
+    assert "output action  int64 [batch]  (Discrete(2))" in captured.out
+    assert "'kuberl_gone_module:Gone-v0' cannot be made here" in captured.err and "--action-mask yes" in captured.err
+
+
+def test_the_spaces_a_checkpoint_holds_read_back_as_the_policys():
+    from services.common.protocol.spaces import (Box, Discrete, EnvSpec, MultiDiscrete, dict_layout, spec_from_dict,
+                                                 spec_to_dict)
+
+    specs = [EnvSpec((4,), np.dtype(np.float32), Discrete(2)),
+             EnvSpec((4, 84, 84), np.dtype(np.uint8), MultiDiscrete((4, 3))),
+             EnvSpec((5,), np.dtype(np.float32), Box.of((2,), [-1.0, -np.inf], [1.0, np.inf]),
+                     dict_layout({"b": (3,), "a": (2,)}))]
+    for spec in specs:
+        assert spec_from_dict(spec_to_dict(spec)) == spec
+    with pytest.raises(ValueError, match="not the spaces of a policy"):
+        spec_from_dict({"observation_shape": [4], "action": {"box": {"shape": [1]}}})
