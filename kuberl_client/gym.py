@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 from kuberl_client.session import Discrete, EnvSessionClient, SessionError
-from services.common.protocol.spaces import from_gymnasium
+from services.common.protocol.spaces import from_gymnasium, observation_space
 
 __all__ = ["as_vector_env", "serve_gym_env"]
 
@@ -52,8 +52,11 @@ def _spaces(envs: gym.vector.VectorEnv) -> tuple[dict, int]:
         kw = {"obs_keys": {k: sub.shape for k, sub in obs.spaces.items()}}
     elif isinstance(obs, gym.spaces.Box):
         kw = {"obs_shape": tuple(obs.shape), "obs_dtype": np.dtype(obs.dtype)}
+    elif isinstance(obs, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
+        kw = {"obs_space": observation_space(obs)}   # ValueError for a start other than 0
     else:
-        raise ValueError(f"observation space {obs}: only Box and Dict-of-Box observations are supported")
+        raise ValueError(f"observation space {obs}: only Box, Discrete, MultiDiscrete and Dict-of-Box "
+                         f"observations are supported")
     start = int(act.start) if isinstance(act, gym.spaces.Discrete) else 0
     if isinstance(act, gym.spaces.Discrete):
         kw["action_space"] = Discrete(int(act.n))
@@ -83,8 +86,8 @@ def serve_gym_env(env, address: str, *, session_id: str, max_steps: int | None =
     """Step `env` with the actor's actions until `max_steps` vector steps or `stop` is set.
 
     env: a gymnasium VectorEnv made with autoreset_mode SAME_STEP, or a plain Env (wrapped, num_envs=1).
-    Its spaces: Box or Dict-of-Box observations; Discrete, MultiDiscrete or Box actions. An env that
-    reports `info["action_mask"]` has its masks sent with every step.
+    Its spaces: Box, Discrete, MultiDiscrete or Dict-of-Box observations; Discrete, MultiDiscrete or
+    Box actions. An env that reports `info["action_mask"]` has its masks sent with every step.
     The env is not closed. Returns {"steps": vector steps, "env_steps": steps x num_envs,
     "episodes": finished episodes, "returns": their returns, "lengths": their lengths,
     "sessions": streams opened, "held_s": seconds the actor held its replies while the learner was

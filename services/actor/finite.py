@@ -1,5 +1,6 @@
-"""What an actor refuses to record or act on: observations and rewards holding NaN or infinity, and,
-with `actor.check_obs_bounds`, observations outside the finite bounds their space declares.
+"""What an actor refuses to record or act on: observations and rewards holding NaN or infinity, a
+Discrete or MultiDiscrete observation outside 0..n-1 (always: it one-hot encodes to nothing), and, with
+`actor.check_obs_bounds`, observations outside the finite bounds their space declares.
 
 One NaN that reaches a fragment reaches the learner's weights, and one that reaches the policy's
 input makes NaN actions (or ends the inference batch of every session). So a simulator's step that
@@ -41,6 +42,7 @@ class Bad:
     value: float
     low: float = -math.inf      # the declared bounds the value is outside of (when it is finite)
     high: float = math.inf
+    values: int = 0             # a categorical element's n, where the value is not one of 0..n-1
 
     @property
     def nonfinite(self) -> bool:
@@ -54,6 +56,9 @@ class Bad:
         where = self.field + (f"[{', '.join(map(str, self.element))}]" if self.element else "")
         if self.nonfinite:
             return f"{where} of env {self.env} is {self.value} (NaN and infinity are refused)"
+        if self.values:
+            return (f"{where} of env {self.env} is {self.value:g}, outside 0..{self.values - 1} (a categorical "
+                    f"observation of {self.values} values)")
         return (f"{where} of env {self.env} is {self.value:g}, outside its declared bounds "
                 f"[{self.low:g}, {self.high:g}] (actor.check_obs_bounds)")
 
@@ -62,10 +67,13 @@ class Bad:
 class Check:
     """How a batch [N, *shape] of per-env values is checked: always for NaN and infinity (floating
     point values); against `low`/`high` (arrays of one env copy's shape, +-inf where unbounded) when
-    they are given. `layout`: a flattened Dict observation's keys, to name the key at fault."""
+    they are given. `layout`: a flattened Dict observation's keys, to name the key at fault. `nvec`: a
+    Discrete or MultiDiscrete observation's n per element (an array of one env copy's shape), whose
+    values must be integers in 0..n-1, always checked."""
     layout: DictLayout | None = None
     low: np.ndarray | None = None
     high: np.ndarray | None = None
+    nvec: np.ndarray | None = None
 
     def find(self, values: np.ndarray, field: str = "observations", envs: Sequence[int] | None = None) -> Bad | None:
         """The first bad value of `values` (row k is env copy envs[k], or k), or None if all are good."""
@@ -76,12 +84,17 @@ class Check:
             inside = (values >= self.low) & (values <= self.high)
             if not inside.all():
                 bad = ~inside
+        elif self.nvec is not None:
+            inside = (values >= 0) & (values < self.nvec)
+            if not inside.all():
+                bad = ~inside
         if bad is None:
             return None
         row, *element = (int(i) for i in np.argwhere(bad)[0])
         value = float(values[(row, *element)])
-        bounds = {} if self.low is None else {"low": float(self.low[tuple(element)]),
-                                              "high": float(self.high[tuple(element)])}
+        bounds = ({"values": int(self.nvec[tuple(element)])} if self.nvec is not None and math.isfinite(value)
+                  else {} if self.low is None else {"low": float(self.low[tuple(element)]),
+                                                    "high": float(self.high[tuple(element)])})
         env = row if envs is None else int(envs[row])
         if self.layout is not None and len(element) == 1:
             field, element = self._key_of(field, element[0])
@@ -115,9 +128,12 @@ class Check:
         """The check of a session's observations from its hello's `observation_space` (a kuberl.v1.Space
         already found to fit the policy): a Dict's keys, and with `bounds` (actor.check_obs_bounds) the
         bounds its BoxSpaces declare. TensorError naming the field if those bounds are malformed."""
-        if space.WhichOneof("kind") == "box":
+        kind = space.WhichOneof("kind")
+        if kind == "box":
             low, high = (_declared(space.box, obs_shape, "observation_space.box") if bounds else (None, None))
             return cls.of(None, low, high, dtype)
+        if kind in ("discrete", "multi_discrete"):
+            return cls.categorical(getattr(space, kind))
         layout = dict_layout_from_proto(space.dict)
         if not bounds:
             return cls(layout)
@@ -127,10 +143,19 @@ class Check:
 
     @classmethod
     def from_gymnasium(cls, space, layout: DictLayout | None, bounds: bool) -> Check:
-        """The check of a local env's observations: `space` is its (flattened) gymnasium Box."""
+        """The check of a local env's observations: `space` is its (flattened) gymnasium Box, or its
+        Discrete or MultiDiscrete space."""
+        if type(space).__name__ in ("Discrete", "MultiDiscrete"):
+            return cls.categorical(space)
         if not bounds:
             return cls(layout)
         return cls.of(layout, space.low, space.high, space.dtype)
+
+    @classmethod
+    def categorical(cls, space) -> Check:
+        """The check of a Discrete or MultiDiscrete observation (a gymnasium space, or a kuberl.v1
+        DiscreteSpace or MultiDiscreteSpace already found to fit the policy): its integers in 0..n-1."""
+        return cls(nvec=np.asarray(list(space.nvec) if hasattr(space, "nvec") else space.n, np.int64))
 
 
 FINITE = Check()  # NaN and infinity only: rewards, and observations when bounds are not checked

@@ -16,7 +16,7 @@ import numpy as np
 from kuberl.v1 import common_pb2 as pb
 from services.common.envs import EnvSpec
 from services.common.protocol.fragments import TRANSITION_FIELDS
-from services.common.protocol.spaces import check_actions, check_mask
+from services.common.protocol.spaces import check_actions, check_mask, check_observations
 from services.common.stats import Histogram, Metrics
 from services.common.protocol.tensors import TensorError, check_finite, decode
 
@@ -37,14 +37,16 @@ def skipped_step(metrics: Metrics, what: str, version: int) -> None:
 def check_fits(spec: EnvSpec, *observations: np.ndarray, actions: np.ndarray, lead: tuple[int, ...],
                mask: np.ndarray | None = None, rows: int | None = None) -> None:
     """Raise TensorError unless the data fits the env: each of `observations` is [rows, *obs_shape]
-    (`rows` None: any number), `actions` is `lead` + the action space's layout with valid values,
-    and `mask`, if any, is `lead` + [mask width] allowing something everywhere."""
+    (`rows` None: any number) with its categorical elements (a Discrete observation) in range,
+    `actions` is `lead` + the action space's layout with valid values, and `mask`, if any, is `lead` +
+    [mask width] allowing something everywhere."""
     for obs in observations:
         if obs.shape[1:] != spec.obs_shape:
             raise TensorError("obs", f"per-step shape {list(obs.shape[1:])} does not match the env's "
                                      f"{list(spec.obs_shape)}")
         if rows is not None and len(obs) != rows:
             raise TensorError("obs", f"{len(obs)} rows, expected {rows}")
+        check_observations(spec, obs, "obs")   # (one-hot would make an out-of-range value zeros, silently)
     check_actions(spec.action, actions, lead)
     if mask is not None:
         check_mask(spec.action, mask, lead)

@@ -26,7 +26,9 @@ from services.common.agents import ParallelVectorEnv, is_pettingzoo, make_parall
 from services.common.config import CommonConfig, EnvConfig, is_atari
 from services.common.settings import ConfigError
 from services.common.protocol.spaces import EnvSpec as EnvSpec  # also re-exported
-from services.common.protocol.spaces import Discrete, dict_layout, from_gymnasium
+from services.common.protocol.spaces import (Discrete, DictLayout, MultiDiscrete, check_observations, dict_categories,
+                                             dict_layout, discrete_spec, flat_size, flatten_dict, from_gymnasium,
+                                             observation_space)
 
 if TYPE_CHECKING:
     import gymnasium
@@ -106,18 +108,76 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, render_mode: st
 
 
 def _flatten_dict(env: gymnasium.Env[Any, Any]) -> gymnasium.Env[Any, Any]:
-    """A Dict-of-Box observation flattened into one float32 vector (the keys in sorted order, each
-    Box row-major: gymnasium's flatten), which is what the policy networks take; others as they are."""
+    """A Dict observation flattened into one float32 vector (the keys in sorted order, each Box
+    row-major: gymnasium's flatten; a Discrete or MultiDiscrete key as its integers, which the policy
+    one-hots: spaces.py), which is what the policy networks take; others as they are."""
     import gymnasium as gym
 
     space = env.observation_space
     if not isinstance(space, gym.spaces.Dict):
         return env
-    if not all(isinstance(s, gym.spaces.Box) for s in space.spaces.values()):
-        raise ValueError(f"observation space {space}: a Dict observation must hold only Box spaces")
-    from gymnasium.wrappers import DtypeObservation, FlattenObservation
+    layout, discrete = _dict_parts(space)
+    if not discrete:   # (Boxes only: gymnasium's flatten)
+        from gymnasium.wrappers import DtypeObservation, FlattenObservation
 
-    return DtypeObservation(FlattenObservation(env), np.float32)
+        return DtypeObservation(FlattenObservation(env), np.float32)
+    return _flat_dict_env(env, layout, discrete)
+
+
+def _dict_parts(space: Any) -> tuple[DictLayout, dict[str, Discrete | MultiDiscrete]]:
+    """A gymnasium Dict observation space's layout and its Discrete and MultiDiscrete keys; ValueError
+    for a key of any other space."""
+    import gymnasium as gym
+
+    discrete = {}
+    for key, sub in space.spaces.items():
+        if isinstance(sub, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
+            discrete[key] = observation_space(sub, f"observation space {space}: key {key!r}")
+        elif not isinstance(sub, gym.spaces.Box):
+            raise ValueError(f"observation space {space}: a Dict observation must hold only Box, Discrete and "
+                             f"MultiDiscrete spaces (key {key!r} is {sub})")
+    return dict_layout({k: discrete[k].shape if k in discrete else s.shape for k, s in space.spaces.items()}), discrete
+
+
+def _flat_dict_env(env: gymnasium.Env[Any, Any], layout: DictLayout,
+              discrete: dict[str, Discrete | MultiDiscrete]) -> gymnasium.Env[Any, Any]:
+    """`env` with its Dict observations flattened (spaces.flatten_dict), Discrete keys as their
+    integers; a Discrete value outside its space raises ValueError naming the key (bad data, never
+    recorded or acted on)."""
+    import gymnasium as gym
+
+    env_id = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+    size = flat_size(layout)
+    low, high = np.full(size, -np.inf, np.float32), np.full(size, np.inf, np.float32)
+    offset = 0
+    for key, shape in layout:
+        n = int(np.prod(shape))
+        sub = env.observation_space.spaces[key]  # type: ignore[attr-defined]
+        if key in discrete:
+            d = discrete[key]
+            low[offset:offset + n] = 0
+            high[offset:offset + n] = np.asarray(d.nvec if isinstance(d, MultiDiscrete) else d.n) - 1
+        else:
+            low[offset:offset + n] = np.asarray(sub.low, np.float32).reshape(-1)
+            high[offset:offset + n] = np.asarray(sub.high, np.float32).reshape(-1)
+        offset += n
+    # (what check_observations reads of a spec: the observation's layout; the action space is not used)
+    spec = EnvSpec((size,), np.dtype(np.float32), Discrete(1), layout, dict_categories(layout, discrete))
+
+    class FlatDict(gym.ObservationWrapper):
+        def __init__(self) -> None:
+            super().__init__(env)
+            self.observation_space = gym.spaces.Box(low, high, (size,), np.float32)
+
+        def observation(self, observation: Any) -> np.ndarray:
+            flat = flatten_dict(observation, layout)
+            try:
+                check_observations(spec, flat, "observation")
+            except ValueError as err:
+                raise ValueError(f"env.id: {env_id} returned {err}; the actor stops rather than record it") from None
+            return flat
+
+    return FlatDict()
 
 
 def env_spec(cfg: EnvConfig) -> EnvSpec:
@@ -140,28 +200,35 @@ def env_spec(cfg: EnvConfig) -> EnvSpec:
         finally:
             agents.close()
     raw = gym.make(cfg.id, max_episode_steps=cfg.max_episode_steps, **cfg.kwargs)  # type: ignore[arg-type]
-    # (its spaces are Boxes, whose shape gymnasium types as set: _flatten_dict refuses any other)
-    keys = (dict_layout({k: s.shape for k, s in raw.observation_space.spaces.items()})  # type: ignore[misc]
-            if isinstance(raw.observation_space, gym.spaces.Dict) else None)
-    flat = _flatten_dict(raw)
     try:
-        return _spec_of_spaces(cfg.id, flat.observation_space, flat.action_space, keys)
+        return _spec_of_spaces(cfg.id, raw.observation_space, raw.action_space, dicts=True)
     finally:
-        flat.close()
+        raw.close()
 
 
-def _spec_of_spaces(env_id: str, obs: Any, act: Any, keys: Any = None) -> EnvSpec:
-    """The EnvSpec of a (flattened) observation space and an action space; ValueError naming env.id for
-    what kuberl cannot train on yet. (PettingZoo's spaces are gymnasium's.)"""
+def _spec_of_spaces(env_id: str, obs: Any, act: Any, dicts: bool = False) -> EnvSpec:
+    """The EnvSpec of an observation space and an action space; ValueError naming env.id for what
+    kuberl cannot train on yet. `dicts`: a Dict observation is flattened (`_flatten_dict`: gymnasium
+    envs; PettingZoo agents' are not). (PettingZoo's spaces are gymnasium's.)"""
     import gymnasium as gym
 
-    if not isinstance(obs, gym.spaces.Box):
-        raise ValueError(f"env.id: {env_id} has observation space {obs}; only Box is supported so far")
     try:
         action = from_gymnasium(act)
     except ValueError as err:
         raise ValueError(f"env.id: {env_id}: {err}") from None
-    return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action, keys)
+    try:
+        if isinstance(obs, gym.spaces.Box):
+            return EnvSpec(tuple(obs.shape), np.dtype(obs.dtype), action)
+        if isinstance(obs, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
+            return discrete_spec(observation_space(obs), action)
+        if dicts and isinstance(obs, gym.spaces.Dict):
+            layout, discrete = _dict_parts(obs)
+            return EnvSpec((flat_size(layout),), np.dtype(np.float32), action, layout,
+                           dict_categories(layout, discrete))
+    except ValueError as err:
+        raise ValueError(f"env.id: {env_id}: {err}") from None
+    raise ValueError(f"env.id: {env_id} has observation space {obs}; kuberl takes Box, Discrete, MultiDiscrete"
+                     + (" and a Dict of those" if dicts else ""))
 
 
 def spec_of(cfg: EnvConfig) -> EnvSpec:
@@ -175,7 +242,7 @@ def policy_specs(cfg: CommonConfig) -> dict[str, EnvSpec]:
     (config `policies`), the spaces of each policy's agents (external simulators: each policy's declared
     ones, else the env's). Blocking (the env is made once). ValueError
     naming the key where the agents do not map onto the policies or a group's agents' spaces differ."""
-    if not cfg.several_policies:
+    if not cfg.policies:   # one policy plays every agent: the env's own spaces
         return {cfg.policy_names[0]: spec_of(cfg.env)}
     if cfg.env.mode == "external":   # each policy's declared spaces, else the env's
         return {name: p.declared_spec or spec_of(cfg.env) for name, p in cfg.policies.items()}
@@ -194,7 +261,7 @@ def group_specs(agents: ParallelVectorEnv) -> dict[str, EnvSpec]:
 
 def policy_spec(cfg: CommonConfig, policy: str) -> EnvSpec:
     """The spaces of one policy's agents (`policy_specs`)."""
-    return spec_of(cfg.env) if not cfg.several_policies else policy_specs(cfg)[policy]
+    return policy_specs(cfg)[policy]
 
 
 def made_spec(cfg: EnvConfig) -> EnvSpec:

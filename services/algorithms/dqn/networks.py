@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-from services.common.models.nets import EnvSpec, NatureCNN, is_image, layer, mlp
+from services.common.models.nets import EnvSpec, NatureCNN, OneHot, flat_obs, is_image, layer, mlp
 
 
 class QNetwork(nn.Module):
-    """Q(s, .) for discrete actions: an MLP over flat observations, or the Nature CNN over frames
-    (then `hidden` is unused: the CNN's 512-unit layer is the hidden layer)."""
+    """Q(s, .) for discrete actions: an MLP over flat observations (their categorical elements one-hot
+    encoded), or the Nature CNN over frames (then `hidden` is unused: the CNN's 512-unit layer is the
+    hidden layer)."""
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
@@ -20,11 +20,12 @@ class QNetwork(nn.Module):
             self.q = nn.Sequential(torso, layer(torso.features, spec.num_actions, std=1.0))
             self._flat = False
         else:
-            self.q = mlp(int(np.prod(spec.obs_shape)), hidden, spec.num_actions, nn.ReLU, out_std=1.0)
+            self.one_hot = OneHot(spec)
+            self.q = mlp(self.one_hot.width, hidden, spec.num_actions, nn.ReLU, out_std=1.0)
             self._flat = True
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        q: torch.Tensor = self.q(obs.flatten(1).float() if self._flat else obs)
+        q: torch.Tensor = self.q(self.one_hot(flat_obs(obs)) if self._flat else obs)
         return q
 
     def mode(self, obs: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from services.common.models.heads import ActionDist, Head, out_features
-from services.common.models.nets import EnvSpec, NatureCNN, ObsNormalizer, is_image, layer, mlp
+from services.common.models.nets import (EnvSpec, NatureCNN, OneHot, flat_obs, is_image, layer, mlp,
+                                         obs_normalizer)
 
 if TYPE_CHECKING:
     from services.algorithms.ppo.config import PPOConfig
@@ -28,8 +28,10 @@ class ActorCritic(nn.Module):
         if normalize_obs and is_image(spec):
             raise ValueError("ppo.normalize_observations: frames are scaled by 1/255 in the network; "
                              "normalisation is for flat observations")
-        # Observation statistics (a module only when used: checkpoints without it stay loadable).
-        self.obs_norm = ObsNormalizer(int(np.prod(spec.obs_shape)), obs_clip) if normalize_obs else None
+        # Observation statistics (a module only when used: checkpoints without it stay loadable), of the
+        # elements that are not categorical; those are one-hot encoded (`OneHot`) after it.
+        self.obs_norm = obs_normalizer(spec, obs_clip) if normalize_obs else None
+        self.one_hot = OneHot(spec)
         self.torso: nn.Module
         self.critic: nn.Module
         self.actor: nn.Module
@@ -39,7 +41,7 @@ class ActorCritic(nn.Module):
             self.critic = layer(cnn.features, 1, std=1.0)
             self.actor = layer(cnn.features, n_out, std=0.01)
         else:
-            n_in = int(np.prod(spec.obs_shape))
+            n_in = self.one_hot.width
             self.torso = nn.Flatten(1)
             self.critic = mlp(n_in, hidden, 1, nn.Tanh, out_std=1.0)
             self.actor = mlp(n_in, hidden, n_out, nn.Tanh, out_std=0.01)
@@ -50,8 +52,9 @@ class ActorCritic(nn.Module):
         if not self._flat:
             features: torch.Tensor = self.torso(obs)
             return features
-        x = obs.flatten(1).float()
-        return x if self.obs_norm is None else self.obs_norm(x)
+        x = flat_obs(obs)
+        encoded: torch.Tensor = self.one_hot(x if self.obs_norm is None else self.obs_norm(x))
+        return encoded
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         v: torch.Tensor = self.critic(self._features(obs))
@@ -91,12 +94,13 @@ class RecurrentActorCritic(nn.Module):
         if normalize_obs and is_image(spec):
             raise ValueError("ppo.normalize_observations: frames are scaled by 1/255 in the network; "
                              "normalisation is for flat observations")
-        self.obs_norm = ObsNormalizer(int(np.prod(spec.obs_shape)), obs_clip) if normalize_obs else None
+        self.obs_norm = obs_normalizer(spec, obs_clip) if normalize_obs else None
+        self.one_hot = OneHot(spec)
         self._flat = not is_image(spec)
         self.torso: nn.Module
         if self._flat:
             layers: list[nn.Module] = [nn.Flatten(1)]
-            features = int(np.prod(spec.obs_shape))
+            features = self.one_hot.width
             for width in hidden:
                 layers += [layer(features, width), nn.Tanh()]
                 features = width
@@ -134,8 +138,8 @@ class RecurrentActorCritic(nn.Module):
         if not self._flat:
             features: torch.Tensor = self.torso(obs)
             return features
-        x = obs.flatten(1).float()
-        out: torch.Tensor = self.torso(x if self.obs_norm is None else self.obs_norm(x))
+        x = flat_obs(obs)
+        out: torch.Tensor = self.torso(self.one_hot(x if self.obs_norm is None else self.obs_norm(x)))
         return out
 
     @staticmethod

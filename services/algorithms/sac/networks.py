@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.envs import EnvSpec
-from services.common.models.nets import mlp
+from services.common.models.nets import OneHot, flat_obs, mlp
 from services.common.protocol.spaces import Box
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -45,7 +45,8 @@ class SquashedGaussianActor(nn.Module):
         assert isinstance(spec.action, Box)   # (SAC takes Box actions only: Algorithm.check_spec)
         self.shape = spec.action.shape
         self.dims = int(np.prod(self.shape))
-        self.net = mlp(int(np.prod(spec.obs_shape)), hidden, 2 * self.dims, nn.ReLU, out_std=0.01)
+        self.one_hot = OneHot(spec)   # (categorical observations one-hot encoded)
+        self.net = mlp(self.one_hot.width, hidden, 2 * self.dims, nn.ReLU, out_std=0.01)
         low = torch.as_tensor(spec.action.low_array.reshape(-1))
         high = torch.as_tensor(spec.action.high_array.reshape(-1))
         self.register_buffer("scale", (high - low) / 2.0)
@@ -53,7 +54,7 @@ class SquashedGaussianActor(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-squash Gaussian's mean and log-std, [B, D] each."""
-        mean, raw = self.net(obs.flatten(1).float()).chunk(2, dim=-1)
+        mean, raw = self.net(self.one_hot(flat_obs(obs))).chunk(2, dim=-1)
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(raw) + 1.0)
         return mean, log_std
 
@@ -76,10 +77,11 @@ class TwinQ(nn.Module):
 
     def __init__(self, spec: EnvSpec, hidden: tuple[int, ...]):
         super().__init__()
-        n_in = int(np.prod(spec.obs_shape)) + int(np.prod(spec.action.shape))
+        self.one_hot = OneHot(spec)
+        n_in = self.one_hot.width + int(np.prod(spec.action.shape))
         self.q1 = mlp(n_in, hidden, 1, nn.ReLU, out_std=1.0)
         self.q2 = mlp(n_in, hidden, 1, nn.ReLU, out_std=1.0)
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.cat([obs.flatten(1).float(), action.flatten(1)], dim=1)
+        x = torch.cat([self.one_hot(flat_obs(obs)), action.flatten(1)], dim=1)
         return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)

@@ -62,6 +62,62 @@ def mlp(inp: int, hidden: tuple[int, ...], out: int, act: type[nn.Module], out_s
     return nn.Sequential(*layers)
 
 
+def flat_obs(obs: torch.Tensor) -> torch.Tensor:
+    """Observations [B, *obs_shape] as float rows [B, flat size] (a Discrete observation's [B] as [B, 1])."""
+    return (obs.flatten(1) if obs.dim() > 1 else obs.unsqueeze(1)).float()
+
+
+class OneHot(nn.Module):
+    """The first step over flat observations: their categorical elements (`spec.obs_categories`: a
+    Discrete or MultiDiscrete observation, or such keys of a Dict) one-hot encoded, as SB3's
+    preprocess_obs does, after the other elements in their order. `forward`: float rows [B, flat size]
+    (`flat_obs`, after any normalisation, which skips the categorical elements) -> [B, width].
+
+    Element i with value v sets column j where src[j] = i and values[j] = v: a gather and a comparison,
+    which every exporter traces into plain ops (Gather, Equal, Cast), and an index outside 0..n-1 gives
+    n zeros rather than an error. Actors and sessions refuse such observations before they get here
+    (spaces.check_observations). No parameters, and its index buffers are not persistent: it adds
+    nothing to a checkpoint, and the identity for a Box observation."""
+    keep: torch.Tensor    # buffers (register_buffer, not persistent)
+    src: torch.Tensor
+    values: torch.Tensor
+
+    def __init__(self, spec: EnvSpec):
+        super().__init__()
+        size = int(np.prod(spec.obs_shape))
+        cats = spec.obs_categories
+        categorical = {i for i, _ in cats}
+        keep = [i for i in range(size) if i not in categorical]
+        self.identity = not cats
+        self.any_kept = bool(keep)
+        self.width = len(keep) + sum(n for _, n in cats)
+        self.register_buffer("keep", torch.tensor(keep, dtype=torch.long), persistent=False)
+        self.register_buffer("src", torch.tensor([i for i, n in cats for _ in range(n)], dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("values", torch.cat([torch.arange(n, dtype=torch.float32) for _, n in cats])
+                             if cats else torch.zeros(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return x
+        onehot = (x.index_select(1, self.src) == self.values.to(x.dtype)).to(x.dtype)
+        return torch.cat([x.index_select(1, self.keep), onehot], 1) if self.any_kept else onehot
+
+
+def obs_features(spec: EnvSpec) -> int:
+    """The width of flat observations after one-hot encoding (`OneHot`): a flat MLP's input size."""
+    return OneHot(spec).width
+
+
+def obs_normalizer(spec: EnvSpec, clip: float) -> ObsNormalizer | None:
+    """The running normaliser of `spec`'s flat observations, which leaves categorical elements as they
+    are (they are one-hot encoded after it); None where every element is categorical."""
+    size = int(np.prod(spec.obs_shape))
+    if len(spec.obs_categories) == size:
+        return None
+    return ObsNormalizer(size, clip, skip=tuple(i for i, _ in spec.obs_categories))
+
+
 def is_image(spec: EnvSpec) -> bool:
     """Observations the Nature CNN takes: [C, H, W] uint8 frames (Atari)."""
     return len(spec.obs_shape) == 3 and spec.obs_dtype == np.uint8
@@ -108,17 +164,25 @@ class ObsNormalizer(nn.Module):
     mean: torch.Tensor    # buffers (register_buffer)
     var: torch.Tensor
     count: torch.Tensor
+    scaled: torch.Tensor  # (not persistent) which elements are normalised: all but `skip`
 
-    def __init__(self, size: int, clip: float = 10.0, eps: float = 1e-8):
+    def __init__(self, size: int, clip: float = 10.0, eps: float = 1e-8, skip: tuple[int, ...] = ()):
+        """`skip`: elements passed through as they are (the categorical ones of a Dict observation,
+        one-hot encoded after this); their statistics are kept but unused."""
         super().__init__()
         self.clip, self.eps = clip, eps
         self.register_buffer("mean", torch.zeros(size, dtype=torch.float64))
         self.register_buffer("var", torch.ones(size, dtype=torch.float64))
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.skips = bool(skip)
+        scaled = torch.ones(size, dtype=torch.bool)
+        scaled[list(skip)] = False
+        self.register_buffer("scaled", scaled, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         std = (self.var + self.eps).sqrt()
-        return ((x - self.mean.to(x.dtype)) / std.to(x.dtype)).clamp(-self.clip, self.clip)
+        y = ((x - self.mean.to(x.dtype)) / std.to(x.dtype)).clamp(-self.clip, self.clip)
+        return torch.where(self.scaled, y, x) if self.skips else y
 
     @staticmethod
     def moments(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,17 @@ action mask is (`mask_width`), and how it is written in an EnvHello (`to_proto`,
 `EnvSpec` is an env's observation and action spaces together: what the networks are built for, and
 what an algorithm checks it can train on (`Algorithm.check_spec`).
 
+Observations are a Box, a Discrete or MultiDiscrete (the integers themselves travel: SB3's one-hot
+encoding is the network's first step, services/common/models/nets.py `OneHot`), or a Dict of those
+flattened into one float32 vector:
+
+| observation | one env's, on the wire and in buffers | one-hot columns the network reads |
+|---|---|---|
+| Box(shape, dtype) | dtype [*shape] | none (the values themselves) |
+| Discrete(n) | int64 scalar in 0..n-1 | n |
+| MultiDiscrete(nvec) | int64 [k], element i in 0..nvec[i]-1 | sum(nvec) |
+| Dict of those | float32 [flat size]: keys sorted, a Box row-major, a Discrete as its index | those of its keys |
+
 | space | one env's action | fragment `actions` | mask columns |
 |---|---|---|---|
 | Discrete(n) | int64 scalar in 0..n-1 | int64 [T, N] | n |
@@ -241,7 +252,9 @@ def from_proto(msg: actor_pb2.Space, field: str = "action_space") -> ActionSpace
 # -- Dict observations -------------------------------------------------------------------------------
 # A Dict of Boxes is flattened into one float32 vector: the keys in sorted order, each Box row-major
 # (gymnasium's flatten). Its layout, ((key, shape), ...) in that order, is what must agree between a
-# simulator and the policy; the element dtypes need not (everything becomes float32).
+# simulator and the policy; the element dtypes need not (everything becomes float32). A Discrete key
+# (shape []) or MultiDiscrete key (shape [k]) holds its integers as float32 values, not one-hot as
+# gymnasium's flatten would: the spec's `obs_categories` say which values they are (below).
 MAX_KEYS = 64
 MAX_KEY_LEN = 64
 
@@ -301,6 +314,116 @@ def flatten_dict(values: Mapping[str, npt.ArrayLike], layout: DictLayout, lead: 
     return np.concatenate(parts, axis=-1)
 
 
+# -- Discrete observations ---------------------------------------------------------------------------
+# A Discrete(n) observation travels as one int64 per env (obs_shape ()), a MultiDiscrete(nvec) one as
+# int64 [k], a Dict's Discrete or MultiDiscrete key as its integers among the flat float32 values. So
+# fragments and replay buffers hold the integers, not n floats each; the network's first step one-hots
+# them. Which flat elements are integers, and of how many values each, is the spec's `obs_categories`.
+Categories = tuple[tuple[int, int], ...]   # (flat index, n) of each categorical element, ascending
+MAX_OBS_ONE_HOT = 1 << 16   # one-hot columns of an observation: the sum of n over its categorical elements
+
+
+def observation_space(space: Any, what: str = "observation space") -> Discrete | MultiDiscrete:
+    """The Discrete or MultiDiscrete observation space of a gymnasium (or this module's) space;
+    ValueError naming `what` if it cannot be one (a start other than 0, a MultiDiscrete of rank > 1)."""
+    kind = type(space).__name__
+    if kind == "Discrete":
+        if int(getattr(space, "start", 0)) != 0 or int(space.n) < 1:
+            raise ValueError(f"{what}: {space} (a Discrete observation must start at 0 and have n >= 1)")
+        out: Discrete | MultiDiscrete = Discrete(int(space.n))
+    elif kind == "MultiDiscrete":
+        nvec = np.asarray(space.nvec)
+        if nvec.ndim != 1 or not nvec.size or (np.asarray(getattr(space, "start", 0)) != 0).any() or nvec.min() < 1:
+            raise ValueError(f"{what}: {space} (a MultiDiscrete observation must be 1-d, start at 0 and have "
+                             f"every nvec >= 1)")
+        out = MultiDiscrete(tuple(int(n) for n in nvec))
+    else:
+        raise ValueError(f"{what}: {space} is not Discrete or MultiDiscrete")
+    width = out.n if isinstance(out, Discrete) else sum(out.nvec)
+    if width > MAX_OBS_ONE_HOT:
+        raise ValueError(f"{what}: {out} one-hots into {width} columns, more than {MAX_OBS_ONE_HOT}")
+    return out
+
+
+def categories_of(space: Discrete | MultiDiscrete, offset: int = 0) -> Categories:
+    """The categorical elements of `space`'s values placed at flat index `offset`."""
+    nvec = (space.n,) if isinstance(space, Discrete) else space.nvec
+    return tuple((offset + i, n) for i, n in enumerate(nvec))
+
+
+def discrete_spec(space: Discrete | MultiDiscrete, action: ActionSpace) -> EnvSpec:
+    """The spec of a Discrete or MultiDiscrete observation (int64 [] or [k] per env) and `action`."""
+    return EnvSpec(space.shape, np.dtype(np.int64), action, None, categories_of(space))
+
+
+def dict_categories(layout: DictLayout, discrete: Mapping[str, Discrete | MultiDiscrete]) -> Categories:
+    """The categorical elements of a flattened Dict of `layout` whose keys `discrete` are Discrete or
+    MultiDiscrete (the others Boxes); ValueError if they one-hot into too many columns."""
+    out: list[tuple[int, int]] = []
+    offset = 0
+    for key, shape in layout:
+        if key in discrete:
+            out.extend(categories_of(discrete[key], offset))
+        offset += math.prod(shape)
+    if sum(n for _, n in out) > MAX_OBS_ONE_HOT:
+        raise ValueError(f"the Discrete keys of {describe(layout)} one-hot into more than {MAX_OBS_ONE_HOT} columns")
+    return tuple(out)
+
+
+def describe_observation(spec: EnvSpec) -> str:
+    """The observation space of `spec` in words, for messages: Box[4] float32, Discrete(16), Dict(...)."""
+    if spec.obs_keys is not None:
+        kinds = _key_spaces(spec)
+        return "Dict(" + ", ".join(f"{k}: {kinds.get(k) or list(s)}" for k, s in spec.obs_keys) + ")"
+    discrete = spec.discrete_obs
+    return str(discrete) if discrete is not None else f"Box{list(spec.obs_shape)} {spec.obs_dtype.name}"
+
+
+def _key_spaces(spec: EnvSpec) -> dict[str, str]:
+    """The Discrete or MultiDiscrete keys of a Dict spec, described."""
+    assert spec.obs_keys is not None
+    n_of = dict(spec.obs_categories)
+    out, offset = {}, 0
+    for key, shape in spec.obs_keys:
+        size = math.prod(shape)
+        if offset in n_of:
+            nvec = [n_of[offset + i] for i in range(size)]
+            out[key] = f"Discrete({nvec[0]})" if shape == () else f"MultiDiscrete({nvec})"
+        offset += size
+    return out
+
+
+def check_observations(spec: EnvSpec, obs: np.ndarray, field: str = "observations") -> None:
+    """Raise TensorError naming `field` (and the Dict key) unless every categorical element of `obs`
+    (any leading dims, then the spec's obs_shape) is an integer in 0..n-1: what one-hot encodes. A
+    value outside is bad data, as NaN is for a Box; the network never sees it. No-op for a Box."""
+    if not spec.obs_categories or not obs.size:
+        return
+    flat = obs.reshape(-1, math.prod(spec.obs_shape))
+    index = np.fromiter((i for i, _ in spec.obs_categories), np.int64, len(spec.obs_categories))
+    high = np.fromiter((n for _, n in spec.obs_categories), np.int64, len(spec.obs_categories))
+    values = flat[:, index]
+    bad = ~((values >= 0) & (values < high))
+    if values.dtype.kind == "f":
+        bad |= values != np.floor(values)
+    if not bad.any():
+        return
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    where, element = field, int(index[col])
+    if spec.obs_keys is not None:
+        for key, shape in spec.obs_keys:
+            size = math.prod(shape)
+            if element < size:
+                where = f"{field}[{key!r}]" + (f"[{element}]" if shape else "")
+                break
+            element -= size
+    elif spec.obs_shape:
+        where = f"{field}[{element}]"
+    rows = "" if obs.ndim == len(spec.obs_shape) else f" (row {row})"
+    raise TensorError(where, f"is {values[row, col]:g}{rows}, outside 0..{high[col] - 1} (a categorical "
+                             f"observation of {high[col]} values)")
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """What the networks need to know about an environment: from a gymnasium env (services/common/envs.py)
@@ -311,6 +434,18 @@ class EnvSpec:
     # A Dict observation flattened into obs_shape = (flat size,) float32: its layout ((key, shape), ...
     # keys sorted); None for a Box observation.
     obs_keys: DictLayout | None = None
+    # The categorical elements of the (flat) observation, which the networks one-hot: (flat index, n)
+    # each, ascending (`obs_categories`); () for Box observations.
+    obs_categories: Categories = ()
+
+    @property
+    def discrete_obs(self) -> Discrete | MultiDiscrete | None:
+        """The Discrete or MultiDiscrete space the whole observation is (None: a Box or a Dict)."""
+        if self.obs_keys is not None or not self.obs_categories:
+            return None
+        if self.obs_shape == ():
+            return Discrete(self.obs_categories[0][1])
+        return MultiDiscrete(tuple(n for _, n in self.obs_categories))
 
     @property
     def num_actions(self) -> int:
@@ -318,3 +453,35 @@ class EnvSpec:
         if not isinstance(self.action, Discrete):
             raise ValueError(f"this needs a Discrete action space, not {self.action}")
         return self.action.n
+
+
+def spec_to_dict(spec: EnvSpec) -> dict[str, Any]:
+    """`spec` as plain values (lists, numbers, strings; unbounded Box bounds as +-inf): what a learner
+    checkpoint keeps of the spaces its policy was built for, so the policy is rebuilt from the
+    checkpoint alone (services/cli/trained.py), without its env. `spec_from_dict` reads it back."""
+    a = spec.action
+    action: dict[str, Any] = ({"discrete": a.n} if isinstance(a, Discrete)
+                              else {"multi_discrete": list(a.nvec)} if isinstance(a, MultiDiscrete)
+                              else {"box": {"shape": list(a.shape), "low": list(a.low), "high": list(a.high)}})
+    return {"observation_shape": list(spec.obs_shape), "observation_dtype": spec.obs_dtype.name, "action": action,
+            "observation_keys": None if spec.obs_keys is None else [[k, list(s)] for k, s in spec.obs_keys],
+            "observation_categories": [[i, n] for i, n in spec.obs_categories]}
+
+
+def spec_from_dict(d: Mapping[str, Any]) -> EnvSpec:
+    """The EnvSpec `spec_to_dict` wrote; ValueError saying what is malformed."""
+    try:
+        action = d["action"]
+        if "discrete" in action:
+            space: ActionSpace = Discrete(int(action["discrete"]))
+        elif "multi_discrete" in action:
+            space = checked(MultiDiscrete(tuple(int(n) for n in action["multi_discrete"])))
+        else:
+            box = action["box"]
+            space = checked(Box.of(box["shape"], box["low"], box["high"]))
+        keys = d.get("observation_keys")
+        categories = tuple((int(i), int(n)) for i, n in d.get("observation_categories") or ())
+        return EnvSpec(tuple(int(n) for n in d["observation_shape"]), np.dtype(d["observation_dtype"]), space,
+                       None if keys is None else dict_layout({k: s for k, s in keys}), categories)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"not the spaces of a policy ({type(err).__name__}: {err})") from None
