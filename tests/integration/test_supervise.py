@@ -89,8 +89,10 @@ def test_a_process_that_cannot_start_is_reported_with_its_log_and_given_up_on(tm
                 sup.check(now + RESTART_BACKOFF_S[-1])  # restarted after its backoff
         assert "buffer-1" not in sup.specs and sup.restarts["buffer-1"] == MAX_FAILURES - 1
         assert f"failed {MAX_FAILURES} times in a row" in sup.given_up["buffer-1"]
-        assert format_event(events(sup)[-1]).startswith(
-            f"buffer-1 exited with code 1; not restarting it after {MAX_FAILURES} failed starts in a row")
+        shown = format_event(events(sup)[-1])
+        # (A taken --listen is a refused setting: exit code 2, one line naming the flag, shown with the log.)
+        assert shown.startswith(f"buffer-1 exited with code 2; not restarting it after {MAX_FAILURES} failed "
+                                f"starts in a row") and f"--listen: {address} cannot be served on" in shown
     finally:
         sup.stop(list(sup.specs), 30.0)
         for p in sup.procs.values():
