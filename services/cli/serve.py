@@ -83,12 +83,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, policies: dict[st
     async with serving(policies, cfg, metrics, listen=args.listen, metrics_listen=args.metrics_listen or None,
                        follow_learner=args.follow_learner, accept_older=args.accept_older,
                        serve_id=serve_id) as endpoints:
-        write_ready_file(args.ready_file, endpoints)
         log.info("serving %s, %s actions, on %s (metrics on %s)%s", description,
                  "deterministic" if first.greedy is not None else f"stochastic (seed {args.seed})",
                  endpoints.grpc, endpoints.metrics,
                  f", following the learner{'s' if isinstance(args.follow_learner, dict) else ''} at "
                  f"{_addresses(args.follow_learner)}" if args.follow_learner else "")
+        write_ready_file(args.ready_file, endpoints)   # (after the line: ready means announced, its seed too)
         await stop.wait()
 
 
