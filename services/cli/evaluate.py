@@ -123,19 +123,20 @@ def _make_envs(env_cfg, n: int, render_mode: str | None = None, policies: dict |
 
 def describe_spec(spec) -> str:
     """An env spec's spaces for messages, e.g. `observations Box[3] float32, actions Box([1], [-2, 2])`."""
-    from services.common.protocol.spaces import describe
+    from services.common.protocol.spaces import describe_observation
 
-    obs = describe(spec.obs_keys) if spec.obs_keys is not None else f"Box{list(spec.obs_shape)} {spec.obs_dtype.name}"
-    return f"observations {obs}, actions {spec.action}"
+    return f"observations {describe_observation(spec)}, actions {spec.action}"
 
 
 def _fits(env, policy) -> bool:
     """Whether an env of spec `env` gives the observations the policy of spec `policy` takes and takes
-    its actions: the same observation shape and dtype (and Dict layout, where both have one) and the
+    its actions: the same observation shape and dtype (and Dict layout, where both have one), the same
+    categorical elements (a Discrete(16) policy does not take a Discrete(64) env's observations) and the
     same action space, Box bounds compared as the float32 values actions are clipped to."""
     from services.common.protocol.spaces import Box
 
-    if env.obs_shape != policy.obs_shape or env.obs_dtype != policy.obs_dtype:
+    if (env.obs_shape, env.obs_dtype, env.obs_categories) != (policy.obs_shape, policy.obs_dtype,
+                                                               policy.obs_categories):
         return False
     if env.obs_keys is not None and policy.obs_keys is not None and env.obs_keys != policy.obs_keys:
         return False
@@ -468,7 +469,8 @@ def describe(result: dict) -> str:
     r, n = result["return"], result["length"]
     if not result["episodes"]:
         return "no episode finished"
-    lines = [f"return  mean {r['mean']:10.2f}  std {r['std']:8.2f}  min {r['min']:10.2f}  max {r['max']:10.2f}",
+    over = f"  over {result['episodes']:,} episode{'s' if result['episodes'] != 1 else ''}"
+    lines = [f"return  mean {r['mean']:10.2f}  std {r['std']:8.2f}  min {r['min']:10.2f}  max {r['max']:10.2f}{over}",
              f"length  mean {n['mean']:10.1f}  std {n['std']:8.1f}  min {n['min']:10.0f}  max {n['max']:10.0f}"]
     for name, p in result.get("policies", {}).items():   # (a run of several policies: each its agents' lives)
         pr = p["return"]

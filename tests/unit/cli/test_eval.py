@@ -216,3 +216,25 @@ def test_an_external_run_of_several_policies_is_refused_pointing_at_serve(tmp_pa
     assert err == (f"kuberl eval: {run}: a run of several policies (hunters, prey) trained on external simulators "
                    f"(env.mode: external), whose env kuberl eval cannot make: serve the policies with `kuberl serve "
                    f"{run}` and connect your simulator's sessions to them, one per policy (docs/after-training.md)\n")
+
+
+def test_the_printed_mean_says_how_many_episodes_it_is_over():
+    """`kuberl eval` and `kuberl up`'s evaluation after training print the mean with its episode count
+    (a 10-episode mean read as a long run's was a newcomer's mistake)."""
+    from services.cli.evaluate import describe
+
+    stats = {"mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0}
+    assert describe({"episodes": 10, "return": stats, "length": stats}).splitlines()[0].endswith("over 10 episodes")
+    assert describe({"episodes": 1, "return": stats, "length": stats}).splitlines()[0].endswith("over 1 episode")
+
+
+def test_a_discrete_observation_policy_fits_only_an_env_of_as_many_values():
+    """`kuberl eval --env`: a policy one-hotting Discrete(16) observations takes no Discrete(64) env's
+    (the same int64 [] on the wire), and its spaces are named as spaces, not as a Box[] of int64."""
+    from services.cli.evaluate import _fits, describe_spec
+    from services.common.protocol.spaces import Discrete, discrete_spec
+
+    policy, act = discrete_spec(Discrete(16), Discrete(4)), Discrete(4)
+    assert _fits(discrete_spec(Discrete(16), act), policy)
+    assert not _fits(discrete_spec(Discrete(64), act), policy)
+    assert describe_spec(policy).startswith("observations Discrete(16), actions")
