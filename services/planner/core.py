@@ -20,8 +20,8 @@ from services.common.notify import Notifier
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 from services.planner.backend import ROLES, Backend, Conflict, Refused
-from services.planner.decide import (Decision, Inputs, RoleBounds, RoleInputs, ScaleUpProbe, ScalingRules, decide,
-                                     judge_scale_up)
+from services.planner.balance import Decision, Inputs, RoleBounds, RoleInputs, ScalingRules
+from services.planner.decide import ScaleUpProbe, decide, judge_scale_up
 from services.planner.observe import Observer, StatsSource
 from services.planner.shards import SendTopology, ShardDecision, ShardKeeper, decide_shards, shard_bounds
 

@@ -25,7 +25,7 @@ Endpoints, each carrying its policy (services/planner/observe.py weighs each pol
 share of the samples), its desired count the sum of the StatefulSets' scales. It is not scaled as a
 whole (the role is reported blocked, saying why; `apply` refuses a learner count), as in the local
 backend: each policy's StatefulSet is the role `learner/<policy>`, observed and scaled through the same
-checks, sized by the decisions with the actors (services/planner/decide.py) or by hand (`kuberl scale
+checks, sized by the decisions with the actors (services/planner/balance.py, `plan`) or by hand (`kuberl scale
 learner/<policy> N`).
 """
 

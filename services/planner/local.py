@@ -14,7 +14,7 @@ out of the shard list, until `kuberl up` stops it; a later scale-up takes it bac
 
 A run of several policies (config `policies`) runs a learner group per policy, each of
 `topology.learners` at first. Each policy's group is the role `learner/<policy>`, sized by the
-decisions with the actors they share (services/planner/decide.py, from each policy's learner rate and
+decisions with the actors they share (services/planner/balance.py, `plan`, from each policy's learner rate and
 share of the samples) or by hand (`kuberl scale learner/<policy> N`); a new size re-forms that group
 alone. The learner role as a whole is not scaled (reported blocked, saying why).
 

@@ -22,7 +22,7 @@ from services.common.net.tokens import AuthError, bearer_metadata, read_client_t
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 from services.planner.backend import ROLES, Backend, Replica, RoleState
-from services.planner.decide import RoleInputs, Transport
+from services.planner.balance import RoleInputs, Transport
 from services.planner.rates import CounterRate, ReplicaRate
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class Observer:
         """A run of several policies: the learners' rate per replica as the balance model takes it, so
         that n_L * rate is the samples/s of the actors' output (every policy's agents together) the
         learners can take, as decisions show the learners of all policies together (each policy's are
-        decided from its own rate and share: services/planner/decide.py). The actors make each policy's
+        decided from its own rate and share: services/planner/balance.py, `plan`). The actors make each policy's
         share s_p of their samples (measured: what each table received), and an actor holds while any
         policy's table is behind, so they can be fed only as fast as the tightest policy takes its
         share: min over policies of C_p / s_p, where C_p is what policy p's learners consume (their

@@ -41,7 +41,7 @@ from services.common.net.tokens import AuthError
 from services.common.stats import Metrics
 from services.config import ExperimentConfig
 from services.planner.backend import Backend, Refused
-from services.planner.decide import BUFFER_BUSY_CORES
+from services.planner.balance import BUFFER_BUSY_CORES
 from services.planner.observe import GrpcStats
 
 log = logging.getLogger(__name__)

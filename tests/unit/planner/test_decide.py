@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from services.planner.decide import (Inputs, RoleBounds, RoleInputs, ScaleUpProbe, ScalingRules, decide, judge_scale_up,
-                                     plan, solve)
+from services.planner.balance import Inputs, RoleBounds, RoleInputs, ScalingRules, plan, solve
+from services.planner.decide import ScaleUpProbe, decide, judge_scale_up
 
 RULES = ScalingRules(actor=RoleBounds(min=1, max=8, max_step_up=2, max_step_down=1),
                      learner=RoleBounds(min=1, max=1),
@@ -324,7 +324,7 @@ def test_a_scale_up_whose_replicas_never_served_holds_the_role_where_it_was():
 
 # -- the three bottlenecks (TianJi: sample-, train-, communication-intensive) --------------------------
 
-from services.planner.decide import BUFFER_BUSY_CORES, QUEUE_BACKLOG, Transport, bottleneck  # noqa: E402
+from services.planner.balance import BUFFER_BUSY_CORES, QUEUE_BACKLOG, Transport, bottleneck  # noqa: E402
 
 
 @pytest.mark.parametrize("ratio,transport,kind,says", [
