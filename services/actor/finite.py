@@ -43,6 +43,7 @@ class Bad:
     low: float = -math.inf      # the declared bounds the value is outside of (when it is finite)
     high: float = math.inf
     values: int = 0             # a categorical element's n, where the value is not one of 0..n-1
+    who: str = ""               # how the row is named ("" = "env <env>"; a session of agents: the agent)
 
     @property
     def nonfinite(self) -> bool:
@@ -54,12 +55,13 @@ class Bad:
 
     def __str__(self) -> str:
         where = self.field + (f"[{', '.join(map(str, self.element))}]" if self.element else "")
+        where += f" of {self.who or f'env {self.env}'}"
         if self.nonfinite:
-            return f"{where} of env {self.env} is {self.value} (NaN and infinity are refused)"
+            return f"{where} is {self.value} (NaN and infinity are refused)"
         if self.values:
-            return (f"{where} of env {self.env} is {self.value:g}, outside 0..{self.values - 1} (a categorical "
+            return (f"{where} is {self.value:g}, outside 0..{self.values - 1} (a categorical "
                     f"observation of {self.values} values)")
-        return (f"{where} of env {self.env} is {self.value:g}, outside its declared bounds "
+        return (f"{where} is {self.value:g}, outside its declared bounds "
                 f"[{self.low:g}, {self.high:g}] (actor.check_obs_bounds)")
 
 

@@ -27,9 +27,9 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         names its seat with `EnvHello.policy`: the policy's name, or its tag."""
         self.metrics, self.episodes = metrics, episodes
         self.seats, self.timeout_s = dict(seats or {}), session_timeout_s
-        self.named = dict(self.seats)   # by tag and by name
-        for seat in self.seats.values():
-            self.named.update({name: self.seats[tag] for name, tag in seat.policy.cfg.tags.items() if tag in self.seats})
+        tags = next(iter(self.seats.values())).policy.cfg.tags if self.seats else {}   # (one run's policies)
+        self.named = {**self.seats, **{name: self.seats[tag] for name, tag in tags.items() if tag in self.seats}}
+        self.names = ", ".join(tags)
         # Every hub's sessions (a hub reports its own under its policy's scope; for a run's one policy the
         # scope is the actor's own, and both say the same).
         if self.seats:
@@ -41,10 +41,9 @@ class ActorServicer(actor_pb2_grpc.ActorServicer):
         if (seat := self.named.get(hello.policy)) is not None:
             return seat
         self.metrics.inc("actor/sessions_refused_total")
-        names = ", ".join(next(iter(self.seats.values())).policy.cfg.policy_names)
         raise SessionError("INVALID_ARGUMENT",
-                           f"policy: {hello.policy!r} is not one of this actor's policies ({names})" if hello.policy
-                           else f"policy: this run trains several policies ({names}): name the one that plays "
+                           f"policy: {hello.policy!r} is not one of this actor's policies ({self.names})" if hello.policy
+                           else f"policy: this run trains several policies ({self.names}): name the one that plays "
                                 f"this session's agents (one session per policy)")
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -497,10 +498,9 @@ class SessionHub:
         if bad is None:
             return
         self.metrics.inc(bad.metric)
-        text = str(bad)
-        if s.agents:   # (Bad names a row as "env k": here, the agent of that row)
-            text = text.replace(f" of env {bad.env} ", f" of agent {s.episodes.agent_ids[int(slots[bad.env])]!r} ", 1)
-        raise SessionError("INVALID_ARGUMENT", f"step {step_id}: {text}")
+        if s.agents:   # (a row named by its agent, not as "env k")
+            bad = dataclasses.replace(bad, who=f"agent {s.episodes.agent_ids[int(slots[bad.env])]!r}")
+        raise SessionError("INVALID_ARGUMENT", f"step {step_id}: {bad}")
 
     def _mask(self, s: Session, step, rows: np.ndarray) -> np.ndarray:
         """The step's action masks (one row per `rows`), checked against the action space; SessionError if
